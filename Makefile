@@ -1,0 +1,32 @@
+# Two entry points for a fresh clone (README): `make demo` and `make test`.
+# Each creates .venv when it is missing and installs the package into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test test-fast bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m sae_pipeline.demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+bench: $(STAMP)
+	$(PY) benchmarks/mp_sae.py
+	$(PY) benchmarks/babel.py
+
+clean:
+	rm -rf $(VENV) demo_out runs *.egg-info

@@ -1,0 +1,317 @@
+"""HDF5 files: a small random-access token cache, and the SAE codes that ``predict`` writes.
+
+The webdataset shards are for streaming the full 0.5 TB; HDF5 is the second format
+(DESIGN.md) for what needs random access: a token subset for evaluation or plots, and
+per-token sparse codes (active atom indices and values, with image id and token position).
+
+Design choices:
+- Every file is written under ``NAME.tmp`` and renamed when complete, so an interrupted
+  write leaves no half file under the real name.
+- User attributes are stored one HDF5 attribute per key, each a JSON string, so any JSON
+  value (dicts, lists, None) round-trips exactly and ``h5dump`` still shows them.
+- ``TokenCache`` opens its h5py handle lazily and per process: h5py handles are not
+  fork-safe, so each DataLoader worker opens its own on first access.
+- Codes are stored padded to a common width (index -1, value 0); the width grows when a
+  later chunk has more active atoms (ReLU/JumpReLU codes have no fixed k).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+FORMAT_ATTR = "sae_pipeline_format"
+TOKEN_CACHE_FORMAT = "token_cache/1"
+CODES_FORMAT = "codes/1"
+_TOKENS_CHUNK_BYTES = 1 << 20
+_CODES_CHUNK_ROWS = 4096
+_CODES_CHUNK_COLS = 32
+
+
+class CacheFormatError(ValueError):
+    """An HDF5 cache or codes file that is missing or does not follow the format."""
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+
+def _write_attrs(h5: h5py.File, attrs: dict | None) -> None:
+    for key, value in (attrs or {}).items():
+        if not isinstance(key, str) or key == FORMAT_ATTR:
+            raise ValueError(f"attrs key {key!r}: must be a string other than {FORMAT_ATTR!r}")
+        try:
+            h5.attrs[key] = json.dumps(value, default=_json_default, allow_nan=False)
+        except (TypeError, ValueError) as exn:
+            raise ValueError(f"attrs[{key!r}] is not JSON-serialisable ({exn})") from None
+
+
+def _read_attrs(h5: h5py.File) -> dict:
+    out = {}
+    for key, value in h5.attrs.items():
+        if key != FORMAT_ATTR:
+            out[key] = json.loads(value.decode() if isinstance(value, bytes) else value)
+    return out
+
+
+def _open_checked(fpath: Path, expected_format: str) -> h5py.File:
+    if not fpath.is_file():
+        raise CacheFormatError(f"{fpath}: file not found; check the path or write it first")
+    try:
+        h5 = h5py.File(fpath, "r")
+    except OSError as exn:
+        raise CacheFormatError(f"{fpath}: not a readable HDF5 file ({exn}); rewrite it") from None
+    found = h5.attrs.get(FORMAT_ATTR)
+    found = found.decode() if isinstance(found, bytes) else found
+    if found != expected_format:
+        h5.close()
+        raise CacheFormatError(f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}")
+    return h5
+
+
+def _tmp_fpath(fpath: Path) -> Path:
+    return fpath.with_name(fpath.name + ".tmp")
+
+
+def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str] | None = None,
+                      token_positions: np.ndarray | None = None, attrs: dict | None = None) -> None:
+    """Write tokens ``[N, d]`` (float16/32/64, stored as given) with optional per-row ids and positions.
+
+    Rows are chunked in about 1 MiB blocks, uncompressed, so random row reads stay cheap.
+    """
+    fpath = Path(fpath)
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or tokens.shape[1] < 1 \
+            or not np.issubdtype(tokens.dtype, np.floating):
+        got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else type(tokens).__name__
+        raise ValueError(f"tokens must be a float numpy array [N, d >= 1], got {got}")
+    n = tokens.shape[0]
+    if image_ids is not None and len(image_ids) != n:
+        raise ValueError(f"image_ids has {len(image_ids)} entries, tokens has {n} rows; pass one id per row")
+    if token_positions is not None:
+        token_positions = np.asarray(token_positions)
+        if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
+            raise ValueError(f"token_positions must be integers of shape [{n}], got "
+                             f"{token_positions.dtype} {list(token_positions.shape)}")
+    fpath.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_fpath(fpath)
+    rows_per_chunk = max(1, min(n, _TOKENS_CHUNK_BYTES // (tokens.shape[1] * tokens.dtype.itemsize)))
+    try:
+        with h5py.File(tmp, "w") as h5:
+            h5.attrs[FORMAT_ATTR] = TOKEN_CACHE_FORMAT
+            _write_attrs(h5, attrs)
+            h5.create_dataset("tokens", data=tokens, chunks=(rows_per_chunk, tokens.shape[1]) if n else None)
+            if image_ids is not None:
+                h5.create_dataset("image_ids", data=list(image_ids), dtype=h5py.string_dtype())
+            if token_positions is not None:
+                h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
+        os.replace(tmp, fpath)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class TokenCache:
+    """Random-access reader of a file from ``write_token_cache``.
+
+    ``cache[i]`` -> ``[d]``; ``cache[a:b]``, ``cache[idx_array]`` or a boolean mask ->
+    ``[n, d]`` in the requested order (duplicates allowed). Safe to pass to DataLoader
+    workers: the handle is opened per process on first access.
+    """
+
+    def __init__(self, fpath: Path | str) -> None:
+        self.fpath = Path(fpath)
+        with _open_checked(self.fpath, TOKEN_CACHE_FORMAT) as h5:
+            if "tokens" not in h5 or h5["tokens"].ndim != 2:
+                raise CacheFormatError(f"{self.fpath}: dataset 'tokens' [N, d] missing; rewrite the cache")
+            self._n, self.d = (int(s) for s in h5["tokens"].shape)
+            self.attrs = _read_attrs(h5)
+            self.has_image_ids = "image_ids" in h5
+            self.has_token_positions = "token_positions" in h5
+        self._h5: h5py.File | None = None
+        self._pid: int | None = None
+
+    def _file(self) -> h5py.File:
+        if self._h5 is None or self._pid != os.getpid():
+            self._h5 = h5py.File(self.fpath, "r")  # a handle inherited over fork is dropped, never used
+            self._pid = os.getpid()
+        return self._h5
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _rows(self, index: Any) -> np.ndarray | int:
+        if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+            if not -self._n <= index < self._n:
+                raise IndexError(f"index {index} out of range for {self.fpath} with {self._n} rows")
+            return int(index) % self._n
+        if isinstance(index, slice):
+            return np.arange(self._n)[index]
+        idx = np.asarray(index)
+        if idx.dtype == bool:
+            if idx.shape != (self._n,):
+                raise IndexError(f"boolean index must have shape [{self._n}], got {list(idx.shape)}")
+            return np.flatnonzero(idx)
+        if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+            raise IndexError(f"index must be an int, a slice or a 1-D integer array, got {idx.dtype} {list(idx.shape)}")
+        if idx.size and (idx.min() < -self._n or idx.max() >= self._n):
+            raise IndexError(f"index out of range for {self.fpath} with {self._n} rows")
+        return idx.astype(np.int64) % max(self._n, 1)
+
+    def _read(self, name: str, index: Any) -> np.ndarray:
+        rows = self._rows(index)
+        ds = self._file()[name]
+        as_str = h5py.check_string_dtype(ds.dtype) is not None
+        view = ds.asstr() if as_str else ds
+        if isinstance(rows, int):
+            return np.asarray(view[rows], dtype=str if as_str else ds.dtype)
+        if rows.size == 0:
+            out = np.empty((0, *ds.shape[1:]), ds.dtype)
+        elif np.all(np.diff(rows) == 1):
+            out = view[rows[0] : rows[-1] + 1]  # one hyperslab: the common contiguous case
+        else:
+            unique, inverse = np.unique(rows, return_inverse=True)  # h5py wants increasing, unique
+            out = view[unique][inverse]
+        return np.asarray(out, dtype=str) if as_str else out
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self._read("tokens", index)
+
+    def image_ids(self, index: Any = slice(None)) -> np.ndarray:
+        """Image ids of the given rows (str array); CacheFormatError if none were stored."""
+        if not self.has_image_ids:
+            raise CacheFormatError(f"{self.fpath}: no 'image_ids' stored; pass image_ids to write_token_cache")
+        return self._read("image_ids", index)
+
+    def token_positions(self, index: Any = slice(None)) -> np.ndarray:
+        """Token positions of the given rows; CacheFormatError if none were stored."""
+        if not self.has_token_positions:
+            raise CacheFormatError(f"{self.fpath}: no 'token_positions' stored; pass them to write_token_cache")
+        return self._read("token_positions", index)
+
+    def close(self) -> None:
+        """Close this process's handle (reopened on the next access)."""
+        if self._h5 is not None and self._pid == os.getpid():
+            self._h5.close()
+        self._h5 = None
+        self._pid = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_h5"] = None
+        state["_pid"] = None
+        return state
+
+    def __enter__(self) -> TokenCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class CodesWriter:
+    """Append sparse codes chunk by chunk to an HDF5 file (gzip-compressed, resizable).
+
+    Use as a context manager: the file appears under its name only when the block exits
+    without an exception; on an exception the temporary file is removed.
+    ``d_sae`` (argument or ``attrs["d_sae"]``) enables the index range check.
+    """
+
+    def __init__(self, fpath: Path | str, attrs: dict | None = None, *, d_sae: int | None = None) -> None:
+        self.fpath = Path(fpath)
+        self.attrs = dict(attrs or {})
+        if d_sae is not None:
+            self.attrs.setdefault("d_sae", int(d_sae))
+        self.d_sae = self.attrs.get("d_sae")
+        if self.d_sae is not None and (not isinstance(self.d_sae, (int, np.integer)) or self.d_sae < 1):
+            raise ValueError(f"d_sae must be an integer >= 1, got {self.d_sae!r}")
+        self.n_rows = 0
+        self._h5: h5py.File | None = None
+
+    def __enter__(self) -> CodesWriter:
+        self.fpath.parent.mkdir(parents=True, exist_ok=True)
+        self._h5 = h5py.File(_tmp_fpath(self.fpath), "w")
+        self._h5.attrs[FORMAT_ATTR] = CODES_FORMAT
+        _write_attrs(self._h5, self.attrs)
+        rows, cols = _CODES_CHUNK_ROWS, _CODES_CHUNK_COLS
+        opts = {"compression": "gzip", "compression_opts": 4}
+        h5 = self._h5
+        h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
+        h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
+        h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1, **opts)
+        h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols), fillvalue=0.0,
+                          **opts)
+        return self
+
+    def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray,
+              values: np.ndarray) -> None:
+        """Append ``n`` tokens: ids ``[n]``, positions ``[n]`` int, indices ``[n, k]`` int (-1 pads),
+        values ``[n, k]`` float."""
+        if self._h5 is None:
+            raise ValueError(f"{self.fpath}: CodesWriter.write outside `with CodesWriter(...) as writer:`")
+        indices, values = np.asarray(indices), np.asarray(values)
+        token_positions = np.asarray(token_positions)
+        n = len(image_ids)
+        if indices.ndim != 2 or indices.shape[0] != n or not np.issubdtype(indices.dtype, np.integer):
+            raise ValueError(f"indices must be integers [n={n}, k], got {indices.dtype} {list(indices.shape)}")
+        if values.shape != indices.shape or not np.issubdtype(values.dtype, np.floating):
+            raise ValueError(f"values must be floats of the indices' shape {list(indices.shape)}, "
+                             f"got {values.dtype} {list(values.shape)}")
+        if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
+            raise ValueError(f"token_positions must be integers [n={n}], got {token_positions.dtype} "
+                             f"{list(token_positions.shape)}")
+        if indices.size and (indices.min() < -1 or (self.d_sae is not None and indices.max() >= self.d_sae)):
+            raise ValueError(f"indices must be in [-1, d_sae={self.d_sae}), got [{indices.min()}, {indices.max()}]")
+        h5 = self._h5
+        start, k = self.n_rows, indices.shape[1]
+        width = max(h5["indices"].shape[1], k)
+        for name in ("image_ids", "token_positions"):
+            h5[name].resize((start + n,))
+        for name in ("indices", "values"):
+            h5[name].resize((start + n, width))  # new columns/rows take the fill value (-1 / 0)
+        h5["image_ids"][start:] = list(image_ids)
+        h5["token_positions"][start:] = token_positions.astype(np.int32)
+        if n and k:
+            h5["indices"][start:, :k] = indices.astype(np.int32)
+            h5["values"][start:, :k] = values.astype(np.float32)
+        self.n_rows += n
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        h5, self._h5 = self._h5, None
+        tmp = _tmp_fpath(self.fpath)
+        try:
+            if h5 is not None:
+                h5.close()
+            if exc_type is None:
+                os.replace(tmp, self.fpath)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
+    """Read a codes file: ``image_ids`` (str), ``token_positions``, ``indices`` (-1 pads), ``values``."""
+    fpath = Path(fpath)
+    with _open_checked(fpath, CODES_FORMAT) as h5:
+        return {
+            "image_ids": np.asarray(h5["image_ids"].asstr()[()], dtype=str),
+            "token_positions": h5["token_positions"][()],
+            "indices": h5["indices"][()],
+            "values": h5["values"][()],
+        }
+
+
+def read_attrs(fpath: Path | str) -> dict:
+    """The user attributes of a token cache or codes file (e.g. ``d_sae``, ``variant``)."""
+    fpath = Path(fpath)
+    if not fpath.is_file():
+        raise CacheFormatError(f"{fpath}: file not found; check the path or write it first")
+    with h5py.File(fpath, "r") as h5:
+        return _read_attrs(h5)

@@ -1,0 +1,512 @@
+"""The on-disk shard format: webdataset tars of float16 token activations plus a manifest.
+
+This module is the only place that knows the format (DESIGN.md, "Shard format"); the
+extractor writes through it and the training side reads through it.
+
+Design choices:
+- One sample per image: ``__key__`` = image id, ``tokens.npy`` = float16 ``[n_tokens, d]``
+  (prefix tokens, then patches in row-major grid order), ``meta.json`` = label and source.
+  ``.npy`` is written and read with ``allow_pickle=False``; nothing here unpickles.
+- Images go to shards by sorted id and a fixed shard size, so every SLURM task can work
+  out which shards it owns and a rerun rebuilds byte-identical tars (fixed mtime, owner
+  and mode in every tar header; PAX format so long or non-ASCII ids fit).
+- A shard is written to ``shard-NNNNNN.tar.tmp`` (sha256 and size computed while
+  streaming), fsynced and renamed; only then is its sidecar ``shard-NNNNNN.json`` written
+  (tmp + rename). "Tar and sidecar exist, sizes agree" is the completion test, so a job
+  killed at any point leaves either a complete shard or one that the rerun redoes.
+- Each sidecar carries float64 running sums, so ``finalize_manifest`` gets the
+  normalisation statistics (per-dimension mean, mean squared norm) without re-reading
+  the 0.5 TB of tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
+
+import numpy as np
+import webdataset as wds
+
+SCHEMA_VERSION = 1
+MANIFEST_FNAME = "manifest.json"
+DTYPE = "float16"
+TAR_MTIME = 0  # fixed header fields make two writes of the same samples byte-identical
+REQUIRED_FIELDS = (
+    "schema_version", "backbone", "layer", "d", "dtype", "tokens_per_image", "n_prefix_tokens",
+    "grid", "n_images", "n_tokens", "shards", "stats", "skipped", "package_version", "created_at",
+)
+SHARD_FIELDS = ("fname", "count", "n_tokens", "sha256", "bytes")
+_HASH_CHUNK_BYTES = 1 << 20
+
+
+class ShardFormatError(ValueError):
+    """A shard directory, manifest, sidecar or sample that does not follow the format."""
+
+
+def shard_fname(index: int) -> str:
+    """File name of shard ``index`` (``shard-000042.tar``); zero-padded so names sort by index."""
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
+        raise ValueError(f"shard index must be an integer >= 0, got {index!r}")
+    return f"shard-{int(index):06d}.tar"
+
+
+def sidecar_fname(index: int) -> str:
+    """File name of shard ``index``'s sidecar (``shard-000042.json``)."""
+    return shard_fname(index)[: -len(".tar")] + ".json"
+
+
+def check_key(key: str) -> None:
+    """Reject image ids that webdataset could not group back into one sample.
+
+    webdataset splits a member name at the first dot of its last path component
+    (``base_plus_ext``) and skips names that look like ``__meta__``, so such ids would
+    silently merge or vanish on reading.
+    """
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"image id {key!r}: must be a non-empty string without a leading or trailing '/'")
+    if "." in key.rsplit("/", 1)[-1]:
+        raise ValueError(f"image id {key!r}: no '.' allowed after the last '/' (drop the file extension)")
+    if key.startswith("__"):
+        raise ValueError(f"image id {key!r}: must not start with '__' (reserved by webdataset)")
+
+
+def assign_shards(image_ids: Sequence[str], shard_size: int) -> list[list[str]]:
+    """Chunk the sorted image ids into shards of ``shard_size`` (the last may be smaller).
+
+    Sorting makes the assignment independent of listing order, so every task and every
+    rerun computes the same shards.
+    """
+    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
+        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+    ids = sorted(image_ids)
+    for key in ids:
+        check_key(key)
+    for prev, cur in zip(ids, ids[1:]):
+        if prev == cur:
+            raise ValueError(f"image id {cur!r} appears twice; image ids must be unique")
+    return [ids[start : start + shard_size] for start in range(0, len(ids), shard_size)]
+
+
+def shards_for_task(n_shards: int, task_index: int, num_tasks: int) -> list[int]:
+    """Shards owned by task ``task_index`` of ``num_tasks``: strided (``i % num_tasks == task_index``).
+
+    Strided rather than contiguous so that the smaller last shard and any slow region of
+    the sorted ids spread over tasks; every shard belongs to exactly one task.
+    """
+    if n_shards < 0:
+        raise ValueError(f"n_shards must be >= 0, got {n_shards}")
+    if num_tasks < 1:
+        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    if not 0 <= task_index < num_tasks:
+        raise ValueError(f"task_index must be in [0, {num_tasks - 1}] for num_tasks={num_tasks}, got {task_index}")
+    return list(range(task_index, n_shards, num_tasks))
+
+
+class RunningStats:
+    """Per-dimension float64 sums of tokens, mergeable across shards and tasks.
+
+    ``mean_sq_norm`` is E‖x‖² (not centred); the centred value is
+    ``mean_sq_norm() - ‖mean()‖²``. ``d == 0`` means "no tokens seen yet" (an empty shard)
+    and merges with any ``d``.
+    """
+
+    def __init__(self, d: int, n_tokens: int = 0, sum: np.ndarray | None = None, sum_sq_norm: float = 0.0) -> None:
+        if d < 0:
+            raise ValueError(f"RunningStats d must be >= 0, got {d}")
+        self.d = int(d)
+        self.n_tokens = int(n_tokens)
+        self.sum = np.zeros(self.d, np.float64) if sum is None else np.asarray(sum, np.float64).copy()
+        if self.sum.shape != (self.d,):
+            raise ValueError(f"RunningStats sum must have shape [{self.d}], got {list(self.sum.shape)}")
+        self.sum_sq_norm = float(sum_sq_norm)
+
+    def update(self, tokens: np.ndarray) -> None:
+        """Add tokens ``[n, d]`` (any float dtype; summed in float64)."""
+        if tokens.ndim != 2 or tokens.shape[1] != self.d:
+            raise ValueError(f"RunningStats.update expects tokens [n, {self.d}], got {list(tokens.shape)}")
+        x = tokens.astype(np.float64, copy=False)
+        self.sum += x.sum(axis=0)
+        self.sum_sq_norm += float(np.einsum("nd,nd->", x, x))
+        self.n_tokens += x.shape[0]
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        """Return the statistics of both token sets (neither input is changed)."""
+        if self.d == 0 and self.n_tokens == 0:
+            return RunningStats(other.d, other.n_tokens, other.sum, other.sum_sq_norm)
+        if other.d == 0 and other.n_tokens == 0:
+            return RunningStats(self.d, self.n_tokens, self.sum, self.sum_sq_norm)
+        if other.d != self.d:
+            raise ValueError(f"cannot merge RunningStats with d={self.d} and d={other.d}")
+        return RunningStats(self.d, self.n_tokens + other.n_tokens, self.sum + other.sum,
+                            self.sum_sq_norm + other.sum_sq_norm)
+
+    def mean(self) -> np.ndarray:
+        """Per-dimension mean ``[d]`` (float64), e.g. to initialise ``b_pre``."""
+        if self.n_tokens == 0:
+            raise ValueError("RunningStats.mean: no tokens were added")
+        return self.sum / self.n_tokens
+
+    def mean_sq_norm(self) -> float:
+        """E‖x‖² over all tokens, used to rescale inputs to a fixed norm."""
+        if self.n_tokens == 0:
+            raise ValueError("RunningStats.mean_sq_norm: no tokens were added")
+        return self.sum_sq_norm / self.n_tokens
+
+    def to_json(self) -> dict:
+        """JSON-safe dict; Python floats round-trip float64 exactly."""
+        return {"d": self.d, "n_tokens": self.n_tokens, "sum": self.sum.tolist(), "sum_sq_norm": self.sum_sq_norm}
+
+    @classmethod
+    def from_json(cls, d: dict) -> RunningStats:
+        """Inverse of ``to_json``."""
+        try:
+            return cls(int(d["d"]), int(d["n_tokens"]), np.asarray(d["sum"], np.float64), float(d["sum_sq_norm"]))
+        except (KeyError, TypeError) as exn:
+            raise ValueError(f"RunningStats json needs d, n_tokens, sum, sum_sq_norm: {exn!r}") from None
+
+
+class _HashingWriter:
+    """File wrapper that hashes and counts bytes as tarfile streams them out."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.sha256 = hashlib.sha256()
+        self.n_bytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.f.write(data)
+        self.sha256.update(data)
+        self.n_bytes += len(data)
+        return len(data)
+
+
+def _fsync_dir(dpath: Path) -> None:
+    try:
+        fd = os.open(dpath, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(fpath: Path, obj: Any) -> None:
+    tmp_fpath = fpath.with_name(fpath.name + ".tmp")
+    try:
+        with open(tmp_fpath, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_fpath, fpath)
+    except BaseException:
+        tmp_fpath.unlink(missing_ok=True)
+        raise
+    _fsync_dir(fpath.parent)
+
+
+def _read_json(fpath: Path, what: str) -> dict:
+    try:
+        with open(fpath, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as exn:
+        raise ShardFormatError(f"{fpath}: {what} is not valid JSON ({exn}); rewrite it") from None
+    if not isinstance(obj, dict):
+        raise ShardFormatError(f"{fpath}: {what} must be a JSON object")
+    return obj
+
+
+def _encode_sample(key: str, tokens: np.ndarray, meta: dict, d: int | None, n_tokens: int | None) -> dict:
+    check_key(key)
+    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16:
+        got = tokens.dtype if isinstance(tokens, np.ndarray) else type(tokens).__name__
+        raise ValueError(f"sample {key!r}: tokens must be a float16 numpy array, got {got}")
+    if tokens.ndim != 2 or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+        raise ValueError(f"sample {key!r}: tokens must have shape [n_tokens >= 1, d >= 1], got {list(tokens.shape)}")
+    if d is not None and tokens.shape[1] != d:
+        raise ValueError(f"sample {key!r}: tokens have d={tokens.shape[1]} but earlier samples have d={d}")
+    if n_tokens is not None and tokens.shape[0] != n_tokens:
+        raise ValueError(f"sample {key!r}: {tokens.shape[0]} tokens but earlier samples have {n_tokens}")
+    if not isinstance(meta, dict):
+        raise ValueError(f"sample {key!r}: meta must be a dict, got {type(meta).__name__}")
+    try:
+        meta_bytes = json.dumps(meta, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as exn:
+        raise ValueError(f"sample {key!r}: meta is not JSON-serialisable ({exn})") from None
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(tokens), allow_pickle=False)
+    return {"__key__": key, "meta.json": meta_bytes, "tokens.npy": buf.getvalue()}
+
+
+def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple[str, np.ndarray, dict]]) -> dict:
+    """Write shard ``index`` from ``(key, tokens float16 [n_tokens, d], meta)`` samples.
+
+    Streams to ``shard-NNNNNN.tar.tmp`` while hashing, fsyncs, renames, then writes the
+    sidecar atomically. On any exception the ``.tmp`` is removed (and the sidecar is not
+    written), so other shards and a later rerun are unaffected. Returns the sidecar dict.
+    """
+    shards_dpath = Path(shards_dpath)
+    shards_dpath.mkdir(parents=True, exist_ok=True)
+    tar_fpath = shards_dpath / shard_fname(index)
+    tmp_fpath = tar_fpath.with_name(tar_fpath.name + ".tmp")
+    stats = RunningStats(0)
+    seen: set[str] = set()
+    d = n_tokens = None
+    try:
+        with open(tmp_fpath, "wb") as f:
+            hashing = _HashingWriter(f)
+            # PAX is tarfile's default (TarWriter does not forward `format`): long and non-ASCII ids fit.
+            with wds.TarWriter(hashing, encoder=False, mtime=TAR_MTIME) as writer:
+                for key, tokens, meta in samples:
+                    sample = _encode_sample(key, tokens, meta, d, n_tokens)
+                    if key in seen:
+                        raise ValueError(f"sample {key!r} appears twice in shard {index}; image ids must be unique")
+                    seen.add(key)
+                    if d is None:
+                        n_tokens, d = tokens.shape
+                    sample_stats = RunningStats(d)
+                    sample_stats.update(tokens)
+                    if not np.isfinite(sample_stats.sum_sq_norm):  # cheaper than np.isfinite(tokens).all()
+                        raise ValueError(f"sample {key!r}: tokens contain inf/nan (float16 overflow?); "
+                                         "check the backbone output")
+                    stats = stats.merge(sample_stats)
+                    writer.write(sample)
+            f.flush()
+            os.fsync(f.fileno())
+        # A stale sidecar must not vouch for the new tar, even for a moment.
+        (shards_dpath / sidecar_fname(index)).unlink(missing_ok=True)
+        os.replace(tmp_fpath, tar_fpath)
+    except BaseException:
+        tmp_fpath.unlink(missing_ok=True)
+        raise
+    _fsync_dir(shards_dpath)
+    sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,
+               "sha256": hashing.sha256.hexdigest(), "bytes": hashing.n_bytes, "stats": stats.to_json()}
+    _write_json_atomic(shards_dpath / sidecar_fname(index), sidecar)
+    return sidecar
+
+
+def read_sidecar(shards_dpath: Path, index: int) -> dict:
+    """Read shard ``index``'s sidecar; ShardFormatError if missing or malformed."""
+    fpath = Path(shards_dpath) / sidecar_fname(index)
+    if not fpath.is_file():
+        raise ShardFormatError(f"{fpath}: sidecar missing; shard {index} is unfinished, rerun its extraction task")
+    sidecar = _read_json(fpath, "sidecar")
+    for field in ("index", "count", "n_tokens", "sha256", "bytes", "stats"):
+        if field not in sidecar:
+            raise ShardFormatError(f"{fpath}: sidecar lacks field {field!r}; delete it and rerun the shard")
+    if sidecar["index"] != index:
+        raise ShardFormatError(f"{fpath}: field 'index' is {sidecar['index']}, expected {index}")
+    return sidecar
+
+
+def shard_is_complete(shards_dpath: Path, index: int) -> bool:
+    """True when the tar and its sidecar exist and the sidecar's ``bytes`` equals the tar size."""
+    tar_fpath = Path(shards_dpath) / shard_fname(index)
+    try:
+        sidecar = read_sidecar(shards_dpath, index)
+        return tar_fpath.is_file() and tar_fpath.stat().st_size == sidecar["bytes"]
+    except (ShardFormatError, OSError):
+        return False
+
+
+def _format_indices(indices: list[int], limit: int = 20) -> str:
+    shown = ", ".join(str(i) for i in indices[:limit])
+    return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int, tokens_per_image: int,
+                      n_prefix_tokens: int, grid: tuple[int, int], skipped: list[dict] | None = None,
+                      extra: dict | None = None) -> dict:
+    """Merge all sidecars into ``manifest.json`` (written atomically) and return it.
+
+    Raises ShardFormatError listing the missing shard indices when any shard is
+    incomplete, and when the token counts disagree with ``tokens_per_image``.
+    """
+    from feature_extraction import __version__
+
+    shards_dpath = Path(shards_dpath)
+    if n_shards < 1:
+        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
+    grid = (int(grid[0]), int(grid[1]))
+    if n_prefix_tokens < 0 or tokens_per_image != n_prefix_tokens + grid[0] * grid[1]:
+        raise ValueError(f"tokens_per_image={tokens_per_image} must equal n_prefix_tokens={n_prefix_tokens} "
+                         f"+ grid {grid[0]}x{grid[1]}")
+    for name, value in (("spec", spec), ("skipped", skipped), ("extra", extra)):
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exn:
+            raise ValueError(f"finalize_manifest {name} must be JSON-serialisable ({exn})") from None
+    missing = [i for i in range(n_shards) if not shard_is_complete(shards_dpath, i)]
+    if missing:
+        raise ShardFormatError(f"{shards_dpath}: shards {_format_indices(missing)} of {n_shards} are incomplete; "
+                               "run the extraction tasks that own them")
+    strays = sorted(int(p.stem.split("-")[1]) for p in shards_dpath.glob("shard-*.json")
+                    if p.stem.split("-")[1].isdigit() and int(p.stem.split("-")[1]) >= n_shards)
+    if strays:
+        raise ShardFormatError(f"{shards_dpath}: found shards {_format_indices(strays)} beyond n_shards={n_shards}; "
+                               "pass the right n_shards or remove them")
+    stats = RunningStats(0)
+    entries = []
+    for i in range(n_shards):
+        sidecar = read_sidecar(shards_dpath, i)
+        if sidecar["n_tokens"] != sidecar["count"] * tokens_per_image:
+            raise ShardFormatError(f"{shards_dpath / sidecar_fname(i)}: field 'n_tokens' is {sidecar['n_tokens']}, "
+                                   f"expected count*tokens_per_image = {sidecar['count']}*{tokens_per_image}")
+        try:
+            stats = stats.merge(RunningStats.from_json(sidecar["stats"]))
+        except ValueError as exn:
+            raise ShardFormatError(f"{shards_dpath / sidecar_fname(i)}: field 'stats': {exn}") from None
+        entries.append({"fname": shard_fname(i), **{k: sidecar[k] for k in SHARD_FIELDS[1:]}})
+    if stats.n_tokens == 0:
+        raise ShardFormatError(f"{shards_dpath}: the shards hold no tokens; check the image source")
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "backbone": spec, "layer": int(layer), "d": stats.d, "dtype": DTYPE,
+        "tokens_per_image": int(tokens_per_image), "n_prefix_tokens": int(n_prefix_tokens), "grid": list(grid),
+        "n_images": sum(e["count"] for e in entries), "n_tokens": stats.n_tokens, "shards": entries,
+        "stats": {"mean": stats.mean().tolist(), "mean_sq_norm": stats.mean_sq_norm(), "n_tokens": stats.n_tokens},
+        "skipped": list(skipped or []), "package_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "extra": dict(extra or {}),
+    }
+    _write_json_atomic(shards_dpath / MANIFEST_FNAME, manifest)
+    return manifest
+
+
+def _sha256_file(fpath: Path) -> str:
+    sha = hashlib.sha256()
+    with open(fpath, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
+    """Read and check ``manifest.json`` and the shard files it lists.
+
+    Always checks fields, schema version, dtype and each shard's existence and size;
+    ``verify=True`` also recomputes every sha256 (reads all the data).
+    """
+    shards_dpath = Path(shards_dpath)
+    if not shards_dpath.is_dir():
+        raise ShardFormatError(f"{shards_dpath}: shard directory not found; check the path or run the extraction")
+    fpath = shards_dpath / MANIFEST_FNAME
+    if not fpath.is_file():
+        raise ShardFormatError(f"{fpath}: missing, the extraction is unfinished; run `python -m feature_extraction "
+                               f"finalize --out {shards_dpath}` or finish the tasks")
+    manifest = _read_json(fpath, "manifest")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ShardFormatError(f"{fpath}: field 'schema_version' is {manifest.get('schema_version')!r}, this version "
+                               f"reads {SCHEMA_VERSION}; re-extract or use a matching feature_extraction")
+    for field in REQUIRED_FIELDS:
+        if field not in manifest:
+            raise ShardFormatError(f"{fpath}: missing field {field!r}; re-run finalize")
+    if manifest["dtype"] != DTYPE:
+        raise ShardFormatError(f"{fpath}: field 'dtype' is {manifest['dtype']!r}, must be {DTYPE!r}")
+    stats = manifest["stats"]
+    if not isinstance(stats, dict) or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens")) \
+            or not isinstance(stats["mean"], list) or len(stats["mean"]) != manifest["d"]:
+        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d={manifest['d']}], mean_sq_norm, n_tokens")
+    if not isinstance(manifest["shards"], list) or not manifest["shards"]:
+        raise ShardFormatError(f"{fpath}: field 'shards' must be a non-empty list")
+    for entry in manifest["shards"]:
+        if not isinstance(entry, dict) or any(k not in entry for k in SHARD_FIELDS):
+            raise ShardFormatError(f"{fpath}: field 'shards' entry {entry!r} needs {', '.join(SHARD_FIELDS)}")
+        if Path(entry["fname"]).name != entry["fname"]:
+            raise ShardFormatError(f"{fpath}: field 'shards' fname {entry['fname']!r} must be a plain file name")
+    for field in ("n_images", "n_tokens"):
+        total = sum(e["count" if field == "n_images" else "n_tokens"] for e in manifest["shards"])
+        if manifest[field] != total:
+            raise ShardFormatError(f"{fpath}: field {field!r} is {manifest[field]}, the shards sum to {total}")
+    for entry in manifest["shards"]:
+        shard_fpath = shards_dpath / entry["fname"]
+        if not shard_fpath.is_file():
+            raise ShardFormatError(f"{shard_fpath}: listed in {MANIFEST_FNAME} field 'shards' but missing; "
+                                   "restore it or re-run its extraction task")
+        size = shard_fpath.stat().st_size
+        if size != entry["bytes"]:
+            raise ShardFormatError(f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
+                                   f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it")
+        if verify and _sha256_file(shard_fpath) != entry["sha256"]:
+            raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
+                                   "the file is corrupt, re-extract it")
+    return manifest
+
+
+def shard_fpaths(shards_dpath: Path | str, manifest: dict) -> list[Path]:
+    """Absolute paths of the manifest's shards, in shard order."""
+    shards_dpath = Path(shards_dpath).resolve()
+    return [shards_dpath / entry["fname"] for entry in manifest["shards"]]
+
+
+def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
+    """Decode a raw webdataset sample into ``(key, tokens float16 [n_tokens, d], meta)``.
+
+    Usable as a ``.map`` stage in the training pipeline; never unpickles.
+    """
+    key = sample.get("__key__", "?")
+    where = f"sample {key!r}" + (f" in {sample['__url__']}" if "__url__" in sample else "")
+    for field in ("tokens.npy", "meta.json"):
+        if field not in sample:
+            raise ShardFormatError(f"{where}: missing {field!r}; the shard is corrupt, re-extract it")
+    try:
+        tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exn:
+        raise ShardFormatError(f"{where}: 'tokens.npy' is not a valid .npy ({exn}); re-extract the shard") from None
+    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16 or tokens.ndim != 2:
+        got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else "an .npz archive"
+        raise ShardFormatError(f"{where}: 'tokens.npy' is {got}, expected float16 [n_tokens, d]; re-extract the shard")
+    try:
+        meta = json.loads(sample["meta.json"])
+    except (ValueError, UnicodeDecodeError) as exn:
+        raise ShardFormatError(f"{where}: 'meta.json' is not valid JSON ({exn}); re-extract the shard") from None
+    if not isinstance(meta, dict):
+        raise ShardFormatError(f"{where}: 'meta.json' must be a JSON object; re-extract the shard")
+    return key, tokens, meta
+
+
+def _check_tar_end(fpath: Path) -> None:
+    """A tarfile-written archive ends with zero blocks on a 512-byte boundary; a cut file does not.
+
+    webdataset's streaming reader stops silently when a cut falls between members, so
+    this cheap tail check is what turns such a truncation into an error.
+    """
+    size = fpath.stat().st_size
+    if size < 1024 or size % 512:
+        raise ShardFormatError(f"{fpath}: truncated tar ({size} bytes); re-extract the shard")
+    with open(fpath, "rb") as f:
+        f.seek(size - 1024)
+        if f.read(1024).strip(b"\0"):
+            raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")
+
+
+def iter_shard_samples(shard_fpaths: Sequence[Path | str]) -> Iterator[tuple[str, np.ndarray, dict]]:
+    """Yield decoded samples of the given shards in order, through webdataset's tar reader.
+
+    No shuffling and no node/worker splitting: the caller has already chosen its shards.
+    A missing, truncated or corrupt shard raises ShardFormatError naming it.
+    """
+    for fpath in shard_fpaths:
+        fpath = Path(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
+        if not fpath.is_file():
+            raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
+        _check_tar_end(fpath)
+        try:
+            # webdataset's reader on a stream we own, so the file is closed even when the
+            # consumer stops early (its url_opener leaves handles to the garbage collector).
+            with open(fpath, "rb") as stream:
+                files = wds.tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
+                for sample in wds.tariterators.group_by_keys(files):
+                    yield decode_sample(sample)
+        except ShardFormatError:
+            raise
+        except (tarfile.TarError, OSError, EOFError, ValueError) as exn:
+            # webdataset appends the stream and url to exn.args; keep only the message.
+            reason = str(exn.args[0]).split(" @ ")[0] if exn.args else type(exn).__name__
+            raise ShardFormatError(f"{fpath}: corrupt tar ({reason}); re-extract the shard") from None
