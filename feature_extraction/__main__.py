@@ -1,0 +1,68 @@
+"""`python -m feature_extraction`: extract tokens into shards; `... finalize --out DIR` writes the manifest.
+
+The flags are `extract`'s (and `finalize`'s) signature, read by jsonargparse, so every
+option is a flag, `--config file.yaml` sets any of them and `--print_config` shows the
+result. Errors are one line on stderr: exit 2 for bad input (ValueError), 1 for
+anything else the command anticipates (disk full, a held finalize lock).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from feature_extraction.extract import extract, finalize
+
+PROG = "python -m feature_extraction"
+
+
+def build_parser(command: str = "extract") -> ArgumentParser:
+    """The parser of `extract` (default) or `finalize`; also used by tests to parse configs/*.yaml."""
+    function: Callable = {"extract": extract, "finalize": finalize}[command]
+    prog = PROG if command == "extract" else f"{PROG} finalize"
+    description = (function.__doc__ or "").split("\n\n")[0]
+    if command == "extract":
+        description += f" Subcommand: `{PROG} finalize --out DIR` assembles manifest.json when all shards exist."
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=True)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below.")
+    parser.add_function_arguments(function, as_positional=False)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "finalize" if argv[:1] == ["finalize"] else "extract"
+    if command == "finalize":
+        argv = argv[1:]
+    parser = build_parser(command)
+    config = parser.parse_args(argv).as_dict()
+    config.pop("config", None)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if command == "finalize":
+            manifest = finalize(**config)
+            summary = {k: manifest[k] for k in ("n_images", "n_tokens", "d", "tokens_per_image")}
+            summary["skipped"] = len(manifest["skipped"])
+        else:
+            summary = extract(**config)
+            summary["shards_written"] = len(summary["shards_written"])
+    except ValueError as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as error:
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

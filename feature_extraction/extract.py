@@ -1,0 +1,582 @@
+"""The extraction command: images -> one backbone layer's tokens -> webdataset shards.
+
+`extract` is what `python -m feature_extraction` runs, once per SLURM array task (or
+torchrun rank, or alone). `finalize` assembles `manifest.json` once every shard exists.
+
+Design choices:
+
+- Every task lists the same images and assigns them to shards the same way (sorted keys,
+  fixed `shard_size`, `shards.assign_shards`), then writes only the shards it owns
+  (`shards.shards_for_task`: strided). No coordination is needed beyond the file system.
+- Batches never span two shards. A shard's batches are then the same whichever shards a
+  task skips, so a resumed or differently split run computes every sample from the same
+  batch and, on the CPU in float32, produces byte-identical shards.
+- Resume is "skip the shards whose tar and sidecar are complete, redo the others":
+  `write_shard` streams to a `.tmp` file and renames, so a job killed at any point leaves
+  complete shards and a few partial `.tmp` files that the rerun overwrites (the writer
+  processes die with the main process, so none outlives it to race the rerun).
+- Undecodable images are skipped and counted; each shard's skipped images go to
+  `skipped-NNNNNN.json`, written before its sidecar, and `finalize` merges them into
+  the manifest's `skipped`. A skipped image changes its shard's count, not the assignment.
+- `extraction.json` (written first, compared on every rerun and by every task) records
+  what the directory holds: backbone, layer, weights, shard size and the image list's
+  digest. Another backbone, layer or image set is refused instead of mixed in.
+- Random weights (`pretrained=False` without a checkpoint) are drawn after
+  `torch.manual_seed(seed)`, so every task of an array job builds the same model.
+- The forward runs under `torch.inference_mode` (bf16 autocast on CUDA); tokens are
+  stored as float16. Writer processes stream finished batches into the tars (several shards
+  at once: writing a ViT-B sample costs about as much as a GPU forward of it), hashing and
+  summing statistics while the next batches run.
+- Image ids may contain '.', which webdataset reads as the start of the extension, so a
+  sample's `__key__` is the id percent-escaped (`image_key`, reversible by
+  `image_id_from_key`); `meta.json` keeps the original id and its source.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from feature_extraction import __version__
+from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
+from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.shards import (
+    MANIFEST_FNAME, ShardFormatError, assign_shards, finalize_manifest, load_manifest, read_sidecar,
+    shard_is_complete, shards_for_task, write_shard,
+)
+
+__all__ = ["EXTRACTION_FNAME", "default_task", "extract", "finalize", "forward_tokens", "image_id_from_key",
+           "image_key", "skipped_fname", "write_shards"]
+
+logger = logging.getLogger(__name__)
+
+EXTRACTION_FNAME = "extraction.json"
+LOCK_FNAME = ".finalize.lock"
+STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a dead process
+# What a rerun must agree on with the directory's extraction.json.
+_COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256")
+
+
+def image_key(image_id: str) -> str:
+    """The webdataset `__key__` of an image id: '%', '.' in the file name and a leading '_' escaped.
+
+    webdataset cuts a member name at the first '.' of its file name and reserves keys
+    starting with '__'; percent-escaping keeps the key readable ('cls/img%2Epng') and
+    one-to-one with the id.
+    """
+    head, sep, name = image_id.replace("%", "%25").rpartition("/")
+    key = head + sep + name.replace(".", "%2E")
+    return "%5F" + key[1:] if key.startswith("_") else key
+
+
+def image_id_from_key(key: str) -> str:
+    """Inverse of `image_key`."""
+    return unquote(key)
+
+
+def skipped_fname(index: int) -> str:
+    """Per-shard list of undecodable images (`skipped-000042.json`), merged by `finalize`."""
+    return f"skipped-{int(index):06d}.json"
+
+
+def default_task(environ: dict[str, str] | None = None) -> tuple[int, int]:
+    """`(task_index, num_tasks)` from SLURM array variables, else torchrun's RANK/WORLD_SIZE, else (0, 1).
+
+    SLURM array ids need not start at 0 (`--array=1-8`) or be contiguous (`0-14:2`), so the
+    index is `(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) / SLURM_ARRAY_TASK_STEP`.
+    """
+    env = os.environ if environ is None else environ
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+        offset = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0") or 0)
+        index, count = offset // step, int(env["SLURM_ARRAY_TASK_COUNT"])
+        if offset % step or not 0 <= index < count:
+            raise ValueError(f"SLURM array task {env['SLURM_ARRAY_TASK_ID']} does not map to an index in "
+                             f"[0, {count - 1}] (use --array=0-N or pass --task_index and --num_tasks)")
+        return index, count
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    return 0, 1
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            local_rank = os.environ.get("LOCAL_RANK")  # torchrun: one GPU per rank
+            return torch.device(f"cuda:{local_rank}" if local_rank else "cuda")
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} but no CUDA device is visible; use --device cpu or auto")
+    return resolved
+
+
+def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device) -> tuple[Tensor, Any]:
+    """Start the forward of one batch; returns float16 tokens `[B, n_tokens, d]` on the host and a CUDA event.
+
+    On CUDA the copy to pinned host memory is asynchronous: the caller waits on the event
+    (`event.synchronize()`) only after queueing the next batch, so the GPU never idles on
+    the host. The event is None on the CPU.
+    """
+    on_cuda = device.type == "cuda"
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
+        tokens = backbone(pixels.to(device, non_blocking=True)).to(torch.float16)
+    if not on_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=torch.float16, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _record_meta(record: ImageRecord) -> dict:
+    """`meta.json` of a sample: the original id, its label and where the image came from."""
+    meta: dict[str, Any] = {"image_id": record.image_id, "label": record.label}
+    if record.class_name is not None:
+        meta["class_name"] = record.class_name
+    if record.kind == "samples":
+        meta["source"] = f"skimage.data.{record.member}"
+    else:
+        meta["source"] = os.path.abspath(record.source)
+        if record.kind == "tar":
+            meta["member"] = record.member
+    return meta
+
+
+def _write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
+    """Write JSON through a private temporary file; `exclusive`: only if `fpath` does not exist yet.
+
+    The temporary name is unique per process and thread, so tasks racing on a shared file
+    system never write into each other's file. Returns False when `exclusive` lost the race.
+    """
+    tmp_fpath = fpath.with_name(f".{fpath.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp_fpath, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        if not exclusive:
+            os.replace(tmp_fpath, fpath)
+            return True
+        try:
+            os.link(tmp_fpath, fpath)  # atomic create-if-absent, also on NFS
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        tmp_fpath.unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this writer when the extraction process dies (e.g. SIGKILL).
+
+    Otherwise an orphan could go on writing a `.tmp` that a rerun is rewriting.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
+    """Body of a writer process: write the shards the main process streams to `tasks`.
+
+    Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
+    metas), ("end", skipped), ("abort",), None (stop). A failure is reported on `results`
+    and the rest of the queue drained, so the producer never blocks on a dead consumer.
+    """
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process aborts the open shards in order
+    failed = False
+    while (item := tasks.get()) is not None:
+        if item[0] != "begin" or failed:
+            continue  # leftovers of a failed or aborted shard
+        index = item[1]
+        try:
+            write_shard(Path(out_dpath), index, _streamed_samples(Path(out_dpath), tasks, index))
+        except BaseException as exn:  # noqa: BLE001 (reported to the main process)
+            kind = "OSError" if isinstance(exn, OSError) else "ValueError" if isinstance(exn, ValueError) else "other"
+            results.put((index, kind, getattr(exn, "errno", None), getattr(exn, "strerror", None) or str(exn)))
+            failed = True
+
+
+def _streamed_samples(out_dpath: Path, tasks: Any, index: int) -> Iterator[tuple[str, np.ndarray, dict]]:
+    while True:
+        item = tasks.get()
+        if item is None or item[0] == "abort":
+            raise RuntimeError(f"shard {index} aborted")
+        if item[0] == "samples":
+            _, tokens, keys, metas = item
+            array = tokens.numpy()
+            for j, key in enumerate(keys):
+                yield key, array[j], metas[j]
+        elif item[0] == "end":
+            # Before write_shard renames the tar: a complete shard always has its list.
+            fpath = out_dpath / skipped_fname(index)
+            if item[1]:
+                _write_json_atomic(fpath, item[1])
+            else:
+                fpath.unlink(missing_ok=True)
+            return
+
+
+class _ShardWriters:
+    """Writer processes fed through bounded queues; shard number p goes to process p % n.
+
+    Writing a ViT-B sample costs about 1-3 ms (float64 statistics, sha256, tar headers,
+    0.4 MB of I/O), as much as a fast GPU's forward of it, and threads do not scale on it
+    (the GIL: 1 thread ~800 samples/s, 2 threads ~900, 2 processes ~1400 on the 2-core dev
+    box), so shards are written by processes. Tokens travel as shared-memory tensors
+    (torch.multiprocessing, as DataLoader batches do); at most `max_batches` batches wait
+    per process, so host and /dev/shm memory stay under about n x one shard of tokens.
+    """
+
+    def __init__(self, out_dpath: Path, n_processes: int, max_batches: int) -> None:
+        import torch.multiprocessing as mp
+
+        # fork: children share the parent's modules and never touch CUDA; spawn where fork is missing.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self.out_dpath = out_dpath
+        self.queues = [ctx.Queue(maxsize=max_batches) for _ in range(n_processes)]
+        self.results = ctx.Queue()
+        self.errors: list[tuple] = []
+        self.processes = [ctx.Process(target=_writer_process, args=(str(out_dpath), q, self.results), daemon=True,
+                                      name=f"shard-writer-{n}") for n, q in enumerate(self.queues)]
+        for process in self.processes:
+            process.start()
+
+    def send(self, position: int, *item: Any) -> None:
+        self._put(position % len(self.queues), item)
+
+    def _put(self, number: int, item: tuple | None) -> None:
+        while True:
+            self._check()
+            try:
+                self.queues[number].put(item, timeout=1.0)
+                return
+            except queue.Full:
+                if not self.processes[number].is_alive():
+                    raise RuntimeError(f"shard writer process {number} died with exit code "
+                                       f"{self.processes[number].exitcode}; rerun to redo its shards") from None
+
+    def send_samples(self, position: int, tokens: Tensor, keys: list[str], metas: list[dict]) -> None:
+        shared = torch.empty(tokens.shape, dtype=tokens.dtype).share_memory_()
+        shared.copy_(tokens)
+        self.send(position, "samples", shared, keys, metas)
+
+    def _check(self) -> None:
+        while True:
+            try:
+                self.errors.append(self.results.get_nowait())
+            except queue.Empty:
+                break
+        if not self.errors:
+            return
+        index, kind, errno_, reason = min(self.errors, key=lambda e: e[0])
+        if kind == "OSError":
+            raise OSError(errno_, f"could not write shard {index} in {self.out_dpath}: {reason}; free space or fix "
+                                  "the output directory and rerun (complete shards are kept)")
+        raise (ValueError if kind == "ValueError" else RuntimeError)(f"shard {index}: {reason}")
+
+    def close(self) -> None:
+        """Wait for the last shards; re-raise a writer error."""
+        for number, process in enumerate(self.processes):
+            if process.is_alive():
+                self._put(number, None)
+        for process in self.processes:
+            process.join()
+        self._check()
+        if dead := [p.name for p in self.processes if p.exitcode != 0]:
+            raise RuntimeError(f"shard writer processes {dead} failed; rerun to redo their shards")
+
+    def abort(self) -> None:
+        for q in self.queues:
+            for item in (("abort",), None):
+                try:
+                    q.put(item, timeout=5.0)
+                except queue.Full:
+                    break
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records: Sequence[ImageRecord],
+                 shards: Sequence[tuple[int, Sequence[int]]], out_dpath: Path, *, batch_size: int,
+                 num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True) -> dict:
+    """Run the backbone over each shard's records and write the shards; the command's hot loop.
+
+    `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
+    `(i, pixels or None)` for record `i`. Returns counts and the elapsed time.
+    """
+    if not shards:
+        return {"images": 0, "skipped": 0, "seconds": 0.0}
+    batches, batch_shard = [], []
+    for position, (_, items) in enumerate(shards):
+        for start in range(0, len(items), batch_size):
+            batches.append(list(items[start : start + batch_size]))
+            batch_shard.append(position)
+    last_batch_of = {position: b for b, position in enumerate(batch_shard)}
+    n_images = sum(len(items) for _, items in shards)
+    max_shard = max((len(items) for _, items in shards), default=1)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collate_images,
+                                         num_workers=num_workers, pin_memory=device.type == "cuda")
+    start_time = time.perf_counter()
+    # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
+    writer = _ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
+    batch_iter = iter(loader)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=n_images, unit="img", disable=not progress or n_images == 0, dynamic_ncols=interactive,
+               mininterval=0.5 if interactive else 30.0, desc="extract")
+    counts = {"images": 0, "skipped": 0}
+    skipped: list[dict] = []
+
+    def flush(batch_no: int, ok: list[int], tokens: Tensor | None, event: Any, failed: list[int]) -> None:
+        nonlocal skipped
+        position = batch_shard[batch_no]
+        index = shards[position][0]
+        if batch_no == 0 or batch_shard[batch_no - 1] != position:
+            writer.send(position, "begin", index)
+        if tokens is not None:
+            if event is not None:
+                event.synchronize()
+            writer.send_samples(position, tokens, [image_key(records[i].image_id) for i in ok],
+                                [_record_meta(records[i]) for i in ok])
+        skipped += [{"image_id": records[i].image_id, "source": _record_meta(records[i])["source"], "shard": index}
+                    for i in failed]
+        if last_batch_of[position] == batch_no:
+            writer.send(position, "end", skipped)
+            skipped = []
+        counts["images"] += len(ok)
+        counts["skipped"] += len(failed)
+        bar.update(len(ok) + len(failed))
+
+    try:
+        pending = None
+        for batch_no, (ok, pixels, failed) in enumerate(batch_iter):
+            tokens, event = forward_tokens(backbone, pixels, device) if pixels is not None else (None, None)
+            if pending is not None:
+                flush(*pending)
+            pending = (batch_no, ok, tokens, event, failed)
+        if pending is not None:
+            flush(*pending)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return {**counts, "seconds": time.perf_counter() - start_time}
+
+
+def _ids_digest(keys: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(keys).encode("utf-8")).hexdigest()
+
+
+def _check_or_create_record(out_dpath: Path, record: dict) -> None:
+    """Write `extraction.json`, or refuse a directory that holds another extraction."""
+    fpath = out_dpath / EXTRACTION_FNAME
+    if not fpath.exists():
+        if any(out_dpath.glob("shard-*")):
+            raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
+                             "by this command; use an empty --out directory")
+        _write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
+    try:
+        old = json.loads(fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exn:
+        raise ValueError(f"{fpath} cannot be read ({exn}); delete it if --out holds no shards") from None
+    if (old.get("backbone"), old.get("layer")) != (record["backbone"], record["layer"]):
+        raise ValueError(f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
+                         f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
+                         "use another --out (e.g. one directory per backbone and layer)")
+    differ = [f"{k}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS if old.get(k) != record[k]]
+    if differ:
+        raise ValueError(f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
+                         "rerun with the same settings and images, or use another --out")
+
+
+def _read_record(out_dpath: Path) -> dict:
+    fpath = Path(out_dpath) / EXTRACTION_FNAME
+    if not fpath.is_file():
+        raise ValueError(f"{fpath} not found: --out must be a directory written by `python -m feature_extraction`")
+    try:
+        return json.loads(fpath.read_text(encoding="utf-8"))
+    except ValueError as exn:
+        raise ValueError(f"{fpath} is not valid JSON ({exn}); rerun one extraction task to rewrite it") from None
+
+
+def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
+    try:
+        manifest = load_manifest(out_dpath)
+        return [e["sha256"] for e in manifest["shards"]] == [read_sidecar(out_dpath, i)["sha256"]
+                                                               for i in range(n_shards)]
+    except (ShardFormatError, OSError, KeyError):
+        return False
+
+
+def finalize(out: str, force: bool = False) -> dict:
+    """Assemble `manifest.json` of `--out` once all its shards are complete; returns the manifest.
+
+    Several tasks may finish together: a lock file (created with O_EXCL, which is atomic on
+    NFS too) lets one of them write the manifest. A lock older than ten minutes, or
+    `--force true`, is taken over.
+
+    Args:
+        out: the extraction's output directory (holding extraction.json and the shards).
+        force: take over a finalize lock held by another process.
+    """
+    out_dpath = Path(out).expanduser()
+    record = _read_record(out_dpath)
+    n_shards = record["n_shards"]
+    lock_fpath = out_dpath / LOCK_FNAME
+    try:
+        fd = os.open(lock_fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            age = time.time() - lock_fpath.stat().st_mtime
+        except FileNotFoundError:  # released meanwhile
+            age = math.inf
+        if not force and age < STALE_LOCK_SECONDS:
+            raise RuntimeError(f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
+                               "pass --force true if it died") from None
+        lock_fpath.touch()
+    else:
+        os.close(fd)
+    try:
+        skipped = []
+        for index in range(n_shards):
+            fpath = out_dpath / skipped_fname(index)
+            if fpath.is_file():
+                skipped += json.loads(fpath.read_text(encoding="utf-8"))
+        backbone = record["backbone_record"]
+        return finalize_manifest(
+            out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
+            tokens_per_image=backbone["n_tokens"], n_prefix_tokens=backbone["n_prefix_tokens"],
+            grid=tuple(backbone["grid"]), skipped=skipped,
+            extra={"extraction": {k: record[k] for k in ("images", "shard_size", "weights", "key_scheme",
+                                                           "ids_sha256", "n_images")}})
+    finally:
+        lock_fpath.unlink(missing_ok=True)
+
+
+def _finalize_if_last(out_dpath: Path, n_shards: int) -> bool:
+    """Called by every task at its end: the one that sees all shards complete writes the manifest."""
+    if not all(shard_is_complete(out_dpath, i) for i in range(n_shards)):
+        return False
+    if _manifest_is_current(out_dpath, n_shards):
+        return True
+    try:
+        finalize(str(out_dpath))
+    except RuntimeError:  # another task holds the lock and is writing the same manifest
+        logger.info("another task is finalizing %s", out_dpath)
+        return False
+    return True
+
+
+def _check_positive(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"--{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def extract(backbone: str, images: str, out: str, pretrained: bool = False, checkpoint_path: str | None = None,
+            layer: int = -1, batch_size: int = 64, shard_size: int = 1000, num_workers: int = 4,
+            device: str = "auto", task_index: int | None = None, num_tasks: int | None = None, seed: int = 0,
+            num_writers: int = 4, progress: bool = True) -> dict:
+    """Extract one layer's tokens of every image into this task's shards; finalize if it is the last task.
+
+    `python -m feature_extraction finalize --out DIR` assembles manifest.json explicitly.
+
+    Args:
+        backbone: registry name (dinov2, siglip, clip, vit, their _large and _tiny entries).
+        images: an image folder (class sub-folders give labels), a directory of webdataset
+            image tars, or `samples` (scikit-image's bundled photos).
+        out: output directory; one per backbone and layer (a rerun resumes it).
+        pretrained: download the library's pretrained weights (needs the network).
+        checkpoint_path: local weights (.safetensors or torch state dict) instead.
+        layer: transformer block; -1 = the final block after the final norm (the paper's).
+        batch_size: images per forward pass (batches never span two shards).
+        shard_size: images per shard.
+        num_workers: DataLoader workers decoding images.
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.
+        task_index: this task's index; default from SLURM_ARRAY_TASK_ID, else RANK, else 0.
+        num_tasks: number of tasks; default SLURM_ARRAY_TASK_COUNT, else WORLD_SIZE, else 1.
+        seed: torch seed of random weights (pretrained false, no checkpoint), equal in all tasks.
+        num_writers: processes writing shards in parallel (each holds up to one shard of tokens in
+            shared memory, /dev/shm: give Docker containers --shm-size).
+        progress: show a progress bar (images/s, ETA) on stderr.
+    """
+    for name, value, minimum in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
+                                 ("num_workers", num_workers, 0), ("num_writers", num_writers, 1)):
+        _check_positive(name, value, minimum)
+    env_index, env_count = default_task()
+    task_index = env_index if task_index is None else task_index
+    num_tasks = env_count if num_tasks is None else num_tasks
+    if num_tasks < 1 or not 0 <= task_index < num_tasks:
+        raise ValueError(f"--task_index must be in [0, {num_tasks - 1}] for --num_tasks {num_tasks} (>= 1), "
+                         f"got {task_index}")
+    spec = get_backbone_spec(backbone)
+    torch_device = _resolve_device(device)
+    if torch_device.type == "cuda" and torch_device.index is not None:
+        torch.cuda.set_device(torch_device)  # pinned buffers and the DataLoader's pin thread follow it
+    records = list_images(os.path.expanduser(images))
+    keys = [image_key(r.image_id) for r in records]
+    by_key = {key: i for i, key in enumerate(keys)}
+    shards = assign_shards(keys, shard_size)
+    if checkpoint_path is not None:
+        checkpoint_path = os.path.abspath(os.path.expanduser(checkpoint_path))
+    random_weights = not pretrained and checkpoint_path is None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = load_backbone(backbone, pretrained=pretrained, checkpoint_path=checkpoint_path, layer=layer)
+    model.to(torch_device)
+
+    out_dpath = Path(out).expanduser()
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    record = {
+        "backbone": spec.name, "layer": model.layer, "shard_size": shard_size, "n_images": len(records),
+        "n_shards": len(shards), "ids_sha256": _ids_digest(keys),
+        "weights": {"pretrained": pretrained, "checkpoint_path": checkpoint_path,
+                    "seed": seed if random_weights else None},
+        "images": images, "key_scheme": "percent-escaped image id (feature_extraction.extract.image_key)",
+        "backbone_record": model.to_json(), "package_version": __version__,
+    }
+    _check_or_create_record(out_dpath, record)
+
+    owned = shards_for_task(len(shards), task_index, num_tasks)
+    todo = [i for i in owned if not shard_is_complete(out_dpath, i)]
+    logger.info("task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)", task_index,
+                num_tasks, len(owned), len(shards), len(owned) - len(todo), len(todo), spec.name, model.layer,
+                torch_device)
+    counts = write_shards(model, ImageDataset(records, model.preprocess), records,
+                          [(i, [by_key[k] for k in shards[i]]) for i in todo], out_dpath,
+                          batch_size=batch_size, num_workers=num_workers, device=torch_device,
+                          num_writers=num_writers, progress=progress)
+    finalized = _finalize_if_last(out_dpath, len(shards))
+    return {"out": str(out_dpath), "task_index": task_index, "num_tasks": num_tasks, "n_shards": len(shards),
+            "shards_written": todo, "shards_already_complete": len(owned) - len(todo), **counts,
+            "images_per_second": counts["images"] / max(counts["seconds"], 1e-9), "finalized": finalized}
+

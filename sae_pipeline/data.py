@@ -1,0 +1,282 @@
+"""ActivationDataModule: token activations for SAE training through Lightning.
+
+The sources (shards, HDF5 cache, digits, MNIST) live in ``data_sources.py``; splitting
+over ranks and workers, shuffling and equal batch counts in ``data_stream.py``. This
+module adds the Lightning side: rank and world size, the epoch, resumable training
+loaders, and one-line errors from DataLoader workers.
+
+Every batch is ``{"x": float32 [B, d_in], "shards": list[str]}`` (the shards or row
+blocks that contributed, for error messages); predict batches add ``image_ids`` (one per
+token) and ``token_positions`` (int64).
+
+- fit: every rank yields exactly ``len(train_dataloader())`` batches per epoch, computed
+  from the manifest's counts, so DDP never waits on a rank with fewer tokens. The order
+  is seeded by ``seed + epoch`` (``trainer.current_epoch``).
+- Resume: the training loader is stateful (Lightning stores its ``state_dict`` in the
+  checkpoint). ``fit --ckpt_path`` from a mid-epoch checkpoint replays the interrupted
+  epoch's deterministic stream and skips the batches already trained on (they are read
+  again to rebuild the shuffle buffer, not trained on), so no token is lost or repeated
+  in that epoch. With a different world size or worker count the skipped count stays
+  right but the skipped tokens are those of the new split.
+- validate / test: the held-out split (test uses the same split: there is no third one),
+  each token exactly once across ranks, no padding; a rank may get one batch fewer.
+- predict: the whole dataset (train and validation) in order, each rank a disjoint
+  contiguous part, so ``predict`` writes codes for every token.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterator
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from sae_pipeline.data_sources import RowSource, ShardSource, load_mnist, open_source, read_sample
+from sae_pipeline.data_stream import BatchRing, OrderedTokenStream, ShuffledTokenStream, TokenStream
+
+# Our streams' __len__ is exact per rank and per worker by construction (data_stream.py).
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+
+
+def _one_line(exn: ValueError) -> ValueError:
+    """Recover the original one-line message of an error raised in a DataLoader worker.
+
+    The DataLoader re-raises a worker's exception as ``type(exn)("Caught ... Original
+    Traceback ...")``; the original ``Type: message`` is the traceback's last line.
+    """
+    text = str(exn)
+    if not text.startswith("Caught "):
+        return exn
+    for line in reversed(text.splitlines()):
+        head, sep, message = line.partition(": ")
+        if sep and head.rsplit(".", 1)[-1] == type(exn).__name__:
+            return type(exn)(message)
+    return exn
+
+
+class TokenLoader(DataLoader):
+    """A DataLoader over a ``TokenStream`` (which yields whole batches): no collation, batches from workers
+    through a ``BatchRing``, clean worker errors."""
+
+    def __init__(self, dataset: TokenStream, num_workers: int = 0, pin_memory: bool = False, **kwargs: Any) -> None:
+        # Lightning may re-instantiate the loader with batch_size / sampler kwargs; the stream owns batching,
+        # and fresh (non-persistent) workers are what carry each epoch's order into the worker processes.
+        kwargs.update(batch_size=None, persistent_workers=False)
+        # With workers, x is built here from the ring (pinned if asked); the DataLoader pins nothing itself.
+        self.pin_x = pin_memory and num_workers > 0
+        super().__init__(dataset, num_workers=num_workers, pin_memory=pin_memory and num_workers == 0, **kwargs)
+
+    def __iter__(self) -> Iterator[dict]:
+        ring = None
+        if self.num_workers > 0:
+            ring = BatchRing(self.num_workers, self.prefetch_factor + 2, self.dataset.batch_size, self.dataset.d,
+                             self.dataset.dtype)
+        self.dataset.ring = ring  # before super().__iter__() starts the workers
+        return self._clean_errors(super().__iter__(), ring)
+
+    def _clean_errors(self, batches: Iterator[dict], ring: BatchRing | None) -> Iterator[dict]:
+        try:
+            for batch in batches:
+                if "ring" in batch:
+                    batch["x"] = ring.take(*batch.pop("ring"), pin_memory=self.pin_x)
+                self._on_batch()
+                yield batch
+        except ValueError as exn:  # ShardFormatError, CacheFormatError: one-line errors from a worker
+            clean = _one_line(exn)
+            if clean is exn:
+                raise
+            raise clean from None
+        finally:
+            # Stop the workers now, not whenever the garbage collector reaches the iterator (after a worker
+            # error that took seconds per worker).
+            if ring is not None:
+                ring.close()
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _on_batch(self) -> None:
+        pass
+
+
+class TrainTokenLoader(TokenLoader):
+    """The training loader: sets each epoch's order and resumes mid-epoch from its ``state_dict``.
+
+    ``epoch_fn`` gives the epoch (the trainer's); without it the loader counts its own
+    iterations. ``progress_fn`` gives the batches trained so far this epoch (the
+    trainer's progress; without it, the batches this loader has yielded).
+    """
+
+    def __init__(self, dataset: ShuffledTokenStream, num_workers: int = 0, pin_memory: bool = False,
+                 epoch_fn: Callable[[], int] | None = None, progress_fn: Callable[[], int] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(dataset, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
+        self.epoch_fn, self.progress_fn = epoch_fn, progress_fn
+        self._n_iterations, self._epoch, self._n_yielded = 0, 0, 0
+        self._resume_state: dict | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        epoch = self.epoch_fn() if self.epoch_fn is not None else self._n_iterations
+        self._n_iterations += 1
+        skip = 0
+        if self._resume_state is not None and self._resume_state["epoch"] == epoch:
+            skip = min(self._resume_state["batches_done"], len(self.dataset))
+        self._resume_state = None
+        self.dataset.set_epoch(epoch, skip)
+        self._epoch, self._n_yielded = epoch, skip
+        return super().__iter__()
+
+    def _on_batch(self) -> None:
+        self._n_yielded += 1
+
+    def state_dict(self) -> dict:
+        """Epoch and batches done in it: what a resumed run needs to continue the same stream."""
+        done = self.progress_fn() if self.progress_fn is not None else self._n_yielded
+        return {"epoch": int(self._epoch), "batches_done": int(done), "world_size": self.dataset.world_size,
+                "num_workers": self.dataset.num_workers}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the next ``iter()`` if it is the same epoch (a later epoch starts from its beginning)."""
+        if not isinstance(state, dict) or not {"epoch", "batches_done"} <= state.keys():
+            raise ValueError(f"training loader state must have 'epoch' and 'batches_done', got {state!r}")
+        self._resume_state = {"epoch": int(state["epoch"]), "batches_done": int(state["batches_done"])}
+
+
+class ActivationDataModule(L.LightningDataModule):
+    """Token activations from ``source``: a shard directory (manifest.json), an HDF5 token cache (*.h5),
+    ``"digits"`` (scikit-learn's 8x8 digits, 64-d, in [0, 1]) or ``"mnist"`` (torchvision, 784-d, in [0, 1]).
+
+    Args:
+        source: where the tokens are (see above).
+        batch_size: tokens per batch (per rank).
+        num_workers: DataLoader worker processes per rank (0: read in the main process). Each
+            hands batches over through ``prefetch_factor + 2`` = 4 shared-memory slots of
+            ``batch_size x d`` (float16 for shards: 25 MB at 4096 x 768), so Docker needs
+            ``--shm-size`` (or ``--ipc=host``) as for any multi-worker DataLoader.
+        shuffle_buffer_tokens: size of each worker's shuffle buffer (float16 for shards:
+            2 bytes x d per token, 400 MB at the default and d = 768); tokens of one image
+            spread over about this / batch_size batches.
+        val_fraction: share of the shards (or rows) held out for validation; 0 for none.
+        seed: seeds the per-epoch order (seed, epoch) of the training stream.
+        allow_download: let ``mnist`` download into ``data_dpath`` (needs network).
+        data_dpath: folder holding ``MNIST/raw``.
+        eval_tokens: size of the fixed validation sample for figures (``eval_sample``).
+    """
+
+    def __init__(self, source: str, batch_size: int = 4096, num_workers: int = 2,
+                 shuffle_buffer_tokens: int = 262_144, val_fraction: float = 0.1, seed: int = 0,
+                 allow_download: bool = False, data_dpath: str = "data", eval_tokens: int = 16_384) -> None:
+        super().__init__()
+        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                                 ("eval_tokens", eval_tokens, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--data.{name} must be an integer >= {low}, got {value!r}")
+        if shuffle_buffer_tokens < batch_size:
+            raise ValueError(f"--data.shuffle_buffer_tokens={shuffle_buffer_tokens} must be >= "
+                             f"--data.batch_size={batch_size}")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.save_hyperparameters()
+        self.source, self.batch_size, self.num_workers = source, batch_size, num_workers
+        self.shuffle_buffer_tokens, self.val_fraction, self.seed = shuffle_buffer_tokens, val_fraction, seed
+        self.allow_download, self.data_dpath, self.eval_tokens = allow_download, data_dpath, eval_tokens
+        self._data_source: ShardSource | RowSource | None = None
+        self._stats: dict | None = None
+        self._eval_sample: torch.Tensor | None = None
+        if source == "mnist" and allow_download:  # opened after prepare_data() has downloaded it
+            self.d_in, self.image_shape, self.manifest = 784, (28, 28), None
+        else:
+            data = self.data_source
+            data.units("train", val_fraction)  # a val_fraction that leaves nothing to train on fails now
+            self.d_in, self.image_shape, self.manifest = data.d, data.image_shape, data.manifest
+
+    @property
+    def data_source(self) -> ShardSource | RowSource:
+        """The opened source (opened on first use)."""
+        if self._data_source is None:
+            self._data_source = open_source(self.source, self.data_dpath, self.allow_download)
+        return self._data_source
+
+    def prepare_data(self) -> None:
+        """Download MNIST when allowed (Lightning calls this on one process per node before setup)."""
+        if self.source == "mnist" and self.allow_download:
+            load_mnist(self.data_dpath, allow_download=True)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.data_source  # noqa: B018 -- open now, after prepare_data, rather than inside a loader hook
+
+    @property
+    def stats(self) -> dict:
+        """``{"mean": Tensor[d_in] float32, "mean_sq_norm": float}`` (E||x||^2, uncentred), see data_sources."""
+        if self._stats is None:
+            mean, mean_sq_norm = self.data_source.stats(self.val_fraction)
+            self._stats = {"mean": torch.as_tensor(mean, dtype=torch.float32), "mean_sq_norm": float(mean_sq_norm)}
+        return self._stats
+
+    def eval_sample(self) -> torch.Tensor:
+        """A fixed ``[<= eval_tokens, d_in]`` float32 sample of the validation split (the training split when
+        ``val_fraction`` is 0), identical on every rank: the first tokens of each unit, shared out evenly."""
+        if self._eval_sample is None:
+            split = "val" if self.val_fraction > 0 else "train"
+            tokens = read_sample(self.data_source.units(split, self.val_fraction), self.eval_tokens)
+            self._eval_sample = torch.from_numpy(tokens)
+        return self._eval_sample
+
+    def _rank_world(self, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        if rank is not None and world_size is not None:
+            return rank, world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        return 0, 1
+
+    def train_dataset(self, rank: int | None = None, world_size: int | None = None) -> ShuffledTokenStream:
+        """This rank's training stream (explicit ``rank`` / ``world_size`` build any rank's, for tests)."""
+        rank, world_size = self._rank_world(rank, world_size)
+        data = self.data_source
+        return ShuffledTokenStream(data.units("train", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
+                                   world_size, self.num_workers, self.shuffle_buffer_tokens, self.seed,
+                                   unit_kind=data.unit_kind)
+
+    def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> OrderedTokenStream:
+        """This rank's part of the validation split."""
+        rank, world_size = self._rank_world(rank, world_size)
+        data = self.data_source
+        return OrderedTokenStream(data.units("val", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
+                                  world_size, self.num_workers)
+
+    def predict_dataset(self, rank: int | None = None, world_size: int | None = None) -> OrderedTokenStream:
+        """This rank's part of the whole dataset, in order, with image ids and token positions."""
+        rank, world_size = self._rank_world(rank, world_size)
+        data = self.data_source
+        return OrderedTokenStream(data.units("all", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
+                                  world_size, self.num_workers, with_ids=True)
+
+    def _pin_memory(self) -> bool:
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+
+    def _epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    def _batches_done(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def train_dataloader(self) -> TrainTokenLoader:
+        attached = self.trainer is not None
+        return TrainTokenLoader(self.train_dataset(), self.num_workers, self._pin_memory(),
+                                epoch_fn=self._epoch if attached else None,
+                                progress_fn=self._batches_done if attached else None)
+
+    def val_dataloader(self) -> TokenLoader | list:
+        if self.val_fraction == 0:
+            return []  # no held-out split: Lightning skips validation
+        return TokenLoader(self.val_dataset(), self.num_workers, self._pin_memory())
+
+    def test_dataloader(self) -> TokenLoader | list:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> TokenLoader:
+        return TokenLoader(self.predict_dataset(), self.num_workers, self._pin_memory())

@@ -1,0 +1,322 @@
+"""Where training tokens come from: shard directories, HDF5 token caches, ``digits``, ``mnist``.
+
+Every source is cut into *units* whose token counts are known before reading: a shard
+(count from the manifest x tokens per image) or a block of rows (digits, MNIST, an HDF5
+cache). A unit reads any token range ``[lo, hi)`` of itself as a stream of chunks. The
+streams in ``data_stream.py`` see only units, so splitting by rank and worker, shuffling
+and equal batch counts are one code path for every source.
+
+Design choices:
+- Shards are read through ``feature_extraction.shards`` (the owner of the format); a unit
+  checks each sample's shape and the shard's sample count against the manifest, so a
+  short or malformed shard raises ``ShardFormatError`` naming it.
+- Train/validation split: by shard for shard directories (``val_fraction`` of the
+  shards, at least one, spread evenly over the sorted image ids so the held-out set does
+  not collect the last classes of an id-sorted dataset); by a fixed permutation of rows
+  (seed ``SPLIT_SEED``, independent of the training seed) for row sources, so runs with
+  different seeds are validated on the same rows.
+- Normalisation statistics (DESIGN.md: mean for ``b_pre``, E||x||^2 for the input scale)
+  come from the manifest for shards (computed over *all* shards, validation included:
+  re-reading 0.5 TB for a 10 % difference in the sample is not worth it), and are
+  computed over the training rows for row sources.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Iterator, NamedTuple, Protocol
+
+import numpy as np
+
+from feature_extraction.h5cache import TokenCache
+from feature_extraction.shards import ShardFormatError, iter_shard_samples, load_manifest, shard_fpaths
+
+SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
+MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
+ROWS_PER_CHUNK = 8_192  # bounds the memory of one read from a row source
+SOURCE_FORMS = ("a shard directory (with manifest.json), an HDF5 token cache (*.h5 / *.hdf5), "
+                "'digits' or 'mnist'")
+
+
+class Chunk(NamedTuple):
+    """Consecutive tokens of one unit: ``tokens [n, d]`` (float16 or float32); ids and positions on request."""
+
+    tokens: np.ndarray
+    image_ids: list[str] | None
+    token_positions: np.ndarray | None
+
+
+class Unit(Protocol):
+    """A piece of a source with a known token count that can read any token range of itself."""
+
+    name: str
+    n_tokens: int
+
+    def read(self, lo: int, hi: int, with_ids: bool = False) -> Iterator[Chunk]:
+        """Yield tokens ``[lo, hi)`` of this unit in order."""
+        ...
+
+
+class ShardUnit:
+    """One webdataset shard; token ``t`` is token ``t % tokens_per_image`` of image ``t // tokens_per_image``."""
+
+    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int) -> None:
+        self.fpath = Path(fpath)
+        self.name = str(self.fpath)
+        self.n_images = int(n_images)
+        self.tokens_per_image = int(tokens_per_image)
+        self.d = int(d)
+        self.n_tokens = self.n_images * self.tokens_per_image
+
+    def read(self, lo: int, hi: int, with_ids: bool = False) -> Iterator[Chunk]:
+        """Yield one chunk per image overlapping ``[lo, hi)``; stops reading the tar after the last one."""
+        if not 0 <= lo <= hi <= self.n_tokens:
+            raise ValueError(f"{self.fpath}: token range [{lo}, {hi}) outside [0, {self.n_tokens}]")
+        if lo == hi:
+            return
+        tpi = self.tokens_per_image
+        first, last = lo // tpi, (hi - 1) // tpi
+        n_seen = 0
+        with contextlib.closing(iter_shard_samples([self.fpath])) as samples:
+            for index, (key, tokens, _meta) in enumerate(samples):
+                n_seen = index + 1
+                if index < first:
+                    continue
+                if tokens.shape != (tpi, self.d):
+                    raise ShardFormatError(f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
+                                           f"manifest says [{tpi}, {self.d}]; re-extract the shard")
+                start = index * tpi
+                a, b = max(lo - start, 0), min(hi - start, tpi)
+                yield Chunk(tokens[a:b], [key] * (b - a) if with_ids else None,
+                            np.arange(a, b, dtype=np.int64) if with_ids else None)
+                if index == last:
+                    return
+        raise ShardFormatError(f"{self.fpath}: holds {n_seen} samples, the manifest lists {self.n_images}; "
+                               "re-extract the shard")
+
+
+class RowReader(Protocol):
+    """Random access to the rows of a row source (one row = one token)."""
+
+    n_rows: int
+    d: int
+    dtype: np.dtype  # float16 or float32, what ``read`` returns
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """Tokens of the given increasing rows, ``[len(rows), d]`` of ``dtype``."""
+        ...
+
+    def image_ids(self, rows: np.ndarray) -> list[str]:
+        """One image id per row."""
+        ...
+
+    def token_positions(self, rows: np.ndarray) -> np.ndarray:
+        """One token position (int64) per row."""
+        ...
+
+
+class ArrayRows:
+    """Rows of an in-memory array, scaled to float32 on read (MNIST stays uint8 in memory: 4x smaller)."""
+
+    def __init__(self, name: str, array: np.ndarray, scale: float) -> None:
+        self.name = name
+        self.array = array
+        self.scale = np.float32(scale)
+        self.n_rows, self.d = (int(s) for s in array.shape)
+        self.dtype = np.dtype(np.float32)
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        return self.array[rows].astype(np.float32) * self.scale
+
+    def image_ids(self, rows: np.ndarray) -> list[str]:
+        return [f"{self.name}/{row}" for row in rows.tolist()]
+
+    def token_positions(self, rows: np.ndarray) -> np.ndarray:
+        return np.zeros(len(rows), np.int64)  # one token per image
+
+
+class CacheRows:
+    """Rows of an HDF5 token cache; reads one contiguous hyperslab per call (h5py point selections are slow)."""
+
+    def __init__(self, cache: TokenCache) -> None:
+        self.cache = cache
+        self.name = str(cache.fpath)
+        self.n_rows, self.d = len(cache), cache.d
+        self.dtype = np.dtype(np.float16 if cache[0:0].dtype == np.float16 else np.float32)
+
+    def _span(self, rows: np.ndarray) -> tuple[slice, np.ndarray]:
+        return slice(int(rows[0]), int(rows[-1]) + 1), rows - rows[0]
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        span, local = self._span(rows)
+        tokens = self.cache[span][local]
+        return tokens if tokens.dtype == np.float16 else tokens.astype(np.float32)
+
+    def image_ids(self, rows: np.ndarray) -> list[str]:
+        if not self.cache.has_image_ids:
+            return [f"{self.cache.fpath.name}/{row}" for row in rows.tolist()]
+        span, local = self._span(rows)
+        return self.cache.image_ids(span)[local].tolist()
+
+    def token_positions(self, rows: np.ndarray) -> np.ndarray:
+        if not self.cache.has_token_positions:
+            return np.zeros(len(rows), np.int64)
+        span, local = self._span(rows)
+        return self.cache.token_positions(span)[local].astype(np.int64)
+
+
+class RowUnit:
+    """A block of increasing rows of a row source."""
+
+    def __init__(self, reader: RowReader, rows: np.ndarray, source_name: str) -> None:
+        self.reader = reader
+        self.rows = rows
+        self.n_tokens = len(rows)
+        self.name = f"{source_name} rows {rows[0]}-{rows[-1]}" if len(rows) else f"{source_name} (no rows)"
+
+    def read(self, lo: int, hi: int, with_ids: bool = False) -> Iterator[Chunk]:
+        if not 0 <= lo <= hi <= self.n_tokens:
+            raise ValueError(f"{self.name}: row range [{lo}, {hi}) outside [0, {self.n_tokens}]")
+        for start in range(lo, hi, ROWS_PER_CHUNK):
+            rows = self.rows[start : min(hi, start + ROWS_PER_CHUNK)]
+            yield Chunk(self.reader.read(rows), self.reader.image_ids(rows) if with_ids else None,
+                        self.reader.token_positions(rows) if with_ids else None)
+
+
+def n_validation(n: int, val_fraction: float, what: str) -> int:
+    """How many of ``n`` shards/rows to hold out: ``round(val_fraction * n)``, at least 1 unless 0 is asked."""
+    n_val = 0 if val_fraction == 0 else max(1, round(val_fraction * n))
+    if n - n_val < 1:
+        raise ValueError(f"--data.val_fraction={val_fraction} leaves no training {what} out of {n}; "
+                         f"set --data.val_fraction 0 or provide more {what}")
+    return n_val
+
+
+class ShardSource:
+    """A finished shard directory; units are its shards in manifest order."""
+
+    unit_kind = "shards"
+    image_shape = None
+    dtype = np.dtype(np.float16)
+
+    def __init__(self, dpath: Path) -> None:
+        self.manifest = load_manifest(dpath)
+        self.name = str(dpath)
+        self.d = int(self.manifest["d"])
+        tpi = int(self.manifest["tokens_per_image"])
+        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d)
+                       for fpath, entry in zip(shard_fpaths(dpath, self.manifest), self.manifest["shards"])]
+
+    def units(self, split: str, val_fraction: float) -> list[ShardUnit]:
+        """Shards of ``split`` ("train", "val" or "all"); validation shards spread evenly over the id range."""
+        if split == "all":
+            return list(self._units)
+        n = len(self._units)
+        n_val = n_validation(n, val_fraction, "shards")
+        val = {int((i + 0.5) * n / n_val) for i in range(n_val)}
+        return [u for i, u in enumerate(self._units) if (i in val) == (split == "val")]
+
+    def stats(self, val_fraction: float) -> tuple[np.ndarray, float]:
+        """Mean ``[d]`` and E||x||^2 of the whole directory, from the manifest (see module docstring)."""
+        stats = self.manifest["stats"]
+        return np.asarray(stats["mean"], np.float64), float(stats["mean_sq_norm"])
+
+
+class RowSource:
+    """An array-like source (digits, MNIST, HDF5 cache); units are blocks of a fixed row permutation."""
+
+    unit_kind = "row blocks"
+    manifest = None
+
+    def __init__(self, name: str, reader: RowReader, image_shape: tuple[int, int] | None) -> None:
+        if reader.n_rows == 0:
+            raise ValueError(f"--data.source {name}: holds no tokens; accepted sources: {SOURCE_FORMS}")
+        self.name, self.reader, self.image_shape, self.d = name, reader, image_shape, reader.d
+        self.dtype = reader.dtype
+        self._perm = np.random.default_rng(SPLIT_SEED).permutation(reader.n_rows)
+
+    def split_rows(self, split: str, val_fraction: float) -> np.ndarray:
+        """Row indices of ``split``; validation rows in permutation order (a random sample of the rows)."""
+        if split == "all":
+            return np.arange(self.reader.n_rows)
+        n_val = n_validation(self.reader.n_rows, val_fraction, "rows")
+        return self._perm[:n_val] if split == "val" else self._perm[n_val:]
+
+    def units(self, split: str, val_fraction: float) -> list[RowUnit]:
+        """Blocks of at most MAX_ROWS_PER_UNIT increasing rows; about 256 blocks so many workers fit."""
+        rows = np.sort(self.split_rows(split, val_fraction))
+        size = max(1, min(MAX_ROWS_PER_UNIT, math.ceil(len(rows) / 256)))
+        return [RowUnit(self.reader, rows[s : s + size], self.name) for s in range(0, len(rows), size)]
+
+    def stats(self, val_fraction: float) -> tuple[np.ndarray, float]:
+        """Mean ``[d]`` and E||x||^2 over the training rows, accumulated in float64."""
+        total, sq_norm, n = np.zeros(self.d), 0.0, 0
+        for unit in self.units("train", val_fraction):
+            for chunk in unit.read(0, unit.n_tokens):
+                x = chunk.tokens.astype(np.float64)
+                total += x.sum(axis=0)
+                sq_norm += float(np.einsum("nd,nd->", x, x))
+                n += len(x)
+        return total / n, sq_norm / n
+
+
+def load_mnist(data_dpath: str | Path, allow_download: bool) -> np.ndarray:
+    """MNIST train images as uint8 ``[60000, 784]`` from ``data_dpath/MNIST/raw``; downloads only when allowed."""
+    from torchvision.datasets import MNIST
+
+    try:
+        dataset = MNIST(root=str(data_dpath), train=True, download=allow_download)
+    except (RuntimeError, OSError, ValueError) as exn:
+        reason = str(exn).splitlines()[0] if str(exn) else type(exn).__name__
+        if allow_download:
+            raise ValueError(f"mnist: download into --data.data_dpath={data_dpath} failed ({reason}); the machine "
+                             "looks offline: copy MNIST/raw/ there from a machine with network access, or use "
+                             "--data.source digits") from None
+        raise ValueError(f"mnist: not found under --data.data_dpath={data_dpath} (expected MNIST/raw/) and "
+                         "downloading is off; pass --data.allow_download true to download it (needs network) or "
+                         "point --data.data_dpath at a folder holding MNIST/raw/") from None
+    return dataset.data.numpy().reshape(len(dataset.data), -1)
+
+
+def open_source(source: str, data_dpath: str | Path = "data",
+                allow_download: bool = False) -> ShardSource | RowSource:
+    """Resolve ``--data.source``; a one-line ValueError names a missing or empty source and the accepted forms."""
+    if source == "digits":
+        from sklearn.datasets import load_digits
+
+        images = load_digits().images.reshape(-1, 64).astype(np.float32) / 16.0  # pixel values 0..16
+        return RowSource("digits", ArrayRows("digits", images, 1.0), (8, 8))
+    if source == "mnist":
+        return RowSource("mnist", ArrayRows("mnist", load_mnist(data_dpath, allow_download), 1 / 255), (28, 28))
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"--data.source is empty; pass {SOURCE_FORMS}")
+    fpath = Path(source)
+    if fpath.suffix in (".h5", ".hdf5"):
+        if not fpath.is_file():
+            raise ValueError(f"--data.source {source}: HDF5 file not found; pass {SOURCE_FORMS}")
+        cache = TokenCache(fpath)
+        return RowSource(str(fpath), CacheRows(cache), None)
+    if fpath.is_dir():
+        if not any(fpath.iterdir()):
+            raise ValueError(f"--data.source {source}: empty directory; pass {SOURCE_FORMS}")
+        return ShardSource(fpath)  # load_manifest names an unfinished extraction and its fix
+    raise ValueError(f"--data.source {source!r}: not found; pass {SOURCE_FORMS}")
+
+
+def read_sample(units: list, n_tokens: int) -> np.ndarray:
+    """The first tokens of every unit, shared out evenly (water-filling), ``[min(n_tokens, total), d]`` float32.
+
+    Deterministic and cheap (a shard is read only up to its share), so every rank builds
+    the same sample for figures without reading a whole split.
+    """
+    remaining, takes = n_tokens, {}
+    order = sorted(range(len(units)), key=lambda i: units[i].n_tokens)
+    for left, i in zip(range(len(units), 0, -1), order):
+        takes[i] = min(units[i].n_tokens, remaining // left)
+        remaining -= takes[i]
+    parts = [chunk.tokens.astype(np.float32) for i, unit in enumerate(units) if takes.get(i)
+             for chunk in unit.read(0, takes[i])]
+    if not parts:
+        raise ValueError("read_sample: the units hold no tokens")
+    return np.concatenate(parts)

@@ -1,0 +1,209 @@
+"""Export a trained SAE out of a Lightning checkpoint: ``sae.safetensors`` + ``config.json``.
+
+The export is what downstream users load: no Lightning, no optimiser state, no pickle
+(safetensors for tensors, JSON for everything else), and it works on *raw* activations.
+Training may scale inputs by ``input_scale`` (so that E‖x‖² = d_in, see
+:class:`sae_pipeline.module.SAEModule`); every variant is positively homogeneous in its
+biases and thresholds (``f(s·x; b, θ) = s·f(x; b/s, θ/s)``), so the scale is folded into
+``b_pre``, ``b_enc`` and the thresholds by ``SparseAutoencoder.fold_input_scale`` and the
+exported model's ``x_hat`` on raw ``x`` equals the trained model's ``x_hat`` on ``s·x``
+divided by ``s``. Its codes are in raw units, i.e. the trained codes divided by ``s``.
+
+The SAE's constructor arguments are the whole config (``sae_config``): every variant keeps
+each constructor argument as an attribute of the same name, so the config is read off the
+instance with ``inspect.signature`` and rebuilt with ``build_sae``.
+
+Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import sae_pipeline
+from sae_pipeline import sae as sae_package
+from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+
+CONFIG_FNAME = "config.json"
+WEIGHTS_FNAME = "sae.safetensors"
+EXPORT_FORMAT = "sae_pipeline.export/1"
+
+
+class ExportError(ValueError):
+    """A checkpoint or export directory that cannot be read; the message names the file and the fix."""
+
+
+def class_path_of(cls: type) -> str:
+    """``sae_pipeline.sae.Name`` for the package's variants (their public path), else ``module.Name``."""
+    if getattr(sae_package, cls.__name__, None) is cls:
+        return f"{sae_package.__name__}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def variant_name(cls: type) -> str | None:
+    """The registry name of a variant class (``"mp"``, ``"topk"``, ...), None when unregistered."""
+    return next((name for name, registered in SAE_REGISTRY.items() if registered is cls), None)
+
+
+def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
+    """``{"class_path", "init_args"}`` of an SAE instance, as plain JSON data.
+
+    Read from the constructor signature and the attributes of the same name (the variants'
+    convention), so any variant, including a user's subclass that follows it, round-trips.
+    """
+    cls = type(sae)
+    init_args: dict[str, Any] = {}
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if not hasattr(sae, name):
+            raise ExportError(f"{cls.__name__} has no attribute {name!r} for its constructor argument; "
+                              "keep every constructor argument as an attribute of the same name")
+        value = getattr(sae, name)
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ExportError(f"{cls.__name__}.{name} = {value!r} is not a JSON scalar; the SAE config must be plain")
+        init_args[name] = value
+    return {"class_path": class_path_of(cls), "init_args": init_args}
+
+
+def resolve_sae_class(class_path: str) -> type[SparseAutoencoder]:
+    """Import ``class_path`` and check that it names a :class:`SparseAutoencoder` subclass."""
+    module_name, _, class_name = str(class_path).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, SparseAutoencoder)):
+        names = ", ".join(class_path_of(c) for c in SAE_REGISTRY.values())
+        raise ExportError(f"class_path {class_path!r} is not an SAE class; use one of {names}")
+    return cls
+
+
+def build_sae(config: dict[str, Any]) -> SparseAutoencoder:
+    """Instantiate the SAE described by ``{"class_path", "init_args"}`` (weights freshly initialised)."""
+    if not isinstance(config, dict) or "class_path" not in config:
+        raise ExportError(f"SAE config must be a dict with 'class_path' and 'init_args', got {config!r}")
+    return resolve_sae_class(config["class_path"])(**dict(config.get("init_args") or {}))
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """sha256 of a shard manifest, ignoring ``created_at`` (which changes on every finalize),
+    so the hash names the data, not the moment it was indexed."""
+    content = {key: value for key, value in manifest.items() if key != "created_at"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:
+    """``torch.load(..., weights_only=True)`` of a Lightning checkpoint written by ``SAEModule``."""
+    ckpt_fpath = Path(ckpt_fpath)
+    if not ckpt_fpath.is_file():
+        raise ExportError(f"--ckpt_path {ckpt_fpath}: file not found; pass a .ckpt written by `fit` "
+                          "(e.g. runs/NAME/checkpoints/last.ckpt)")
+    try:
+        checkpoint = torch.load(ckpt_fpath, map_location="cpu", weights_only=True)
+    except Exception as exn:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
+        # Not torch's message: it suggests weights_only=False, which this product never does.
+        raise ExportError(f"--ckpt_path {ckpt_fpath}: not a readable weights-only checkpoint "
+                          f"({type(exn).__name__}); pass a .ckpt written by `fit`") from None
+    missing = [key for key in ("state_dict", "sae_config", "input_scale") if key not in checkpoint]
+    if not isinstance(checkpoint, dict) or missing:
+        raise ExportError(f"--ckpt_path {ckpt_fpath}: missing {', '.join(missing) or 'content'}; "
+                          "it was not written by sae_pipeline's SAEModule")
+    return checkpoint
+
+
+def sae_from_checkpoint(checkpoint: dict[str, Any]) -> SparseAutoencoder:
+    """The trained SAE of a loaded checkpoint (input scale *not* folded)."""
+    sae = build_sae(checkpoint["sae_config"])
+    prefix = "sae."
+    state = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
+    try:
+        sae.load_state_dict(state, strict=True)
+    except RuntimeError as exn:
+        raise ExportError(f"checkpoint weights do not match its sae_config: {str(exn).splitlines()[0]}") from None
+    return sae
+
+
+def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
+    """Write ``sae.safetensors`` and ``config.json`` for a checkpoint into ``out_dpath``; return it.
+
+    The input scale is folded into the weights (``input_scale_folded`` in the config), so the
+    exported SAE takes raw activations. ``config.json`` also records the variant, sizes, the
+    module's hyper-parameters, the data (source, manifest sha256 for shard data), the
+    training progress and the package version.
+    """
+    ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
+    checkpoint = load_checkpoint(ckpt_fpath)
+    sae = sae_from_checkpoint(checkpoint)
+    input_scale = float(checkpoint["input_scale"])
+    if not (math.isfinite(input_scale) and input_scale > 0):
+        raise ExportError(f"--ckpt_path {ckpt_fpath}: input_scale is {input_scale}, must be finite and > 0")
+    sae.fold_input_scale(input_scale)
+    hyper_parameters = {key: value for key, value in dict(checkpoint.get("hyper_parameters") or {}).items()
+                        if not key.startswith("_") and key != "sae"}
+    config = {
+        "format": EXPORT_FORMAT,
+        "variant": variant_name(type(sae)),
+        **sae_config(sae),
+        "d_in": sae.d_in,
+        "d_sae": sae.d_sae,
+        "k": sae.k,
+        "input_scale": input_scale,
+        "input_scale_folded": True,
+        "hyper_parameters": hyper_parameters,
+        "data": checkpoint.get("data"),
+        "manifest_sha256": (checkpoint.get("data") or {}).get("manifest_sha256"),
+        "global_step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+        "checkpoint": str(ckpt_fpath.resolve()),
+        "package_version": sae_pipeline.__version__,
+        "trained_with_package_version": checkpoint.get("sae_pipeline_version"),
+    }
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    tensors = {key: value.detach().contiguous() for key, value in sae.state_dict().items()}
+    save_file(tensors, str(out_dpath / WEIGHTS_FNAME), metadata={"format": EXPORT_FORMAT})
+    (out_dpath / CONFIG_FNAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+    return out_dpath
+
+
+def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
+    """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode."""
+    dpath = Path(dpath)
+    config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
+    for fpath in (config_fpath, weights_fpath):
+        if not fpath.is_file():
+            raise ExportError(f"{fpath}: not found; export a checkpoint first "
+                              "(python -m sae_pipeline export --ckpt_path FILE --out DIR)")
+    try:
+        config = json.loads(config_fpath.read_text())
+    except json.JSONDecodeError as exn:
+        raise ExportError(f"{config_fpath}: invalid JSON ({exn}); re-export the checkpoint") from None
+    sae = build_sae(config)
+    try:
+        sae.load_state_dict(load_file(str(weights_fpath), device=str(map_location)), strict=True)
+    except RuntimeError as exn:
+        raise ExportError(f"{weights_fpath}: weights do not match {CONFIG_FNAME}: {str(exn).splitlines()[0]}") from None
+    return sae.to(map_location).eval()
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """``python -m sae_pipeline export --ckpt_path FILE --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sae_pipeline export",
+        description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
+                    "with the input normalisation folded in so it runs on raw activations.")
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
+    parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    args = parser.parse_args(argv)
+    out_dpath = export_checkpoint(args.ckpt_path, args.out)
+    print(f"exported {args.ckpt_path} -> {out_dpath / WEIGHTS_FNAME}, {out_dpath / CONFIG_FNAME}")
+    return out_dpath

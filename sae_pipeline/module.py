@@ -1,0 +1,299 @@
+"""SAEModule: the training logic around an injected SAE variant (Lightning).
+
+The SAE is a plain ``nn.Module`` (``class_path`` / ``init_args`` in the YAML); this module
+owns everything a training run adds to it:
+
+- Optimiser: the paper's vision recipe (Costa et al. 2025, §4 "Setup"): Adam, lr 5e-4,
+  linear warm-up then cosine decay to 1e-6, stepped per optimiser step over
+  ``trainer.estimated_stepping_batches``.
+- Dictionary constraint: unit-norm atoms after every optimiser step, with the gradient
+  component parallel to each atom removed before it (DESIGN.md, "SAE variants").
+- Input normalisation (optional): ``x · input_scale`` with ``input_scale = sqrt(d_in / E‖x‖²)``
+  from the data statistics, so one set of hyper-parameters (λ, JumpReLU bandwidth) fits
+  every backbone; export folds the scale back in (:mod:`sae_pipeline.export`).
+- ``b_pre`` from the data mean, once: a persistent flag buffer keeps a resumed run (or a
+  second ``fit`` call) from resetting it.
+- Dead-latent clock merged across ranks every step, so AuxK and ``val/dead_fraction``
+  agree on every rank whatever the world size.
+- Exact validation metrics: float64 sums all-reduced once per epoch, valid even when a
+  rank received no validation batch.
+- NaN/Inf in a batch stops training with the global step and the shards named.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import sae_pipeline
+from sae_pipeline.export import manifest_sha256, sae_config
+from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction, l0
+from sae_pipeline.predict import sparse_codes
+from sae_pipeline.sae import SparseAutoencoder
+
+
+class NonFiniteBatchError(FloatingPointError, ValueError):
+    """A batch (or the loss on it) holds NaN or Inf; the message names the global step and the shards."""
+
+
+def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier at optimiser step ``step`` (0-based): linear warm-up, then cosine.
+
+    Warm-up: ``(step + 1) / warmup_steps``, so the first step already moves and step
+    ``warmup_steps − 1`` runs at the peak. Then a half cosine from 1 down to ``min_ratio``
+    (= min_lr / lr), reached exactly at the last step ``total_steps − 1`` and held after it
+    (a run resumed with a larger budget keeps the floor rather than rising again).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = total_steps - warmup_steps
+    if decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps + 1) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class SAEModule(L.LightningModule):
+    """Train one SAE variant.
+
+    Args:
+        sae: the SAE variant (``class_path`` + ``init_args``; ``d_in`` is linked from the data
+            by the CLI).
+        lr: peak Adam learning rate; 5e-4 as in the paper's vision experiments.
+        warmup_steps: optimiser steps of linear warm-up (capped at the run's total).
+        min_lr: learning rate at the end of the cosine decay (1e-6 in the paper).
+        normalize_input: scale inputs so that E‖x‖² = d_in (from the data statistics).
+        inference_ks: the k values of the R²-vs-k sweep in the figures callback (None: it
+            derives them from the SAE's k).
+        babel_r_max: largest r of the Babel curves in the figures callback.
+    """
+
+    def __init__(
+        self,
+        sae: SparseAutoencoder,
+        lr: float = 5e-4,
+        warmup_steps: int = 1000,
+        min_lr: float = 1e-6,
+        normalize_input: bool = True,
+        inference_ks: list[int] | None = None,
+        babel_r_max: int = 64,
+    ) -> None:
+        super().__init__()
+        if not isinstance(sae, SparseAutoencoder):
+            raise ValueError(f"model.sae must be a SparseAutoencoder variant, got {type(sae).__name__}")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"model.lr must be a finite number > 0, got {lr!r}")
+        if not (isinstance(min_lr, (int, float)) and 0 <= min_lr <= lr):
+            raise ValueError(f"model.min_lr must be in [0, model.lr={lr}], got {min_lr!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if inference_ks is not None and not all(isinstance(k, int) and 1 <= k <= sae.d_sae for k in inference_ks):
+            raise ValueError(f"model.inference_ks must be integers in [1, d_sae={sae.d_sae}], got {inference_ks!r}")
+        if isinstance(babel_r_max, bool) or not isinstance(babel_r_max, int) or babel_r_max < 1:
+            raise ValueError(f"model.babel_r_max must be an integer >= 1, got {babel_r_max!r}")
+        # The SAE object itself is not a hyper-parameter (it would be pickled into the
+        # checkpoint); its plain {"class_path", "init_args"} is, so checkpoints load with
+        # torch.load(weights_only=True) and LightningCLI can rebuild the module from them.
+        self.save_hyperparameters(ignore=["sae"])
+        self.hparams["sae"] = sae_config(sae)
+        self.sae = sae
+        self.register_buffer("input_scale", torch.ones(()))
+        self.register_buffer("initialized_from_data", torch.zeros((), dtype=torch.bool))
+        self.train_r2 = ReconstructionR2(sae.d_in)
+        # Evaluation metrics are synced by hand at epoch end (see `_log_eval_epoch`).
+        self.val_r2 = ReconstructionR2(sae.d_in, sync_on_compute=False)
+        self.val_stats = ActivationStats(sae.d_sae, sync_on_compute=False)
+        self.test_r2 = ReconstructionR2(sae.d_in, sync_on_compute=False)
+        self.test_stats = ActivationStats(sae.d_sae, sync_on_compute=False)
+        self.data_info: dict[str, Any] | None = None
+        self._initialized_cache: bool | None = None
+
+    # --- input ----------------------------------------------------------------------------
+    def preprocess(self, x: Tensor) -> Tensor:
+        """``x · input_scale`` (the scale is 1 unless ``normalize_input``)."""
+        return x * self.input_scale.to(x.dtype)
+
+    def _checked_input(self, batch: dict[str, Any], stage: str) -> Tensor:
+        x = batch["x"]
+        if not torch.isfinite(x).all():
+            n_bad = int((~torch.isfinite(x)).sum())
+            raise NonFiniteBatchError(
+                f"{stage} at global step {self.global_step}: batch from shards {list(batch.get('shards', []))} "
+                f"holds {n_bad} NaN/Inf values; re-extract or drop those shards")
+        return self.preprocess(x)
+
+    # --- data-dependent initialisation -----------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Take ``input_scale`` and ``b_pre`` from the datamodule's statistics (once).
+
+        Runs before Lightning restores a checkpoint, so a resumed run ends with the
+        checkpoint's values either way; the flag buffer covers a module reused in-process.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is None:
+            return
+        d_in = getattr(datamodule, "d_in", None)
+        if d_in is not None and d_in != self.sae.d_in:
+            raise ValueError(f"data d_in={d_in} differs from model.sae.init_args.d_in={self.sae.d_in}; "
+                             "drop d_in from the config so the CLI links it from the data")
+        manifest = getattr(datamodule, "manifest", None)
+        self.data_info = {
+            "source": str(getattr(datamodule, "source", None)),
+            "d_in": d_in,
+            "manifest_sha256": manifest_sha256(manifest) if manifest else None,
+        }
+        if bool(self.initialized_from_data):
+            return
+        stats = getattr(datamodule, "stats", None)
+        if stats:
+            try:
+                self.init_from_data(torch.as_tensor(stats["mean"], dtype=torch.float32), float(stats["mean_sq_norm"]))
+            except ValueError as exn:
+                raise ValueError(f"data.source {self.data_info['source']}: {exn}") from None
+
+    @torch.no_grad()
+    def init_from_data(self, mean: Tensor, mean_sq_norm: float) -> None:
+        """Set ``input_scale = sqrt(d_in / E‖x‖²)`` (when normalising) and ``b_pre = mean · input_scale``."""
+        if not (math.isfinite(mean_sq_norm) and mean_sq_norm > 0 and bool(torch.isfinite(mean).all())):
+            raise ValueError(f"the data statistics are not finite and positive (mean squared norm {mean_sq_norm}); "
+                             "the data holds NaN/Inf or only zeros: repair or drop it")
+        scale = math.sqrt(self.sae.d_in / mean_sq_norm) if self.hparams.normalize_input else 1.0
+        self.input_scale.fill_(scale)
+        self.sae.init_b_pre(mean.to(self.sae.b_pre.device, self.sae.b_pre.dtype) * scale)
+        self.initialized_from_data.fill_(True)
+        self._initialized_cache = True
+
+    def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Without datamodule statistics (plain dataloaders), initialise from the first batch,
+        averaged over ranks."""
+        if self._initialized_cache is None:  # read the buffer once, not every step (a device sync)
+            self._initialized_cache = bool(self.initialized_from_data)
+        if self._initialized_cache:
+            return
+        x = batch["x"].detach().float()
+        moments = torch.cat([x.mean(0), x.square().sum(1).mean()[None]])
+        if _world_size() > 1:
+            dist.all_reduce(moments)
+            moments /= _world_size()
+        self.init_from_data(moments[:-1], float(moments[-1]))
+
+    # --- training ---------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        x = self._checked_input(batch, "training")
+        output = self.sae(x)
+        losses = self.sae.loss(x, output, step=self.global_step)
+        if not torch.isfinite(losses.loss):
+            raise NonFiniteBatchError(
+                f"training at global step {self.global_step}: loss is {float(losses.loss)} on the batch from shards "
+                f"{list(batch.get('shards', []))}; training diverged, lower model.lr")
+        self.record_firing(output.codes)
+        self.log("train/loss", losses.loss, prog_bar=True)
+        self.log("train/mse", losses.mse)
+        self.log("train/sparsity_loss", losses.sparsity)
+        self.log("train/aux_loss", losses.aux)
+        self.log("train/l0", l0(output.codes).float())
+        self.log("train/r2", self.train_r2(x, output.x_hat).float())
+        self.log("train/dead_fraction", dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens).float())
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return losses.loss
+
+    @torch.no_grad()
+    def record_firing(self, codes: Tensor) -> None:
+        """Advance the dead-latent clock with this step's codes from every rank: a latent fired
+        if it fired on any rank, and the token count is the sum (one all-reduce)."""
+        counts = torch.cat([(codes != 0).any(0).to(torch.int64), codes.new_full((1,), codes.shape[0], dtype=torch.int64)])
+        if _world_size() > 1:
+            dist.all_reduce(counts)
+        self.sae.record_firing(counts[:-1] > 0, counts[-1])
+
+    def on_train_epoch_end(self) -> None:
+        self.train_r2.reset()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.sae.remove_parallel_grad()
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.sae.normalize_atoms()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps) or total_steps < 1:
+            raise ValueError(f"the run's number of optimiser steps is {total_steps}; set --trainer.max_steps or "
+                             "--trainer.max_epochs so the cosine schedule has an end")
+        total_steps = int(total_steps)
+        optimizer = torch.optim.Adam(self.sae.parameters(), lr=self.hparams.lr)
+        factor = partial(warmup_cosine_factor, warmup_steps=min(self.hparams.warmup_steps, total_steps),
+                         total_steps=total_steps, min_ratio=self.hparams.min_lr / self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # --- evaluation --------------------------------------------------------------------------
+    def _eval_step(self, batch: dict[str, Any], stage: str) -> None:
+        x = self._checked_input(batch, stage)
+        output = self.sae(x)
+        getattr(self, f"{stage}_r2").update(x, output.x_hat)
+        getattr(self, f"{stage}_stats").update(output.codes)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _log_eval_epoch(self, stage: str) -> None:
+        """All-reduce the float64 sums (every rank calls this, even with no batch), log R², MSE,
+        L0 and the dead fraction as the values of the whole evaluated set, then reset."""
+        r2_metric: ReconstructionR2 = getattr(self, f"{stage}_r2")
+        stats_metric: ActivationStats = getattr(self, f"{stage}_stats")
+        with r2_metric.sync_context(), stats_metric.sync_context():
+            if r2_metric.n.item() > 0:
+                values = {
+                    "r2": r2_metric.compute(),
+                    "mse": r2_metric.sum_sq_err / (r2_metric.n * self.sae.d_in),
+                    "l0": stats_metric.compute()["l0"],
+                }
+            else:
+                values = {}
+        r2_metric.reset()
+        stats_metric.reset()
+        values["dead_fraction"] = dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens)
+        for name, value in values.items():
+            # Identical on every rank already; the max over ranks keeps it exact (a mean could round).
+            self.log(f"{stage}/{name}", float(value), sync_dist=True, reduce_fx="max")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval_epoch("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval_epoch("test")
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Sparse codes in raw units (trained codes / input_scale, as the exported SAE gives them)."""
+        x = self._checked_input(batch, "predict")
+        codes = self.sae.encode(x).float() / self.input_scale
+        indices, values = sparse_codes(codes)
+        return {"image_ids": list(batch["image_ids"]), "token_positions": batch["token_positions"],
+                "indices": indices, "values": values}
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Plain data export needs without unpickling Python objects."""
+        checkpoint["sae_config"] = sae_config(self.sae)
+        checkpoint["input_scale"] = float(self.input_scale)
+        checkpoint["data"] = self.data_info
+        checkpoint["sae_pipeline_version"] = sae_pipeline.__version__
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._initialized_cache = None  # the restored buffer decides
+        if self.data_info is None:
+            self.data_info = checkpoint.get("data")

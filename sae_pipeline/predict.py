@@ -1,0 +1,124 @@
+"""``predict``: write the SAE codes of a whole dataset to HDF5 (feature_extraction.h5cache format).
+
+Per token: the active atoms' indices and values (largest |value| first, padded with index
+-1 / value 0 to the widest token), the image id and the token position. The values are in
+raw-activation units, as the exported SAE (``sae_pipeline.export.load_sae``) gives them.
+
+Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --codes.fpath codes.h5``
+(``--codes.fpath`` defaults to ``codes.h5``). Each rank writes its own part
+(``codes.h5.rank{R}``) while predicting; at the end rank 0 merges the parts in rank order
+into the one file and deletes them. Predictions are not also kept in memory
+(``trainer.predict`` returns None): a dataset's codes can exceed RAM.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import h5py
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch import Tensor
+
+from feature_extraction.h5cache import CodesWriter, read_attrs
+
+MERGE_CHUNK_ROWS = 1 << 16
+
+
+@torch.no_grad()
+def sparse_codes(codes: Tensor) -> tuple[Tensor, Tensor]:
+    """Dense codes ``[B, d_sae]`` -> ``(indices [B, w] int64, values [B, w])``.
+
+    ``w`` is the largest number of nonzero codes of any token in the batch; each row lists its
+    nonzero codes by decreasing |value|, then index -1 with value 0.
+    """
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be [batch, d_sae], got shape {list(codes.shape)}")
+    nonzero = codes != 0
+    width = int(nonzero.sum(1).max()) if codes.numel() else 0
+    if width == 0:
+        empty = codes.new_zeros(codes.shape[0], 0)
+        return empty.to(torch.int64), empty
+    magnitudes, indices = codes.abs().topk(width, dim=1)
+    values = codes.gather(1, indices)
+    inactive = magnitudes == 0
+    return indices.masked_fill(inactive, -1), values.masked_fill(inactive, 0.0)
+
+
+def part_fpath(fpath: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its part of ``fpath``."""
+    return fpath.with_name(f"{fpath.name}.rank{rank}")
+
+
+def merge_codes(part_fpaths: Sequence[Path], out_fpath: Path) -> int:
+    """Concatenate codes files in order into ``out_fpath`` (chunked; widths may differ).
+
+    Returns the number of tokens. The attributes are the first part's.
+    """
+    attrs = read_attrs(part_fpaths[0]) if part_fpaths else {}
+    n_rows = 0
+    with CodesWriter(out_fpath, attrs) as writer:
+        for fpath in part_fpaths:
+            read_attrs(fpath)  # a one-line CacheFormatError for a missing part
+            with h5py.File(fpath, "r") as h5:
+                n = h5["token_positions"].shape[0]
+                for start in range(0, n, MERGE_CHUNK_ROWS):
+                    stop = min(start + MERGE_CHUNK_ROWS, n)
+                    writer.write(list(h5["image_ids"].asstr()[start:stop]), h5["token_positions"][start:stop],
+                                 h5["indices"][start:stop], h5["values"][start:stop])
+                n_rows += n
+    return n_rows
+
+
+class CodesPredictionWriter(BasePredictionWriter):
+    """Write ``SAEModule.predict_step`` outputs to an HDF5 codes file.
+
+    Args:
+        fpath: the codes file to write (``.h5``); its parent directory is created.
+    """
+
+    def __init__(self, fpath: str = "codes.h5") -> None:
+        super().__init__(write_interval="batch")
+        self.fpath = Path(fpath)
+        self._writer: CodesWriter | None = None
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.predict_loop.return_predictions = False  # codes go to the file, not to RAM
+        sae = pl_module.sae
+        attrs = {"d_sae": sae.d_sae, "d_in": sae.d_in, "k": sae.k, "sae_class": type(sae).__name__,
+                 "input_scale": float(pl_module.input_scale), "world_size": trainer.world_size,
+                 "values_units": "raw activations (trained codes / input_scale)"}
+        target = self.fpath if trainer.world_size == 1 else part_fpath(self.fpath, trainer.global_rank)
+        self._writer = CodesWriter(target, attrs)
+        self._writer.__enter__()
+
+    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any,
+                           batch_indices: Sequence[int] | None, batch: Any, batch_idx: int,
+                           dataloader_idx: int) -> None:
+        assert self._writer is not None
+        self._writer.write(prediction["image_ids"], _numpy(prediction["token_positions"]),
+                           _numpy(prediction["indices"]), _numpy(prediction["values"]))
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.__exit__(None, None, None)
+        if trainer.world_size == 1:
+            return
+        trainer.strategy.barrier("codes_parts_written")
+        if trainer.global_rank == 0:
+            parts = [part_fpath(self.fpath, rank) for rank in range(trainer.world_size)]
+            merge_codes(parts, self.fpath)
+            for part in parts:
+                part.unlink()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:  # removes the temporary file: no half-written codes under the real name
+            writer.__exit__(type(exception), exception, None)
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return value.detach().cpu().numpy() if isinstance(value, Tensor) else np.asarray(value)

@@ -1,0 +1,227 @@
+"""The shared SAE contract: decoder, pre-bias, dead-latent bookkeeping, loss layout.
+
+Every variant reconstructs ``x_hat = codes @ W_dec + b_pre`` with unit-norm atoms (rows of
+``W_dec``), as in the paper's SAE definition (Costa et al. 2025, §2 "Sparse Autoencoders":
+``x_hat = D z + b_pre`` with ``‖D_i‖₂ = 1``). Variants differ only in how codes are inferred
+(``encode``) and in the extra loss terms (``sparsity``, ``aux``), so the training loop treats
+them all alike through :class:`SAEOutput` and :class:`SAELoss`.
+
+The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
+:class:`ShallowSAE`; MP-SAE is weight-tied and has none.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SAEOutput(NamedTuple):
+    """What ``forward`` returns; ``pre_acts`` is None for variants without an encoder (MP)."""
+
+    x_hat: Tensor  # [B, d_in]
+    codes: Tensor  # [B, d_sae] dense
+    pre_acts: Tensor | None  # [B, d_sae] pre-activations of the shallow variants
+
+
+class SAELoss(NamedTuple):
+    """Loss terms; ``loss`` is what backward runs on, the others are for logging."""
+
+    loss: Tensor  # scalar: mse + sparsity + aux
+    mse: Tensor  # scalar: F.mse_loss(x_hat, x), mean over elements
+    sparsity: Tensor  # scalar, already multiplied by its coefficient (0 when none)
+    aux: Tensor  # scalar, already multiplied by its coefficient (0 when none)
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """Return ``value`` if it is an int in [minimum, maximum]; else a one-line ValueError."""
+    valid = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer {valid}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer {valid}, got {value}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: object,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    strict_minimum: bool = False,
+    strict_maximum: bool = False,
+) -> float:
+    """Return ``float(value)`` if finite and inside the given bounds; else a one-line ValueError."""
+    low = "-inf" if minimum is None else f"{minimum:g}"
+    high = "inf" if maximum is None else f"{maximum:g}"
+    valid = f"a finite number in {'(' if strict_minimum else '['}{low}, {high}{')' if strict_maximum else ']'}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    number = float(value)
+    too_low = minimum is not None and (number <= minimum if strict_minimum else number < minimum)
+    too_high = maximum is not None and (number >= maximum if strict_maximum else number > maximum)
+    if not math.isfinite(number) or too_low or too_high:
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    return number
+
+
+def keep_top_k(codes: Tensor, k: int) -> Tensor:
+    """Zero all but the ``k`` largest entries of each row (ties broken by ``torch.topk``)."""
+    values, indices = codes.topk(k, dim=-1, sorted=False)
+    return torch.zeros_like(codes).scatter(-1, indices, values)
+
+
+class SparseAutoencoder(nn.Module):
+    """Base of every variant: unit-norm decoder ``W_dec [d_sae, d_in]``, pre-bias ``b_pre``.
+
+    ``tokens_since_fired`` counts, per latent, the tokens seen since it last fired; a latent is
+    dead once the count reaches ``dead_after_tokens`` (Gao et al. 2024 use 10 M tokens). It is a
+    buffer so that resumed training keeps the dead set.
+
+    Convention: every constructor argument of every variant is kept as an attribute of the
+    same name, so export can rebuild the config from ``inspect.signature`` and ``getattr``.
+    """
+
+    k: int | None
+
+    def __init__(self, d_in: int, d_sae: int, dead_after_tokens: int = 10_000_000) -> None:
+        super().__init__()
+        self.d_in = check_int("d_in", d_in, 1)
+        self.d_sae = check_int("d_sae", d_sae, 1)
+        self.dead_after_tokens = check_int("dead_after_tokens", dead_after_tokens, 1)
+        self.k = None
+        W_dec = torch.randn(d_sae, d_in)
+        W_dec /= W_dec.norm(dim=1, keepdim=True).clamp_min(torch.finfo(W_dec.dtype).tiny)
+        self.W_dec = nn.Parameter(W_dec)
+        self.b_pre = nn.Parameter(torch.zeros(d_in))
+        self.register_buffer("tokens_since_fired", torch.zeros(d_sae, dtype=torch.int64))
+
+    # --- inference ---------------------------------------------------------------------
+    def encode(self, x: Tensor, k: int | None = None) -> Tensor:
+        """Codes ``[B, d_sae]``; ``k`` overrides the trained sparsity at inference (see variants)."""
+        raise NotImplementedError
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """``x_hat = codes @ W_dec + b_pre`` (paper §2)."""
+        return codes @ self.W_dec + self.b_pre
+
+    def forward(self, x: Tensor) -> SAEOutput:
+        raise NotImplementedError
+
+    # --- loss --------------------------------------------------------------------------
+    def loss(self, x: Tensor, output: SAEOutput, step: int = 0) -> SAELoss:
+        """MSE (mean over elements) plus the variant's sparsity and auxiliary terms."""
+        mse = F.mse_loss(output.x_hat, x)
+        sparsity = self.sparsity_penalty(x, output, step)
+        aux = self.auxiliary_loss(x, output)
+        return SAELoss(loss=mse + sparsity + aux, mse=mse, sparsity=sparsity, aux=aux)
+
+    def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
+        """Coefficient-weighted sparsity penalty; zero for variants whose sparsity is structural."""
+        return output.x_hat.new_zeros(())
+
+    def auxiliary_loss(self, x: Tensor, output: SAEOutput) -> Tensor:
+        """Coefficient-weighted auxiliary loss (AuxK for TopK variants); zero by default."""
+        return output.x_hat.new_zeros(())
+
+    # --- dictionary maintenance (called by the training loop) ---------------------------
+    @torch.no_grad()
+    def init_b_pre(self, mean: Tensor) -> None:
+        """Set ``b_pre`` to the data mean ``[d_in]`` so codes model deviations from it."""
+        if mean.shape != (self.d_in,):
+            raise ValueError(f"mean must have shape [d_in]=[{self.d_in}], got {list(mean.shape)}")
+        if not torch.isfinite(mean).all():
+            raise ValueError("mean must be finite; recompute the data mean without NaN/inf tokens")
+        self.b_pre.copy_(mean)
+
+    @torch.no_grad()
+    def normalize_atoms(self) -> None:
+        """Rescale rows of ``W_dec`` to unit L2 norm (after each optimiser step)."""
+        norms = self.W_dec.norm(dim=1, keepdim=True).clamp_min(torch.finfo(self.W_dec.dtype).tiny)
+        self.W_dec.div_(norms)
+
+    @torch.no_grad()
+    def remove_parallel_grad(self) -> None:
+        """Project out of each row of ``W_dec.grad`` its component along that atom.
+
+        With unit-norm atoms that component only changes the norm, which ``normalize_atoms``
+        undoes anyway; removing it keeps Adam's moments from chasing it. Call before
+        ``optimizer.step``.
+        """
+        grad = self.W_dec.grad
+        if grad is None:
+            return
+        W = self.W_dec
+        parallel = (grad * W).sum(dim=1, keepdim=True) / (W * W).sum(dim=1, keepdim=True).clamp_min(
+            torch.finfo(W.dtype).tiny
+        )
+        grad.sub_(parallel * W)
+
+    @torch.no_grad()
+    def record_firing(self, fired: Tensor, n_tokens: int) -> None:
+        """Advance the dead-latent clock: ``fired`` bool ``[d_sae]`` (OR over ranks), ``n_tokens``
+        tokens in the step (summed over ranks)."""
+        if fired.shape != (self.d_sae,):
+            raise ValueError(f"fired must be a bool tensor of shape [d_sae]=[{self.d_sae}], got {list(fired.shape)}")
+        self.tokens_since_fired.add_(n_tokens)
+        self.tokens_since_fired.masked_fill_(fired.to(device=self.tokens_since_fired.device, dtype=torch.bool), 0)
+
+    def dead_mask(self) -> Tensor:
+        """Bool ``[d_sae]``: latents that have not fired for ``dead_after_tokens`` tokens."""
+        return self.tokens_since_fired >= self.dead_after_tokens
+
+    # --- helpers ---------------------------------------------------------------------------
+    def resolve_k(self, k: int | None) -> int | None:
+        """``k`` validated against ``d_sae``, or the trained ``self.k`` when None."""
+        if k is None:
+            return self.k
+        return check_int("k", k, 1, self.d_sae)
+
+    def check_input(self, x: Tensor) -> None:
+        """One-line ValueError unless ``x`` is a finite floating tensor ``[B, d_in]``."""
+        if not isinstance(x, Tensor) or x.dim() != 2 or x.shape[1] != self.d_in:
+            shape = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x must be a tensor of shape [batch, d_in={self.d_in}], got {shape}")
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if not torch.isfinite(x).all():
+            raise ValueError("x contains NaN or inf; drop or repair non-finite tokens before the SAE")
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_sae={self.d_sae}, k={self.k}"
+
+
+class ShallowSAE(SparseAutoencoder):
+    """One-step encoder ``pre = (x - b_pre) @ W_enc + b_enc``, then a variant's nonlinearity.
+
+    ``W_enc [d_in, d_sae]`` starts as ``W_dec.T`` (tied at init, as in Gao et al. 2024), which
+    makes the first codes the atoms' correlations with the centred input; ``b_enc`` starts at 0.
+    """
+
+    def __init__(self, d_in: int, d_sae: int, dead_after_tokens: int = 10_000_000) -> None:
+        super().__init__(d_in, d_sae, dead_after_tokens)
+        self.W_enc = nn.Parameter(self.W_dec.detach().T.clone())
+        self.b_enc = nn.Parameter(torch.zeros(d_sae))
+
+    def pre_activations(self, x: Tensor) -> Tensor:
+        """``(x - b_pre) @ W_enc + b_enc`` ``[B, d_sae]``."""
+        return (x - self.b_pre) @ self.W_enc + self.b_enc
+
+    def activate(self, pre: Tensor, k: int | None) -> Tensor:
+        """The variant's nonlinearity; ``k`` is the validated inference-time override or None."""
+        raise NotImplementedError
+
+    def encode(self, x: Tensor, k: int | None = None) -> Tensor:
+        self.check_input(x)
+        k = None if k is None else self.resolve_k(k)
+        return self.activate(self.pre_activations(x), k)
+
+    def forward(self, x: Tensor) -> SAEOutput:
+        self.check_input(x)
+        pre = self.pre_activations(x)
+        codes = self.activate(pre, None)
+        return SAEOutput(x_hat=self.decode(codes), codes=codes, pre_acts=pre)

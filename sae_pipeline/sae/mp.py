@@ -1,0 +1,103 @@
+"""MP-SAE: Matching Pursuit unrolled into a weight-tied sparse autoencoder (Costa et al. 2025).
+
+Instead of one encoder pass, k greedy residual-guided steps over the dictionary (the paper's
+Algorithm 1): each step picks the atom most correlated with the residual, adds its
+coefficient to the code and removes its contribution from the residual. The residual is then
+orthogonal to the atom just picked (Proposition 1) and its norm never increases
+(Proposition 2), which is why the number of steps can be raised at inference without
+retraining. There is no encoder: the decoder ``W_dec`` is the whole model (plus ``b_pre``).
+
+The computation lives in :mod:`sae_pipeline.sae.mp_autograd` (selection without autograd,
+then a hand-written backward over the selected atoms only).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder, check_int
+from sae_pipeline.sae.mp_autograd import Selection, Workspace, matching_pursuit, select_atoms
+
+
+class MatchingPursuitSAE(SparseAutoencoder):
+    """Weight-tied MP-SAE; the loss is the MSE alone (sparsity is the number of steps k).
+
+    Args:
+        d_in: input dimension.
+        d_sae: number of atoms.
+        k: pursuit steps in training (= atoms selected per token, repeats counted).
+        selection: how the greedy indices are found: ``"auto"`` picks, per batch shape, Gram
+            updates or a matmul per step (see ``mp_autograd.prefer_gram``); ``"gram"`` and
+            ``"matmul"`` force one. Results are the same either way (up to float32 near-ties).
+        dead_after_tokens: see :class:`SparseAutoencoder`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_sae: int,
+        k: int,
+        selection: Selection = "auto",
+        dead_after_tokens: int = 10_000_000,
+    ) -> None:
+        super().__init__(d_in, d_sae, dead_after_tokens)
+        self.k = check_int("k", k, 1, self.d_sae)
+        if selection not in ("auto", "gram", "matmul"):
+            raise ValueError(f"selection must be 'auto', 'gram' or 'matmul', got {selection!r}")
+        self.selection: Selection = selection
+        self.workspace = Workspace()  # CPU scratch buffers (Gram matrix), not state
+
+    def pursuit(self, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
+        """Selection order and coefficients: ``(indices [B, k], coefficients [B, k])``.
+
+        Row b lists the atoms in the order MP picked them, with the coefficient added at each
+        step (an atom picked twice appears twice). Differentiable in the coefficients.
+        """
+        self.check_input(x)
+        steps = self.resolve_k(k)
+        assert steps is not None
+        indices, coefficients, _ = matching_pursuit(x, self.W_dec, self.b_pre, steps, self.selection, self.workspace)
+        return indices, coefficients
+
+    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
+        """Dense codes ``[B, d_sae]``: coefficients summed per atom (atoms may repeat)."""
+        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
+        return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
+
+    def encode(self, x: Tensor, k: int | None = None) -> Tensor:
+        """Codes after ``k`` pursuit steps (the trained k when None); any k in [1, d_sae]."""
+        indices, coefficients = self.pursuit(x, k)
+        return self.codes_from_pursuit(indices, coefficients)
+
+    def forward(self, x: Tensor) -> SAEOutput:
+        """k pursuit steps; ``x_hat`` is built from the selected atoms only (equal to
+        ``decode(codes)``), so no dense ``[B, d_sae]`` matmul enters the graph."""
+        self.check_input(x)
+        assert self.k is not None
+        indices, coefficients, x_hat = matching_pursuit(
+            x, self.W_dec, self.b_pre, self.k, self.selection, self.workspace
+        )
+        return SAEOutput(x_hat=x_hat, codes=self.codes_from_pursuit(indices, coefficients), pre_acts=None)
+
+    @torch.no_grad()
+    def residual_norms(self, x: Tensor, k: int | None = None) -> Tensor:
+        """``‖r_t‖₂`` for t = 0..k, shape ``[B, k + 1]`` (``r_0 = x − b_pre``).
+
+        Non-increasing in t for unit-norm atoms (Proposition 2); used by the evaluation suite.
+        """
+        self.check_input(x)
+        steps = self.resolve_k(k)
+        assert steps is not None
+        r = x - self.b_pre
+        indices = select_atoms(r, self.W_dec, steps, self.selection, self.workspace)
+        norms = r.new_empty(x.shape[0], steps + 1)
+        norms[:, 0] = r.norm(dim=1)
+        for t in range(steps):
+            d = self.W_dec.index_select(0, indices[:, t])
+            c = torch.linalg.vecdot(r, d)
+            r = r - c[:, None] * d
+            norms[:, t + 1] = r.norm(dim=1)
+        return norms
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, selection={self.selection!r}"

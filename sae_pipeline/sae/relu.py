@@ -1,0 +1,64 @@
+"""ReLU SAE: ``codes = relu((x - b_pre) @ W_enc + b_enc)`` with an L1 penalty.
+
+The classic shallow SAE (Bricken et al. 2023; Cunningham et al. 2024), the soft-thresholding
+baseline of the paper (Costa et al. 2025, §2): loss ``MSE + λ·Σ_i |codes_i|`` (summed over
+latents, averaged over tokens). Since the atoms are unit-norm, ``|codes_i|`` equals
+``|codes_i|·‖d_i‖``, the norm-aware form of Anthropic's later recipe.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, check_int, keep_top_k
+
+
+class ReLUSAE(ShallowSAE):
+    """ReLU SAE with an optionally warmed-up L1 coefficient.
+
+    Args:
+        d_in: input (token activation) dimension.
+        d_sae: number of atoms.
+        l1_coefficient: λ. The MSE here is a mean over elements (≈1 for unit-variance
+            inputs at init) while the L1 term is summed over latents, so λ = 1e-3 prices
+            100 unit-size active latents at 0.1, the same order as the MSE: a sensible start
+            for a sweep, not a tuned value.
+        l1_warmup_steps: λ grows linearly from 0 to its value over this many steps
+            (``λ·min(1, step / l1_warmup_steps)``), which avoids killing latents before the
+            decoder has found useful directions; 0 disables the warm-up.
+        dead_after_tokens: see :class:`SparseAutoencoder`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_sae: int,
+        l1_coefficient: float = 1e-3,
+        l1_warmup_steps: int = 0,
+        dead_after_tokens: int = 10_000_000,
+    ) -> None:
+        super().__init__(d_in, d_sae, dead_after_tokens)
+        self.l1_coefficient = check_float("l1_coefficient", l1_coefficient, 0.0)
+        self.l1_warmup_steps = check_int("l1_warmup_steps", l1_warmup_steps, 0)
+
+    def activate(self, pre: Tensor, k: int | None) -> Tensor:
+        """``relu(pre)``; with ``k`` given, the ``k`` largest of those codes per token.
+
+        A ReLU SAE has no sparsity knob of its own, so the inference-time sweep over ``k``
+        can only shrink its support, never grow it (the paper's "plateau", §4).
+        """
+        codes = F.relu(pre)
+        return codes if k is None else keep_top_k(codes, k)
+
+    def l1_scale(self, step: int) -> float:
+        """``λ`` at ``step`` after the linear warm-up."""
+        if self.l1_warmup_steps == 0:
+            return self.l1_coefficient
+        return self.l1_coefficient * min(1.0, max(step, 0) / self.l1_warmup_steps)
+
+    def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
+        """``λ(step) · mean_tokens Σ_latents |codes|``."""
+        return self.l1_scale(step) * output.codes.abs().sum(dim=-1).mean()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, l1_coefficient={self.l1_coefficient}, l1_warmup_steps={self.l1_warmup_steps}"

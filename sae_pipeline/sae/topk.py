@@ -1,0 +1,72 @@
+"""TopK SAE (Gao et al. 2024, "Scaling and evaluating sparse autoencoders").
+
+``codes`` keeps the ``k`` largest entries of ``relu(pre)`` per token, so sparsity is fixed by
+construction and the loss needs no penalty. Dead latents (no firing for
+``dead_after_tokens`` tokens) are revived with the AuxK loss: the top ``k_aux``
+pre-activations among dead latents reconstruct the main model's detached residual
+``x − x_hat``, decoded without ``b_pre`` because the residual has no offset.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, check_int, keep_top_k
+
+
+class TopKSAE(ShallowSAE):
+    """TopK SAE with AuxK.
+
+    Args:
+        d_in: input dimension.
+        d_sae: number of atoms.
+        k: active latents per token, in [1, d_sae].
+        k_aux: dead latents used by AuxK; None means ``d_in // 2`` (Gao et al. use a power of
+            two near d_in/2), clipped to [1, d_sae].
+        aux_coefficient: α of AuxK; 1/32 as in Gao et al. 2024.
+        dead_after_tokens: see :class:`SparseAutoencoder`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_sae: int,
+        k: int,
+        k_aux: int | None = None,
+        aux_coefficient: float = 1 / 32,
+        dead_after_tokens: int = 10_000_000,
+    ) -> None:
+        super().__init__(d_in, d_sae, dead_after_tokens)
+        self.k = check_int("k", k, 1, self.d_sae)
+        if k_aux is None:
+            self.k_aux = min(max(self.d_in // 2, 1), self.d_sae)
+        else:
+            self.k_aux = check_int("k_aux", k_aux, 1, self.d_sae)
+        self.aux_coefficient = check_float("aux_coefficient", aux_coefficient, 0.0)
+
+    def activate(self, pre: Tensor, k: int | None) -> Tensor:
+        """The ``k`` (trained k when None) largest of ``relu(pre)`` per token."""
+        return keep_top_k(F.relu(pre), self.k if k is None else k)
+
+    def auxiliary_loss(self, x: Tensor, output: SAEOutput) -> Tensor:
+        """``α · mse(e_hat, (x − x_hat).detach())`` with ``e_hat`` from the top ``k_aux`` dead latents.
+
+        ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero when no
+        latent is dead. Written without host syncs: when fewer than ``k_aux`` latents are dead,
+        the extra picks are live latents masked to -inf, whose values are replaced by 0.
+        """
+        if output.pre_acts is None:
+            raise ValueError("output.pre_acts is None; pass the SAEOutput of this SAE's forward")
+        dead = self.dead_mask()
+        masked = torch.where(dead, F.relu(output.pre_acts), float("-inf"))
+        values, indices = masked.topk(self.k_aux, dim=-1, sorted=False)
+        values = torch.where(torch.isfinite(values), values, 0.0)
+        aux_codes = torch.zeros_like(output.pre_acts).scatter(-1, indices, values)
+        e_hat = aux_codes @ self.W_dec
+        residual = (x - output.x_hat).detach()
+        any_dead = dead.any().to(e_hat.dtype)
+        return self.aux_coefficient * any_dead * F.mse_loss(e_hat, residual)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, k_aux={self.k_aux}, aux_coefficient={self.aux_coefficient}"

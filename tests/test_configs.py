@@ -1,0 +1,106 @@
+"""Every training YAML in configs/ parses through the real CLI; digits configs train one step; no drift."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from feature_extraction.shards import finalize_manifest, write_shard
+from sae_pipeline.cli import SAECLI
+from sae_pipeline.sae import SAE_REGISTRY
+
+CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
+VARIANTS = ["relu", "jumprelu", "topk", "batchtopk", "mpsae"]
+BACKBONES = ["dinov2", "siglip", "clip", "vit"]
+CLASS_NAMES = {"relu": "ReLUSAE", "jumprelu": "JumpReLUSAE", "topk": "TopKSAE", "batchtopk": "BatchTopKSAE",
+               "mpsae": "MatchingPursuitSAE"}
+TINY_D = 8
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LightningCLI(args=...) warns when sys.argv also holds arguments (pytest's own)."""
+    monkeypatch.setattr(sys, "argv", ["sae_pipeline"])
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS_DPATH / f"{name}.yaml").read_text())
+
+
+def test_every_config_exists_and_no_stray_training_configs() -> None:
+    expected = {f"{v}_{b}.yaml" for v in VARIANTS for b in [*BACKBONES, "digits"]}
+    found = {p.name for p in CONFIGS_DPATH.glob("*.yaml") if not p.name.startswith("extract_")}
+    assert found == expected
+
+
+def test_configs_do_not_drift() -> None:
+    """Shared sections are identical; only what the file name says differs."""
+    digits = {v: load(f"{v}_digits") for v in VARIANTS}
+    for v in VARIANTS:
+        assert digits[v]["trainer"] == digits["mpsae"]["trainer"]
+        assert digits[v]["data"] == digits["mpsae"]["data"] and digits[v]["data"]["source"] == "digits"
+        assert {k: val for k, val in digits[v]["model"].items() if k != "sae"} == \
+            {k: val for k, val in digits["mpsae"]["model"].items() if k != "sae"}
+        assert digits[v]["model"]["sae"]["init_args"]["d_sae"] == 1000  # p = 1000 (paper, controlled setting)
+        assert digits[v]["model"]["sae"]["class_path"] == f"sae_pipeline.sae.{CLASS_NAMES[v]}"
+        reference = load(f"{v}_dinov2")
+        for b in BACKBONES:
+            config = load(f"{v}_{b}")
+            assert config["data"]["source"] == f"shards/{b}"
+            config["data"]["source"] = reference["data"]["source"]
+            assert config == reference, f"{v}_{b}.yaml drifted from {v}_dinov2.yaml"
+            assert config["trainer"] == load("mpsae_dinov2")["trainer"]
+            assert config["model"]["sae"]["init_args"]["d_sae"] == 25 * 768  # expansion factor 25
+            assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
+                (5e-4, 1e-6, 50)
+    for v in ["topk", "batchtopk", "mpsae"]:
+        assert digits[v]["model"]["sae"]["init_args"]["k"] == 10
+        assert load(f"{v}_dinov2")["model"]["sae"]["init_args"]["k"] == 32
+
+
+@pytest.fixture(scope="module")
+def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three shards of d = 8 tokens, so linking d_in from the manifest is visible (8 != 768)."""
+    dpath = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    for index in range(3):
+        samples = [(f"img{index}_{i}", rng.standard_normal((5, TINY_D)).astype(np.float16), {"label": i})
+                   for i in range(4)]
+        write_shard(dpath, index, samples)
+    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
+                      n_prefix_tokens=1, grid=(2, 2))
+    return dpath
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for backbone in BACKBONES:
+        cli = SAECLI(args=["--config", str(CONFIGS_DPATH / f"{variant}_{backbone}.yaml"),
+                           "--data.source", str(tiny_shards)], run=False)
+        sae = cli.model.sae
+        assert type(sae).__name__ == CLASS_NAMES[variant]
+        assert (sae.d_in, sae.d_sae) == (TINY_D, 19200)
+        assert cli.datamodule.d_in == TINY_D
+        assert cli.trainer.max_epochs == 50 and cli.model.hparams.lr == 5e-4
+        assert cli.model.hparams.sae["init_args"]["d_in"] == TINY_D
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_digits_config_runs_one_step(variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli = SAECLI(args=["fit", "--config", str(CONFIGS_DPATH / f"{variant}_digits.yaml"),
+                       "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar", "false",
+                       "--trainer.enable_model_summary", "false"])
+    assert cli.trainer.global_step == 1
+    sae = cli.model.sae
+    assert type(sae) is SAE_REGISTRY["mp" if variant == "mpsae" else variant]
+    assert (sae.d_in, sae.d_sae) == (64, 1000)
+    torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(1000), atol=1e-5, rtol=0)
+    assert all(torch.isfinite(p).all() for p in sae.parameters())
+    assert "val/r2" in cli.trainer.callback_metrics

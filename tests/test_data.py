@@ -1,0 +1,420 @@
+"""ActivationDataModule: splits over ranks x workers, shuffle, equal batches, val/predict coverage, errors."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from feature_extraction import shards as S
+from feature_extraction.h5cache import write_token_cache
+from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
+from sae_pipeline.data_stream import BatchRing, ShuffleBuffer, batches_already_taken, span_pieces
+
+D, TPI = 8, 5  # tokens per image: 1 prefix token + a 2x2 grid
+COUNTS = [3, 11, 5, 7, 4, 9, 6]  # images per shard: deliberately uneven
+BATCH = 8
+
+
+def key_of(row: np.ndarray | torch.Tensor) -> bytes:
+    """Identity of a token: its float16 bytes (float16 -> float32 -> float16 is exact)."""
+    return np.asarray(row, dtype=np.float32).astype(np.float16).tobytes()
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory) -> tuple[Path, dict, list[set]]:
+    """7 shards; returns the dir, token key -> (image id, position, shard index), and each shard's token keys."""
+    dpath = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    where, per_shard, n_images = {}, [], 0
+    for index, count in enumerate(COUNTS):
+        samples = []
+        for _ in range(count):
+            key = f"img{n_images:04d}"
+            tokens = rng.standard_normal((TPI, D)).astype(np.float16)
+            samples.append((key, tokens, {"label": 0}))
+            for pos, row in enumerate(tokens):
+                where[key_of(row)] = (key, pos, index)
+            n_images += 1
+        S.write_shard(dpath, index, samples)
+        per_shard.append({key_of(row) for _, tokens, _ in samples for row in tokens})
+    S.finalize_manifest(dpath, n_shards=len(COUNTS), spec={"name": "fake"}, layer=0, tokens_per_image=TPI,
+                        n_prefix_tokens=1, grid=(2, 2))
+    assert len(where) == sum(COUNTS) * TPI  # the keys are unique
+    return dpath, where, per_shard
+
+
+def make_dm(dpath: Path, **kwargs) -> ActivationDataModule:
+    args = {"batch_size": BATCH, "num_workers": 2, "shuffle_buffer_tokens": 32, "val_fraction": 0.2, "seed": 0}
+    return ActivationDataModule(str(dpath), **{**args, **kwargs})
+
+
+def epoch_batches(dm: ActivationDataModule, rank: int, world: int, epoch: int = 0) -> list[dict]:
+    loader = TrainTokenLoader(dm.train_dataset(rank, world), num_workers=dm.num_workers, epoch_fn=lambda: epoch)
+    return list(loader)
+
+
+def split_sets(dm, per_shard) -> tuple[set, set]:
+    val_names = {u.name for u in dm.data_source.units("val", dm.val_fraction)}
+    fpaths = [str(p) for p in S.shard_fpaths(dm.source, dm.manifest)]
+    val = set().union(*(per_shard[i] for i, f in enumerate(fpaths) if f in val_names))
+    train = set().union(*(per_shard[i] for i, f in enumerate(fpaths) if f not in val_names))
+    return train, val
+
+
+@pytest.mark.parametrize("world,workers", [(1, 2), (2, 2), (3, 1)])
+def test_train_epoch_covers_train_tokens_once_with_equal_batches(shard_dir, world, workers):
+    dpath, _, per_shard = shard_dir
+    dm = make_dm(dpath, num_workers=workers)
+    train, val = split_sets(dm, per_shard)
+    assert len(val) == 7 * TPI  # round(0.2 * 7) = 1 whole shard held out (shard 3, 7 images)
+    seen, n_batches = [], []
+    for rank in range(world):
+        batches = epoch_batches(dm, rank, world)
+        n_batches.append(len(batches))
+        assert len(batches) == len(dm.train_dataset(rank, world))
+        for batch in batches:
+            assert batch["x"].dtype == torch.float32 and batch["x"].shape == (BATCH, D)
+            seen += [key_of(row) for row in batch["x"]]
+            assert batch["shards"] and all(name.endswith(".tar") for name in batch["shards"])
+    assert len(set(n_batches)) == 1  # every rank the same count: no DDP hang
+    assert len(seen) == len(set(seen))  # no duplicates
+    assert set(seen) <= train
+    assert len(train) - len(seen) < world * BATCH  # only the tail short of a batch per rank is dropped
+
+
+def test_batch_shard_names_match_tokens(shard_dir):
+    dpath, where, _ = shard_dir
+    dm = make_dm(dpath, num_workers=0)
+    fpaths = [str(p) for p in S.shard_fpaths(dpath, dm.manifest)]
+    for batch in epoch_batches(dm, 0, 1):
+        assert sorted(batch["shards"]) == sorted({fpaths[where[key_of(r)][2]] for r in batch["x"]})
+
+
+def test_shuffle_mixes_images_and_is_deterministic_per_epoch(shard_dir):
+    dpath, where, _ = shard_dir
+    dm = make_dm(dpath, num_workers=0)
+    epoch0 = epoch_batches(dm, 0, 1, epoch=0)
+    again = epoch_batches(make_dm(dpath, num_workers=0), 0, 1, epoch=0)
+    epoch1 = epoch_batches(dm, 0, 1, epoch=1)
+    other_seed = epoch_batches(make_dm(dpath, num_workers=0, seed=1), 0, 1, epoch=0)
+    flat = lambda batches: torch.cat([b["x"] for b in batches])  # noqa: E731
+    assert torch.equal(flat(epoch0), flat(again))
+    assert not torch.equal(flat(epoch0), flat(epoch1))
+    assert not torch.equal(flat(epoch0), flat(other_seed))
+    # A real token-level shuffle: an image's tokens land in several batches, and a batch holds many images;
+    # the reference is the same tokens read in order (what an unshuffled stream would batch together).
+    train_units = dm.data_source.units("train", dm.val_fraction)
+    fpaths = [str(p) for p in S.shard_fpaths(dpath, dm.manifest)]
+    in_order = sorted((k for k, v in where.items() if fpaths[v[2]] in {u.name for u in train_units}),
+                      key=lambda k: (where[k][0], where[k][1]))
+    ref_batches = [in_order[i : i + BATCH] for i in range(0, len(in_order) // BATCH * BATCH, BATCH)]
+
+    def mixing(batches: list[list[bytes]]) -> tuple[float, float]:
+        batch_of = {}
+        for i, keys in enumerate(batches):
+            for key in keys:
+                batch_of.setdefault(where[key][0], set()).add(i)
+        per_image = np.mean([len(b) for b in batch_of.values()])
+        per_batch = np.mean([len({where[k][0] for k in keys}) for keys in batches])
+        return per_image, per_batch
+
+    shuffled = mixing([[key_of(r) for r in b["x"]] for b in epoch0])
+    sequential = mixing(ref_batches)
+    assert shuffled[0] > 1.5 * sequential[0] and shuffled[1] > 1.5 * sequential[1]
+
+
+def test_shuffle_buffer_is_a_permutation_and_skips(shard_dir):
+    rng = np.random.default_rng(3)
+    parts = [rng.standard_normal((n, D)).astype(np.float16) for n in (5, 7, 3, 9, 8)]  # 32 tokens
+    def run(skip: int) -> list[torch.Tensor]:  # noqa: E306
+        buffer, out = ShuffleBuffer(12, 4, np.random.default_rng(7)), []
+        for slots in buffer.batches(iter(enumerate(parts)), skip):
+            x = np.empty((4, D), np.float16)
+            buffer.gather(slots, x)
+            out.append(torch.from_numpy(x).float())
+        return out
+    out = run(0)
+    assert len(out) == 8 and all(x.shape == (4, D) for x in out)
+    ref = np.concatenate(parts).astype(np.float32)
+    got = torch.cat(out).numpy()
+    assert sorted(map(bytes, got)) == sorted(map(bytes, ref))
+    assert not np.array_equal(got, ref)
+    assert all(torch.equal(a, b) for a, b in zip(run(3), out[3:])) and len(run(3)) == 5
+
+
+def test_batch_ring_hands_over_and_waits_for_release():
+    rng = np.random.default_rng(2)
+    ring = BatchRing(n_workers=2, n_slots=2, batch_size=4, d=D, dtype=np.float16)
+    written = []
+    for index in range(2):  # two free slots for worker 1
+        slot, out = ring.slot(1, index)
+        written.append(rng.standard_normal((3, D)).astype(np.float16))
+        out[:3] = written[-1]
+    x = ring.take(1, 0, 3)
+    assert x.dtype == torch.float32 and torch.equal(x, torch.from_numpy(written[0]).float())
+    assert ring.slot(1, 2)[0] == 0  # batch 0 was taken: its slot is free again
+    out = ring.slot(1, 2)[1]
+    out[:] = 0  # reusing the slot must not change the tensor already taken
+    assert torch.equal(x, torch.from_numpy(written[0]).float())
+    ring.close()
+    assert ring.slot(1, 4) is None  # slots of batches 2 and 3 not taken: waits, then sees the close
+
+
+def test_span_pieces_matches_token_by_token_reference():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        counts = rng.integers(0, 6, size=rng.integers(1, 8)).tolist()
+        total = sum(counts)
+        start = int(rng.integers(0, total + 1))
+        stop = int(rng.integers(start, total + 1))
+        owner = [(u, t) for u, c in enumerate(counts) for t in range(c)]  # token -> (unit, index in unit)
+        got = [(u, t) for u, lo, hi in span_pieces(counts, start, stop) for t in range(lo, hi)]
+        assert got == owner[start:stop]
+
+
+def test_batches_already_taken_matches_dataloader_round_robin():
+    for quotas in ([3, 3], [4, 3, 3], [2, 1, 1, 0], [5]):
+        order = [w for t in range(max(quotas)) for w in range(len(quotas)) if quotas[w] > t]
+        for n_done in range(sum(quotas) + 1):
+            ref = [order[:n_done].count(w) for w in range(len(quotas))]
+            assert batches_already_taken(quotas, n_done) == ref
+
+
+@pytest.mark.parametrize("workers,n_done", [(2, 5), (2, 6), (2, 22), (3, 7)])
+def test_resume_mid_epoch_yields_exactly_the_rest(shard_dir, workers, n_done):
+    dpath, _, _ = shard_dir
+    dm = make_dm(dpath, num_workers=workers)
+    full = epoch_batches(dm, 0, 1, epoch=1)
+    assert len(full) == 23  # uneven worker quotas: exercises the round-robin bookkeeping
+    loader = TrainTokenLoader(dm.train_dataset(0, 1), num_workers=workers, epoch_fn=lambda: 1)
+    iterator = iter(loader)
+    for _ in range(n_done):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["batches_done"] == n_done
+    del iterator
+    resumed = TrainTokenLoader(dm.train_dataset(0, 1), num_workers=workers, epoch_fn=lambda: 1)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == len(full) - n_done
+    assert all(torch.equal(a["x"], b["x"]) for a, b in zip(rest, full[n_done:]))
+    assert len(list(resumed)) == len(full)  # the state applies once; the next iteration is a whole epoch
+
+
+def test_loader_started_in_inference_mode_closes_outside_it(shard_dir):
+    dm = make_dm(shard_dir[0])
+    with torch.inference_mode():  # how Lightning runs validate / predict
+        batches = iter(TokenLoader(dm.val_dataset(0, 1), num_workers=2))
+        first = next(batches)
+    assert first["x"].shape == (BATCH, D)
+    batches.close()  # Lightning stops at len() and drops the iterator outside inference mode
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_val_tokens_exactly_once_across_ranks(shard_dir, world):
+    dpath, _, per_shard = shard_dir
+    dm = make_dm(dpath)
+    _, val = split_sets(dm, per_shard)
+    seen = []
+    for rank in range(world):
+        dataset = dm.val_dataset(rank, world)
+        batches = list(TokenLoader(dataset, num_workers=2))
+        assert len(batches) == len(dataset)
+        seen += [key_of(row) for b in batches for row in b["x"]]
+    assert len(seen) == len(set(seen)) and set(seen) == val
+
+
+def test_predict_covers_every_token_once_with_ids_and_positions(shard_dir):
+    dpath, where, _ = shard_dir
+    dm = make_dm(dpath)
+    seen = {}
+    for rank in range(2):
+        dataset = dm.predict_dataset(rank, 2)
+        batches = list(TokenLoader(dataset, num_workers=2))
+        assert len(batches) == len(dataset)
+        for b in batches:
+            assert b["token_positions"].dtype == torch.int64
+            assert len(b["image_ids"]) == len(b["token_positions"]) == len(b["x"])
+            for row, image_id, pos in zip(b["x"], b["image_ids"], b["token_positions"].tolist()):
+                assert key_of(row) not in seen
+                seen[key_of(row)] = (image_id, pos)
+    assert seen == {k: v[:2] for k, v in where.items()}
+
+
+def test_too_few_shards_for_ranks_x_workers(shard_dir):
+    dm = make_dm(shard_dir[0], num_workers=4)  # 6 training shards
+    with pytest.raises(ValueError, match=r"6 training shards < ranks x workers = 2 x 4 = 8.*--data.num_workers"):
+        dm.train_dataset(0, 2)
+
+
+def test_truncated_shard_raises_one_line_error_naming_it(shard_dir, tmp_path):
+    dpath = tmp_path / "copy"
+    dpath.mkdir()
+    for f in shard_dir[0].iterdir():
+        (dpath / f.name).write_bytes(f.read_bytes())
+    dm = make_dm(dpath, val_fraction=0.0)
+    bad = dpath / "shard-000001.tar"
+    bad.write_bytes(bad.read_bytes()[:5000])  # cut after the datamodule checked sizes: mid-run damage
+    with pytest.raises(S.ShardFormatError) as info:
+        for _ in TrainTokenLoader(dm.train_dataset(0, 1), num_workers=2):
+            pass
+    message = str(info.value)
+    assert str(bad) in message and "truncated" in message and "\n" not in message
+
+
+def test_short_shard_raises_shard_format_error(shard_dir, tmp_path):
+    dpath = tmp_path / "copy"
+    dpath.mkdir()
+    for f in shard_dir[0].iterdir():
+        (dpath / f.name).write_bytes(f.read_bytes())
+    dm = make_dm(dpath, num_workers=0, val_fraction=0.0)
+    S.write_shard(dpath, 1, [(f"x{i}", np.zeros((TPI, D), np.float16), {}) for i in range(2)])  # 2, not 11
+    with pytest.raises(S.ShardFormatError, match=r"shard-000001.tar: holds 2 samples, the manifest lists 11"):
+        list(dm.predict_dataset(0, 1))
+
+
+def test_digits_source_shapes_range_and_split():
+    from sklearn.datasets import load_digits
+
+    dm = ActivationDataModule("digits", batch_size=64, num_workers=0, val_fraction=0.1)
+    assert dm.d_in == 64 and dm.image_shape == (8, 8) and dm.manifest is None
+    ref = load_digits().images.reshape(-1, 64) / 16.0
+    train_rows = np.concatenate([b["x"].numpy() for b in TrainTokenLoader(dm.train_dataset())])
+    val_rows = np.concatenate([b["x"].numpy() for b in TokenLoader(dm.val_dataset())])
+    assert len(val_rows) == round(0.1 * len(ref)) and len(train_rows) == (len(ref) - len(val_rows)) // 64 * 64
+    assert train_rows.min() >= 0 and train_rows.max() == 1
+    ref_keys = {r.astype(np.float32).tobytes() for r in ref}
+    assert {r.tobytes() for r in np.concatenate([train_rows, val_rows])} <= ref_keys
+    train_all = ref[np.sort(dm.data_source.split_rows("train", 0.1))]
+    np.testing.assert_allclose(dm.stats["mean"].numpy(), train_all.mean(0), atol=1e-6)
+    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all ** 2).sum(1).mean(), rtol=1e-9)
+    sample = dm.eval_sample()
+    assert sample.shape == (len(val_rows), 64) and sample.dtype == torch.float32
+    assert torch.equal(sample, ActivationDataModule("digits", num_workers=0).eval_sample())
+
+
+def test_h5_source_reads_rows_ids_and_positions(tmp_path):
+    rng = np.random.default_rng(5)
+    tokens = rng.standard_normal((300, D)).astype(np.float16)
+    ids = [f"im{i // 3}" for i in range(300)]
+    fpath = tmp_path / "cache.h5"
+    write_token_cache(fpath, tokens, image_ids=ids, token_positions=np.arange(300) % 3)
+    dm = ActivationDataModule(str(fpath), batch_size=16, num_workers=2, shuffle_buffer_tokens=64)
+    assert dm.d_in == D and dm.image_shape is None
+    train = [key_of(r) for b in TrainTokenLoader(dm.train_dataset(), num_workers=2) for r in b["x"]]
+    val = [key_of(r) for b in TokenLoader(dm.val_dataset(), num_workers=2) for r in b["x"]]
+    assert len(val) == 30 and len(train) == 270 // 16 * 16
+    assert len(set(train) | set(val)) == len(train) + len(val)
+    assert set(train) | set(val) <= {key_of(r) for r in tokens}
+    row_of = {key_of(r): i for i, r in enumerate(tokens)}
+    for b in TokenLoader(dm.predict_dataset(), num_workers=2):
+        rows = [row_of[key_of(r)] for r in b["x"]]
+        assert b["image_ids"] == [ids[i] for i in rows] and b["token_positions"].tolist() == [i % 3 for i in rows]
+
+
+def test_mnist_without_download_names_the_flags(tmp_path):
+    with pytest.raises(ValueError, match=r"mnist: not found.*--data.allow_download true.*--data.data_dpath"):
+        ActivationDataModule("mnist", data_dpath=str(tmp_path / "nothing"))
+
+
+def test_mnist_download_offline_says_so(tmp_path, monkeypatch):
+    import torchvision.datasets
+
+    class OfflineMNIST:
+        def __init__(self, root, train, download):
+            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", OfflineMNIST)
+    dm = ActivationDataModule("mnist", data_dpath=str(tmp_path), allow_download=True)
+    assert dm.d_in == 784 and dm.image_shape == (28, 28)
+    with pytest.raises(ValueError, match=r"mnist: download into --data.data_dpath=.* failed .*offline"):
+        dm.prepare_data()
+
+
+@pytest.mark.parametrize("source,match", [("", "is empty"), ("no/such/dir", "not found"),
+                                          ("missing.h5", "HDF5 file not found"), ("EMPTY", "empty directory")])
+def test_missing_or_empty_source_names_it_and_the_forms(tmp_path, source, match):
+    if source == "EMPTY":
+        source = str(tmp_path)
+    with pytest.raises(ValueError, match=match) as info:
+        ActivationDataModule(source)
+    assert "'digits' or 'mnist'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_settings_are_one_line_errors(shard_dir, tmp_path):
+    with pytest.raises(ValueError, match="--data.batch_size"):
+        make_dm(shard_dir[0], batch_size=10_000).train_dataset(0, 1)
+    with pytest.raises(ValueError, match="--data.shuffle_buffer_tokens=8 must be >= --data.batch_size=16"):
+        make_dm(shard_dir[0], batch_size=16, shuffle_buffer_tokens=8)
+    S.write_shard(tmp_path, 0, [("a", np.zeros((TPI, D), np.float16), {})])
+    S.finalize_manifest(tmp_path, n_shards=1, spec={}, layer=0, tokens_per_image=TPI, n_prefix_tokens=1, grid=(2, 2))
+    with pytest.raises(ValueError, match="--data.val_fraction=0.1 leaves no training shards"):
+        ActivationDataModule(str(tmp_path))
+
+
+class Recorder(L.LightningModule):
+    """Trains a tiny linear map and records a fingerprint of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(D, D)
+        self.seen: list[str] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.seen.append(hashlib.sha1(batch["x"].numpy().tobytes()).hexdigest())
+        return (self.layer(batch["x"]) - batch["x"]).pow(2).mean()
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[tuple[str, int]]:
+        return list(zip(batch["image_ids"], batch["token_positions"].tolist()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def trainer(tmp_path: Path, **kwargs) -> L.Trainer:
+    return L.Trainer(default_root_dir=tmp_path, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+
+
+def test_lightning_epochs_resume_and_predict(shard_dir, tmp_path):
+    dpath, where, _ = shard_dir
+    dm = make_dm(dpath, num_workers=0)
+    n = len(dm.train_dataset(0, 1))
+    full = Recorder()
+    trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=False, limit_val_batches=0).fit(full, datamodule=dm)
+    assert len(full.seen) == 2 * n and full.seen[:n] != full.seen[n:]  # a new order each epoch
+    for epoch in range(2):  # the trainer's epoch selects the order
+        ref = [hashlib.sha1(b["x"].numpy().tobytes()).hexdigest() for b in epoch_batches(dm, 0, 1, epoch)]
+        assert full.seen[epoch * n : (epoch + 1) * n] == ref
+    # Interrupt epoch 1 after 3 steps (checkpoint), resume: together exactly the uninterrupted stream.
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=n + 3, save_top_k=-1)
+    first = Recorder()
+    trainer(tmp_path / "b", max_steps=n + 3, callbacks=[ckpt], limit_val_batches=0).fit(first, datamodule=make_dm(
+        dpath, num_workers=0))
+    second = Recorder()
+    ckpt_fpath = next((tmp_path / "ckpt").glob("*.ckpt"))
+    trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False, limit_val_batches=0).fit(
+        second, datamodule=make_dm(dpath, num_workers=0), ckpt_path=ckpt_fpath)
+    assert first.seen + second.seen == full.seen
+    in_order = trainer(tmp_path / "d").predict(Recorder(), datamodule=make_dm(dpath, num_workers=0))
+    assert [p for batch in in_order for p in batch] == [v[:2] for v in where.values()]
+    two_workers = trainer(tmp_path / "e").predict(Recorder(), datamodule=make_dm(dpath, num_workers=2))
+    assert sorted(p for batch in two_workers for p in batch) == sorted(v[:2] for v in where.values())
+
+
+def test_loader_benchmark_quick_run(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loader_benchmark", Path(__file__).parents[1] / "benchmarks" /
+                                                  "loader.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--quick"])
+    assert set(results) == {"plain", "workers_1", "workers_2"}
+    assert all(np.isfinite(rate) and rate > 0 for rates in results.values() for rate in rates)
+    assert "ratio" in capsys.readouterr().out
