@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> Path:
         prog="python -m sae_pipeline export",
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
                     "with the input normalisation folded in so it runs on raw activations.")
-    parser.add_argument("--ckpt_path", required=True, help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
+    parser.add_argument("--ckpt_path", required=True,
+                        help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     args = parser.parse_args(argv)
     out_dpath = export_checkpoint(args.ckpt_path, args.out)

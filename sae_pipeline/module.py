@@ -210,7 +210,8 @@ class SAEModule(L.LightningModule):
     def record_firing(self, codes: Tensor) -> None:
         """Advance the dead-latent clock with this step's codes from every rank: a latent fired
         if it fired on any rank, and the token count is the sum (one all-reduce)."""
-        counts = torch.cat([(codes != 0).any(0).to(torch.int64), codes.new_full((1,), codes.shape[0], dtype=torch.int64)])
+        n_tokens = codes.new_full((1,), codes.shape[0], dtype=torch.int64)
+        counts = torch.cat([(codes != 0).any(0).to(torch.int64), n_tokens])
         if _world_size() > 1:
             dist.all_reduce(counts)
         self.sae.record_firing(counts[:-1] > 0, counts[-1])

@@ -140,6 +140,22 @@ def test_predict_writes_the_codes_of_every_token(fitted: Path) -> None:
     assert (values.abs()[:, :-1] >= values.abs()[:, 1:]).all()  # largest |value| first
 
 
+@pytest.mark.slow
+def test_export_command_on_a_cli_checkpoint(fitted: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sae_pipeline.__main__ import main
+    from sae_pipeline.export import load_sae
+
+    ckpt_fpath = fitted / "runs" / "mpsae_digits" / "checkpoints" / "last.ckpt"
+    assert main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(fitted / "export")]) == 0
+    assert "sae.safetensors" in capsys.readouterr().out
+    checkpoint = load_checkpoint(ckpt_fpath)
+    trained, scale = sae_from_checkpoint(checkpoint).eval(), checkpoint["input_scale"]
+    x = torch.cat([batch["x"] for batch in ActivationDataModule("digits", num_workers=0).predict_dataloader()])
+    with torch.no_grad():
+        torch.testing.assert_close(load_sae(fitted / "export")(x).x_hat, trained(x * scale).x_hat / scale,
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_sparse_codes_matches_a_plain_loop() -> None:
     generator = torch.Generator().manual_seed(0)
     dense = torch.randn(9, 20, generator=generator) * (torch.rand(9, 20, generator=generator) < 0.2)

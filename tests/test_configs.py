@@ -37,6 +37,11 @@ def test_every_config_exists_and_no_stray_training_configs() -> None:
     assert found == expected
 
 
+def training_config_fpaths() -> list[Path]:
+    """Every YAML for ``python -m sae_pipeline`` (``extract_*.yaml`` belong to feature_extraction)."""
+    return sorted(p for p in CONFIGS_DPATH.glob("*.yaml") if not p.name.startswith("extract_"))
+
+
 def test_configs_do_not_drift() -> None:
     """Shared sections are identical; only what the file name says differs."""
     digits = {v: load(f"{v}_digits") for v in VARIANTS}
@@ -89,6 +94,19 @@ def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, t
         assert cli.datamodule.d_in == TINY_D
         assert cli.trainer.max_epochs == 50 and cli.model.hparams.lr == 5e-4
         assert cli.model.hparams.sae["init_args"]["d_in"] == TINY_D
+
+
+def test_every_other_training_config_parses(tiny_shards: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digits configs and the demo's, with the data pointed at tiny shards."""
+    monkeypatch.chdir(tmp_path)
+    backbone_configs = {f"{v}_{b}.yaml" for v in VARIANTS for b in BACKBONES}
+    others = [p for p in training_config_fpaths() if p.name not in backbone_configs]
+    assert len(others) >= len(VARIANTS)
+    for fpath in others:
+        cli = SAECLI(args=["--config", str(fpath), "--data.source", str(tiny_shards)], run=False)
+        assert cli.model.sae.d_in == TINY_D, fpath.name
+        assert yaml.safe_load(fpath.read_text())["model"]["sae"]["class_path"].startswith("sae_pipeline.sae.")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

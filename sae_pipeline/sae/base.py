@@ -174,6 +174,19 @@ class SparseAutoencoder(nn.Module):
         """Bool ``[d_sae]``: latents that have not fired for ``dead_after_tokens`` tokens."""
         return self.tokens_since_fired >= self.dead_after_tokens
 
+    @torch.no_grad()
+    def fold_input_scale(self, scale: float) -> None:
+        """Make an SAE trained on ``scale · x`` take raw ``x`` (export of a normalised run).
+
+        Every variant is positively homogeneous in its input, biases and thresholds: with
+        ``b → b / scale`` and ``θ → θ / scale`` (atoms unchanged, still unit-norm) the codes become
+        ``codes(scale · x) / scale`` and ``x_hat`` becomes ``x_hat(scale · x) / scale``. Here:
+        ``b_pre``; variants extend it to their encoder bias and thresholds. Loss coefficients
+        (λ, bandwidth) are training settings and are left as trained.
+        """
+        scale = check_float("scale", scale, 0.0, strict_minimum=True)
+        self.b_pre.div_(scale)
+
     # --- helpers ---------------------------------------------------------------------------
     def resolve_k(self, k: int | None) -> int | None:
         """``k`` validated against ``d_sae``, or the trained ``self.k`` when None."""
@@ -206,6 +219,12 @@ class ShallowSAE(SparseAutoencoder):
         super().__init__(d_in, d_sae, dead_after_tokens)
         self.W_enc = nn.Parameter(self.W_dec.detach().T.clone())
         self.b_enc = nn.Parameter(torch.zeros(d_sae))
+
+    @torch.no_grad()
+    def fold_input_scale(self, scale: float) -> None:
+        """``b_pre`` and ``b_enc`` divided by ``scale`` (see :meth:`SparseAutoencoder.fold_input_scale`)."""
+        super().fold_input_scale(scale)
+        self.b_enc.div_(scale)
 
     def pre_activations(self, x: Tensor) -> Tensor:
         """``(x - b_pre) @ W_enc + b_enc`` ``[B, d_sae]``."""

@@ -66,6 +66,12 @@ class BatchTopKSAE(TopKSAE):
         return output
 
     @torch.no_grad()
+    def fold_input_scale(self, scale: float) -> None:
+        """Biases and the inference threshold θ divided by ``scale``."""
+        super().fold_input_scale(scale)
+        self.threshold.div_(scale)
+
+    @torch.no_grad()
     def update_threshold(self, codes: Tensor) -> None:
         """EMA of the smallest positive kept activation, averaged over DDP ranks.
 

@@ -109,6 +109,12 @@ class JumpReLUSAE(ShallowSAE):
         """θ ``[d_sae]``, positive by construction."""
         return self.log_threshold.exp()
 
+    @torch.no_grad()
+    def fold_input_scale(self, scale: float) -> None:
+        """Biases and θ divided by ``scale`` (``log θ`` shifted by ``−log scale``)."""
+        super().fold_input_scale(scale)
+        self.log_threshold.sub_(math.log(scale))
+
     def activate(self, pre: Tensor, k: int | None) -> Tensor:
         """``pre · H(pre − θ)``; with ``k`` given, the ``k`` largest of those codes per token
         (JumpReLU can only shrink its support at inference, like ReLU)."""

@@ -1,0 +1,25 @@
+"""The demo's first stage end to end: photos -> tiny random ViT -> shards -> TopK SAE through the CLIs."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sae_pipeline.demo import FINAL_TAGS, SHARDS_LABEL, format_table, run_shard_stage
+
+
+@pytest.mark.slow
+def test_shard_stage_end_to_end(tmp_path):
+    metrics = run_shard_stage(tmp_path, threads=2)
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["n_images"] == 14 and manifest["n_tokens"] == 14 * manifest["tokens_per_image"]
+    assert len(list((tmp_path / "shards").glob("shard-*.tar"))) > 2  # several shards: one can be held out
+    assert set(metrics) == set(FINAL_TAGS)
+    assert all(math.isfinite(value) for _, value in metrics.values())
+    assert -1.0 < metrics["val/r2"][1] <= 1.0
+    assert metrics["val/l0"][1] == pytest.approx(8.0)  # TopK, k = 8 in configs/demo_shards.yaml
+    assert SHARDS_LABEL in format_table([(SHARDS_LABEL, metrics)])
+    again = run_shard_stage(tmp_path, threads=2)  # a rerun resumes the complete extraction and trains afresh
+    assert set(again) == set(FINAL_TAGS)
+    assert all(math.isfinite(value) for _, value in again.values())
