@@ -38,17 +38,13 @@ import json
 import logging
 import math
 import os
-import queue
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import numpy as np
 import torch
 from torch import Tensor
 from tqdm import tqdm
@@ -56,9 +52,10 @@ from tqdm import tqdm
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.shard_writers import ShardWriters, skipped_fname
 from feature_extraction.shards import (
-    MANIFEST_FNAME, ShardFormatError, assign_shards, finalize_manifest, load_manifest, read_sidecar,
-    shard_is_complete, shards_for_task, write_shard,
+    ShardFormatError, assign_shards, finalize_manifest, load_manifest, read_sidecar,
+    shard_is_complete, shards_for_task, write_json_atomic,
 )
 
 __all__ = ["EXTRACTION_FNAME", "default_task", "extract", "finalize", "forward_tokens", "image_id_from_key",
@@ -88,11 +85,6 @@ def image_key(image_id: str) -> str:
 def image_id_from_key(key: str) -> str:
     """Inverse of `image_key`."""
     return unquote(key)
-
-
-def skipped_fname(index: int) -> str:
-    """Per-shard list of undecodable images (`skipped-000042.json`), merged by `finalize`."""
-    return f"skipped-{int(index):06d}.json"
 
 
 def default_task(environ: dict[str, str] | None = None) -> tuple[int, int]:
@@ -163,168 +155,6 @@ def _record_meta(record: ImageRecord) -> dict:
     return meta
 
 
-def _write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
-    """Write JSON through a private temporary file; `exclusive`: only if `fpath` does not exist yet.
-
-    The temporary name is unique per process and thread, so tasks racing on a shared file
-    system never write into each other's file. Returns False when `exclusive` lost the race.
-    """
-    tmp_fpath = fpath.with_name(f".{fpath.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp_fpath, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        if not exclusive:
-            os.replace(tmp_fpath, fpath)
-            return True
-        try:
-            os.link(tmp_fpath, fpath)  # atomic create-if-absent, also on NFS
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        tmp_fpath.unlink(missing_ok=True)
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this writer when the extraction process dies (e.g. SIGKILL).
-
-    Otherwise an orphan could go on writing a `.tmp` that a rerun is rewriting.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
-    """Body of a writer process: write the shards the main process streams to `tasks`.
-
-    Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
-    metas), ("end", skipped), ("abort",), None (stop). A failure is reported on `results`
-    and the rest of the queue drained, so the producer never blocks on a dead consumer.
-    """
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process aborts the open shards in order
-    failed = False
-    while (item := tasks.get()) is not None:
-        if item[0] != "begin" or failed:
-            continue  # leftovers of a failed or aborted shard
-        index = item[1]
-        try:
-            write_shard(Path(out_dpath), index, _streamed_samples(Path(out_dpath), tasks, index))
-        except BaseException as exn:  # noqa: BLE001 (reported to the main process)
-            kind = "OSError" if isinstance(exn, OSError) else "ValueError" if isinstance(exn, ValueError) else "other"
-            results.put((index, kind, getattr(exn, "errno", None), getattr(exn, "strerror", None) or str(exn)))
-            failed = True
-
-
-def _streamed_samples(out_dpath: Path, tasks: Any, index: int) -> Iterator[tuple[str, np.ndarray, dict]]:
-    while True:
-        item = tasks.get()
-        if item is None or item[0] == "abort":
-            raise RuntimeError(f"shard {index} aborted")
-        if item[0] == "samples":
-            _, tokens, keys, metas = item
-            array = tokens.numpy()
-            for j, key in enumerate(keys):
-                yield key, array[j], metas[j]
-        elif item[0] == "end":
-            # Before write_shard renames the tar: a complete shard always has its list.
-            fpath = out_dpath / skipped_fname(index)
-            if item[1]:
-                _write_json_atomic(fpath, item[1])
-            else:
-                fpath.unlink(missing_ok=True)
-            return
-
-
-class _ShardWriters:
-    """Writer processes fed through bounded queues; shard number p goes to process p % n.
-
-    Writing a ViT-B sample costs about 1-3 ms (float64 statistics, sha256, tar headers,
-    0.4 MB of I/O), as much as a fast GPU's forward of it, and threads do not scale on it
-    (the GIL: 1 thread ~800 samples/s, 2 threads ~900, 2 processes ~1400 on the 2-core dev
-    box), so shards are written by processes. Tokens travel as shared-memory tensors
-    (torch.multiprocessing, as DataLoader batches do); at most `max_batches` batches wait
-    per process, so host and /dev/shm memory stay under about n x one shard of tokens.
-    """
-
-    def __init__(self, out_dpath: Path, n_processes: int, max_batches: int) -> None:
-        import torch.multiprocessing as mp
-
-        # fork: children share the parent's modules and never touch CUDA; spawn where fork is missing.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        self.out_dpath = out_dpath
-        self.queues = [ctx.Queue(maxsize=max_batches) for _ in range(n_processes)]
-        self.results = ctx.Queue()
-        self.errors: list[tuple] = []
-        self.processes = [ctx.Process(target=_writer_process, args=(str(out_dpath), q, self.results), daemon=True,
-                                      name=f"shard-writer-{n}") for n, q in enumerate(self.queues)]
-        for process in self.processes:
-            process.start()
-
-    def send(self, position: int, *item: Any) -> None:
-        self._put(position % len(self.queues), item)
-
-    def _put(self, number: int, item: tuple | None) -> None:
-        while True:
-            self._check()
-            try:
-                self.queues[number].put(item, timeout=1.0)
-                return
-            except queue.Full:
-                if not self.processes[number].is_alive():
-                    raise RuntimeError(f"shard writer process {number} died with exit code "
-                                       f"{self.processes[number].exitcode}; rerun to redo its shards") from None
-
-    def send_samples(self, position: int, tokens: Tensor, keys: list[str], metas: list[dict]) -> None:
-        shared = torch.empty(tokens.shape, dtype=tokens.dtype).share_memory_()
-        shared.copy_(tokens)
-        self.send(position, "samples", shared, keys, metas)
-
-    def _check(self) -> None:
-        while True:
-            try:
-                self.errors.append(self.results.get_nowait())
-            except queue.Empty:
-                break
-        if not self.errors:
-            return
-        index, kind, errno_, reason = min(self.errors, key=lambda e: e[0])
-        if kind == "OSError":
-            raise OSError(errno_, f"could not write shard {index} in {self.out_dpath}: {reason}; free space or fix "
-                                  "the output directory and rerun (complete shards are kept)")
-        raise (ValueError if kind == "ValueError" else RuntimeError)(f"shard {index}: {reason}")
-
-    def close(self) -> None:
-        """Wait for the last shards; re-raise a writer error."""
-        for number, process in enumerate(self.processes):
-            if process.is_alive():
-                self._put(number, None)
-        for process in self.processes:
-            process.join()
-        self._check()
-        if dead := [p.name for p in self.processes if p.exitcode != 0]:
-            raise RuntimeError(f"shard writer processes {dead} failed; rerun to redo their shards")
-
-    def abort(self) -> None:
-        for q in self.queues:
-            for item in (("abort",), None):
-                try:
-                    q.put(item, timeout=5.0)
-                except queue.Full:
-                    break
-        for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-
 def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records: Sequence[ImageRecord],
                  shards: Sequence[tuple[int, Sequence[int]]], out_dpath: Path, *, batch_size: int,
                  num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True) -> dict:
@@ -347,7 +177,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
                                          num_workers=num_workers, pin_memory=device.type == "cuda")
     start_time = time.perf_counter()
     # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
-    writer = _ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
+    writer = ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
     batch_iter = iter(loader)
     interactive = sys.stderr.isatty()
     bar = tqdm(total=n_images, unit="img", disable=not progress or n_images == 0, dynamic_ncols=interactive,
@@ -404,7 +234,7 @@ def _check_or_create_record(out_dpath: Path, record: dict) -> None:
         if any(out_dpath.glob("shard-*")):
             raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
                              "by this command; use an empty --out directory")
-        _write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
+        write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
     try:
         old = json.loads(fpath.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exn:

@@ -25,6 +25,7 @@ import io
 import json
 import os
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
@@ -198,18 +199,30 @@ def _fsync_dir(dpath: Path) -> None:
         os.close(fd)
 
 
-def _write_json_atomic(fpath: Path, obj: Any) -> None:
-    tmp_fpath = fpath.with_name(fpath.name + ".tmp")
+def write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
+    """Write JSON through a private temporary file; `exclusive`: only if `fpath` does not exist yet.
+
+    The temporary name is unique per host, process and thread, so tasks racing on a shared
+    file system never write into each other's file. Returns False when `exclusive` lost
+    the race (the existing file is left as it is).
+    """
+    tmp_fpath = fpath.with_name(f".{fpath.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp_fpath, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp_fpath, fpath)
-    except BaseException:
+        if exclusive:
+            try:
+                os.link(tmp_fpath, fpath)  # atomic create-if-absent, also on NFS
+            except FileExistsError:
+                return False
+        else:
+            os.replace(tmp_fpath, fpath)
+    finally:
         tmp_fpath.unlink(missing_ok=True)
-        raise
     _fsync_dir(fpath.parent)
+    return True
 
 
 def _read_json(fpath: Path, what: str) -> dict:
@@ -289,7 +302,7 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple[str, np.
     _fsync_dir(shards_dpath)
     sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,
                "sha256": hashing.sha256.hexdigest(), "bytes": hashing.n_bytes, "stats": stats.to_json()}
-    _write_json_atomic(shards_dpath / sidecar_fname(index), sidecar)
+    write_json_atomic(shards_dpath / sidecar_fname(index), sidecar)
     return sidecar
 
 
@@ -375,7 +388,7 @@ def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: i
         "skipped": list(skipped or []), "package_version": __version__,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "extra": dict(extra or {}),
     }
-    _write_json_atomic(shards_dpath / MANIFEST_FNAME, manifest)
+    write_json_atomic(shards_dpath / MANIFEST_FNAME, manifest)
     return manifest
 
 

@@ -250,3 +250,24 @@ def test_bad_arguments_raise_one_line_errors() -> None:
                          ({"warmup_steps": -1}, "model.warmup_steps"), ({"inference_ks": [0]}, "model.inference_ks")]:
         with pytest.raises(ValueError, match=flag):
             SAEModule(sae, **kwargs)
+
+
+def test_train_metrics_logged_on_every_logging_step_only(tmp_path: Path) -> None:
+    """The train metrics are computed only when Lightning writes logs: none of its logging
+    steps may lose them, and the step values match a plain R² of that step's batch."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    x = make_data(n=7 * BATCH)
+    module = make_module(warmup_steps=1)
+    logger = CSVLogger(str(tmp_path), name="run", version=0)
+    fit = trainer(tmp_path, max_steps=7, log_every_n_steps=3, logger=logger)
+    fit.fit(module, train_dataloaders=memory_loader(x))
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    steps_with = {name: sorted(int(r.split(",")[header.index("step")]) for r in rows[1:]
+                               if r.split(",")[header.index(name)] != "") for name in ("train/loss", "train/r2",
+                                                                                      "train/l0", "lr")}
+    assert steps_with["train/loss"] == [2, 5], steps_with  # Lightning's rule: every 3rd optimiser step
+    assert all(steps == steps_with["train/loss"] for steps in steps_with.values()), steps_with
+    l0_values = [float(r.split(",")[header.index("train/l0")]) for r in rows[1:] if r.split(",")[header.index("train/l0")]]
+    assert l0_values == [4.0, 4.0]

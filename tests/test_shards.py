@@ -321,7 +321,7 @@ def test_rewrite_crashing_before_its_sidecar_leaves_the_shard_incomplete(tmp_pat
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left")
 
-    monkeypatch.setattr(S, "_write_json_atomic", no_space)
+    monkeypatch.setattr(S, "write_json_atomic", no_space)
     with pytest.raises(OSError):
         S.write_shard(tmp_path, 0, samples[2:])  # same size as the old tar, different bytes
     assert not S.shard_is_complete(tmp_path, 0)  # the old sidecar must not vouch for the new tar
