@@ -484,7 +484,7 @@ def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
     return key, tokens, meta
 
 
-def _check_tar_end(fpath: Path) -> None:
+def check_tar_end(fpath: Path) -> None:
     """A tarfile-written archive ends with zero blocks on a 512-byte boundary; a cut file does not.
 
     webdataset's streaming reader stops silently when a cut falls between members, so
@@ -509,7 +509,7 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str]) -> Iterator[tuple[str
         fpath = Path(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
         if not fpath.is_file():
             raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
-        _check_tar_end(fpath)
+        check_tar_end(fpath)
         try:
             # webdataset's reader on a stream we own, so the file is closed even when the
             # consumer stops early (its url_opener leaves handles to the garbage collector).

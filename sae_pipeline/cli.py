@@ -13,6 +13,11 @@ What this subclass adds to LightningCLI:
 - TensorBoardLogger by default, under ``runs/<config file stem>/`` (``runs/sae`` without a
   config); checkpoints go to ``runs/<name>/checkpoints`` (not per logger version), so
   ``fit --ckpt_path last`` finds the previous run's ``last.ckpt``.
+- Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
+  (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
+  directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
+  resumes from it and logs into the same run (:mod:`sae_pipeline.requeue`), even when the
+  submission said ``--ckpt_path``.
 - The optimiser and schedule belong to the module (paper recipe), not to CLI flags.
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ from sae_pipeline.callbacks import SAEFigures
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.module import SAEModule
 from sae_pipeline.predict import CodesPredictionWriter
+from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
 from sae_pipeline.sae import (  # noqa: F401 -- imported so that bare class names resolve in configs
     BatchTopKSAE,
     JumpReLUSAE,
@@ -57,6 +63,7 @@ class SAECLI(LightningCLI):
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
+        kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue()]})
         super().__init__(SAEModule, ActivationDataModule, args=args, run=run, auto_configure_optimizers=False,
                          parser_class=SAEArgumentParser, **kwargs)
 
@@ -82,12 +89,27 @@ class SAECLI(LightningCLI):
             run_name = Path(str(config_fpaths[-1])).stem
         logger = config.trainer.get("logger")
         save_dir = DEFAULT_RUNS_DPATH
-        if isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger"):
+        tensorboard = isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger")
+        if tensorboard:
             if logger.init_args.get("name") is None:
                 logger.init_args.name = run_name
             save_dir, run_name = logger.init_args.save_dir, logger.init_args.name
         if config.checkpoint.get("dirpath") is None:
             config.checkpoint.dirpath = str(Path(save_dir) / run_name / "checkpoints")
+        job = slurm_job_tag()
+        if tensorboard and job is not None:
+            self._follow_slurm_job(config, logger, job)
+
+    def _follow_slurm_job(self, config: Namespace, logger: Namespace, job: str) -> None:
+        """One SLURM job, one TensorBoard run: ``runs/<name>/slurm-<job>``, also Lightning's hpc
+        checkpoint directory. A requeued job resumes from its hpc checkpoint whatever ``--ckpt_path``."""
+        if logger.init_args.get("version") is None:
+            logger.init_args.version = f"slurm-{job}"
+        version_dpath = Path(logger.init_args.save_dir) / logger.init_args.name / str(logger.init_args.version)
+        if config.trainer.get("default_root_dir") is None:
+            config.trainer.default_root_dir = str(version_dpath)
+        if self.subcommand == "fit" and hpc_checkpoints(config.trainer.default_root_dir):
+            config.ckpt_path = None  # Lightning then restores the newest hpc checkpoint (SLURM only)
 
 
 def cli_main(args: Any = None, run: bool = True) -> SAECLI:

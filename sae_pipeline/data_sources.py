@@ -7,7 +7,7 @@ streams in ``data_stream.py`` see only units, so splitting by rank and worker, s
 and equal batch counts are one code path for every source.
 
 Design choices:
-- Shards are read through ``feature_extraction.shards`` (the owner of the format); a unit
+- Shards are read through ``feature_extraction.shard_reader`` (random access, one copy); a unit
   checks each sample's shape and the shard's sample count against the manifest, so a
   short or malformed shard raises ``ShardFormatError`` naming it.
 - Train/validation split: by shard for shard directories (``val_fraction`` of the
@@ -30,7 +30,8 @@ from typing import Iterator, NamedTuple, Protocol
 import numpy as np
 
 from feature_extraction.h5cache import TokenCache
-from feature_extraction.shards import ShardFormatError, iter_shard_samples, load_manifest, shard_fpaths
+from feature_extraction.shard_reader import iter_shard_tokens
+from feature_extraction.shards import ShardFormatError, load_manifest, shard_fpaths
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
@@ -77,12 +78,8 @@ class ShardUnit:
             return
         tpi = self.tokens_per_image
         first, last = lo // tpi, (hi - 1) // tpi
-        n_seen = 0
-        with contextlib.closing(iter_shard_samples([self.fpath])) as samples:
-            for index, (key, tokens, _meta) in enumerate(samples):
-                n_seen = index + 1
-                if index < first:
-                    continue
+        with contextlib.closing(iter_shard_tokens(self.fpath, first, last)) as samples:
+            for index, (key, tokens) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
                     raise ShardFormatError(f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
                                            f"manifest says [{tpi}, {self.d}]; re-extract the shard")
@@ -92,8 +89,8 @@ class ShardUnit:
                             np.arange(a, b, dtype=np.int64) if with_ids else None)
                 if index == last:
                     return
-        raise ShardFormatError(f"{self.fpath}: holds {n_seen} samples, the manifest lists {self.n_images}; "
-                               "re-extract the shard")
+        raise ShardFormatError(f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
+                               "lists; re-extract the shard")
 
 
 class RowReader(Protocol):

@@ -235,8 +235,26 @@ class SAEModule(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         self.sae.normalize_atoms()
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def _estimated_total_steps(self) -> float:
+        """``trainer.estimated_stepping_batches``, without its side effect on a resumed run.
+
+        Called here (before Lightning restores a checkpoint's loop state), the estimate builds
+        the training loader and starts its iterator, and the fit loop then keeps both: the
+        loader's saved position is never loaded and the resumed epoch would start over with
+        epoch 0's order. So the early set-up is dropped; the fit loop builds the loader again
+        after the restore.
+        """
+        fit_loop = self.trainer.fit_loop
+        built_here = fit_loop._combined_loader is None
         total_steps = self.trainer.estimated_stepping_batches
+        if built_here and fit_loop._combined_loader is not None:
+            if fit_loop._data_fetcher is not None:
+                fit_loop._data_fetcher.teardown()
+            fit_loop._combined_loader, fit_loop._data_fetcher = None, None
+        return total_steps
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        total_steps = self._estimated_total_steps()
         if not math.isfinite(total_steps) or total_steps < 1:
             raise ValueError(f"the run's number of optimiser steps is {total_steps}; set --trainer.max_steps or "
                              "--trainer.max_epochs so the cosine schedule has an end")

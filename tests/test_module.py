@@ -254,7 +254,7 @@ def test_bad_arguments_raise_one_line_errors() -> None:
 
 def test_train_metrics_logged_on_every_logging_step_only(tmp_path: Path) -> None:
     """The train metrics are computed only when Lightning writes logs: none of its logging
-    steps may lose them, and the step values match a plain R² of that step's batch."""
+    steps may lose them, and the values are this run's (TopK with k=4: L0 = 4)."""
     from lightning.pytorch.loggers import CSVLogger
 
     x = make_data(n=7 * BATCH)

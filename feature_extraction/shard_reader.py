@@ -1,0 +1,166 @@
+"""The training stream's shard reader: each sample's tokens read straight into a numpy array.
+
+Why not webdataset's reader: it opens the tar in streaming mode, which hands every
+400 KB ``tokens.npy`` over in 10 KB pieces that are then joined, and ``np.load`` copies
+the joined bytes once more. That made the tar reader most of the training stream's CPU
+time (BENCHMARKS.md, loader). A shard on disk can be read at random instead: each
+header is parsed where it lies (plain ustar headers here, anything else by tarfile),
+and each token array is read with one ``readinto`` into its final memory. Members other
+than ``tokens.npy`` (``meta.json``, ...) are skipped without being read.
+
+The format is still webdataset's (written by ``wds.TarWriter``, readable by any
+webdataset pipeline, tested in ``tests/test_shards.py``); the key of a member follows
+webdataset's rule (the name up to the first dot of its last path component), and a
+sample whose tokens are missing, malformed or cut short raises ``ShardFormatError``
+naming the shard.
+"""
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from feature_extraction.shards import ShardFormatError, check_tar_end
+
+__all__ = ["iter_shard_tokens", "member_key"]
+
+TOKENS_SUFFIX = "tokens.npy"
+NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
+ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
+_HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
+
+
+def member_key(name: str) -> tuple[str, str]:
+    """``(key, suffix)`` of a member name, split as webdataset's ``group_by_keys`` splits it."""
+    directory, _, base = name.rpartition("/")
+    stem, dot, suffix = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), suffix
+
+
+def _npy_header(stream, where: str) -> tuple[tuple[int, ...], int]:  # noqa: ANN001 (binary file)
+    """``(shape, header length)`` of the ``.npy`` at the stream's position; the stream is left after the header.
+
+    Every sample of a shard has the same header bytes, so the parse (numpy's, a
+    ``literal_eval``) is cached by those bytes: it was a tenth of the reader's time.
+    """
+    head = stream.read(NPY_PREFIX)
+    if len(head) < 10 or head[:6] != b"\x93NUMPY":
+        raise ShardFormatError(f"{where} is not a valid .npy (no NUMPY magic); re-extract the shard")
+    if head[6] == 1:
+        length = 10 + int.from_bytes(head[8:10], "little")
+    else:
+        length = 12 + int.from_bytes(head[8:12], "little")
+    if length > len(head):
+        head += stream.read(length - len(head))
+    else:
+        stream.seek(length - len(head), 1)
+    header = head[:length]
+    if (parsed := _HEADERS.get(header)) is None:
+        try:
+            buffer = io.BytesIO(header)
+            version = np.lib.format.read_magic(buffer)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = read_header(buffer)
+        except (ValueError, SyntaxError) as exn:
+            raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
+        if dtype != np.float16 or len(shape) != 2 or fortran_order:
+            raise ShardFormatError(f"{where} is {dtype} {list(shape)}{' (Fortran order)' if fortran_order else ''}, "
+                                   "expected C-ordered float16 [n_tokens, d]; re-extract the shard")
+        if len(_HEADERS) >= 64:
+            _HEADERS.clear()
+        parsed = _HEADERS[header] = shape
+    return parsed, length
+
+
+def _ustar_member(block: bytes, offset: int, fpath: Path) -> tuple[str, int, int] | None:
+    """``(name, data offset, size)`` of a plain ustar regular-file header; None for anything else.
+
+    tarfile's parser (``TarInfo.frombuf``) was a third of the reader's time. This one
+    reads only what locating a member needs, verifies the header checksum, and leaves
+    every other case (pax or GNU extensions, links, base-256 sizes) to tarfile.
+    """
+    if block[257:262] != b"ustar" or block[156:157] not in (b"0", b"\0"):
+        return None
+    try:
+        size, checksum = int(block[124:136].rstrip(b" \0"), 8), int(block[148:156].rstrip(b" \0"), 8)
+    except ValueError:
+        return None
+    if checksum != sum(block) - sum(block[148:156]) + 8 * 32:
+        raise ShardFormatError(f"{fpath}: corrupt tar (bad header checksum at byte {offset}); re-extract the shard")
+    name = block[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+    if prefix := block[345:500].split(b"\0", 1)[0]:
+        name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+    return name, offset + tarfile.BLOCKSIZE, size
+
+
+def _members(stream, fpath: Path) -> Iterator[tuple[str, int, int]]:  # noqa: ANN001 (binary file)
+    """``(name, data offset, size)`` of each regular member, in order.
+
+    Headers our writer produces go through ``_ustar_member``; from the first header it
+    does not handle, tarfile parses the rest of the archive (it can start at any header).
+    """
+    offset = 0
+    while True:
+        stream.seek(offset)
+        block = stream.read(tarfile.BLOCKSIZE)
+        if len(block) < tarfile.BLOCKSIZE:
+            raise ShardFormatError(f"{fpath}: cut short at byte {offset}; re-extract the shard")
+        if block == ZERO_BLOCK:
+            return
+        if (member := _ustar_member(block, offset, fpath)) is None:
+            break
+        yield member
+        offset = member[1] + -(-member[2] // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    stream.seek(offset)
+    with tarfile.open(fileobj=stream, mode="r:") as tar:
+        for info in tar:
+            tar.members = []  # random access keeps every header otherwise; a shard holds thousands
+            if info.isreg():
+                yield info.name, info.offset_data, info.size
+        # Past its first header tarfile ends quietly at an invalid one; a real end is zeros.
+        stream.seek(tar.offset)
+        if stream.read(tarfile.BLOCKSIZE) != ZERO_BLOCK:
+            raise ShardFormatError(f"{fpath}: corrupt tar (invalid header at byte {tar.offset}); re-extract the shard")
+
+
+def _read_tokens(stream, where: str, offset: int, size: int) -> np.ndarray:  # noqa: ANN001 (binary file)
+    """The float16 ``[n, d]`` array of one ``tokens.npy`` member, read once into place."""
+    stream.seek(offset)
+    shape, header_length = _npy_header(stream, where)
+    tokens = np.empty(shape, np.float16)
+    if header_length + tokens.nbytes > size:
+        raise ShardFormatError(f"{where}: its .npy header promises more bytes than the member holds; "
+                               "re-extract the shard")
+    if stream.readinto(memoryview(tokens).cast("B")) != tokens.nbytes:
+        raise ShardFormatError(f"{where} is cut short; re-extract the shard")
+    return tokens
+
+
+def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
+
+    Samples before ``first`` are counted but not read; reading stops after ``last``.
+    A missing, truncated or corrupt shard raises ``ShardFormatError`` naming it.
+    """
+    fpath = Path(fpath)
+    if not fpath.is_file():
+        raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
+    check_tar_end(fpath)
+    index = -1
+    try:
+        with open(fpath, "rb") as stream:
+            for name, offset, size in _members(stream, fpath):
+                key, suffix = member_key(name)
+                if suffix != TOKENS_SUFFIX:
+                    continue
+                index += 1
+                if index < first:
+                    continue
+                yield key, _read_tokens(stream, f"{fpath}: member {name!r}", offset, size)
+                if last is not None and index >= last:
+                    return
+    except tarfile.TarError as exn:
+        raise ShardFormatError(f"{fpath}: corrupt tar ({exn}); re-extract the shard") from None

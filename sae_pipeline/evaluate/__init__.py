@@ -1,0 +1,12 @@
+"""The evaluation suite: the paper's controlled experiment over the SAE variants, in one command.
+
+``python -m sae_pipeline.evaluate {expressivity,inference,coherence,concepts,all,report,dictionary}``
+(see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
+
+- :mod:`.runs`: plan the grid of training runs and train / export / resume them through the CLI;
+- :mod:`.studies`: evaluate each exported run and gather the numbers per study;
+- :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;
+- :mod:`.claims`: the paper's claims checked against the numbers;
+- :mod:`.plots`: figures comparing variants; :mod:`.report`: results.json, PNGs, TensorBoard, report.md;
+- :mod:`.external`: load a released MP-SAE dictionary (``.npz``) and evaluate it.
+"""

@@ -1,0 +1,217 @@
+"""``python -m sae_pipeline.evaluate``: the paper's controlled experiment, one command per study.
+
+    python -m sae_pipeline.evaluate all --data digits --out eval_out --max_steps 2000   # every study
+    python -m sae_pipeline.evaluate expressivity --data digits --out eval_out --k 5 10 20 40 --p 250 500 1000
+    python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --p_main 19200
+    python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
+    python -m sae_pipeline.evaluate dictionary --npz mpsae_mnist_p1000_k10.npz --out eval_authors
+
+Studies share their runs (``OUT/runs``, ``OUT/models``): a run already trained and exported with
+the same settings is reused, never retrained, so studies resume and add up; ``results.json``
+keeps the results of earlier studies in the same ``OUT``. Bad input ends with one ``error:``
+line and exit status 1 (2 for unparsable flags) before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
+
+PROG = "python -m sae_pipeline.evaluate"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Parse errors as one line naming the flag (not the whole usage block)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog=PROG, description="Reproduce the paper's controlled experiment (expressivity, "
+                           "inference-time k, coherence, learned concepts) over the SAE variants, training each "
+                           "model through `python -m sae_pipeline fit`.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for name in (*runs.STUDIES, "all"):
+        sub = commands.add_parser(name, help=f"run the {name} stud{'ies' if name == 'all' else 'y'}")
+        sub.add_argument("--data", default="digits", help="digits (bundled), mnist, a shard directory or an .h5 "
+                         "token cache (default: digits)")
+        sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
+        sub.add_argument("--variants", nargs="+", default=list(runs.VARIANTS), help="subset of "
+                         f"{' '.join(runs.VARIANTS)} (default: all five)")
+        sub.add_argument("--k", nargs="+", type=_positive, default=[5, 10, 20, 40], help="training sparsities")
+        sub.add_argument("--k_main", type=_positive, default=10, help="k of the p sweep, coherence and concepts")
+        sub.add_argument("--p", nargs="+", type=_positive, default=[250, 500, 1000, 2000],
+                         help="dictionary sizes of the p sweep")
+        sub.add_argument("--p_main", type=_positive, default=1000, help="p of the k sweep, coherence and concepts")
+        sub.add_argument("--max_steps", type=_positive, default=None,
+                         help="optimiser steps per run (default: the config's own epochs)")
+        sub.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80, 160],
+                         help="inference-time k values of the inference sweep")
+        sub.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
+        sub.add_argument("--jobs", type=_positive, default=1, help="training runs side by side (subprocesses when "
+                         "> 1; default 1: in-process)")
+        sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
+        sub.add_argument("--config_suffix", default=None, help="config suffix (default: digits for digits/mnist, "
+                         "else the shard manifest's backbone)")
+        sub.add_argument("--data_dpath", default=None, help="folder holding MNIST/raw for --data mnist")
+        sub.add_argument("--eval_tokens", type=_positive, default=None, help="cap on validation tokens evaluated "
+                         "(default: the whole split, as val/r2 in training)")
+        sub.add_argument("--concept_tokens", type=_positive, default=65536, help="inputs for concept statistics")
+        sub.add_argument("--example_index", type=int, default=0, help="validation input of the sequential "
+                         "reconstruction")
+    report = commands.add_parser("report", help="rebuild OUT/report.md from OUT/results.json")
+    report.add_argument("--out", required=True)
+    dictionary = commands.add_parser("dictionary", help="concept figures and Babel of an external MP-SAE (.npz)")
+    dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]")
+    dictionary.add_argument("--out", required=True)
+    dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
+                            "to 28x28, a stand-in, not MNIST), mnist (MNIST/raw under --data_dpath) or none")
+    dictionary.add_argument("--k", type=_positive, default=10, help="MP steps (the authors trained at k = 10)")
+    dictionary.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80])
+    dictionary.add_argument("--r_max", type=_positive, default=64)
+    dictionary.add_argument("--max_tokens", type=_positive, default=None)
+    dictionary.add_argument("--example_index", type=int, default=0)
+    dictionary.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
+    return parser
+
+
+def study_points(study: str, ks: list[int], ps: list[int], k_main: int, p_main: int) -> list[tuple[int, int]]:
+    """The (k, p) grid one study needs."""
+    if study == "expressivity":
+        return [(k, p_main) for k in ks] + [(k_main, p) for p in ps]
+    if study == "inference":
+        return [(k, p_main) for k in ks]
+    return [(k_main, p_main)]
+
+
+def run_studies(args: argparse.Namespace) -> Path:
+    from tqdm import tqdm
+
+    from sae_pipeline.evaluate import studies
+    from sae_pipeline.evaluate.claims import check_claims
+    from sae_pipeline.evaluate.report import read_results, save_figures, study_figures, write_report, write_results
+
+    start = time.perf_counter()
+    chosen = list(runs.STUDIES) if args.command == "all" else [args.command]
+    unknown = [v for v in args.variants if v not in runs.VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r} in --variants; choose from {', '.join(runs.VARIANTS)}")
+    variants = list(dict.fromkeys(args.variants))
+    ks, ps = sorted({*args.k, args.k_main}), sorted({*args.p, args.p_main})
+    if min(ps) < 2:
+        raise ValueError(f"--p {min(ps)}: a dictionary needs at least 2 atoms")
+    runs.check_source(args.data)
+    config_dpath = runs.find_config_dpath(args.config_dir)
+    suffix = runs.config_suffix_for(args.data, args.config_suffix)
+    points = [point for study in chosen for point in study_points(study, ks, ps, args.k_main, args.p_main)]
+    specs = runs.plan_runs(variants, points, args.data, args.max_steps, config_dpath, suffix, args.data_dpath)
+    by_point = {(s.variant, s.k, s.p): s for s in specs}
+    main_specs = [by_point[(v, args.k_main, args.p_main)] for v in variants
+                  if any(study in ("coherence", "concepts") for study in chosen)]
+    out_dpath = Path(args.out)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    results = read_results(out_dpath)
+
+    n_concepts = len(main_specs) if "concepts" in chosen else 0
+    with tqdm(total=2 * len(specs) + n_concepts + 1, desc="study", unit="step", dynamic_ncols=True) as bar:
+        def done(spec: runs.RunSpec, trained: bool) -> None:
+            bar.set_postfix_str(f"{'trained' if trained else 'reused'} {spec.name}")
+            bar.update()
+
+        runs.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done)
+        entries = dict(results.get("runs", {}))
+        for spec in specs:
+            bar.set_postfix_str(f"evaluating {spec.name}")
+            entries[spec.name] = studies.evaluate_run(spec, out_dpath, args.k_infer, args.r_max, args.eval_tokens)
+            bar.update()
+        results["runs"] = entries
+        if "expressivity" in chosen:
+            results["expressivity"] = studies.expressivity(entries, variants, ks, ps, args.k_main, args.p_main)
+        if "inference" in chosen:
+            results["inference"] = studies.inference(entries, variants, ks, args.k_main, args.p_main)
+        if "coherence" in chosen:
+            results["coherence"] = studies.coherence(entries, variants, args.k_main, args.p_main)
+        if "concepts" in chosen:
+            stats, image_shape = {}, None
+            for spec in main_specs:
+                bar.set_postfix_str(f"concepts {spec.name}")
+                stats[spec.variant] = studies.evaluate_concepts(spec, out_dpath, args.concept_tokens,
+                                                                args.example_index)
+                stats[spec.variant]["run"] = spec.name
+                image_shape = stats[spec.variant].pop("image_shape")
+                bar.update()
+            results["concepts"] = {"k": args.k_main, "p": args.p_main, "image_shape": image_shape, "variants": stats}
+        bar.set_postfix_str("figures and report")
+        results["claims"] = check_claims(results)
+        results["meta"] = {"command": f"{PROG} {shlex.join(args.argv)}",
+                           "data": args.data, "variants": variants, "max_steps": args.max_steps,
+                           "studies": sorted(set(results.get("meta", {}).get("studies", [])) | set(chosen)),
+                           "wall_time_s": time.perf_counter() - start, "cpu_count": os.cpu_count()}
+        save_figures(study_figures(results, out_dpath), out_dpath)
+        results["meta"]["wall_time_s"] = time.perf_counter() - start
+        write_results(results, out_dpath)
+        write_report(results, out_dpath)
+        bar.update()
+    return out_dpath
+
+
+def run_dictionary(args: argparse.Namespace) -> Path:
+    from sae_pipeline.evaluate.external import evaluate_dictionary
+    from sae_pipeline.evaluate.report import read_results, save_figures, write_report, write_results
+
+    results_part, figures = evaluate_dictionary(args.npz, args.data, args.k, args.k_infer, args.r_max,
+                                                args.max_tokens, args.example_index, args.data_dpath)
+    out_dpath = Path(args.out)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    results = read_results(out_dpath)
+    results["dictionary"] = results_part
+    save_figures(figures, out_dpath, tag_prefix="dictionary")
+    write_results(results, out_dpath)
+    write_report(results, out_dpath)
+    return out_dpath
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        if args.command == "report":
+            from sae_pipeline.evaluate.report import read_results, write_report
+
+            results = read_results(Path(args.out))
+            if not results:
+                raise ValueError(f"--out {args.out}: no results.json; run a study into it first")
+            out_fpath = write_report(results, Path(args.out))
+        elif args.command == "dictionary":
+            out_fpath = run_dictionary(args) / "report.md"
+        else:
+            out_fpath = run_studies(args) / "report.md"
+    except (ValueError, RuntimeError, FileNotFoundError) as exn:
+        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
+            raise
+        message = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    print(f"wrote {out_fpath}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Figures of the evaluation suite that compare variants (paper Figs. 2, 4, 5, 8 and the appendix).
+
+Single-model figures (atom grids, one Babel curve, one R²-vs-k line) are in
+:mod:`sae_pipeline.figures`; the ones here put every variant side by side. Like those, they
+are built on ``matplotlib.figure.Figure`` (no pyplot state, headless) and return the figure.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
+
+from sae_pipeline.evaluate.runs import LABELS
+
+
+def _label(variant: str) -> str:
+    return LABELS.get(variant, variant)
+
+
+def _log2_axis(ax, ticks: list[float]) -> None:
+    """A base-2 log x axis labelled with the plotted values as plain numbers (not 2^n)."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(ticks))))
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def expressivity_vs_k_figure(vs_k: Mapping[str, list[dict]], p: int) -> Figure:
+    """R² against measured L0 (the training k for all but ReLU, whose L1 only aims at it), at fixed p."""
+    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for variant, rows in vs_k.items():
+        ax.plot([row["l0"] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
+                label=_label(variant))
+    _log2_axis(ax, [row["k"] for rows in vs_k.values() for row in rows])
+    ax.set_xlabel("sparsity: measured L0 (active atoms per input)")
+    ax.set_ylabel("validation R²")
+    ax.set_title(f"Expressivity at p = {p}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def expressivity_vs_p_figure(vs_p: Mapping[str, list[dict]], k: int) -> Figure:
+    """R² against the dictionary size p at fixed k (paper Fig. 2b)."""
+    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for variant, rows in vs_p.items():
+        ax.plot([row["p"] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
+                label=_label(variant))
+    _log2_axis(ax, [row["p"] for rows in vs_p.values() for row in rows])
+    ax.set_xlabel("dictionary size p")
+    ax.set_ylabel("validation R²")
+    ax.set_title(f"Expressivity at k = {k}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) -> Figure:
+    """One panel per variant: R² against inference k, one line per training k (paper Fig. 8)."""
+    variants = list(by_train_k)
+    fig = Figure(figsize=(3.0 * len(variants), 3.0), layout="constrained")
+    axes = fig.subplots(1, len(variants), squeeze=False, sharey=True)[0]
+    for ax, variant in zip(axes, variants):
+        for train_k, sweep in by_train_k[variant].items():
+            line = ax.plot(sweep["ks"], sweep["r2"], marker="o", markersize=3, label=f"trained k = {train_k}")
+            ax.axvline(int(train_k), color=line[0].get_color(), linestyle=":", linewidth=1)
+        _log2_axis(ax, [k for sweep in by_train_k[variant].values() for k in sweep["ks"]])
+        ax.set_title(_label(variant))
+        ax.set_xlabel("inference k")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("validation R²")
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping[str, list[float]],
+                        k: int) -> Figure:
+    """Babel μ₁(r) of the whole dictionary (left) and of the co-activated atoms (right), per variant."""
+    fig = Figure(figsize=(9.0, 3.6), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for variant in dictionary:
+        r = np.arange(1, len(dictionary[variant]) + 1)
+        left.plot(r, dictionary[variant], label=_label(variant))
+        right.plot(np.arange(1, len(coactive[variant]) + 1), coactive[variant], label=_label(variant))
+    left.set_title("(a) dictionary")
+    right.set_title(f"(b) co-activated atoms (k = {k}, mean over inputs)")
+    for ax in (left, right):
+        ax.set_xlabel("r")
+        ax.set_ylabel("μ₁(r)")
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    return fig
+
+
+def frequency_vs_mean_panels(stats: Mapping[str, dict]) -> Figure:
+    """Per variant: each atom's activation frequency against its mean value (paper Fig. 4a)."""
+    variants = list(stats)
+    fig = Figure(figsize=(3.0 * len(variants), 3.0), layout="constrained")
+    axes = fig.subplots(1, len(variants), squeeze=False)[0]
+    for ax, variant in zip(axes, variants):
+        frequency = np.array([np.nan if v is None else v for v in stats[variant]["frequency"]])
+        mean = np.array([np.nan if v is None else v for v in stats[variant]["mean_value"]])
+        fired = frequency > 0
+        ax.scatter(frequency[fired], mean[fired], s=3, alpha=0.5, linewidths=0)
+        if fired.any():
+            ax.set_xscale("log")
+        ax.set_title(f"{_label(variant)} ({int(fired.sum())} atoms fired)", fontsize=9)
+        ax.set_xlabel("activation frequency")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("mean activation E[z_j]")
+    return fig
+
+
+def selection_step_panels(stats: Mapping[str, dict]) -> Figure:
+    """Per variant: mean selection step against mean value (paper Fig. 4b; shallow SAEs reordered by value)."""
+    variants = list(stats)
+    fig = Figure(figsize=(3.0 * len(variants), 3.0), layout="constrained")
+    axes = fig.subplots(1, len(variants), squeeze=False)[0]
+    for ax, variant in zip(axes, variants):
+        step = np.array([np.nan if v is None else v for v in stats[variant]["mean_step"]])
+        mean = np.array([np.nan if v is None else v for v in stats[variant]["mean_value"]])
+        keep = np.isfinite(step)
+        ax.scatter(mean[keep], step[keep], s=3, alpha=0.5, linewidths=0)
+        rho = stats[variant].get("spearman_mean_vs_step")
+        ax.set_title(f"{_label(variant)} (ρ = {rho:.2f})" if rho is not None else _label(variant), fontsize=9)
+        ax.set_xlabel("mean activation E[z_j]")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("mean selection step")
+    return fig
+
+
+def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape: tuple[int, int]) -> Figure:
+    """Rows: variants; columns: the input, then the reconstruction after 0 (b_pre), 1, 2, ... atoms."""
+    variants = list(sequences)
+    n_cols = 1 + max(len(sequences[v]["shown_steps"]) for v in variants)
+    width, height = 0.9 * n_cols + 1.3, 1.05 * len(variants) + 0.5
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=1.25 / width, right=1 - 0.05 / width, bottom=0.05 / height, top=1 - 0.5 / height,
+                        wspace=0.05, hspace=0.35)
+    axes = fig.subplots(len(variants), n_cols, squeeze=False)
+    for row, variant in enumerate(variants):
+        sequence = sequences[variant]
+        images = [np.asarray(sequence["input"])] + [np.asarray(p) for p in sequence["partials"]]
+        titles = ["input"] + [("b_pre" if s == 0 else f"{s}") for s in sequence["shown_steps"]]
+        if len(sequence["shown_steps"]) > 1 and sequence["shown_steps"][-1] - sequence["shown_steps"][-2] > 1:
+            titles[-1] = f"all {sequence['shown_steps'][-1]}"
+        low, high = float(np.min(images[0])), float(np.max(images[0]))
+        for col, ax in enumerate(axes[row]):
+            ax.set_axis_off()
+            if col < len(images):
+                ax.imshow(images[col].reshape(image_shape), cmap="gray", vmin=low, vmax=high,
+                          interpolation="nearest")
+                ax.set_title(titles[col], fontsize=7)
+        axes[row][0].text(-0.1, 0.5, _label(variant), transform=axes[row][0].transAxes, ha="right",
+                          va="center", fontsize=8)
+    fig.suptitle("Sequential reconstruction, atom by atom (shallow SAEs: atoms ordered by value)", fontsize=9)
+    return fig
+
+
+def babel_single_figure(curves: Mapping[str, list[float]], title: str) -> Figure:
+    """Babel curves of one model (the external-dictionary report)."""
+    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for label, curve in curves.items():
+        ax.plot(np.arange(1, len(curve) + 1), curve, label=label)
+    ax.set_xlabel("r")
+    ax.set_ylabel("μ₁(r)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+

@@ -1,0 +1,198 @@
+"""The study's outputs: ``results.json``, PNG figures, the same figures in TensorBoard, ``report.md``.
+
+``results.json`` is the single source of every number; ``report.md`` is rebuilt from it alone
+(``python -m sae_pipeline.evaluate report --out DIR``), embedding the PNGs found in
+``DIR/figures``. Figures are rendered from ``results.json`` plus the exported dictionaries
+(atom grids need the atoms), written at dpi 100 (small enough to commit) and logged to
+``DIR/tensorboard`` under ``evaluate/<figure name>``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from torch.utils.tensorboard import SummaryWriter
+
+from sae_pipeline.evaluate import plots
+from sae_pipeline.evaluate.claims import check_claims
+from sae_pipeline.evaluate.runs import LABELS
+from sae_pipeline.export import load_sae
+from sae_pipeline.figures import atom_grid_figure
+
+RESULTS_FNAME = "results.json"
+REPORT_FNAME = "report.md"
+DPI = 100
+
+
+def read_results(out_dpath: Path) -> dict[str, Any]:
+    """``OUT/results.json``, or ``{}`` when absent (a first study)."""
+    fpath = Path(out_dpath) / RESULTS_FNAME
+    if not fpath.is_file():
+        return {}
+    try:
+        return json.loads(fpath.read_text())
+    except json.JSONDecodeError as exn:
+        raise ValueError(f"{fpath}: invalid JSON ({exn.msg}); delete it and rerun the study") from None
+
+
+def write_results(results: dict[str, Any], out_dpath: Path) -> Path:
+    """Write ``results.json`` whole or not at all (temporary file, then rename)."""
+    fpath = Path(out_dpath) / RESULTS_FNAME
+    tmp = fpath.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    tmp.replace(fpath)
+    return fpath
+
+
+def study_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
+    """Every figure the results support, by file stem."""
+    figures: dict[str, Figure] = {}
+    if "expressivity" in results:
+        study = results["expressivity"]
+        figures["expressivity_vs_k"] = plots.expressivity_vs_k_figure(study["vs_k"], study["p_main"])
+        figures["expressivity_vs_p"] = plots.expressivity_vs_p_figure(study["vs_p"], study["k_main"])
+    if "inference" in results:
+        figures["inference_r2_vs_k"] = plots.inference_by_train_k_figure(results["inference"]["by_train_k"])
+    if "coherence" in results:
+        study = results["coherence"]
+        figures["babel"] = plots.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])
+    if "concepts" in results:
+        figures.update(concept_figures(results["concepts"], out_dpath))
+    return figures
+
+
+def concept_figures(study: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
+    """Atom grids (top 25 by frequency and by mean value), scatters and the sequential reconstruction."""
+    variants = study["variants"]
+    figures = {"frequency_vs_mean": plots.frequency_vs_mean_panels(variants),
+               "selection_step_vs_mean": plots.selection_step_panels(variants)}
+    image_shape = study.get("image_shape")
+    if not image_shape:
+        return figures  # not image-shaped: atoms and reconstructions cannot be drawn as images
+    image_shape = tuple(image_shape)
+    figures["sequential_reconstruction"] = plots.sequential_reconstruction_figure(
+        {v: s["sequence"] for v, s in variants.items()}, image_shape)
+    for variant, stats in variants.items():
+        W_dec = load_sae(Path(out_dpath) / "models" / stats["run"]).W_dec.detach()
+        for key, what in (("top_by_frequency", "frequency"), ("top_by_mean", "mean")):
+            order = stats[key]
+            figures[f"atoms_{variant}_by_{what}"] = atom_grid_figure(
+                W_dec[order], image_shape, n_atoms=len(order), labels=[f"#{j}" for j in order],
+                title=f"{LABELS.get(variant, variant)}: top {len(order)} atoms by {what}")
+    return figures
+
+
+def save_figures(figures: dict[str, Figure], out_dpath: Path, tag_prefix: str = "evaluate") -> list[Path]:
+    """PNG files under ``OUT/figures`` and the same figures in ``OUT/tensorboard``."""
+    figures_dpath = Path(out_dpath) / "figures"
+    figures_dpath.mkdir(parents=True, exist_ok=True)
+    written = []
+    writer = SummaryWriter(str(Path(out_dpath) / "tensorboard"))
+    try:
+        for name, figure in figures.items():
+            fpath = figures_dpath / f"{name}.png"
+            figure.savefig(fpath, dpi=DPI)
+            written.append(fpath)
+            writer.add_figure(f"{tag_prefix}/{name}", figure, global_step=0, close=False)
+    finally:
+        writer.close()
+    return written
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _label(variant: str) -> str:
+    return LABELS.get(variant, variant)
+
+
+def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
+    """One page: settings, the numbers per study, the claims table and the figures."""
+    figures_dpath = Path(out_dpath) / "figures"
+    lines = ["# SAE evaluation report", ""]
+    meta = results.get("meta", {})
+    if meta:
+        lines += [f"Data: `{meta.get('data')}`; variants: {', '.join(meta.get('variants', []))}; "
+                  f"max_steps: {meta.get('max_steps')}; wall time of the last invocation: "
+                  f"{meta.get('wall_time_s', 0):.0f} s.", "", f"Command: `{meta.get('command', '')}`", ""]
+    if "expressivity" in results:
+        study = results["expressivity"]
+        vs_k = study["vs_k"]
+        ks = [row["k"] for row in next(iter(vs_k.values()))]
+        lines += [f"## Expressivity (validation R², measured L0 in brackets; p = {study['p_main']})", ""]
+        lines += _table(["variant", *[f"k = {k}" for k in ks]],
+                        [[_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]] for v, rows in vs_k.items()])
+        vs_p = study["vs_p"]
+        ps = [row["p"] for row in next(iter(vs_p.values()))]
+        lines += ["", f"R² against p at k = {study['k_main']}:", ""]
+        lines += _table(["variant", *[f"p = {p}" for p in ps]],
+                        [[_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()])
+        lines += [""]
+    if "inference" in results:
+        study = results["inference"]
+        sweep_ks = next(iter(study["main"].values()))["ks"]
+        lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
+        lines += _table(["variant", *[f"k = {k}" for k in sweep_ks]],
+                        [[_label(v), *[f"{x:.3f}" for x in s["r2"]]] for v, s in study["main"].items()])
+        lines += [""]
+    if "coherence" in results:
+        study = results["coherence"]
+        k = study["k"]
+        lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
+        rows = [[_label(v), f"{c[0]:.3f}", f"{c[min(k, len(c)) - 1]:.3f}",
+                 f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}"] for v, c in study["dictionary"].items()]
+        lines += _table(["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})"], rows)
+        lines += [""]
+    if "concepts" in results:
+        lines += ["## Concepts (whole dataset)", ""]
+        rows = [[_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}", f"{s['mean_value_cv']:.2f}",
+                 _fmt(s["spearman_mean_vs_step"]), _fmt(s["spearman_frequency_vs_mean"]),
+                 f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})"]
+                for v, s in results["concepts"]["variants"].items()]
+        lines += _table(["variant", "atoms fired", "CV frequency", "CV mean value", "ρ(mean, step)",
+                         "ρ(freq, mean)", "cos(atom, −b_pre) (freq. rank)"], rows)
+        lines += [""]
+    if "dictionary" in results:
+        lines += _dictionary_section(results["dictionary"])
+    claims = check_claims(results)  # recomputed, so a rebuilt report follows the current checks
+    if any(c["holds"] is not None for c in claims):
+        lines += ["## The paper's claims on this data", ""]
+        lines += _table(["claim", "holds?", "measured"],
+                        [[c["claim"], {True: "yes", False: "**no**", None: "n/a"}[c["holds"]], c["measured"]]
+                         for c in claims])
+        lines += [""]
+    pngs = sorted(figures_dpath.glob("*.png")) if figures_dpath.is_dir() else []
+    if pngs:
+        lines += ["## Figures", ""]
+        lines += [f"![{p.stem}](figures/{p.name})" for p in pngs]
+        lines += [""]
+    return "\n".join(lines)
+
+
+def _dictionary_section(study: dict[str, Any]) -> list[str]:
+    k = study["k"]
+    lines = [f"## External dictionary `{study['npz']}`", "",
+             f"p = {study['p']}, d = {study['d_in']}, k = {k}; dictionary Babel μ₁(1) = {study['babel_dict'][0]:.3f}, "
+             f"μ₁({k}) = {study['babel_dict'][k - 1]:.3f}."]
+    if study.get("data"):
+        stats, sweep = study["concepts"], study["inference"]
+        lines += ["", f"On {study['data']} ({study['n_tokens']} inputs): R² = {_fmt(study['r2'], '.3f')} at k = {k} "
+                  f"(R² at inference k = {', '.join(f'{a}: {b:.3f}' for a, b in zip(sweep['ks'], sweep['r2']))}); "
+                  f"co-active μ₁({k}) = {study['babel_coactive'][k - 1]:.3f}; {stats['n_fired']} atoms fired; "
+                  f"CV of frequency {stats['frequency_cv']:.2f}, of mean value {stats['mean_value_cv']:.2f}; "
+                  f"ρ(mean value, selection step) = {_fmt(stats['spearman_mean_vs_step'])}, "
+                  f"ρ(frequency, mean value) = {_fmt(stats['spearman_frequency_vs_mean'])}."]
+    return lines + [""]
+
+
+def _fmt(value: float | None, spec: str = "+.2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def write_report(results: dict[str, Any], out_dpath: Path) -> Path:
+    fpath = Path(out_dpath) / REPORT_FNAME
+    fpath.write_text(report_markdown(results, out_dpath))
+    return fpath

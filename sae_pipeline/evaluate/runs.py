@@ -1,0 +1,281 @@
+"""The study's training runs: plan a grid (variant x k x p) and train each through the real CLI.
+
+Every run is ``python -m sae_pipeline fit --config <config_dir>/<variant>_<suffix>.yaml`` with
+flags that override the dictionary size p, the sparsity k, the data source and the run length
+(``configs/<variant>_digits.yaml`` for the bundled digits, a backbone's configs for shards),
+so the study measures exactly what a user's ``fit`` would train. One job runs the CLI
+in-process (:func:`sae_pipeline.cli.cli_main`, no interpreter start-up per run); ``jobs > 1``
+runs that many ``python -m sae_pipeline fit`` subprocesses side by side.
+
+Layout under ``OUT``: ``runs/<name>/version_0`` (TensorBoard), ``runs/<name>/checkpoints``,
+``models/<name>`` (the export: ``sae.safetensors`` + ``config.json``) and
+``models/<name>/study_run.json`` (the run's settings, written last). Resume rule: a run whose
+``study_run.json`` exists and equals the planned settings is finished and never retrained; any
+other run is trained from scratch (its old folders are deleted first, so a half-written run
+cannot mix versions or checkpoints).
+
+How k reaches each variant (the paper compares SAEs "at equal sparsity"):
+TopK, BatchTopK and MP-SAE take k itself; JumpReLU its ``target_l0``; ReLU has no k, so its L1
+coefficient is set from k by :func:`relu_l1_for_k` and its measured L0 is reported beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+VARIANTS = ("relu", "jumprelu", "topk", "batchtopk", "mpsae")
+LABELS = {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK", "mpsae": "MP-SAE"}
+ROW_SOURCES = ("digits", "mnist")
+STUDIES = ("expressivity", "inference", "coherence", "concepts")
+RUN_FNAME = "study_run.json"
+# ReLU's L1 coefficient at k = 10 on digits, scaled as (10 / k)^RELU_L1_EXPONENT for other k:
+# calibrated on the bundled digits (configs/relu_digits.yaml, 2000 steps: λ = 0.01, 0.03, 0.1 gave
+# L0 = 46, 13, 3.4, i.e. L0 ∝ λ^-1.14) so that the measured L0 lands near k; it is the measured
+# L0 that the figures plot. Other data need their own calibration (measured L0 is reported).
+RELU_L1_AT_10 = 0.038
+RELU_L1_EXPONENT = 0.88
+
+
+def relu_l1_for_k(k: int) -> float:
+    """The L1 coefficient that makes ReLU's L0 roughly ``k`` (see the constants above)."""
+    return round(RELU_L1_AT_10 * (10 / k) ** RELU_L1_EXPONENT, 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run of the study; its fields are the settings a finished run must match."""
+
+    variant: str
+    k: int
+    p: int
+    max_steps: int | None
+    source: str
+    config_fpath: str
+    config_sha256: str
+    data_dpath: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}_p{self.p}_k{self.k}"
+
+    def settings(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def config(self) -> dict:
+        return yaml.safe_load(Path(self.config_fpath).read_text()) or {}
+
+    def fit_args(self, out_dpath: Path) -> list[str]:
+        """The ``fit`` command line (without ``python -m sae_pipeline``)."""
+        runs_dpath = Path(out_dpath) / "runs"
+        args = ["fit", "--config", self.config_fpath, "--data.source", self.source,
+                "--model.sae.init_args.d_sae", str(self.p), *sparsity_args(self.variant, self.k),
+                "--trainer.logger.init_args.save_dir", str(runs_dpath),
+                "--trainer.logger.init_args.name", self.name,
+                "--checkpoint.dirpath", str(runs_dpath / self.name / "checkpoints"),
+                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+        if self.data_dpath is not None:
+            args += ["--data.data_dpath", self.data_dpath]
+        if self.max_steps is not None:
+            # Validate exactly once, after the last step: the logged val/r2 is the final model's.
+            args += ["--trainer.max_steps", str(self.max_steps), "--trainer.max_epochs", "-1",
+                     "--trainer.check_val_every_n_epoch", "null",
+                     "--trainer.val_check_interval", str(self.max_steps)]
+        else:
+            epochs = (self.config().get("trainer") or {}).get("max_epochs")
+            if not isinstance(epochs, int) or epochs < 1:
+                raise ValueError(f"{self.config_fpath} sets no trainer.max_epochs; pass --max_steps N")
+            args += ["--trainer.check_val_every_n_epoch", str(epochs)]
+        return args
+
+
+def sparsity_args(variant: str, k: int) -> list[str]:
+    """The flags that set sparsity k for ``variant`` (see the module docstring)."""
+    if variant in ("topk", "batchtopk", "mpsae"):
+        return ["--model.sae.init_args.k", str(k)]
+    if variant == "jumprelu":
+        return ["--model.sae.init_args.target_l0", str(k)]
+    if variant == "relu":
+        return ["--model.sae.init_args.l1_coefficient", str(relu_l1_for_k(k))]
+    raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(VARIANTS)}")
+
+
+def find_config_dpath(config_dir: str | None) -> Path:
+    """``--config_dir``, else ``configs/`` in the current directory, else beside the package."""
+    if config_dir is not None:
+        dpath = Path(config_dir)
+        if not dpath.is_dir():
+            raise ValueError(f"--config_dir {config_dir}: not a directory; point it at a folder of "
+                             "<variant>_<suffix>.yaml training configs")
+        return dpath
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        if (root / "configs").is_dir():
+            return root / "configs"
+    raise ValueError("no configs/ folder in the current directory or the source checkout; pass --config_dir DIR")
+
+
+def check_source(source: str) -> None:
+    """One-line error for a data source that cannot exist (before anything is written)."""
+    if source in ROW_SOURCES:
+        return
+    fpath = Path(source)
+    if fpath.suffix in (".h5", ".hdf5") and fpath.is_file():
+        return
+    if fpath.is_dir() and (fpath / "manifest.json").is_file():
+        return
+    what = "has no manifest.json (finish the extraction first)" if fpath.is_dir() else "not found"
+    raise ValueError(f"--data {source}: {what}; pass digits, mnist, a shard directory or an .h5 token cache")
+
+
+def config_suffix_for(source: str, suffix: str | None) -> str:
+    """``--config_suffix``, else ``digits`` for row sources, else the shard manifest's backbone name."""
+    if suffix is not None:
+        return suffix
+    if source in ROW_SOURCES:
+        return "digits"
+    manifest_fpath = Path(source) / "manifest.json"
+    if manifest_fpath.is_file():
+        backbone = json.loads(manifest_fpath.read_text()).get("backbone")
+        name = backbone.get("name") if isinstance(backbone, dict) else backbone
+        if isinstance(name, str) and name:
+            return name
+    raise ValueError(f"--data {source}: cannot tell which configs to use; pass --config_suffix (e.g. dinov2 for "
+                     "configs/<variant>_dinov2.yaml)")
+
+
+def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, max_steps: int | None,
+              config_dpath: Path, suffix: str, data_dpath: str | None = None) -> list[RunSpec]:
+    """One :class:`RunSpec` per variant and (k, p) point, in a stable order, without duplicates."""
+    specs: dict[str, RunSpec] = {}
+    for variant in variants:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(VARIANTS)}")
+        config_fpath = config_dpath / f"{variant}_{suffix}.yaml"
+        if not config_fpath.is_file():
+            raise ValueError(f"{config_fpath}: not found; pass --config_dir / --config_suffix naming existing "
+                             f"<variant>_<suffix>.yaml configs")
+        sha = hashlib.sha256(config_fpath.read_bytes()).hexdigest()
+        for k, p in points:
+            if k > p:
+                raise ValueError(f"--k {k} exceeds the dictionary size p = {p}; choose k <= p")
+            spec = RunSpec(variant, k, p, max_steps, source, str(config_fpath), sha, data_dpath)
+            specs.setdefault(spec.name, spec)
+    return list(specs.values())
+
+
+def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
+    """True when the run's export exists with exactly these settings (then it is not retrained)."""
+    model_dpath = Path(out_dpath) / "models" / spec.name
+    marker = model_dpath / RUN_FNAME
+    if not (marker.is_file() and (model_dpath / "sae.safetensors").is_file()):
+        return False
+    try:
+        return json.loads(marker.read_text()).get("settings") == spec.settings()
+    except json.JSONDecodeError:
+        return False
+
+
+def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:
+    """The run's TensorBoard folder: the one version folder of a fresh run (``version_0``, or
+    ``slurm-<job id>`` when trained inside a SLURM job, see :mod:`sae_pipeline.cli`)."""
+    run_dpath = Path(out_dpath) / "runs" / spec.name
+    versions = sorted(d for d in run_dpath.glob("*") if d.is_dir() and any(d.glob("events.out.tfevents*")))
+    if not versions:
+        raise ValueError(f"{run_dpath}: no TensorBoard events; delete {Path(out_dpath) / 'models' / spec.name} "
+                         "and rerun the study to retrain it")
+    return versions[-1]
+
+
+def ensure_runs(specs: list[RunSpec], out_dpath: Path, jobs: int = 1,
+                on_done: Callable[[RunSpec, bool], None] | None = None) -> list[RunSpec]:
+    """Train and export every unfinished run; returns the runs that were trained.
+
+    ``on_done(spec, trained)`` is called once per run (the progress bar), finished runs first.
+    """
+    out_dpath = Path(out_dpath)
+    todo = []
+    for spec in specs:
+        if is_finished(spec, out_dpath):
+            if on_done:
+                on_done(spec, False)
+        else:
+            todo.append(spec)
+    (out_dpath / "logs").mkdir(parents=True, exist_ok=True)
+
+    def one(spec: RunSpec) -> RunSpec:
+        train_and_export(spec, out_dpath, in_process=jobs == 1, threads=max(1, (os.cpu_count() or 1) // jobs))
+        if on_done:
+            on_done(spec, True)
+        return spec
+
+    if jobs == 1:
+        return [one(spec) for spec in todo]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, todo))
+
+
+def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, threads: int = 1) -> Path:
+    """Train one run from scratch through the CLI, export it, then write its ``study_run.json``."""
+    run_dpath, model_dpath = out_dpath / "runs" / spec.name, out_dpath / "models" / spec.name
+    shutil.rmtree(run_dpath, ignore_errors=True)
+    shutil.rmtree(model_dpath, ignore_errors=True)
+    args = spec.fit_args(out_dpath)
+    if in_process:
+        _fit_in_process(args)
+    else:
+        _fit_subprocess(args, out_dpath / "logs" / f"{spec.name}.log", threads)
+    from sae_pipeline.export import export_checkpoint  # torch: imported only when a run is trained
+
+    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
+    if not ckpt_fpath.is_file():
+        raise RuntimeError(f"run {spec.name} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
+    export_checkpoint(ckpt_fpath, model_dpath)
+    record = {"settings": spec.settings(), "command": "python -m sae_pipeline " + " ".join(args),
+              "log_dpath": str(log_dpath(spec, out_dpath))}
+    tmp = model_dpath / (RUN_FNAME + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(model_dpath / RUN_FNAME)  # the marker appears whole, last
+    return model_dpath
+
+
+def _fit_in_process(args: list[str]) -> None:
+    from sae_pipeline.cli import cli_main
+
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    levels = [logger.level for logger in quiet]
+    argv = sys.argv
+    try:
+        for logger in quiet:
+            logger.setLevel(logging.WARNING)
+        sys.argv = [argv[0]]  # LightningCLI(args=...) warns when sys.argv holds arguments too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli_main(args)
+    finally:
+        sys.argv = argv
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+
+
+def _fit_subprocess(args: list[str], log_fpath: Path, threads: int) -> None:
+    command = [sys.executable, "-m", "sae_pipeline", *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                   "PYTHONWARNINGS": "ignore"}
+    with log_fpath.open("w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=environment).returncode
+    if code != 0:
+        tail = log_fpath.read_text(errors="replace").strip().splitlines()[-1:]
+        raise RuntimeError(f"training exited with code {code} ({' '.join(tail)}); see {log_fpath}")

@@ -1,0 +1,194 @@
+"""The evaluation suite end to end on digits (tiny p, a few steps), through the real training CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from sae_pipeline.evaluate.__main__ import main
+from sae_pipeline.evaluate.runs import VARIANTS, is_finished, plan_runs, relu_l1_for_k
+from sae_pipeline.evaluate.studies import datamodule_for, load_tokens
+from sae_pipeline.export import load_sae
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+
+TINY = ["--k", "4", "8", "--k_main", "4", "--p", "32", "48", "--p_main", "32", "--max_steps", "20",
+        "--k_infer", "1", "2", "4", "8", "16", "32", "--r_max", "8"]
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_DPATH)  # configs/ is found from the working directory
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory):
+    """Every study over MP-SAE and TopK: 6 runs (k in {4, 8} at p = 32, p = 48 at k = 4)."""
+    out = tmp_path_factory.mktemp("study")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO_DPATH)
+        assert main(["all", "--data", "digits", "--out", str(out), "--variants", "mpsae", "topk", *TINY]) == 0
+    return out
+
+
+def logged_scalar(run_dpath, tag: str) -> float:
+    accumulator = EventAccumulator(str(run_dpath), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return accumulator.Scalars(tag)[-1].value
+
+
+@pytest.mark.slow
+def test_all_studies_write_their_files(study) -> None:
+    results = json.loads((study / "results.json").read_text())
+    assert {"runs", "expressivity", "inference", "coherence", "concepts", "claims", "meta"} <= results.keys()
+    assert sorted(results["runs"]) == sorted(f"{v}_p{p}_k{k}" for v in ("mpsae", "topk")
+                                             for k, p in [(4, 32), (8, 32), (4, 48)])
+    assert [row["p"] for row in results["expressivity"]["vs_p"]["mpsae"]] == [32, 48]
+    assert [row["k"] for row in results["expressivity"]["vs_k"]["topk"]] == [4, 8]
+    names = {p.stem for p in (study / "figures").glob("*.png")}
+    assert {"expressivity_vs_k", "expressivity_vs_p", "inference_r2_vs_k", "babel", "frequency_vs_mean",
+            "selection_step_vs_mean", "sequential_reconstruction", "atoms_mpsae_by_frequency",
+            "atoms_topk_by_mean"} <= names
+    report = (study / "report.md").read_text()
+    assert all(f"(figures/{name}.png)" in report for name in names)
+    assert "## The paper's claims on this data" in report
+    accumulator = EventAccumulator(str(study / "tensorboard"), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert {f"evaluate/{name}" for name in names} <= set(accumulator.Tags()["images"])
+
+
+@pytest.mark.slow
+def test_results_agree_with_what_training_logged(study) -> None:
+    results = json.loads((study / "results.json").read_text())
+    for name, entry in results["runs"].items():
+        run_dpath = study / "runs" / name / "version_0"
+        assert entry["r2"] == pytest.approx(logged_scalar(run_dpath, "val/r2"), abs=1e-5)
+        assert entry["l0"] == pytest.approx(logged_scalar(run_dpath, "val/l0"), abs=1e-5)
+        assert entry["logged"]["val/r2"]["step"] == 19  # validated once, after the last (20th) step
+
+
+@pytest.mark.slow
+def test_numbers_match_plain_references(study) -> None:
+    results = json.loads((study / "results.json").read_text())
+    spec = plan_runs(["mpsae"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    sae = load_sae(study / "models" / spec.name)
+    x = load_tokens(datamodule_for(spec), "val").double()
+    with torch.no_grad():
+        x_hat = sae(x.float()).x_hat.double()
+    r2 = 1 - ((x - x_hat) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()
+    entry = results["runs"][spec.name]
+    assert entry["r2"] == pytest.approx(float(r2), abs=1e-6)
+    W = sae.W_dec.detach().double().numpy()
+    gram = np.abs(W @ W.T)
+    np.fill_diagonal(gram, -np.inf)
+    plain = np.cumsum(-np.sort(-gram, axis=1)[:, :8], axis=1).max(axis=0)
+    np.testing.assert_allclose(entry["babel_dict"], plain, rtol=1e-5)
+    # Proposition 2: MP's residual never grows, so R² cannot fall as the inference k rises.
+    for sweep in results["inference"]["by_train_k"]["mpsae"].values():
+        assert all(b >= a - 1e-6 for a, b in zip(sweep["r2"], sweep["r2"][1:]))
+    assert 4 in results["inference"]["main"]["topk"]["ks"]  # the trained k is always in the sweep
+
+
+@pytest.mark.slow
+def test_rerun_reuses_finished_runs(study) -> None:
+    exports = sorted((study / "models").glob("*/sae.safetensors"))
+    mtimes = {p: p.stat().st_mtime_ns for p in exports}
+    before = json.loads((study / "results.json").read_text())["runs"]
+    assert main(["coherence", "--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY]) == 0
+    assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
+    assert not list((study / "runs").glob("*/version_1"))
+    after = json.loads((study / "results.json").read_text())
+    assert after["runs"]["topk_p32_k4"]["r2"] == before["topk_p32_k4"]["r2"]
+    assert "expressivity" in after  # earlier studies are kept
+    (study / "report.md").unlink()
+    assert main(["report", "--out", str(study)]) == 0
+    assert "## Coherence" in (study / "report.md").read_text()
+
+
+def test_changed_settings_are_not_finished(tmp_path) -> None:
+    spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    model_dpath = tmp_path / "models" / spec.name
+    model_dpath.mkdir(parents=True)
+    (model_dpath / "sae.safetensors").write_bytes(b"")
+    (model_dpath / "study_run.json").write_text(json.dumps({"settings": spec.settings()}))
+    assert is_finished(spec, tmp_path)
+    longer = plan_runs(["topk"], [(4, 32)], "digits", 40, REPO_DPATH / "configs", "digits")[0]
+    assert not is_finished(longer, tmp_path)
+
+
+@pytest.mark.slow
+def test_concepts_cover_all_five_variants(tmp_path) -> None:
+    out = tmp_path / "five"
+    assert main(["concepts", "--data", "digits", "--out", str(out), "--k", "4", "--k_main", "4", "--p", "32",
+                 "--p_main", "32", "--max_steps", "12", "--r_max", "8"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(results["concepts"]["variants"]) == sorted(VARIANTS)
+    for variant, stats in results["concepts"]["variants"].items():
+        assert (out / "figures" / f"atoms_{variant}_by_frequency.png").is_file()
+        assert (out / "figures" / f"atoms_{variant}_by_mean.png").is_file()
+        assert len(stats["frequency"]) == 32 and stats["n_tokens"] == 1797  # the whole digits set
+        run = results["runs"][stats["run"]]
+        assert run["r2"] == pytest.approx(logged_scalar(out / "runs" / stats["run"] / "version_0", "val/r2"), abs=1e-5)
+    assert results["concepts"]["variants"]["relu"]["sequence"]["order"]  # ReLU's active atoms, by value
+
+
+def test_relu_l1_falls_with_k() -> None:
+    assert relu_l1_for_k(5) > relu_l1_for_k(10) > relu_l1_for_k(40) > 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--variants", "mpsae", "gated"], "unknown variant 'gated' in --variants"),
+    (["--k", "64", "--p", "32", "--p_main", "32"], "--k 64 exceeds the dictionary size p = 32"),
+    (["--data", "/no/such/shards"], "--data /no/such/shards: not found"),
+    (["--config_dir", "/no/such/configs"], "--config_dir /no/such/configs: not a directory"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, expected) -> None:
+    out = tmp_path / "out"
+    assert main(["all", "--out", str(out), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and expected in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_unparsable_k_exits_2_with_one_line(tmp_path) -> None:
+    completed = subprocess.run([sys.executable, "-m", "sae_pipeline.evaluate", "inference", "--out",
+                                str(tmp_path / "out"), "--k", "0"], capture_output=True, text=True, cwd=REPO_DPATH)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().count("\n") == 0 and "--k" in completed.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_study_on_a_shard_directory_with_user_configs(tmp_path) -> None:
+    from feature_extraction.shards import finalize_manifest, write_shard
+
+    rng = np.random.default_rng(0)
+    shards = tmp_path / "shards"
+    for index in range(5):
+        samples = [(f"img{index}_{i}", rng.standard_normal((5, 8)).astype(np.float16), {"label": i}) for i in range(4)]
+        write_shard(shards, index, samples)
+    finalize_manifest(shards, n_shards=5, spec={"name": "tiny"}, layer=-1, tokens_per_image=5, n_prefix_tokens=1,
+                      grid=(2, 2))
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    for variant, class_name in (("mpsae", "MatchingPursuitSAE"), ("topk", "TopKSAE")):
+        (configs / f"{variant}_tiny.yaml").write_text(
+            "seed_everything: 0\ntrainer: {accelerator: cpu, devices: 1, max_epochs: 3, log_every_n_steps: 1}\n"
+            f"model: {{sae: {{class_path: sae_pipeline.sae.{class_name}, init_args: {{d_sae: 16, k: 2}}}}, "
+            "warmup_steps: 2}\ndata: {source: x, batch_size: 8, num_workers: 0, shuffle_buffer_tokens: 16, "
+            "val_fraction: 0.2}\n")
+    out = tmp_path / "out"
+    assert main(["coherence", "--data", str(shards), "--out", str(out), "--config_dir", str(configs), "--variants",
+                 "mpsae", "topk", "--k", "2", "--k_main", "2", "--p", "16", "--p_main", "16", "--r_max", "4"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for name in ("mpsae_p16_k2", "topk_p16_k2"):  # the configs' own 3 epochs (no --max_steps)
+        entry = results["runs"][name]
+        assert entry["n_eval_tokens"] == 20  # the one held-out shard: 4 images x 5 tokens
+        assert entry["r2"] == pytest.approx(logged_scalar(out / "runs" / name / "version_0", "val/r2"), abs=1e-5)
+    assert (out / "figures" / "babel.png").is_file() and "Coherence" in (out / "report.md").read_text()

@@ -1,0 +1,261 @@
+"""slurm/train.sh and slurm/sweep.sh on a real single-node SLURM: 2-task gloo DDP on the CPU,
+pre-emption (SIGUSR1 -> hpc checkpoint -> requeue -> resume), bad input, an array sweep.
+
+One cluster and one set of shards (made by the extraction command) serve the whole module.
+The training runs are the demo's (configs/demo_shards.yaml): 6 training shards of 34 tokens,
+batch 32 per rank, 2 ranks -> 3 steps per epoch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from slurm_cluster import INSTALL_HINT, SlurmCluster, missing_executables
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+TRAIN_SH, SWEEP_SH = REPO_DPATH / "slurm" / "train.sh", REPO_DPATH / "slurm" / "sweep.sh"
+DEMO_CONFIG = REPO_DPATH / "configs" / "demo_shards.yaml"
+EPOCHS, STEPS_PER_EPOCH = 100, 3
+QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    if missing := missing_executables():
+        pytest.fail(f"SLURM is not installed (missing {', '.join(missing)}); run: {INSTALL_HINT}")
+    with SlurmCluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """7 shards of 2 photos (vit_tiny, 17 tokens x 192-d per photo) from `python -m feature_extraction`."""
+    out = tmp_path_factory.mktemp("shards") / "vit_tiny"
+    result = subprocess.run([sys.executable, "-m", "feature_extraction", "--config",
+                             str(REPO_DPATH / "configs" / "extract_demo.yaml"), "--out", str(out), "--shard_size", "2",
+                             "--progress", "false"], capture_output=True, text=True, env={**os.environ,
+                                                                                         "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def submit(cluster: SlurmCluster, workdir: Path, args: list[str], tasks: int = 2) -> str:
+    """sbatch in `workdir` (CPU-only node: no GPU, 1 CPU per task); the log is workdir/logs/<name>-<id>.out."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    env = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none", "PYTHONWARNINGS": "ignore",
+           "MASTER_PORT": str(_free_port())}  # Lightning's default port (from the job id) may be taken here
+    return cluster.sbatch([f"--ntasks-per-node={tasks}", "--cpus-per-task=1", "--mem=1G",
+                           f"--output={workdir}/logs/%x-%j.out", *args], env=env, cwd=workdir)
+
+
+def job_fields(cluster: SlurmCluster, job_id: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=cluster.env, capture_output=True,
+                           text=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+
+def log_text(workdir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((workdir / "logs").glob("*.out")))
+
+
+def train_args(shards: Path, *extra: str) -> list[str]:
+    return [str(TRAIN_SH), str(DEMO_CONFIG), "--data.source", str(shards), "--trainer.max_epochs", str(EPOCHS),
+            "--trainer.check_val_every_n_epoch", "50", "--checkpoint.every_n_train_steps", "10", *QUIET, *extra]
+
+
+def logged_steps(run_dpath: Path, tag: str = "train/loss") -> list[list[int]]:
+    """The steps of `tag` in each TensorBoard event file of the run, files in the order written."""
+    steps = []
+    for fpath in sorted(run_dpath.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
+        events = EventAccumulator(str(fpath), size_guidance={"scalars": 0})
+        events.Reload()
+        steps.append([event.step for event in events.Scalars(tag)] if tag in events.Tags()["scalars"] else [])
+    return steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster: SlurmCluster, shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    job_id = submit(cluster, workdir, train_args(shards))
+    states = cluster.wait(job_id, timeout=300)
+    assert states == {job_id: "COMPLETED 0:0"}, f"{states}\n{log_text(workdir)[-4000:]}"
+    return workdir, job_id
+
+
+@pytest.mark.slow
+def test_two_task_job_trains_with_lightning_ddp(uninterrupted: tuple[Path, str]) -> None:
+    workdir, job_id = uninterrupted
+    log = log_text(workdir)
+    # Lightning's SLURMEnvironment set up the ranks (gloo on the CPU) and armed its requeue machinery.
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in log, log[-3000:]
+    assert "distributed_backend=gloo" in log and "Starting with 2 processes" in log
+    assert "SLURM auto-requeueing enabled" in log
+    run_dpath = workdir / "runs" / "demo_shards"
+    assert sorted(p.name for p in run_dpath.iterdir()) == ["checkpoints", f"slurm-{job_id}"]
+    checkpoint = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert logged_steps(run_dpath / f"slurm-{job_id}")[-1][-1] == EPOCHS * STEPS_PER_EPOCH - 1
+
+
+@pytest.mark.slow
+def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluster, shards: Path, tmp_path: Path,
+                                                             uninterrupted: tuple[Path, str]) -> None:
+    job_id = submit(cluster, tmp_path, train_args(shards))
+    run_dpath = tmp_path / "runs" / "demo_shards"
+    deadline = time.time() + 240
+    while not (run_dpath / "checkpoints" / "last.ckpt").exists():  # training is under way (step >= 10)
+        assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), \
+            log_text(tmp_path)[-3000:]
+        time.sleep(0.2)
+    # No --batch: the signal goes to the srun tasks (the Python ranks), as --signal=SIGUSR1@90 does.
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
+    while (fields := job_fields(cluster, job_id))["Restarts"] == "0":
+        assert time.time() < deadline and fields["JobState"] == "RUNNING", f"{fields}\n{log_text(tmp_path)[-3000:]}"
+        time.sleep(0.5)
+    # SLURM holds a requeued job back for a while (Reason=BeginTime); release it now.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
+    states = cluster.wait(job_id, timeout=300)
+    log = log_text(tmp_path)
+    assert states == {job_id: "COMPLETED 0:0"}, f"{states}\n{log[-4000:]}"
+
+    version_dpath = run_dpath / f"slurm-{job_id}"
+    hpc_fpath = version_dpath / "hpc_ckpt_1.ckpt"
+    hpc = torch.load(hpc_fpath, weights_only=True)
+    saved_step = hpc["global_step"]
+    assert 10 <= saved_step < EPOCHS * STEPS_PER_EPOCH
+    relative = hpc_fpath.relative_to(tmp_path)
+    assert f"Saved {relative} at global step {saved_step}; requeueing SLURM job {job_id}" in log, log[-4000:]
+    assert f"Restored all states from the checkpoint at {relative}" in log
+    assert log.count("train: config=") == 2 and "restart=1" in log  # the script ran again, same job
+    # The data stream's position went into the checkpoint with the global step.
+    loader_state = hpc["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert loader_state["epoch"] * STEPS_PER_EPOCH + loader_state["batches_done"] == saved_step
+
+    # One TensorBoard run, continued: the steps of the second event file follow those of the first.
+    assert sorted(p.name for p in run_dpath.iterdir()) == ["checkpoints", f"slurm-{job_id}"]
+    before, after = logged_steps(version_dpath)
+    assert before and after and before[-1] < saved_step <= after[0]
+    assert after[-1] == EPOCHS * STEPS_PER_EPOCH - 1
+
+    # The same end as the run that was never interrupted: step count and the trained weights
+    # (optimiser, schedule, dead-latent clock and data order all resumed).
+    final = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_dpath, _ = uninterrupted
+    reference = torch.load(reference_dpath / "runs" / "demo_shards" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    for name, value in reference["state_dict"].items():
+        torch.testing.assert_close(final["state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["no config", "missing config", "too few shards"])
+def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Path, tmp_path: Path,
+                                               case: str) -> None:
+    args = {"no config": [str(TRAIN_SH)],
+            "missing config": [str(TRAIN_SH), "configs/nope.yaml"],
+            # 6 training shards < 2 ranks x 4 workers
+            "too few shards": train_args(shards, "--data.num_workers", "4")}[case]
+    job_id = submit(cluster, tmp_path, args)
+    states = cluster.wait(job_id, timeout=120)  # a DDP hang would end here
+    log = log_text(tmp_path)
+    assert states[job_id].startswith("FAILED"), f"{states}\n{log[-3000:]}"
+    errors = [line for line in log.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, log[-3000:]
+    assert "Traceback" not in log
+    expected = {"no config": "error: missing config file; usage: sbatch slurm/train.sh CONFIG.yaml",
+                "missing config": "error: config file 'configs/nope.yaml' not found",
+                "too few shards": "6 training shards < ranks x workers = 2 x 4 = 8; lower --data.num_workers"}[case]
+    assert expected in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_sweep_trains_each_entry_into_its_own_run(cluster: SlurmCluster, shards: Path, tmp_path: Path) -> None:
+    mp_config = tmp_path / "mp_shards.yaml"
+    mp_config.write_text(DEMO_CONFIG.read_text().replace("sae_pipeline.sae.TopKSAE", "sae_pipeline.sae.MatchingPursuitSAE")
+                         .replace("      dead_after_tokens: 2048\n", ""))
+    sweep_list = tmp_path / "sweep.txt"
+    sweep_list.write_text(f"# two configs\n{DEMO_CONFIG}\n\n{mp_config} --model.sae.init_args.k 4\n")
+    (tmp_path / "logs").mkdir()
+    env = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none", "PYTHONWARNINGS": "ignore",
+           "TRAIN_SCRIPT": str(TRAIN_SH)}
+    # One task per array element (1 CPU each): both run at once on the 2-CPU node.
+    job_id = cluster.sbatch(["--array=0-1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
+                             f"--output={tmp_path}/logs/%x-%A_%a.out", str(SWEEP_SH), str(sweep_list), "--",
+                             "--data.source", str(shards), "--trainer.max_epochs", "4", *QUIET], env=env,
+                            cwd=tmp_path)
+    states = cluster.wait(job_id, timeout=300)
+    log = log_text(tmp_path)
+    assert sorted(states.values()) == ["COMPLETED 0:0"] * 2, f"{states}\n{log[-4000:]}"
+    expected = {"demo_shards": f"slurm-{job_id}_0", "mp_shards-k4": f"slurm-{job_id}_1"}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(expected)
+    for name, version in expected.items():
+        assert logged_steps(tmp_path / "runs" / name / version)[-1], name  # its own TensorBoard events
+        checkpoint = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
+        assert checkpoint["global_step"] == 4 * 6  # 1 rank: 6 steps per epoch
+    mp = torch.load(tmp_path / "runs" / "mp_shards-k4" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert mp["sae_config"]["class_path"].endswith("MatchingPursuitSAE") and mp["sae_config"]["init_args"]["k"] == 4
+
+
+def test_sweep_submits_itself_with_one_task_per_entry(tmp_path: Path) -> None:
+    fake_sbatch = tmp_path / "sbatch"
+    fake_sbatch.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake_sbatch.chmod(0o755)
+    sweep_list = tmp_path / "k.txt"
+    sweep_list.write_text("a.yaml --model.sae.init_args.k 16\n# comment\n\nb.yaml\nc.yaml --model.lr=1e-3\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    result = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["--array=0-2", str(SWEEP_SH), str(sweep_list), "--",
+                                          "--trainer.max_epochs", "2"]
+    empty = subprocess.run(["bash", str(SWEEP_SH)], env=env, capture_output=True, text=True)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: no configs given")
+
+
+def test_sweep_task_runs_train_sh_with_its_entry(tmp_path: Path) -> None:
+    fake_train = tmp_path / "train.sh"
+    fake_train.write_text('printf "%s\\n" "$@"\n')  # run with bash by sweep.sh
+    sweep_list = tmp_path / "k.txt"
+    sweep_list.write_text("a.yaml --model.sae.init_args.k 16\nconfigs/c.yaml --model.lr=1e-3 --seed_everything 1\n")
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1", "TRAIN_SCRIPT": str(fake_train)}
+    result = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["configs/c.yaml", "--trainer.logger.init_args.name",
+                                          "c-lr1e-3_seed_everything1", "--model.lr=1e-3", "--seed_everything", "1",
+                                          "--trainer.max_epochs", "2"]
+    beyond = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list)], capture_output=True, text=True,
+                            env={**env, "SLURM_ARRAY_TASK_ID": "2"})
+    assert beyond.returncode == 2 and "only 2 entries; use --array=0-1" in beyond.stderr
+
+
+def test_train_sh_passes_the_allocation_and_extra_flags(tmp_path: Path) -> None:
+    fake_srun = tmp_path / "srun"
+    fake_srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake_srun.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NTASKS": "8", "SRUN_ARGS": "--cpu-bind=none"}
+    env.pop("SLURM_NTASKS_PER_NODE", None)
+    result = subprocess.run(["bash", str(TRAIN_SH), str(DEMO_CONFIG), "--model.lr", "1e-3"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["--kill-on-bad-exit=1", "--cpu-bind=none", "python", "-m", "sae_pipeline",
+                                          "fit", "--config", str(DEMO_CONFIG), "--trainer.num_nodes", "2",
+                                          "--trainer.devices", "4", "--model.lr", "1e-3"]
+    header = [line.split()[1] for line in TRAIN_SH.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "--signal=SIGUSR1@90" in header and "--requeue" in header and "--open-mode=append" in header
