@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--d-sae", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--k", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 30 on CPU, 200 on CUDA)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 100 on CPU, 200 on CUDA)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the timed ones")
     parser.add_argument("--warmup-lr-steps", type=int, default=10, help="SAEModule.warmup_steps")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (their steps are pooled)")
@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.d_in, args.d_sae, args.batch_size, args.k = 32, 256, 128, 4
         args.steps, args.warmup, args.repeats = 5, 2, 1
     if args.steps is None:
-        args.steps = 200 if args.device.startswith("cuda") else 30
+        args.steps = 200 if args.device.startswith("cuda") else 100
     for name in ("d_in", "d_sae", "batch_size", "k", "steps", "repeats", "n_distinct_batches", "log_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -71,7 +71,7 @@ def test_sequential_reconstruction_ends_at_the_models_reconstruction(cls, kwargs
     norms = sequence["residual_norms"]
     if cls is MatchingPursuitSAE:  # Proposition 2: the residual never grows
         assert all(b <= a + 1e-12 for a, b in zip(norms, norms[1:]))
-    indices, values = selection_order(sae, x[None])
+    indices, _ = selection_order(sae, x[None])
     assert sequence["order"] == indices[0][indices[0] >= 0].tolist()
 
 

@@ -2,7 +2,7 @@
 
     python -m sae_pipeline.evaluate all --data digits --out eval_out --max_steps 2000   # every study
     python -m sae_pipeline.evaluate expressivity --data digits --out eval_out --k 5 10 20 40 --p 250 500 1000
-    python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --p_main 19200
+    python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --k_main 32 --p_main 19200
     python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
     python -m sae_pipeline.evaluate dictionary --npz mpsae_mnist_p1000_k10.npz --out eval_authors
 
@@ -48,7 +48,7 @@ def build_parser() -> OneLineParser:
                            "model through `python -m sae_pipeline fit`.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in (*runs.STUDIES, "all"):
-        sub = commands.add_parser(name, help=f"run the {name} stud{'ies' if name == 'all' else 'y'}")
+        sub = commands.add_parser(name, help="run every study" if name == "all" else f"run the {name} study")
         sub.add_argument("--data", default="digits", help="digits (bundled), mnist, a shard directory or an .h5 "
                          "token cache (default: digits)")
         sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
@@ -56,7 +56,7 @@ def build_parser() -> OneLineParser:
                          f"{' '.join(runs.VARIANTS)} (default: all five)")
         sub.add_argument("--k", nargs="+", type=_positive, default=[5, 10, 20, 40], help="training sparsities")
         sub.add_argument("--k_main", type=_positive, default=10, help="k of the p sweep, coherence and concepts")
-        sub.add_argument("--p", nargs="+", type=_positive, default=[250, 500, 1000, 2000],
+        sub.add_argument("--p", nargs="+", type=_positive, default=[125, 250, 500, 1000, 2000],
                          help="dictionary sizes of the p sweep")
         sub.add_argument("--p_main", type=_positive, default=1000, help="p of the k sweep, coherence and concepts")
         sub.add_argument("--max_steps", type=_positive, default=None,
@@ -193,11 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     try:
         if args.command == "report":
-            from sae_pipeline.evaluate.report import read_results, write_report
+            from sae_pipeline.evaluate.report import read_results, write_report, write_results
 
             results = read_results(Path(args.out))
             if not results:
                 raise ValueError(f"--out {args.out}: no results.json; run a study into it first")
+            if "runs" in results:
+                from sae_pipeline.evaluate.claims import check_claims
+
+                results["claims"] = check_claims(results)
+                write_results(results, Path(args.out))
             out_fpath = write_report(results, Path(args.out))
         elif args.command == "dictionary":
             out_fpath = run_dictionary(args) / "report.md"

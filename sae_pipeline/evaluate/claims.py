@@ -21,8 +21,8 @@ def check_claims(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every claim whose inputs the results hold (others are listed with ``holds: None``)."""
     checks = []
     for check in (_expressivity_k, _expressivity_p, _inference_mp, _inference_topk, _inference_relu,
-                  _babel_dictionary, _babel_coactive, _shallow_alignment, _frequency_spread, _hierarchy,
-                  _inverse_frequency, _negative_atom):
+                  _babel_dictionary, _babel_coactive, _shallow_alignment, _uniform_frequency, _varied_values,
+                  _hierarchy, _inverse_frequency, _inverse_frequency_when_active, _negative_atom):
         try:
             checks.append(check(results))
         except (KeyError, IndexError, TypeError, ValueError) as exn:
@@ -98,19 +98,22 @@ def _babel_at(curve: list[float], r: int) -> float:
 def _babel_dictionary(results: dict) -> dict:
     """MP-SAE learns a more coherent dictionary (higher Babel μ₁(r) of the whole dictionary) than shallow SAEs."""
     curves, k = results["coherence"]["dictionary"], results["coherence"]["k"]
-    values = {v: (_babel_at(c, 1), _babel_at(c, k)) for v, c in curves.items()}
+    r_max = len(curves["mpsae"])
+    values = {v: (_babel_at(c, 1), _babel_at(c, k), _babel_at(c, r_max)) for v, c in curves.items()}
     holds = all(values["mpsae"][1] > values[v][1] for v in _shallow(curves))
-    text = ", ".join(f"{v} {a:.3f}/{b:.3f}" for v, (a, b) in values.items())
-    return _claim(_babel_dictionary.__doc__, holds, f"μ₁(1)/μ₁({k}): {text}")
+    text = ", ".join(f"{v} {a:.3f}/{b:.3f}/{c:.2f}" for v, (a, b, c) in values.items())
+    return _claim(_babel_dictionary.__doc__, holds, f"μ₁(1)/μ₁({k})/μ₁({r_max}): {text}")
 
 
 def _babel_coactive(results: dict) -> dict:
     """MP-SAE selects less coherent atoms per input (lower co-active Babel) than shallow SAEs."""
     curves, k = results["coherence"]["coactive"], results["coherence"]["k"]
     values = {v: _babel_at(c, k) for v, c in curves.items()}
-    holds = all(values["mpsae"] < values[v] for v in _shallow(curves))
+    lower = [v for v in _shallow(curves) if values["mpsae"] < values[v]]
+    holds = len(lower) == len(_shallow(curves))
     return _claim(_babel_coactive.__doc__, holds,
-                  f"co-active μ₁({k}): " + ", ".join(f"{v} {x:.3f}" for v, x in values.items()))
+                  f"co-active μ₁({k}): " + ", ".join(f"{v} {x:.3f}" for v, x in values.items())
+                  + f" (MP-SAE lower than {', '.join(lower) or 'none'})")
 
 
 def _shallow_alignment(results: dict) -> dict:
@@ -129,15 +132,26 @@ def _shallow_alignment(results: dict) -> dict:
                   f"most to least coherent at r={k}: dictionary {' > '.join(order_d)}; co-active {' > '.join(order_c)}")
 
 
-def _frequency_spread(results: dict) -> dict:
-    """MP-SAE uses atoms with more uniform frequency but more varied mean values than TopK/BatchTopK/JumpReLU."""
+def _spread_text(stats: dict) -> str:
+    return ", ".join(f"{v} {s['frequency_cv']:.2f}/{s['mean_value_cv']:.2f}" for v, s in stats.items())
+
+
+def _uniform_frequency(results: dict) -> dict:
+    """MP-SAE uses its atoms with more uniform frequency than TopK/BatchTopK/JumpReLU (lower CV of frequency)."""
     stats = results["concepts"]["variants"]
     l0_based = [v for v in ("jumprelu", "topk", "batchtopk") if v in stats]
-    mp = stats["mpsae"]
-    holds = all(mp["frequency_cv"] < stats[v]["frequency_cv"] and mp["mean_value_cv"] > stats[v]["mean_value_cv"]
-                for v in l0_based)
-    text = ", ".join(f"{v} {s['frequency_cv']:.2f}/{s['mean_value_cv']:.2f}" for v, s in stats.items())
-    return _claim(_frequency_spread.__doc__, holds, f"CV of frequency / CV of mean value: {text}")
+    holds = all(stats["mpsae"]["frequency_cv"] < stats[v]["frequency_cv"] for v in l0_based)
+    return _claim(_uniform_frequency.__doc__, holds if l0_based else None,
+                  f"CV of frequency / CV of mean value: {_spread_text(stats)}")
+
+
+def _varied_values(results: dict) -> dict:
+    """MP-SAE's atoms vary more in mean value E[z_j] than those of TopK/BatchTopK/JumpReLU (higher CV)."""
+    stats = results["concepts"]["variants"]
+    l0_based = [v for v in ("jumprelu", "topk", "batchtopk") if v in stats]
+    holds = all(stats["mpsae"]["mean_value_cv"] > stats[v]["mean_value_cv"] for v in l0_based)
+    return _claim(_varied_values.__doc__, holds if l0_based else None,
+                  f"CV of frequency / CV of mean value: {_spread_text(stats)}")
 
 
 def _hierarchy(results: dict) -> dict:
@@ -158,8 +172,18 @@ def _inverse_frequency(results: dict) -> dict:
     return _claim(_inverse_frequency.__doc__, rho is not None and rho < 0, f"ρ(frequency, mean value): {text}")
 
 
+def _inverse_frequency_when_active(results: dict) -> dict:
+    """MP-SAE: atoms with a higher value when active (E[z_j | z_j ≠ 0]) fire less often (negative Spearman ρ)."""
+    stats = results["concepts"]["variants"]
+    rho = stats["mpsae"]["spearman_frequency_vs_value_when_active"]
+    text = ", ".join(f"{v} {s['spearman_frequency_vs_value_when_active']:+.2f}" for v, s in stats.items()
+                     if s.get("spearman_frequency_vs_value_when_active") is not None)
+    return _claim(_inverse_frequency_when_active.__doc__, rho is not None and rho < 0,
+                  f"ρ(frequency, value when active): {text}")
+
+
 def _negative_atom(results: dict) -> dict:
-    """Shallow SAEs hold a 'negative' atom close to −b_pre (cosine > 0.8), the most frequent one for ReLU and JumpReLU."""
+    """Shallow SAEs hold a 'negative' atom close to −b_pre (cosine > 0.8), most frequent for ReLU and JumpReLU."""
     stats = results["concepts"]["variants"]
     shallow = _shallow(stats)
     atoms = {v: stats[v]["negative_atom"] for v in stats}

@@ -81,6 +81,9 @@ def concept_statistics(sae: SparseAutoencoder, x: Tensor, n_top: int = 25) -> di
         "frequency_cv": _cv(frequency[fired]), "mean_value_cv": _cv(mean_value[fired]),
         "spearman_mean_vs_step": spearman(mean_value[fired], mean_step[fired]),
         "spearman_frequency_vs_mean": spearman(frequency[fired], mean_value[fired]),
+        # E[z_j] counts the zeros, so it grows with the frequency by construction; the value when
+        # active, E[z_j | z_j != 0] = E[z_j] / frequency, separates the two.
+        "spearman_frequency_vs_value_when_active": spearman(frequency[fired], mean_value[fired] / frequency[fired]),
         "negative_atom": {"index": negative_atom, "cosine_with_minus_b_pre": float(cosines[negative_atom]),
                           "frequency_rank": frequency_rank},
     }

@@ -100,7 +100,7 @@ def evaluate_dictionary(npz_fpath: str | Path, data: str = "digits28", k: int = 
         raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
     sae = load_npz_dictionary(npz_fpath, k=k)
     r_max = min(max(r_max, k), sae.d_sae - 1)
-    side = int(round(sae.d_in ** 0.5))
+    side = round(sae.d_in ** 0.5)
     image_shape = (side, side) if side * side == sae.d_in else None
     results: dict[str, Any] = {"npz": str(npz_fpath), "p": sae.d_sae, "d_in": sae.d_in, "k": k,
                                "babel_dict": babel(sae.W_dec.detach(), r_max).tolist(), "data": None}

@@ -87,7 +87,7 @@ def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping
         left.plot(r, dictionary[variant], label=_label(variant))
         right.plot(np.arange(1, len(coactive[variant]) + 1), coactive[variant], label=_label(variant))
     left.set_title("(a) dictionary")
-    right.set_title(f"(b) co-activated atoms (k = {k}, mean over inputs)")
+    right.set_title(f"(b) co-activated atoms (k = {k})")
     for ax in (left, right):
         ax.set_xlabel("r")
         ax.set_ylabel("μ₁(r)")

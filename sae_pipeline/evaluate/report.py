@@ -150,10 +150,11 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += ["## Concepts (whole dataset)", ""]
         rows = [[_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}", f"{s['mean_value_cv']:.2f}",
                  _fmt(s["spearman_mean_vs_step"]), _fmt(s["spearman_frequency_vs_mean"]),
+                 _fmt(s.get("spearman_frequency_vs_value_when_active")),
                  f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})"]
                 for v, s in results["concepts"]["variants"].items()]
         lines += _table(["variant", "atoms fired", "CV frequency", "CV mean value", "ρ(mean, step)",
-                         "ρ(freq, mean)", "cos(atom, −b_pre) (freq. rank)"], rows)
+                         "ρ(freq, mean)", "ρ(freq, value when active)", "cos(atom, −b_pre) (freq. rank)"], rows)
         lines += [""]
     if "dictionary" in results:
         lines += _dictionary_section(results["dictionary"])
@@ -175,8 +176,8 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
 def _dictionary_section(study: dict[str, Any]) -> list[str]:
     k = study["k"]
     lines = [f"## External dictionary `{study['npz']}`", "",
-             f"p = {study['p']}, d = {study['d_in']}, k = {k}; dictionary Babel μ₁(1) = {study['babel_dict'][0]:.3f}, "
-             f"μ₁({k}) = {study['babel_dict'][k - 1]:.3f}."]
+             f"p = {study['p']}, d = {study['d_in']}, k = {k}; dictionary Babel "
+             f"μ₁(1) = {study['babel_dict'][0]:.3f}, μ₁({k}) = {study['babel_dict'][k - 1]:.3f}."]
     if study.get("data"):
         stats, sweep = study["concepts"], study["inference"]
         lines += ["", f"On {study['data']} ({study['n_tokens']} inputs): R² = {_fmt(study['r2'], '.3f')} at k = {k} "

@@ -29,9 +29,9 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
