@@ -47,7 +47,8 @@ DEFAULT_RUN_NAME = "sae"
 PROG = "python -m sae_pipeline"
 DESCRIPTION = ("Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
                "on token activations. Export a checkpoint with: python -m sae_pipeline export --ckpt_path FILE "
-               "--out DIR (see its --help).")
+               "--out DIR (see its --help); extract features with: python -m sae_pipeline extract ... (the flags of "
+               "python -m feature_extraction).")
 
 
 class SAEArgumentParser(LightningArgumentParser):

@@ -118,6 +118,12 @@ class TrainTokenLoader(TokenLoader):
         self._resume_state: dict | None = None
 
     def __iter__(self) -> Iterator[dict]:
+        # Lazy: the epoch and the batches to skip are read when the first batch is asked for. Lightning
+        # may call iter() before it has restored or advanced the epoch (a run resumed from a checkpoint
+        # taken at an epoch's last batch creates the iterator while current_epoch is still the old one).
+        return self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[dict]:
         epoch = self.epoch_fn() if self.epoch_fn is not None else self._n_iterations
         self._n_iterations += 1
         skip = 0
@@ -126,7 +132,7 @@ class TrainTokenLoader(TokenLoader):
         self._resume_state = None
         self.dataset.set_epoch(epoch, skip)
         self._epoch, self._n_yielded = epoch, skip
-        return super().__iter__()
+        yield from super().__iter__()
 
     def _on_batch(self) -> None:
         self._n_yielded += 1

@@ -123,10 +123,11 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluste
         time.sleep(0.2)
     # No --batch: the signal goes to the srun tasks (the Python ranks), as --signal=SIGUSR1@90 does.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
-    while (fields := job_fields(cluster, job_id))["Restarts"] == "0":
-        assert time.time() < deadline and fields["JobState"] == "RUNNING", f"{fields}\n{log_text(tmp_path)[-3000:]}"
-        time.sleep(0.5)
-    # SLURM holds a requeued job back for a while (Reason=BeginTime); release it now.
+    while (fields := job_fields(cluster, job_id))["Restarts"] == "0" or fields["JobState"] != "PENDING":
+        assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), \
+            f"{fields}\n{log_text(tmp_path)[-3000:]}"
+        time.sleep(0.2)
+    # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); release it now.
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
     states = cluster.wait(job_id, timeout=300)
     log = log_text(tmp_path)
@@ -185,8 +186,8 @@ def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Pa
 @pytest.mark.slow
 def test_sweep_trains_each_entry_into_its_own_run(cluster: SlurmCluster, shards: Path, tmp_path: Path) -> None:
     mp_config = tmp_path / "mp_shards.yaml"
-    mp_config.write_text(DEMO_CONFIG.read_text().replace("sae_pipeline.sae.TopKSAE", "sae_pipeline.sae.MatchingPursuitSAE")
-                         .replace("      dead_after_tokens: 2048\n", ""))
+    mp_text = DEMO_CONFIG.read_text().replace("sae_pipeline.sae.TopKSAE", "sae_pipeline.sae.MatchingPursuitSAE")
+    mp_config.write_text(mp_text.replace("      dead_after_tokens: 2048\n", ""))
     sweep_list = tmp_path / "sweep.txt"
     sweep_list.write_text(f"# two configs\n{DEMO_CONFIG}\n\n{mp_config} --model.sae.init_args.k 4\n")
     (tmp_path / "logs").mkdir()
@@ -259,3 +260,34 @@ def test_train_sh_passes_the_allocation_and_extra_flags(tmp_path: Path) -> None:
                                           "--trainer.devices", "4", "--model.lr", "1e-3"]
     header = [line.split()[1] for line in TRAIN_SH.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "--signal=SIGUSR1@90" in header and "--requeue" in header and "--open-mode=append" in header
+
+
+@pytest.mark.parametrize("resume_step", [8, 12])  # epoch 1 after 2 of 6 batches; the end of epoch 1
+def test_resumed_fit_ends_like_the_uninterrupted_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     resume_step: int) -> None:
+    """What a requeued job relies on, without SLURM: resuming from a checkpoint taken mid-epoch or at an
+    epoch's last batch gives the uninterrupted run's weights (data order, optimiser, schedule, clock)."""
+    from sae_pipeline.cli import cli_main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(REPO_DPATH / "configs" / "mpsae_digits.yaml"), "--trainer.max_epochs", "3",
+            "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1", *QUIET]
+    cli_main([*args, "--checkpoint.dirpath", "full"])
+    saved = torch.load(next((tmp_path / "full").glob(f"*-step={resume_step}.ckpt")), weights_only=True)
+    assert saved["global_step"] == resume_step
+    cli_main([*args, "--checkpoint.dirpath", "resumed", "--ckpt_path",
+              str(next((tmp_path / "full").glob(f"*-step={resume_step}.ckpt")))])
+    full = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    resumed = torch.load(tmp_path / "resumed" / "last.ckpt", weights_only=True)
+    assert full["global_step"] == resumed["global_step"] == 18  # 6 batches x 3 epochs
+    for name, value in full["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_shipped_sweep_list_names_existing_configs() -> None:
+    text = (REPO_DPATH / "configs" / "sweep_k_dinov2.txt").read_text()
+    entries = [words for line in text.splitlines() if (words := line.split("#")[0].split())]
+    assert len(entries) == 8
+    for config, *flags in entries:
+        assert (REPO_DPATH / config).is_file(), config
+        assert flags[0] == "--model.sae.init_args.k" and int(flags[1]) > 0

@@ -154,32 +154,28 @@ def _varied_values(results: dict) -> dict:
                   f"CV of frequency / CV of mean value: {_spread_text(stats)}")
 
 
+def _negative_rho(results: dict, field: str, doc: str, what: str) -> dict:
+    """A claim that MP-SAE's Spearman ρ ``field`` is negative, with every variant's ρ as evidence."""
+    stats = results["concepts"]["variants"]
+    rho = stats["mpsae"].get(field)
+    text = ", ".join(f"{v} {s[field]:+.2f}" for v, s in stats.items() if s.get(field) is not None)
+    return _claim(doc, rho is not None and rho < 0, f"ρ({what}): {text}")
+
+
 def _hierarchy(results: dict) -> dict:
     """MP-SAE selects atoms with higher mean value earlier (negative Spearman ρ of mean value vs selection step)."""
-    stats = results["concepts"]["variants"]
-    rho = stats["mpsae"]["spearman_mean_vs_step"]
-    text = ", ".join(f"{v} {s['spearman_mean_vs_step']:+.2f}" for v, s in stats.items()
-                     if s["spearman_mean_vs_step"] is not None)
-    return _claim(_hierarchy.__doc__, rho is not None and rho < 0, f"ρ(mean value, mean step): {text}")
+    return _negative_rho(results, "spearman_mean_vs_step", _hierarchy.__doc__, "mean value, mean step")
 
 
 def _inverse_frequency(results: dict) -> dict:
     """MP-SAE: atoms with higher mean value fire less often (negative Spearman ρ of frequency vs mean value)."""
-    stats = results["concepts"]["variants"]
-    rho = stats["mpsae"]["spearman_frequency_vs_mean"]
-    text = ", ".join(f"{v} {s['spearman_frequency_vs_mean']:+.2f}" for v, s in stats.items()
-                     if s["spearman_frequency_vs_mean"] is not None)
-    return _claim(_inverse_frequency.__doc__, rho is not None and rho < 0, f"ρ(frequency, mean value): {text}")
+    return _negative_rho(results, "spearman_frequency_vs_mean", _inverse_frequency.__doc__, "frequency, mean value")
 
 
 def _inverse_frequency_when_active(results: dict) -> dict:
     """MP-SAE: atoms with a higher value when active (E[z_j | z_j ≠ 0]) fire less often (negative Spearman ρ)."""
-    stats = results["concepts"]["variants"]
-    rho = stats["mpsae"]["spearman_frequency_vs_value_when_active"]
-    text = ", ".join(f"{v} {s['spearman_frequency_vs_value_when_active']:+.2f}" for v, s in stats.items()
-                     if s.get("spearman_frequency_vs_value_when_active") is not None)
-    return _claim(_inverse_frequency_when_active.__doc__, rho is not None and rho < 0,
-                  f"ρ(frequency, value when active): {text}")
+    return _negative_rho(results, "spearman_frequency_vs_value_when_active", _inverse_frequency_when_active.__doc__,
+                         "frequency, value when active")
 
 
 def _negative_atom(results: dict) -> dict:

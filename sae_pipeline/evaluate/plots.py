@@ -27,36 +27,33 @@ def _log2_axis(ax, ticks: list[float]) -> None:
     ax.xaxis.set_minor_locator(NullLocator())
 
 
-def expressivity_vs_k_figure(vs_k: Mapping[str, list[dict]], p: int) -> Figure:
-    """R² against measured L0 (the training k for all but ReLU, whose L1 only aims at it), at fixed p."""
+def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[int], xlabel: str,
+                    title: str) -> Figure:
+    """Validation R² per variant against one quantity of the runs, on a log2 axis."""
     fig = Figure(figsize=(5.0, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    for variant, rows in vs_k.items():
-        ax.plot([row["l0"] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
+    for variant, rows in series.items():
+        ax.plot([row[x_key] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
                 label=_label(variant))
-    _log2_axis(ax, [row["k"] for rows in vs_k.values() for row in rows])
-    ax.set_xlabel("sparsity: measured L0 (active atoms per input)")
+    _log2_axis(ax, ticks)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation R²")
-    ax.set_title(f"Expressivity at p = {p}")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return fig
+
+
+def expressivity_vs_k_figure(vs_k: Mapping[str, list[dict]], p: int) -> Figure:
+    """R² against measured L0 (the training k for all but ReLU, whose L1 only aims at it), at fixed p."""
+    return _r2_line_figure(vs_k, "l0", [row["k"] for rows in vs_k.values() for row in rows],
+                           "sparsity: measured L0 (active atoms per input)", f"Expressivity at p = {p}")
 
 
 def expressivity_vs_p_figure(vs_p: Mapping[str, list[dict]], k: int) -> Figure:
     """R² against the dictionary size p at fixed k (paper Fig. 2b)."""
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for variant, rows in vs_p.items():
-        ax.plot([row["p"] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
-                label=_label(variant))
-    _log2_axis(ax, [row["p"] for rows in vs_p.values() for row in rows])
-    ax.set_xlabel("dictionary size p")
-    ax.set_ylabel("validation R²")
-    ax.set_title(f"Expressivity at k = {k}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+    return _r2_line_figure(vs_p, "p", [row["p"] for rows in vs_p.values() for row in rows],
+                           "dictionary size p", f"Expressivity at k = {k}")
 
 
 def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) -> Figure:
