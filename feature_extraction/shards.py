@@ -1,7 +1,7 @@
 """The on-disk shard format: webdataset tars of float16 token activations plus a manifest.
 
-This module is the only place that knows the format (DESIGN.md, "Shard format"); the
-extractor writes through it and the training side reads through it.
+This module and ``shard_reader`` (the reading side) are the only places that know the
+format (DESIGN.md, "Shard format"); the extractor writes through this one.
 
 Design choices:
 - One sample per image: ``__key__`` = image id, ``tokens.npy`` = float16 ``[n_tokens, d]``
@@ -24,11 +24,10 @@ import hashlib
 import io
 import json
 import os
-import tarfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, Iterable, Sequence
 
 import numpy as np
 import webdataset as wds
@@ -456,72 +455,3 @@ def shard_fpaths(shards_dpath: Path | str, manifest: dict) -> list[Path]:
     """Absolute paths of the manifest's shards, in shard order."""
     shards_dpath = Path(shards_dpath).resolve()
     return [shards_dpath / entry["fname"] for entry in manifest["shards"]]
-
-
-def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
-    """Decode a raw webdataset sample into ``(key, tokens float16 [n_tokens, d], meta)``.
-
-    Usable as a ``.map`` stage in the training pipeline; never unpickles.
-    """
-    key = sample.get("__key__", "?")
-    where = f"sample {key!r}" + (f" in {sample['__url__']}" if "__url__" in sample else "")
-    for field in ("tokens.npy", "meta.json"):
-        if field not in sample:
-            raise ShardFormatError(f"{where}: missing {field!r}; the shard is corrupt, re-extract it")
-    try:
-        tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exn:
-        raise ShardFormatError(f"{where}: 'tokens.npy' is not a valid .npy ({exn}); re-extract the shard") from None
-    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16 or tokens.ndim != 2:
-        got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else "an .npz archive"
-        raise ShardFormatError(f"{where}: 'tokens.npy' is {got}, expected float16 [n_tokens, d]; re-extract the shard")
-    try:
-        meta = json.loads(sample["meta.json"])
-    except (ValueError, UnicodeDecodeError) as exn:
-        raise ShardFormatError(f"{where}: 'meta.json' is not valid JSON ({exn}); re-extract the shard") from None
-    if not isinstance(meta, dict):
-        raise ShardFormatError(f"{where}: 'meta.json' must be a JSON object; re-extract the shard")
-    return key, tokens, meta
-
-
-def check_tar_end(fpath: Path) -> None:
-    """A tarfile-written archive ends with zero blocks on a 512-byte boundary; a cut file does not.
-
-    webdataset's streaming reader stops silently when a cut falls between members, so
-    this cheap tail check is what turns such a truncation into an error.
-    """
-    size = fpath.stat().st_size
-    if size < 1024 or size % 512:
-        raise ShardFormatError(f"{fpath}: truncated tar ({size} bytes); re-extract the shard")
-    with open(fpath, "rb") as f:
-        f.seek(size - 1024)
-        if f.read(1024).strip(b"\0"):
-            raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")
-
-
-def iter_shard_samples(shard_fpaths: Sequence[Path | str]) -> Iterator[tuple[str, np.ndarray, dict]]:
-    """Yield decoded samples of the given shards in order, through webdataset's tar reader.
-
-    No shuffling and no node/worker splitting: the caller has already chosen its shards.
-    A missing, truncated or corrupt shard raises ShardFormatError naming it.
-    """
-    for fpath in shard_fpaths:
-        fpath = Path(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
-        if not fpath.is_file():
-            raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
-        check_tar_end(fpath)
-        try:
-            # webdataset's reader on a stream we own, so the file is closed even when the
-            # consumer stops early (its url_opener leaves handles to the garbage collector).
-            # A 1 MiB buffer: webdataset reads members in ~10 KB pieces, and unbuffered that
-            # made the tar reader most of the training stream's CPU time (BENCHMARKS.md).
-            with open(fpath, "rb", buffering=1 << 20) as stream:
-                files = wds.tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
-                for sample in wds.tariterators.group_by_keys(files):
-                    yield decode_sample(sample)
-        except ShardFormatError:
-            raise
-        except (tarfile.TarError, OSError, EOFError, ValueError) as exn:
-            # webdataset appends the stream and url to exn.args; keep only the message.
-            reason = str(exn.args[0]).split(" @ ")[0] if exn.args else type(exn).__name__
-            raise ShardFormatError(f"{fpath}: corrupt tar ({reason}); re-extract the shard") from None

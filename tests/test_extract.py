@@ -17,6 +17,7 @@ import skimage.data
 import torch
 from PIL import Image
 
+from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
 from feature_extraction.__main__ import build_parser, main
 from feature_extraction.backbones import BACKBONES, load_backbone
@@ -125,7 +126,7 @@ def test_tokens_match_plain_forward(images, reference) -> None:
             bad.append(fpath)
     assert len(bad) == 1
     assert [s["image_id"] for s in manifest["skipped"]] == [bad[0].relative_to(images).as_posix()]
-    samples = list(S.iter_shard_samples(S.shard_fpaths(reference, manifest)))
+    samples = list(R.iter_shard_samples(S.shard_fpaths(reference, manifest)))
     assert manifest["n_images"] == len(samples) == len(good)
     by_id = {meta["image_id"]: (key, tokens, meta) for key, tokens, meta in samples}
     all_tokens = []
@@ -143,7 +144,7 @@ def test_tokens_match_plain_forward(images, reference) -> None:
     # Shards hold the sorted keys in fixed-size chunks (the corrupt image leaves a gap, not a shift).
     keys = sorted(image_key(p.relative_to(images).as_posix()) for p in image_fpaths)
     chunks = [keys[i : i + 3] for i in range(0, len(keys), 3)]
-    stored = [[k for k, _, _ in S.iter_shard_samples([reference / e["fname"]])] for e in manifest["shards"]]
+    stored = [[k for k, _, _ in R.iter_shard_samples([reference / e["fname"]])] for e in manifest["shards"]]
     bad_key = image_key(bad[0].relative_to(images).as_posix())
     assert stored == [[k for k in chunk if k != bad_key] for chunk in chunks]
     flat = np.concatenate(all_tokens)

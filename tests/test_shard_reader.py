@@ -21,7 +21,7 @@ def write(dpath: Path, keys: list[str], seed: int = 0, n_tokens: int = 5, d: int
 
 
 def webdataset_tokens(fpath: Path) -> list[tuple[str, np.ndarray]]:
-    return [(key, tokens) for key, tokens, _ in S.iter_shard_samples([fpath])]
+    return [(key, tokens) for key, tokens, _ in R.iter_shard_samples([fpath])]
 
 
 @pytest.mark.parametrize("keys", [

@@ -15,6 +15,7 @@ import pytest
 import webdataset as wds
 
 import feature_extraction
+from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
 
 D = 8
@@ -53,7 +54,7 @@ def dataset(tmp_path: Path) -> tuple[Path, list, dict]:
 def test_round_trip_keys_bytes_and_meta_in_order(dataset):
     dpath, samples, manifest = dataset
     expected = sorted(samples, key=lambda s: s[0])
-    got = list(S.iter_shard_samples(S.shard_fpaths(dpath, manifest)))
+    got = list(R.iter_shard_samples(S.shard_fpaths(dpath, manifest)))
     assert [k for k, _, _ in got] == [k for k, _, _ in expected]
     for (_, tokens, meta), (_, ref_tokens, ref_meta) in zip(got, expected):
         assert tokens.dtype == np.float16 and tokens.tobytes() == ref_tokens.tobytes()
@@ -89,7 +90,7 @@ def test_webdataset_pipeline_with_decode_sample(dataset):
     urls = [str(p) for p in S.shard_fpaths(dpath, manifest)]
     with warnings.catch_warnings():  # webdataset's url_opener leaves its file handles to the GC
         warnings.simplefilter("ignore", ResourceWarning)
-        ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.map(S.decode_sample))
+        ds = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(), wds.map(R.decode_sample))
         keys = [k for k, _, _ in ds]
         del ds
         gc.collect()
@@ -240,7 +241,7 @@ def test_truncated_tar_raises_naming_the_shard(dataset, where):
     data = fpath.read_bytes()
     fpath.write_bytes(data[: _member_cuts(fpath)[where]])
     with pytest.raises(S.ShardFormatError, match=S.shard_fname(1)) as info:
-        list(S.iter_shard_samples(S.shard_fpaths(dpath, manifest)))
+        list(R.iter_shard_samples(S.shard_fpaths(dpath, manifest)))
     assert "\n" not in str(info.value)
 
 
@@ -254,7 +255,7 @@ def test_corrupt_samples_raise_naming_the_key():
                    {"tokens.npy": good.getvalue(), "meta.json": b"{not json"},
                    {"meta.json": b"{}"}]:
         with pytest.raises(S.ShardFormatError, match="img7.*shard-000003.tar"):
-            S.decode_sample({"__key__": "img7", "__url__": "/x/shard-000003.tar", **sample})
+            R.decode_sample({"__key__": "img7", "__url__": "/x/shard-000003.tar", **sample})
 
 
 def _failing(samples, exc):
