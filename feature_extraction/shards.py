@@ -201,11 +201,16 @@ def _fsync_dir(dpath: Path) -> None:
 def write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
     """Write JSON through a private temporary file; `exclusive`: only if `fpath` does not exist yet.
 
-    The temporary name is unique per host, process and thread, so tasks racing on a shared
-    file system never write into each other's file. Returns False when `exclusive` lost
-    the race (the existing file is left as it is).
+    `exclusive` is for files that several tasks race to create (`extraction.json`): its
+    temporary name is unique per host, process and thread, so racers never write into each
+    other's file. Returns False when it lost the race (the existing file is left as it is).
+    Otherwise the file has one writer and the temporary name is fixed (`NAME.tmp`), so a
+    rerun after a kill overwrites what the killed run left instead of adding to it.
     """
-    tmp_fpath = fpath.with_name(f".{fpath.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
+    if exclusive:
+        tmp_fpath = fpath.with_name(f".{fpath.name}.{os.uname().nodename}.{os.getpid()}.{threading.get_ident()}.tmp")
+    else:
+        tmp_fpath = fpath.with_name(fpath.name + ".tmp")
     try:
         with open(tmp_fpath, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1, allow_nan=False)
