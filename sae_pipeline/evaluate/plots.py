@@ -93,14 +93,22 @@ def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping
     return fig
 
 
+def _variant_panels(stats: Mapping[str, dict]) -> tuple[Figure, list]:
+    """One small panel per variant, side by side."""
+    fig = Figure(figsize=(3.0 * len(stats), 3.0), layout="constrained")
+    return fig, list(fig.subplots(1, len(stats), squeeze=False)[0])
+
+
+def _floats(values: list) -> np.ndarray:
+    """A JSON list with nulls (atoms that never fired) as a float array with NaNs."""
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
 def frequency_vs_mean_panels(stats: Mapping[str, dict]) -> Figure:
     """Per variant: each atom's activation frequency against its mean value (paper Fig. 4a)."""
-    variants = list(stats)
-    fig = Figure(figsize=(3.0 * len(variants), 3.0), layout="constrained")
-    axes = fig.subplots(1, len(variants), squeeze=False)[0]
-    for ax, variant in zip(axes, variants):
-        frequency = np.array([np.nan if v is None else v for v in stats[variant]["frequency"]])
-        mean = np.array([np.nan if v is None else v for v in stats[variant]["mean_value"]])
+    fig, axes = _variant_panels(stats)
+    for ax, variant in zip(axes, stats):
+        frequency, mean = _floats(stats[variant]["frequency"]), _floats(stats[variant]["mean_value"])
         fired = frequency > 0
         ax.scatter(frequency[fired], mean[fired], s=3, alpha=0.5, linewidths=0)
         if fired.any():
@@ -114,12 +122,9 @@ def frequency_vs_mean_panels(stats: Mapping[str, dict]) -> Figure:
 
 def selection_step_panels(stats: Mapping[str, dict]) -> Figure:
     """Per variant: mean selection step against mean value (paper Fig. 4b; shallow SAEs reordered by value)."""
-    variants = list(stats)
-    fig = Figure(figsize=(3.0 * len(variants), 3.0), layout="constrained")
-    axes = fig.subplots(1, len(variants), squeeze=False)[0]
-    for ax, variant in zip(axes, variants):
-        step = np.array([np.nan if v is None else v for v in stats[variant]["mean_step"]])
-        mean = np.array([np.nan if v is None else v for v in stats[variant]["mean_value"]])
+    fig, axes = _variant_panels(stats)
+    for ax, variant in zip(axes, stats):
+        step, mean = _floats(stats[variant]["mean_step"]), _floats(stats[variant]["mean_value"])
         keep = np.isfinite(step)
         ax.scatter(mean[keep], step[keep], s=3, alpha=0.5, linewidths=0)
         rho = stats[variant].get("spearman_mean_vs_step")
