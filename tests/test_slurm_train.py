@@ -68,6 +68,17 @@ def job_fields(cluster: SlurmCluster, job_id: str) -> dict[str, str]:
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
+def node_state(cluster: SlurmCluster) -> str:
+    shown = subprocess.run(["scontrol", "-o", "show", "node"], env=cluster.env, capture_output=True, text=True).stdout
+    return dict(field.split("=", 1) for field in shown.split() if "=" in field).get("State", "?")
+
+
+def node_is_idle(cluster: SlurmCluster) -> bool:
+    """No job (or job clean-up) on the test node: State=IDLE, without COMPLETING."""
+    state = node_state(cluster)
+    return state.startswith("IDLE") and "COMPLETING" not in state
+
+
 def log_text(workdir: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((workdir / "logs").glob("*.out")))
 
@@ -127,7 +138,14 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluste
         assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), \
             f"{fields}\n{log_text(tmp_path)[-3000:]}"
         time.sleep(0.2)
-    # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); release it now.
+    # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); release it sooner, but
+    # only once the node has cleaned up the first run and a second has passed: slurmd revokes the
+    # job's credential at one-second resolution, and a launch of the same job in that second is
+    # killed ("Killing non-startable batch JobId=N: Job credential revoked").
+    while not node_is_idle(cluster):
+        assert time.time() < deadline, f"the node did not become idle: {node_state(cluster)}"
+        time.sleep(0.2)
+    time.sleep(2.0)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env, check=True)
     states = cluster.wait(job_id, timeout=300)
     log = log_text(tmp_path)
