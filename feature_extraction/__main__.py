@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from feature_extraction.extract import extract, finalize
+from feature_extraction.extract import extract
+from feature_extraction.finalize import finalize
 
 PROG = "python -m feature_extraction"
 

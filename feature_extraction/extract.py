@@ -1,7 +1,7 @@
 """The extraction command: images -> one backbone layer's tokens -> webdataset shards.
 
 `extract` is what `python -m feature_extraction` runs, once per SLURM array task (or
-torchrun rank, or alone). `finalize` assembles `manifest.json` once every shard exists.
+torchrun rank, or alone). `finalize` (`finalize.py`) assembles `manifest.json` once every shard exists.
 
 Design choices:
 
@@ -33,8 +33,6 @@ Design choices:
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
@@ -52,22 +50,13 @@ from tqdm import tqdm
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
-from feature_extraction.shard_writers import ShardWriters, skipped_fname
-from feature_extraction.shards import (
-    ShardFormatError, assign_shards, finalize_manifest, load_manifest, read_sidecar,
-    shard_is_complete, shards_for_task, write_json_atomic,
-)
+from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
+from feature_extraction.shard_writers import ShardWriters
+from feature_extraction.shards import assign_shards, shard_is_complete, shards_for_task
 
-__all__ = ["EXTRACTION_FNAME", "default_task", "extract", "finalize", "forward_tokens", "image_id_from_key",
-           "image_key", "skipped_fname", "write_shards"]
+__all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
 
 logger = logging.getLogger(__name__)
-
-EXTRACTION_FNAME = "extraction.json"
-LOCK_FNAME = ".finalize.lock"
-STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a dead process
-# What a rerun must agree on with the directory's extraction.json.
-_COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256")
 
 
 def image_key(image_id: str) -> str:
@@ -223,110 +212,6 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     return {**counts, "seconds": time.perf_counter() - start_time}
 
 
-def _ids_digest(keys: Sequence[str]) -> str:
-    return hashlib.sha256("\n".join(keys).encode("utf-8")).hexdigest()
-
-
-def _check_or_create_record(out_dpath: Path, record: dict) -> None:
-    """Write `extraction.json`, or refuse a directory that holds another extraction."""
-    fpath = out_dpath / EXTRACTION_FNAME
-    if not fpath.exists():
-        if any(out_dpath.glob("shard-*")):
-            raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
-                             "by this command; use an empty --out directory")
-        write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
-    try:
-        old = json.loads(fpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exn:
-        raise ValueError(f"{fpath} cannot be read ({exn}); delete it if --out holds no shards") from None
-    if (old.get("backbone"), old.get("layer")) != (record["backbone"], record["layer"]):
-        raise ValueError(f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
-                         f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
-                         "use another --out (e.g. one directory per backbone and layer)")
-    differ = [f"{k}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS if old.get(k) != record[k]]
-    if differ:
-        raise ValueError(f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
-                         "rerun with the same settings and images, or use another --out")
-
-
-def _read_record(out_dpath: Path) -> dict:
-    fpath = Path(out_dpath) / EXTRACTION_FNAME
-    if not fpath.is_file():
-        raise ValueError(f"{fpath} not found: --out must be a directory written by `python -m feature_extraction`")
-    try:
-        return json.loads(fpath.read_text(encoding="utf-8"))
-    except ValueError as exn:
-        raise ValueError(f"{fpath} is not valid JSON ({exn}); rerun one extraction task to rewrite it") from None
-
-
-def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
-    try:
-        manifest = load_manifest(out_dpath)
-        return [e["sha256"] for e in manifest["shards"]] == [read_sidecar(out_dpath, i)["sha256"]
-                                                               for i in range(n_shards)]
-    except (ShardFormatError, OSError, KeyError):
-        return False
-
-
-def finalize(out: str, force: bool = False) -> dict:
-    """Assemble `manifest.json` of `--out` once all its shards are complete; returns the manifest.
-
-    Several tasks may finish together: a lock file (created with O_EXCL, which is atomic on
-    NFS too) lets one of them write the manifest. A lock older than ten minutes, or
-    `--force true`, is taken over.
-
-    Args:
-        out: the extraction's output directory (holding extraction.json and the shards).
-        force: take over a finalize lock held by another process.
-    """
-    out_dpath = Path(out).expanduser()
-    record = _read_record(out_dpath)
-    n_shards = record["n_shards"]
-    lock_fpath = out_dpath / LOCK_FNAME
-    try:
-        fd = os.open(lock_fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        try:
-            age = time.time() - lock_fpath.stat().st_mtime
-        except FileNotFoundError:  # released meanwhile
-            age = math.inf
-        if not force and age < STALE_LOCK_SECONDS:
-            raise RuntimeError(f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
-                               "pass --force true if it died") from None
-        lock_fpath.touch()
-    else:
-        os.close(fd)
-    try:
-        skipped = []
-        for index in range(n_shards):
-            fpath = out_dpath / skipped_fname(index)
-            if fpath.is_file():
-                skipped += json.loads(fpath.read_text(encoding="utf-8"))
-        backbone = record["backbone_record"]
-        return finalize_manifest(
-            out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
-            tokens_per_image=backbone["n_tokens"], n_prefix_tokens=backbone["n_prefix_tokens"],
-            grid=tuple(backbone["grid"]), skipped=skipped,
-            extra={"extraction": {k: record[k] for k in ("images", "shard_size", "weights", "key_scheme",
-                                                           "ids_sha256", "n_images")}})
-    finally:
-        lock_fpath.unlink(missing_ok=True)
-
-
-def _finalize_if_last(out_dpath: Path, n_shards: int) -> bool:
-    """Called by every task at its end: the one that sees all shards complete writes the manifest."""
-    if not all(shard_is_complete(out_dpath, i) for i in range(n_shards)):
-        return False
-    if _manifest_is_current(out_dpath, n_shards):
-        return True
-    try:
-        finalize(str(out_dpath))
-    except RuntimeError:  # another task holds the lock and is writing the same manifest
-        logger.info("another task is finalizing %s", out_dpath)
-        return False
-    return True
-
-
 def _check_positive(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"--{name} must be an integer >= {minimum}, got {value!r}")
@@ -388,13 +273,13 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     out_dpath.mkdir(parents=True, exist_ok=True)
     record = {
         "backbone": spec.name, "layer": model.layer, "shard_size": shard_size, "n_images": len(records),
-        "n_shards": len(shards), "ids_sha256": _ids_digest(keys),
+        "n_shards": len(shards), "ids_sha256": ids_digest(keys),
         "weights": {"pretrained": pretrained, "checkpoint_path": checkpoint_path,
                     "seed": seed if random_weights else None},
         "images": images, "key_scheme": "percent-escaped image id (feature_extraction.extract.image_key)",
         "backbone_record": model.to_json(), "package_version": __version__,
     }
-    _check_or_create_record(out_dpath, record)
+    check_or_create_record(out_dpath, record)
 
     owned = shards_for_task(len(shards), task_index, num_tasks)
     todo = [i for i in owned if not shard_is_complete(out_dpath, i)]
@@ -405,7 +290,7 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
                           [(i, [by_key[k] for k in shards[i]]) for i in todo], out_dpath,
                           batch_size=batch_size, num_workers=num_workers, device=torch_device,
                           num_writers=num_writers, progress=progress)
-    finalized = _finalize_if_last(out_dpath, len(shards))
+    finalized = finalize_if_last(out_dpath, len(shards))
     return {"out": str(out_dpath), "task_index": task_index, "num_tasks": num_tasks, "n_shards": len(shards),
             "shards_written": todo, "shards_already_complete": len(owned) - len(todo), **counts,
             "images_per_second": counts["images"] / max(counts["seconds"], 1e-9), "finalized": finalized}

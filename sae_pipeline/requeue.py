@@ -109,7 +109,7 @@ class SLURMRequeue(L.Callback):
             logger.finalize("finished")  # as Lightning's handler does: flush the metrics logged so far
         root = Path(trainer.default_root_dir)
         fpath = trainer._checkpoint_connector.hpc_save_path(str(root))
-        trainer.save_checkpoint(fpath, weights_only=False)  # every rank takes part; rank 0 writes
+        trainer.save_checkpoint(fpath)  # full state (optimiser, loops); every rank takes part, rank 0 writes
         requeued = self._any_rank(trainer, trainer.is_global_zero and self._requeue(fpath, trainer.global_step))
         if not requeued:
             rank_zero_warn(f"could not requeue the SLURM job; training goes on until SLURM stops it. Resume by hand "

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from feature_extraction import shards as S
-from feature_extraction.h5cache import write_token_cache
 from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
-from sae_pipeline.data_stream import BatchRing, ShuffleBuffer, batches_already_taken, span_pieces
+from sae_pipeline.data_stream import ShuffleBuffer
 
 D, TPI = 8, 5  # tokens per image: 1 prefix token + a 2x2 grid
 COUNTS = [3, 11, 5, 7, 4, 9, 6]  # images per shard: deliberately uneven
@@ -147,44 +146,6 @@ def test_shuffle_buffer_is_a_permutation_and_skips(shard_dir):
     assert all(torch.equal(a, b) for a, b in zip(run(3), out[3:])) and len(run(3)) == 5
 
 
-def test_batch_ring_hands_over_and_waits_for_release():
-    rng = np.random.default_rng(2)
-    ring = BatchRing(n_workers=2, n_slots=2, batch_size=4, d=D, dtype=np.float16)
-    written = []
-    for index in range(2):  # two free slots for worker 1
-        slot, out = ring.slot(1, index)
-        written.append(rng.standard_normal((3, D)).astype(np.float16))
-        out[:3] = written[-1]
-    x = ring.take(1, 0, 3)
-    assert x.dtype == torch.float32 and torch.equal(x, torch.from_numpy(written[0]).float())
-    assert ring.slot(1, 2)[0] == 0  # batch 0 was taken: its slot is free again
-    out = ring.slot(1, 2)[1]
-    out[:] = 0  # reusing the slot must not change the tensor already taken
-    assert torch.equal(x, torch.from_numpy(written[0]).float())
-    ring.close()
-    assert ring.slot(1, 4) is None  # slots of batches 2 and 3 not taken: waits, then sees the close
-
-
-def test_span_pieces_matches_token_by_token_reference():
-    rng = np.random.default_rng(1)
-    for _ in range(50):
-        counts = rng.integers(0, 6, size=rng.integers(1, 8)).tolist()
-        total = sum(counts)
-        start = int(rng.integers(0, total + 1))
-        stop = int(rng.integers(start, total + 1))
-        owner = [(u, t) for u, c in enumerate(counts) for t in range(c)]  # token -> (unit, index in unit)
-        got = [(u, t) for u, lo, hi in span_pieces(counts, start, stop) for t in range(lo, hi)]
-        assert got == owner[start:stop]
-
-
-def test_batches_already_taken_matches_dataloader_round_robin():
-    for quotas in ([3, 3], [4, 3, 3], [2, 1, 1, 0], [5]):
-        order = [w for t in range(max(quotas)) for w in range(len(quotas)) if quotas[w] > t]
-        for n_done in range(sum(quotas) + 1):
-            ref = [order[:n_done].count(w) for w in range(len(quotas))]
-            assert batches_already_taken(quotas, n_done) == ref
-
-
 @pytest.mark.parametrize("workers,n_done", [(2, 5), (2, 6), (2, 22), (3, 7)])
 def test_resume_mid_epoch_yields_exactly_the_rest(shard_dir, workers, n_done):
     dpath, _, _ = shard_dir
@@ -276,74 +237,6 @@ def test_short_shard_raises_shard_format_error(shard_dir, tmp_path):
     S.write_shard(dpath, 1, [(f"x{i}", np.zeros((TPI, D), np.float16), {}) for i in range(2)])  # 2, not 11
     with pytest.raises(S.ShardFormatError, match=r"shard-000001.tar: ends before sample \d+ of the 11 the manifest lists"):
         list(dm.predict_dataset(0, 1))
-
-
-def test_digits_source_shapes_range_and_split():
-    from sklearn.datasets import load_digits
-
-    dm = ActivationDataModule("digits", batch_size=64, num_workers=0, val_fraction=0.1)
-    assert dm.d_in == 64 and dm.image_shape == (8, 8) and dm.manifest is None
-    ref = load_digits().images.reshape(-1, 64) / 16.0
-    train_rows = np.concatenate([b["x"].numpy() for b in TrainTokenLoader(dm.train_dataset())])
-    val_rows = np.concatenate([b["x"].numpy() for b in TokenLoader(dm.val_dataset())])
-    assert len(val_rows) == round(0.1 * len(ref)) and len(train_rows) == (len(ref) - len(val_rows)) // 64 * 64
-    assert train_rows.min() >= 0 and train_rows.max() == 1
-    ref_keys = {r.astype(np.float32).tobytes() for r in ref}
-    assert {r.tobytes() for r in np.concatenate([train_rows, val_rows])} <= ref_keys
-    train_all = ref[np.sort(dm.data_source.split_rows("train", 0.1))]
-    np.testing.assert_allclose(dm.stats["mean"].numpy(), train_all.mean(0), atol=1e-6)
-    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all ** 2).sum(1).mean(), rtol=1e-9)
-    sample = dm.eval_sample()
-    assert sample.shape == (len(val_rows), 64) and sample.dtype == torch.float32
-    assert torch.equal(sample, ActivationDataModule("digits", num_workers=0).eval_sample())
-
-
-def test_h5_source_reads_rows_ids_and_positions(tmp_path):
-    rng = np.random.default_rng(5)
-    tokens = rng.standard_normal((300, D)).astype(np.float16)
-    ids = [f"im{i // 3}" for i in range(300)]
-    fpath = tmp_path / "cache.h5"
-    write_token_cache(fpath, tokens, image_ids=ids, token_positions=np.arange(300) % 3)
-    dm = ActivationDataModule(str(fpath), batch_size=16, num_workers=2, shuffle_buffer_tokens=64)
-    assert dm.d_in == D and dm.image_shape is None
-    train = [key_of(r) for b in TrainTokenLoader(dm.train_dataset(), num_workers=2) for r in b["x"]]
-    val = [key_of(r) for b in TokenLoader(dm.val_dataset(), num_workers=2) for r in b["x"]]
-    assert len(val) == 30 and len(train) == 270 // 16 * 16
-    assert len(set(train) | set(val)) == len(train) + len(val)
-    assert set(train) | set(val) <= {key_of(r) for r in tokens}
-    row_of = {key_of(r): i for i, r in enumerate(tokens)}
-    for b in TokenLoader(dm.predict_dataset(), num_workers=2):
-        rows = [row_of[key_of(r)] for r in b["x"]]
-        assert b["image_ids"] == [ids[i] for i in rows] and b["token_positions"].tolist() == [i % 3 for i in rows]
-
-
-def test_mnist_without_download_names_the_flags(tmp_path):
-    with pytest.raises(ValueError, match=r"mnist: not found.*--data.allow_download true.*--data.data_dpath"):
-        ActivationDataModule("mnist", data_dpath=str(tmp_path / "nothing"))
-
-
-def test_mnist_download_offline_says_so(tmp_path, monkeypatch):
-    import torchvision.datasets
-
-    class OfflineMNIST:
-        def __init__(self, root, train, download):
-            raise RuntimeError("Error downloading train-images-idx3-ubyte.gz")
-
-    monkeypatch.setattr(torchvision.datasets, "MNIST", OfflineMNIST)
-    dm = ActivationDataModule("mnist", data_dpath=str(tmp_path), allow_download=True)
-    assert dm.d_in == 784 and dm.image_shape == (28, 28)
-    with pytest.raises(ValueError, match=r"mnist: download into --data.data_dpath=.* failed .*offline"):
-        dm.prepare_data()
-
-
-@pytest.mark.parametrize("source,match", [("", "is empty"), ("no/such/dir", "not found"),
-                                          ("missing.h5", "HDF5 file not found"), ("EMPTY", "empty directory")])
-def test_missing_or_empty_source_names_it_and_the_forms(tmp_path, source, match):
-    if source == "EMPTY":
-        source = str(tmp_path)
-    with pytest.raises(ValueError, match=match) as info:
-        ActivationDataModule(source)
-    assert "'digits' or 'mnist'" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_bad_settings_are_one_line_errors(shard_dir, tmp_path):

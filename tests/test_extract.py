@@ -21,9 +21,8 @@ from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
 from feature_extraction.__main__ import build_parser, main
 from feature_extraction.backbones import BACKBONES, load_backbone
-from feature_extraction.extract import (
-    LOCK_FNAME, default_task, extract, image_id_from_key, image_key,
-)
+from feature_extraction.extract import default_task, extract, image_id_from_key, image_key
+from feature_extraction.finalize import LOCK_FNAME
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 BACKBONE = "vit_tiny"

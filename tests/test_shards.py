@@ -17,6 +17,7 @@ import webdataset as wds
 import feature_extraction
 from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
+from feature_extraction.running_stats import RunningStats
 
 D = 8
 N_TOKENS = 5  # 1 prefix token + a 2x2 grid
@@ -132,16 +133,16 @@ def test_running_stats_merge_equals_one_pass_numpy():
     x = np.concatenate(chunks).astype(np.float64)
     parts = []
     for chunk in chunks:
-        stats = S.RunningStats(D)
+        stats = RunningStats(D)
         stats.update(chunk[: len(chunk) // 2])
         stats.update(chunk[len(chunk) // 2 :])
-        parts.append(S.RunningStats.from_json(json.loads(json.dumps(stats.to_json()))))
-    merged = parts[0].merge(parts[1]).merge(parts[2].merge(parts[3])).merge(S.RunningStats(0))
+        parts.append(RunningStats.from_json(json.loads(json.dumps(stats.to_json()))))
+    merged = parts[0].merge(parts[1]).merge(parts[2].merge(parts[3])).merge(RunningStats(0))
     assert merged.n_tokens == len(x)
     np.testing.assert_allclose(merged.mean(), x.mean(axis=0), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(merged.mean_sq_norm(), (x**2).sum(axis=1).mean(), rtol=1e-12)
     with pytest.raises(ValueError, match="d="):
-        merged.merge(S.RunningStats(D + 1, 1, np.zeros(D + 1), 0.0))
+        merged.merge(RunningStats(D + 1, 1, np.zeros(D + 1), 0.0))
 
 
 def test_finalize_manifest_fields_and_stats(dataset):
@@ -309,7 +310,7 @@ def test_sidecar_stats_match_numpy(tmp_path):
     samples = make_samples(5)
     sidecar = S.write_shard(tmp_path, 0, samples)
     x = np.concatenate([t for _, t, _ in samples]).astype(np.float64)
-    stats = S.RunningStats.from_json(sidecar["stats"])
+    stats = RunningStats.from_json(sidecar["stats"])
     assert sidecar == S.read_sidecar(tmp_path, 0) and sidecar["count"] == 5 and sidecar["n_tokens"] == len(x)
     np.testing.assert_allclose(stats.sum, x.sum(axis=0), rtol=1e-12)
     np.testing.assert_allclose(stats.sum_sq_norm, (x**2).sum(), rtol=1e-12)

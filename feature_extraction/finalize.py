@@ -1,0 +1,136 @@
+"""What an extraction's output directory holds: its record (`extraction.json`) and its manifest.
+
+Every task of an array job checks the record before writing a shard (another backbone,
+layer, image list or shard size is refused rather than mixed in), and the task that
+finds every shard complete assembles `manifest.json` (`finalize`, also a subcommand).
+Several tasks may finish at once, so the manifest is written under a lock file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from feature_extraction.shard_writers import skipped_fname
+from feature_extraction.shards import (
+    ShardFormatError, finalize_manifest, load_manifest, read_sidecar, shard_is_complete, write_json_atomic,
+)
+
+__all__ = ["EXTRACTION_FNAME", "LOCK_FNAME", "check_or_create_record", "finalize", "finalize_if_last", "ids_digest"]
+
+logger = logging.getLogger(__name__)
+
+EXTRACTION_FNAME = "extraction.json"
+LOCK_FNAME = ".finalize.lock"
+STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a dead process
+# What a rerun must agree on with the directory's extraction.json.
+_COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256")
+
+
+def ids_digest(keys: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(keys).encode("utf-8")).hexdigest()
+
+
+def check_or_create_record(out_dpath: Path, record: dict) -> None:
+    """Write `extraction.json`, or refuse a directory that holds another extraction."""
+    fpath = out_dpath / EXTRACTION_FNAME
+    if not fpath.exists():
+        if any(out_dpath.glob("shard-*")):
+            raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
+                             "by this command; use an empty --out directory")
+        write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
+    try:
+        old = json.loads(fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exn:
+        raise ValueError(f"{fpath} cannot be read ({exn}); delete it if --out holds no shards") from None
+    if (old.get("backbone"), old.get("layer")) != (record["backbone"], record["layer"]):
+        raise ValueError(f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
+                         f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
+                         "use another --out (e.g. one directory per backbone and layer)")
+    differ = [f"{k}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS if old.get(k) != record[k]]
+    if differ:
+        raise ValueError(f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
+                         "rerun with the same settings and images, or use another --out")
+
+
+def _read_record(out_dpath: Path) -> dict:
+    fpath = Path(out_dpath) / EXTRACTION_FNAME
+    if not fpath.is_file():
+        raise ValueError(f"{fpath} not found: --out must be a directory written by `python -m feature_extraction`")
+    try:
+        return json.loads(fpath.read_text(encoding="utf-8"))
+    except ValueError as exn:
+        raise ValueError(f"{fpath} is not valid JSON ({exn}); rerun one extraction task to rewrite it") from None
+
+
+def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
+    try:
+        manifest = load_manifest(out_dpath)
+        return [e["sha256"] for e in manifest["shards"]] == [read_sidecar(out_dpath, i)["sha256"]
+                                                               for i in range(n_shards)]
+    except (ShardFormatError, OSError, KeyError):
+        return False
+
+
+def finalize(out: str, force: bool = False) -> dict:
+    """Assemble `manifest.json` of `--out` once all its shards are complete; returns the manifest.
+
+    Several tasks may finish together: a lock file (created with O_EXCL, which is atomic on
+    NFS too) lets one of them write the manifest. A lock older than ten minutes, or
+    `--force true`, is taken over.
+
+    Args:
+        out: the extraction's output directory (holding extraction.json and the shards).
+        force: take over a finalize lock held by another process.
+    """
+    out_dpath = Path(out).expanduser()
+    record = _read_record(out_dpath)
+    n_shards = record["n_shards"]
+    lock_fpath = out_dpath / LOCK_FNAME
+    try:
+        fd = os.open(lock_fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            age = time.time() - lock_fpath.stat().st_mtime
+        except FileNotFoundError:  # released meanwhile
+            age = math.inf
+        if not force and age < STALE_LOCK_SECONDS:
+            raise RuntimeError(f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
+                               "pass --force true if it died") from None
+        lock_fpath.touch()
+    else:
+        os.close(fd)
+    try:
+        skipped = []
+        for index in range(n_shards):
+            fpath = out_dpath / skipped_fname(index)
+            if fpath.is_file():
+                skipped += json.loads(fpath.read_text(encoding="utf-8"))
+        backbone = record["backbone_record"]
+        return finalize_manifest(
+            out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
+            tokens_per_image=backbone["n_tokens"], n_prefix_tokens=backbone["n_prefix_tokens"],
+            grid=tuple(backbone["grid"]), skipped=skipped,
+            extra={"extraction": {k: record[k] for k in ("images", "shard_size", "weights", "key_scheme",
+                                                           "ids_sha256", "n_images")}})
+    finally:
+        lock_fpath.unlink(missing_ok=True)
+
+
+def finalize_if_last(out_dpath: Path, n_shards: int) -> bool:
+    """Called by every task at its end: the one that sees all shards complete writes the manifest."""
+    if not all(shard_is_complete(out_dpath, i) for i in range(n_shards)):
+        return False
+    if _manifest_is_current(out_dpath, n_shards):
+        return True
+    try:
+        finalize(str(out_dpath))
+    except RuntimeError:  # another task holds the lock and is writing the same manifest
+        logger.info("another task is finalizing %s", out_dpath)
+        return False
+    return True
