@@ -1,10 +1,14 @@
-"""``python -m sae_pipeline {fit,validate,test,predict,export,extract} ...``.
+"""``python -m sae_pipeline COMMAND ...``: one entry point for every command (also the Docker image's).
 
-``export`` is dispatched here (plain argparse, no Lightning needed), ``extract`` goes to
-``python -m feature_extraction`` (same flags; one entry point for the Docker image); the other subcommands
-go to :class:`sae_pipeline.cli.SAECLI`. Errors the product raises for bad input (a
-ValueError naming the file, field or flag and the fix) end the run with that one line on
-stderr and exit status 1; set ``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead.
+``fit``, ``validate``, ``test`` and ``predict`` go to :class:`sae_pipeline.cli.SAECLI`
+(LightningCLI); the other commands are listed in :data:`COMMANDS` (name -> module whose
+``main(argv)`` runs it, and its one-line help), so adding a command is one line here.
+
+Exit codes, the same for every command (DESIGN.md): 0 success, 2 bad input (one ``error:``
+line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
+SIGTERM) after saving, 1 anything unexpected. Errors the product raises for bad input are
+``ValueError`` s naming the file, field or flag and the fix; set ``SAE_PIPELINE_TRACEBACK=1``
+to see the traceback instead.
 
 In a multi-process job (``srun``, torchrun) every rank usually hits the same bad input at the
 same moment. Ranks other than 0 wait a few seconds before printing theirs: rank 0's exit
@@ -13,11 +17,36 @@ job log gets the line once; an error only one rank hits is still printed, a litt
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
 
+PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
+EXIT_BAD_INPUT = 2
+LIGHTNING_COMMANDS = {
+    "fit": "train an SAE (--config configs/<variant>_<data>.yaml)",
+    "validate": "R², L0, dead fraction of a trained SAE on the validation split (--ckpt_path)",
+    "test": "the same metrics on the test split (--ckpt_path)",
+    "predict": "write the sparse codes of a trained SAE to HDF5 (--ckpt_path)",
+}
+# name -> (module with main(argv) -> int | None, help)
+COMMANDS = {
+    "export": ("sae_pipeline.export", "export a checkpoint to sae.safetensors + config.json"),
+    "extract": ("feature_extraction.__main__", "extract backbone token activations into shards "
+                                               "(the flags of python -m feature_extraction)"),
+    "evaluate": ("sae_pipeline.evaluate.__main__", "the paper's studies and reports "
+                                                   "(python -m sae_pipeline.evaluate)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, [*LIGHTNING_COMMANDS, *COMMANDS]))
+    lines = [f"usage: {PROG} COMMAND [options]   ({PROG} COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in LIGHTNING_COMMANDS.items()]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
 
 
 def _rank() -> int:
@@ -29,21 +58,23 @@ def _rank() -> int:
     return 0
 
 
+def _run(args: list[str], argv: list[str] | None) -> int:
+    if args[:1] in ([], ["-h"], ["--help"]):
+        print(usage())
+        return 0 if args else EXIT_BAD_INPUT
+    if args[0] in COMMANDS:
+        status = importlib.import_module(COMMANDS[args[0]][0]).main(args[1:])
+        return status if isinstance(status, int) else 0
+    from sae_pipeline.cli import cli_main
+
+    cli_main(argv)  # None: LightningCLI reads sys.argv itself
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["extract"]:  # the Docker image's one entry point reaches extraction too
-        from feature_extraction.__main__ import main as extract_main
-
-        return extract_main(args[1:])
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        if args[:1] == ["export"]:
-            from sae_pipeline.export import main as export_main
-
-            export_main(args[1:])
-        else:
-            from sae_pipeline.cli import cli_main
-
-            cli_main(argv)  # None: LightningCLI reads sys.argv itself
+        return _run(args, argv)
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
@@ -51,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() > 0:
             time.sleep(PEER_ERROR_DELAY_S)
         print(f"error: {type(exn).__name__}: {message}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

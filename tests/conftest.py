@@ -9,13 +9,12 @@ import torch
 torch.set_num_threads(2)
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
-REFERENCE_DPATH = REPO_DPATH.parent / "shared" / "reference"
 
 
 @pytest.fixture(scope="session")
 def reference_dictionary_fpath() -> Path:
-    """The paper authors' released MNIST MP-SAE (CI clones the repo with shared/ beside it)."""
-    fpath = REFERENCE_DPATH / "mpsae_mnist_p1000_k10.npz"
-    if not fpath.exists():
-        pytest.fail(f"missing {fpath}: the reference dictionary ships in shared/reference beside the repo")
-    return fpath
+    """The paper authors' released MNIST MP-SAE, shipped inside the package."""
+    from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
+
+    assert REFERENCE_NPZ_FPATH.is_file(), f"missing {REFERENCE_NPZ_FPATH}: it ships with the package"
+    return REFERENCE_NPZ_FPATH

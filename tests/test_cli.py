@@ -105,7 +105,7 @@ def test_non_finite_data_stops_with_one_line_error(tmp_path: Path) -> None:
     write_token_cache(tmp_path / "bad.h5", tokens)
     result = run_cli(["fit", "--config", MPSAE_DIGITS, "--data.source", str(tmp_path / "bad.h5"),
                       "--model.sae.init_args.d_sae", "32", "--model.sae.init_args.k", "4", *QUIET], tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert len(error_lines(result)) == 1 and "bad.h5" in error_lines(result)[0] and "NaN" in error_lines(result)[0]
     assert "Traceback" not in result.stderr
 
@@ -193,7 +193,7 @@ def test_merge_codes_concatenates_parts_of_different_widths(tmp_path: Path) -> N
 def test_main_reports_value_errors_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from sae_pipeline.__main__ import main
 
-    assert main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "out")]) == 1
+    assert main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ExportError:") and "missing.ckpt" in err[0]
 

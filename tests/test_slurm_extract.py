@@ -11,7 +11,8 @@ import torch
 
 from feature_extraction import shards as S
 from feature_extraction.extract import extract
-from slurm_cluster import INSTALL_HINT, SlurmCluster, missing_executables
+import system_tools
+from slurm_cluster import EXECUTABLES, INSTALL_HINT, SlurmCluster
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_DPATH / "slurm" / "extract.sh"
@@ -52,8 +53,7 @@ def test_sbatch_header_requests_a_gpu() -> None:
 
 @pytest.mark.slow
 def test_array_job_equals_single_process_run(tmp_path) -> None:
-    if missing := missing_executables():
-        pytest.fail(f"SLURM is not installed (missing {', '.join(missing)}); run: {INSTALL_HINT}")
+    system_tools.require(EXECUTABLES, INSTALL_HINT)
     shards_root, logs = tmp_path / "shards", tmp_path / "logs"
     logs.mkdir()
     env = {"IMAGES": "samples", "SHARDS_ROOT": str(shards_root), "PYTHON": sys.executable, "PRETRAINED": "false",

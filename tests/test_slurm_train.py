@@ -18,7 +18,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from slurm_cluster import INSTALL_HINT, SlurmCluster, missing_executables
+import system_tools
+from slurm_cluster import EXECUTABLES, INSTALL_HINT, SlurmCluster
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TRAIN_SH, SWEEP_SH = REPO_DPATH / "slurm" / "train.sh", REPO_DPATH / "slurm" / "sweep.sh"
@@ -35,8 +36,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    if missing := missing_executables():
-        pytest.fail(f"SLURM is not installed (missing {', '.join(missing)}); run: {INSTALL_HINT}")
+    system_tools.require(EXECUTABLES, INSTALL_HINT)
     with SlurmCluster(tmp_path_factory.mktemp("cluster")) as running:
         yield running
 

@@ -4,7 +4,7 @@
     python -m sae_pipeline.evaluate expressivity --data digits --out eval_out --k 5 10 20 40 --p 250 500 1000
     python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --k_main 32 --p_main 19200
     python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
-    python -m sae_pipeline.evaluate dictionary --npz mpsae_mnist_p1000_k10.npz --out eval_authors
+    python -m sae_pipeline.evaluate dictionary --npz authors --out eval_authors
 
 Studies share their runs (``OUT/runs``, ``OUT/models``): a run already trained and exported with
 the same settings is reused, never retrained, so studies resume and add up; ``results.json``
@@ -78,7 +78,7 @@ def build_parser() -> OneLineParser:
     report = commands.add_parser("report", help="rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True)
     dictionary = commands.add_parser("dictionary", help="concept figures and Babel of an external MP-SAE (.npz)")
-    dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]")
+    dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)")
     dictionary.add_argument("--out", required=True)
     dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
                             "to 28x28, a stand-in, not MNIST), mnist (MNIST/raw under --data_dpath) or none")

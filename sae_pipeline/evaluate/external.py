@@ -32,16 +32,21 @@ from sae_pipeline.sae import MatchingPursuitSAE
 DATA_CHOICES = ("digits28", "mnist", "none")
 DATA_LABELS = {"digits28": "scikit-learn digits resampled to 28x28 (a stand-in, not MNIST)", "mnist": "MNIST train"}
 NORM_TOLERANCE = 1e-3
+# The paper authors' released MNIST MP-SAE (p = 1000, k = 10), shipped in the package (see reference/README.md).
+REFERENCE_NPZ_FPATH = Path(__file__).resolve().parent / "reference" / "mpsae_mnist_p1000_k10.npz"
+REFERENCE_NPZ_NAME = "authors"  # --npz authors
 
 
 def load_npz_dictionary(npz_fpath: str | Path, k: int = 10) -> MatchingPursuitSAE:
     """A :class:`MatchingPursuitSAE` with the atoms ``W_dec [p, d]`` and pre-bias ``b_pre [d]`` of an ``.npz``.
 
+    ``npz_fpath="authors"`` loads the paper authors' dictionary shipped with the package.
+
     Atoms must have unit norm (within 1e-3; they are then renormalised exactly, as training
     keeps them): MP's coefficients are only the projections when they do. A ``[d, p]`` matrix
     (atoms as columns, the paper's ``D``) is transposed. Read with ``allow_pickle=False``.
     """
-    fpath = Path(npz_fpath)
+    fpath = REFERENCE_NPZ_FPATH if str(npz_fpath) == REFERENCE_NPZ_NAME else Path(npz_fpath)
     if not fpath.is_file():
         raise ValueError(f"--npz {fpath}: file not found; pass an .npz holding W_dec [p, d] and b_pre [d]")
     try:
