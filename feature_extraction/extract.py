@@ -27,22 +27,29 @@ Design choices:
   stored as float16. Writer processes stream finished batches into the tars (several shards
   at once: writing a ViT-B sample costs about as much as a GPU forward of it), hashing and
   summing statistics while the next batches run.
+- `--tokens_per_image N` stores N seeded patch tokens per image (and the prefix tokens
+  unless `--keep_prefix_tokens false`), chosen by `token_selection` from the seed and the
+  image id alone, so task splits and reruns store the same tokens. The subset is gathered
+  on the device before the copy to the host, so the copy, the shared memory and the
+  writers all shrink with it; each sample then also holds `positions.npy`.
 - Image ids may contain '.', which webdataset reads as the start of the extension, so a
   sample's `__key__` is the id percent-escaped (`image_key`, reversible by
   `image_id_from_key`); `meta.json` keeps the original id and its source.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm import tqdm
@@ -53,6 +60,7 @@ from feature_extraction.images import ImageDataset, ImageRecord, collate_images,
 from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shard_writers import ShardWriters
 from feature_extraction.shards import assign_shards, shard_is_complete, shards_for_task
+from feature_extraction.token_selection import make_selection, selected_positions
 
 __all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
 
@@ -111,8 +119,11 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device) -> tuple[Tensor, Any]:
+def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device,
+                   positions: Tensor | None = None) -> tuple[Tensor, Any]:
     """Start the forward of one batch; returns float16 tokens `[B, n_tokens, d]` on the host and a CUDA event.
+
+    `positions [B, n]` (int, per image) keeps only those tokens, gathered on the device.
 
     On CUDA the copy to pinned host memory is asynchronous: the caller waits on the event
     (`event.synchronize()`) only after queueing the next batch, so the GPU never idles on
@@ -121,6 +132,9 @@ def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device) -> 
     on_cuda = device.type == "cuda"
     with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
         tokens = backbone(pixels.to(device, non_blocking=True)).to(torch.float16)
+        if positions is not None:
+            index = positions.to(device, torch.int64, non_blocking=True)
+            tokens = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
     if not on_cuda:
         return tokens, None
     host = torch.empty(tokens.shape, dtype=torch.float16, pin_memory=True)
@@ -146,11 +160,13 @@ def _record_meta(record: ImageRecord) -> dict:
 
 def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records: Sequence[ImageRecord],
                  shards: Sequence[tuple[int, Sequence[int]]], out_dpath: Path, *, batch_size: int,
-                 num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True) -> dict:
+                 num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True,
+                 positions_of: Callable[[str], np.ndarray] | None = None) -> dict:
     """Run the backbone over each shard's records and write the shards; the command's hot loop.
 
     `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
-    `(i, pixels or None)` for record `i`. Returns counts and the elapsed time.
+    `(i, pixels or None)` for record `i`. `positions_of(image_id)`, when given, says which
+    tokens of each image to store. Returns counts and the elapsed time.
     """
     if not shards:
         return {"images": 0, "skipped": 0, "seconds": 0.0}
@@ -174,7 +190,8 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     counts = {"images": 0, "skipped": 0}
     skipped: list[dict] = []
 
-    def flush(batch_no: int, ok: list[int], tokens: Tensor | None, event: Any, failed: list[int]) -> None:
+    def flush(batch_no: int, ok: list[int], tokens: Tensor | None, event: Any, failed: list[int],
+              positions: np.ndarray | None) -> None:
         nonlocal skipped
         position = batch_shard[batch_no]
         index = shards[position][0]
@@ -184,7 +201,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
             if event is not None:
                 event.synchronize()
             writer.send_samples(position, tokens, [image_key(records[i].image_id) for i in ok],
-                                [_record_meta(records[i]) for i in ok])
+                                [_record_meta(records[i]) for i in ok], positions)
         skipped += [{"image_id": records[i].image_id, "source": _record_meta(records[i])["source"], "shard": index}
                     for i in failed]
         if last_batch_of[position] == batch_no:
@@ -197,10 +214,14 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     try:
         pending = None
         for batch_no, (ok, pixels, failed) in enumerate(batch_iter):
-            tokens, event = forward_tokens(backbone, pixels, device) if pixels is not None else (None, None)
+            positions = None
+            if positions_of is not None and pixels is not None:
+                positions = np.stack([positions_of(records[i].image_id) for i in ok])
+            tokens, event = (forward_tokens(backbone, pixels, device, None if positions is None else
+                                            torch.from_numpy(positions)) if pixels is not None else (None, None))
             if pending is not None:
                 flush(*pending)
-            pending = (batch_no, ok, tokens, event, failed)
+            pending = (batch_no, ok, tokens, event, failed, positions)
         if pending is not None:
             flush(*pending)
         writer.close()
@@ -220,7 +241,8 @@ def _check_positive(name: str, value: int, minimum: int) -> None:
 def extract(backbone: str, images: str, out: str, pretrained: bool = False, checkpoint_path: str | None = None,
             layer: int = -1, batch_size: int = 64, shard_size: int = 1000, num_workers: int = 4,
             device: str = "auto", task_index: int | None = None, num_tasks: int | None = None, seed: int = 0,
-            num_writers: int = 4, progress: bool = True) -> dict:
+            num_writers: int = 4, progress: bool = True, tokens_per_image: int | None = None,
+            keep_prefix_tokens: bool = True) -> dict:
     """Extract one layer's tokens of every image into this task's shards; finalize if it is the last task.
 
     `python -m feature_extraction finalize --out DIR` assembles manifest.json explicitly.
@@ -239,10 +261,14 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N.
         task_index: this task's index; default from SLURM_ARRAY_TASK_ID, else RANK, else 0.
         num_tasks: number of tasks; default SLURM_ARRAY_TASK_COUNT, else WORLD_SIZE, else 1.
-        seed: torch seed of random weights (pretrained false, no checkpoint), equal in all tasks.
+        seed: torch seed of random weights (pretrained false, no checkpoint), equal in all tasks, and
+            the seed of the token subset (--tokens_per_image).
         num_writers: processes writing shards in parallel (each holds up to one shard of tokens in
             shared memory, /dev/shm: give Docker containers --shm-size).
         progress: show a progress bar (images/s, ETA) on stderr.
+        tokens_per_image: store this many patch tokens per image, a subset seeded by --seed and the
+            image id (the same in every task and rerun); default: every patch. Cuts disk in proportion.
+        keep_prefix_tokens: also store the CLS and register tokens (false: patches only).
     """
     for name, value, minimum in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
                                  ("num_workers", num_workers, 0), ("num_writers", num_writers, 1)):
@@ -254,6 +280,7 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
         raise ValueError(f"--task_index must be in [0, {num_tasks - 1}] for --num_tasks {num_tasks} (>= 1), "
                          f"got {task_index}")
     spec = get_backbone_spec(backbone)
+    selection = make_selection(tokens_per_image, keep_prefix_tokens, seed, spec.n_prefix_tokens, spec.grid, spec.name)
     torch_device = _resolve_device(device)
     if torch_device.type == "cuda" and torch_device.index is not None:
         torch.cuda.set_device(torch_device)  # pinned buffers and the DataLoader's pin thread follow it
@@ -277,7 +304,7 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
         "weights": {"pretrained": pretrained, "checkpoint_path": checkpoint_path,
                     "seed": seed if random_weights else None},
         "images": images, "key_scheme": "percent-escaped image id (feature_extraction.extract.image_key)",
-        "backbone_record": model.to_json(), "package_version": __version__,
+        "backbone_record": model.to_json(), "package_version": __version__, "token_selection": selection,
     }
     check_or_create_record(out_dpath, record)
 
@@ -289,7 +316,10 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     counts = write_shards(model, ImageDataset(records, model.preprocess), records,
                           [(i, [by_key[k] for k in shards[i]]) for i in todo], out_dpath,
                           batch_size=batch_size, num_workers=num_workers, device=torch_device,
-                          num_writers=num_writers, progress=progress)
+                          num_writers=num_writers, progress=progress,
+                          positions_of=None if selection is None else functools.partial(
+                              selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens,
+                              grid=spec.grid))
     finalized = finalize_if_last(out_dpath, len(shards))
     return {"out": str(out_dpath), "task_index": task_index, "num_tasks": num_tasks, "n_shards": len(shards),
             "shards_written": todo, "shards_already_complete": len(owned) - len(todo), **counts,

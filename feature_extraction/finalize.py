@@ -20,6 +20,7 @@ from feature_extraction.shard_writers import skipped_fname
 from feature_extraction.shards import (
     ShardFormatError, finalize_manifest, load_manifest, read_sidecar, shard_is_complete, write_json_atomic,
 )
+from feature_extraction.token_selection import token_kinds
 
 __all__ = ["EXTRACTION_FNAME", "LOCK_FNAME", "check_or_create_record", "finalize", "finalize_if_last", "ids_digest"]
 
@@ -29,7 +30,8 @@ EXTRACTION_FNAME = "extraction.json"
 LOCK_FNAME = ".finalize.lock"
 STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a dead process
 # What a rerun must agree on with the directory's extraction.json.
-_COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256")
+# An extraction.json written before token subsets has no "token_selection": it held all tokens (None).
+_COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256", "token_selection")
 
 
 def ids_digest(keys: Sequence[str]) -> str:
@@ -112,10 +114,12 @@ def finalize(out: str, force: bool = False) -> dict:
             if fpath.is_file():
                 skipped += json.loads(fpath.read_text(encoding="utf-8"))
         backbone = record["backbone_record"]
+        selection = record.get("token_selection")
         return finalize_manifest(
             out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
-            tokens_per_image=backbone["n_tokens"], n_prefix_tokens=backbone["n_prefix_tokens"],
-            grid=tuple(backbone["grid"]), skipped=skipped,
+            tokens_per_image=sum(token_kinds(backbone["n_prefix_tokens"], backbone["grid"], selection).values()),
+            n_prefix_tokens=backbone["n_prefix_tokens"], grid=tuple(backbone["grid"]), skipped=skipped,
+            token_selection=selection,
             extra={"extraction": {k: record[k] for k in ("images", "shard_size", "weights", "key_scheme",
                                                            "ids_sha256", "n_images")}})
     finally:

@@ -27,9 +27,11 @@ import webdataset as wds
 
 from feature_extraction.shards import ShardFormatError
 
-__all__ = ["check_tar_end", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "member_key"]
+__all__ = ["check_tar_end", "decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
+           "member_key"]
 
 TOKENS_SUFFIX = "tokens.npy"
+POSITIONS_SUFFIX = "positions.npy"  # only in samples of a token subset (feature_extraction.token_selection)
 NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
 ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
 _HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
@@ -141,27 +143,56 @@ def _read_tokens(stream, where: str, offset: int, size: int) -> np.ndarray:  # n
     return tokens
 
 
-def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
+    """A sample's ``positions.npy``: int ``[n_tokens]`` full-sequence positions, checked, never unpickled."""
+    try:
+        positions = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exn:
+        raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
+    if not isinstance(positions, np.ndarray) or positions.dtype not in (np.int16, np.int32) \
+            or positions.shape != (n_tokens,):
+        got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, np.ndarray) else "an .npz"
+        raise ShardFormatError(f"{where} is {got}, expected int16/int32 [{n_tokens}] (one per stored token); "
+                               "re-extract the shard")
+    return positions
+
+
+def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None,
+                      with_positions: bool = False) -> Iterator[tuple]:
     """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
 
-    Samples before ``first`` are counted but not read; reading stops after ``last``.
-    A missing, truncated or corrupt shard raises ``ShardFormatError`` naming it.
+    With ``with_positions``, yield ``(key, tokens, positions)``: the sample's
+    ``positions.npy`` (written before its tokens, members being sorted by name), or None
+    for a sample of an all-token extraction. Samples before ``first`` are counted but
+    not read; reading stops after ``last``. A missing, truncated or corrupt shard raises
+    ``ShardFormatError`` naming it.
     """
     fpath = Path(fpath)
     if not fpath.is_file():
         raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
     check_tar_end(fpath)
     index = -1
+    positions: tuple[str, int, int] | None = None  # (key, offset, size) of the last positions.npy seen
     try:
         with open(fpath, "rb") as stream:
             for name, offset, size in _members(stream, fpath):
                 key, suffix = member_key(name)
+                if with_positions and suffix == POSITIONS_SUFFIX:
+                    positions = (key, offset, size)
                 if suffix != TOKENS_SUFFIX:
                     continue
                 index += 1
                 if index < first:
                     continue
-                yield key, _read_tokens(stream, f"{fpath}: member {name!r}", offset, size)
+                tokens = _read_tokens(stream, f"{fpath}: member {name!r}", offset, size)
+                if not with_positions:
+                    yield key, tokens
+                elif positions is None or positions[0] != key:
+                    yield key, tokens, None
+                else:
+                    stream.seek(positions[1])
+                    yield key, tokens, decode_positions(stream.read(positions[2]), len(tokens),
+                                                        f"{fpath}: member {key}.{POSITIONS_SUFFIX!r}")
                 if last is not None and index >= last:
                     return
     except tarfile.TarError as exn:
@@ -210,11 +241,13 @@ def check_tar_end(fpath: Path) -> None:
             raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")
 
 
-def iter_shard_samples(shard_fpaths: Sequence[Path | str]) -> Iterator[tuple[str, np.ndarray, dict]]:
+def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool = False) -> Iterator[tuple]:
     """Yield decoded samples of the given shards in order, through webdataset's tar reader.
 
-    No shuffling and no node/worker splitting: the caller has already chosen its shards.
-    A missing, truncated or corrupt shard raises ShardFormatError naming it.
+    ``(key, tokens, meta)``, or with ``with_positions`` ``(key, tokens, meta, positions)``
+    (None for a sample of an all-token extraction). No shuffling and no node/worker
+    splitting: the caller has already chosen its shards. A missing, truncated or corrupt
+    shard raises ShardFormatError naming it.
     """
     for fpath in shard_fpaths:
         fpath = Path(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
@@ -229,7 +262,14 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str]) -> Iterator[tuple[str
             with open(fpath, "rb", buffering=1 << 20) as stream:
                 files = wds.tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
                 for sample in wds.tariterators.group_by_keys(files):
-                    yield decode_sample(sample)
+                    key, tokens, meta = decode_sample(sample)
+                    if not with_positions:
+                        yield key, tokens, meta
+                    elif POSITIONS_SUFFIX not in sample:
+                        yield key, tokens, meta, None
+                    else:
+                        yield key, tokens, meta, decode_positions(sample[POSITIONS_SUFFIX], len(tokens),
+                                                                  f"sample {key!r} in {fpath}: 'positions.npy'")
         except ShardFormatError:
             raise
         except (tarfile.TarError, OSError, EOFError, ValueError) as exn:

@@ -44,7 +44,7 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
     """Body of a writer process: write the shards the main process streams to `tasks`.
 
     Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
-    metas), ("end", skipped), ("abort",), None (stop). A failure is reported on `results`
+    metas, positions [b, n] or None), ("end", skipped), ("abort",), None (stop). A failure is reported on `results`
     and the rest of the queue drained, so the producer never blocks on a dead consumer.
     """
     _die_with_parent()
@@ -62,16 +62,16 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
             failed = True
 
 
-def _streamed_samples(out_dpath: Path, tasks: Any, index: int) -> Iterator[tuple[str, np.ndarray, dict]]:
+def _streamed_samples(out_dpath: Path, tasks: Any, index: int) -> Iterator[tuple]:
     while True:
         item = tasks.get()
         if item is None or item[0] == "abort":
             raise RuntimeError(f"shard {index} aborted")
         if item[0] == "samples":
-            _, tokens, keys, metas = item
+            _, tokens, keys, metas, positions = item
             array = tokens.numpy()
             for j, key in enumerate(keys):
-                yield key, array[j], metas[j]
+                yield (key, array[j], metas[j]) if positions is None else (key, array[j], metas[j], positions[j])
         elif item[0] == "end":
             # Before write_shard renames the tar: a complete shard always has its list.
             fpath = out_dpath / skipped_fname(index)
@@ -121,10 +121,12 @@ class ShardWriters:
                     raise RuntimeError(f"shard writer process {number} died with exit code "
                                        f"{self.processes[number].exitcode}; rerun to redo its shards") from None
 
-    def send_samples(self, position: int, tokens: Tensor, keys: list[str], metas: list[dict]) -> None:
+    def send_samples(self, position: int, tokens: Tensor, keys: list[str], metas: list[dict],
+                     positions: np.ndarray | None = None) -> None:
+        """Queue a batch; `positions [b, n]` (full-sequence positions) when the tokens are a subset."""
         shared = torch.empty(tokens.shape, dtype=tokens.dtype).share_memory_()
         shared.copy_(tokens)
-        self.send(position, "samples", shared, keys, metas)
+        self.send(position, "samples", shared, keys, metas, positions)
 
     def _check(self) -> None:
         while True:

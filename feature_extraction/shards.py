@@ -33,6 +33,8 @@ import numpy as np
 import webdataset as wds
 
 from feature_extraction.running_stats import RunningStats
+from feature_extraction.token_selection import full_token_count, token_kinds
+
 SCHEMA_VERSION = 1
 MANIFEST_FNAME = "manifest.json"
 DTYPE = "float16"
@@ -178,7 +180,21 @@ def _read_json(fpath: Path, what: str) -> dict:
     return obj
 
 
-def _encode_sample(key: str, tokens: np.ndarray, meta: dict, d: int | None, n_tokens: int | None) -> dict:
+def _encode_positions(key: str, positions: np.ndarray, n_tokens: int) -> bytes:
+    """``positions.npy`` of a sample holding a token subset: int16/int32 ``[n_tokens]``, strictly ascending."""
+    if not isinstance(positions, np.ndarray) or positions.dtype not in (np.int16, np.int32) \
+            or positions.shape != (n_tokens,):
+        got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, np.ndarray) else type(positions)
+        raise ValueError(f"sample {key!r}: positions must be int16 or int32 [{n_tokens}], got {got}")
+    if positions[0] < 0 or (n_tokens > 1 and not (np.diff(positions) > 0).all()):
+        raise ValueError(f"sample {key!r}: positions must be >= 0 and strictly ascending")
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(positions), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _encode_sample(key: str, tokens: np.ndarray, meta: dict, d: int | None, n_tokens: int | None,
+                   positions: np.ndarray | None = None) -> dict:
     check_key(key)
     if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16:
         got = tokens.dtype if isinstance(tokens, np.ndarray) else type(tokens).__name__
@@ -197,11 +213,17 @@ def _encode_sample(key: str, tokens: np.ndarray, meta: dict, d: int | None, n_to
         raise ValueError(f"sample {key!r}: meta is not JSON-serialisable ({exn})") from None
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(tokens), allow_pickle=False)
-    return {"__key__": key, "meta.json": meta_bytes, "tokens.npy": buf.getvalue()}
+    sample = {"__key__": key, "meta.json": meta_bytes, "tokens.npy": buf.getvalue()}
+    if positions is not None:
+        sample["positions.npy"] = _encode_positions(key, positions, tokens.shape[0])
+    return sample
 
 
-def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple[str, np.ndarray, dict]]) -> dict:
+def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dict:
     """Write shard ``index`` from ``(key, tokens float16 [n_tokens, d], meta)`` samples.
+
+    A sample of a token subset is ``(key, tokens, meta, positions)``: ``positions.npy``
+    (``token_selection.selected_positions``) is stored beside its tokens.
 
     Streams to ``shard-NNNNNN.tar.tmp`` while hashing, fsyncs, renames, then writes the
     sidecar atomically. On any exception the ``.tmp`` is removed (and the sidecar is not
@@ -219,8 +241,8 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple[str, np.
             hashing = _HashingWriter(f)
             # PAX is tarfile's default (TarWriter does not forward `format`): long and non-ASCII ids fit.
             with wds.TarWriter(hashing, encoder=False, mtime=TAR_MTIME) as writer:
-                for key, tokens, meta in samples:
-                    sample = _encode_sample(key, tokens, meta, d, n_tokens)
+                for key, tokens, meta, *positions in samples:
+                    sample = _encode_sample(key, tokens, meta, d, n_tokens, positions[0] if positions else None)
                     if key in seen:
                         raise ValueError(f"sample {key!r} appears twice in shard {index}; image ids must be unique")
                     seen.add(key)
@@ -279,11 +301,14 @@ def _format_indices(indices: list[int], limit: int = 20) -> str:
 
 def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int, tokens_per_image: int,
                       n_prefix_tokens: int, grid: tuple[int, int], skipped: list[dict] | None = None,
-                      extra: dict | None = None) -> dict:
+                      extra: dict | None = None, token_selection: dict | None = None) -> dict:
     """Merge all sidecars into ``manifest.json`` (written atomically) and return it.
 
-    Raises ShardFormatError listing the missing shard indices when any shard is
-    incomplete, and when the token counts disagree with ``tokens_per_image``.
+    ``n_prefix_tokens`` and ``grid`` are the backbone's full layout; ``tokens_per_image``
+    is what each sample stores: all tokens, or ``token_selection``'s subset
+    (``feature_extraction.token_selection``). Raises ShardFormatError listing the missing
+    shard indices when any shard is incomplete, and when the token counts disagree with
+    ``tokens_per_image``.
     """
     from feature_extraction import __version__
 
@@ -291,9 +316,11 @@ def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: i
     if n_shards < 1:
         raise ValueError(f"n_shards must be >= 1, got {n_shards}")
     grid = (int(grid[0]), int(grid[1]))
-    if n_prefix_tokens < 0 or tokens_per_image != n_prefix_tokens + grid[0] * grid[1]:
-        raise ValueError(f"tokens_per_image={tokens_per_image} must equal n_prefix_tokens={n_prefix_tokens} "
-                         f"+ grid {grid[0]}x{grid[1]}")
+    kinds = token_kinds(n_prefix_tokens, grid, token_selection)
+    if n_prefix_tokens < 0 or tokens_per_image != sum(kinds.values()):
+        raise ValueError(f"tokens_per_image={tokens_per_image} must equal the stored token kinds {kinds} "
+                         f"(n_prefix_tokens={n_prefix_tokens}, grid {grid[0]}x{grid[1]}, "
+                         f"token_selection={token_selection})")
     for name, value in (("spec", spec), ("skipped", skipped), ("extra", extra)):
         try:
             json.dumps(value, allow_nan=False)
@@ -325,6 +352,7 @@ def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: i
     manifest = {
         "schema_version": SCHEMA_VERSION, "backbone": spec, "layer": int(layer), "d": stats.d, "dtype": DTYPE,
         "tokens_per_image": int(tokens_per_image), "n_prefix_tokens": int(n_prefix_tokens), "grid": list(grid),
+        "token_selection": token_selection, "token_kinds": kinds,
         "n_images": sum(e["count"] for e in entries), "n_tokens": stats.n_tokens, "shards": entries,
         "stats": {"mean": stats.mean().tolist(), "mean_sq_norm": stats.mean_sq_norm(), "n_tokens": stats.n_tokens},
         "skipped": list(skipped or []), "package_version": __version__,
@@ -364,6 +392,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             raise ShardFormatError(f"{fpath}: missing field {field!r}; re-run finalize")
     if manifest["dtype"] != DTYPE:
         raise ShardFormatError(f"{fpath}: field 'dtype' is {manifest['dtype']!r}, must be {DTYPE!r}")
+    _check_token_layout(manifest, fpath)
     stats = manifest["stats"]
     if not isinstance(stats, dict) or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens")) \
             or not isinstance(stats["mean"], list) or len(stats["mean"]) != manifest["d"]:
@@ -392,6 +421,23 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
     return manifest
+
+
+def _check_token_layout(manifest: dict, fpath: Path) -> None:
+    """Check ``token_selection`` / ``token_kinds``; a manifest older than them is filled in as all tokens."""
+    selection = manifest.setdefault("token_selection", None)
+    n_patches = int(manifest["grid"][0]) * int(manifest["grid"][1])
+    if selection is not None and (not isinstance(selection, dict) or set(selection) != {
+            "patches_per_image", "keep_prefix_tokens", "seed"}
+            or not 1 <= selection["patches_per_image"] <= n_patches):
+        raise ShardFormatError(f"{fpath}: field 'token_selection' must be null or {{patches_per_image in [1, "
+                               f"{n_patches}], keep_prefix_tokens, seed}}, got {selection!r}; re-run finalize")
+    kinds = token_kinds(manifest["n_prefix_tokens"], manifest["grid"], selection)
+    if manifest.setdefault("token_kinds", kinds) != kinds or manifest["tokens_per_image"] != sum(kinds.values()):
+        raise ShardFormatError(f"{fpath}: fields 'tokens_per_image' {manifest['tokens_per_image']} and "
+                               f"'token_kinds' {manifest['token_kinds']} disagree with the layout {kinds} of "
+                               f"'token_selection' ({full_token_count(manifest['n_prefix_tokens'], manifest['grid'])}"
+                               " tokens in all); re-run finalize")
 
 
 def shard_fpaths(shards_dpath: Path | str, manifest: dict) -> list[Path]:

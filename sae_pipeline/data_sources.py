@@ -60,10 +60,16 @@ class Unit(Protocol):
 
 
 class ShardUnit:
-    """One webdataset shard; token ``t`` is token ``t % tokens_per_image`` of image ``t // tokens_per_image``."""
+    """One webdataset shard; token ``t`` is stored token ``t % tokens_per_image`` of image ``t // tokens_per_image``.
 
-    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int) -> None:
+    A token's position (``Chunk.token_positions``) is its place in the backbone's full
+    sequence: the sample's ``positions.npy`` when the extraction stored a token subset
+    (``subset``: it must be there), else its index in the sample.
+    """
+
+    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False) -> None:
         self.fpath = Path(fpath)
+        self.subset = subset
         self.name = str(self.fpath)
         self.n_images = int(n_images)
         self.tokens_per_image = int(tokens_per_image)
@@ -78,19 +84,28 @@ class ShardUnit:
             return
         tpi = self.tokens_per_image
         first, last = lo // tpi, (hi - 1) // tpi
-        with contextlib.closing(iter_shard_tokens(self.fpath, first, last)) as samples:
-            for index, (key, tokens) in enumerate(samples, start=first):
+        with contextlib.closing(iter_shard_tokens(self.fpath, first, last, with_positions=with_ids)) as samples:
+            for index, (key, tokens, *positions) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
                     raise ShardFormatError(f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
                                            f"manifest says [{tpi}, {self.d}]; re-extract the shard")
                 start = index * tpi
                 a, b = max(lo - start, 0), min(hi - start, tpi)
                 yield Chunk(tokens[a:b], [key] * (b - a) if with_ids else None,
-                            np.arange(a, b, dtype=np.int64) if with_ids else None)
+                            self._positions(key, positions[0], a, b) if with_ids else None)
                 if index == last:
                     return
         raise ShardFormatError(f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
                                "lists; re-extract the shard")
+
+    def _positions(self, key: str, stored: np.ndarray | None, a: int, b: int) -> np.ndarray:
+        """Full-sequence positions of the sample's stored tokens ``[a, b)`` (int64)."""
+        if stored is not None:
+            return stored[a:b].astype(np.int64)
+        if self.subset:
+            raise ShardFormatError(f"{self.fpath}: sample {key!r} lacks positions.npy, but the manifest's "
+                                   "token_selection says it holds a token subset; re-extract the shard")
+        return np.arange(a, b, dtype=np.int64)
 
 
 class RowReader(Protocol):
@@ -202,7 +217,8 @@ class ShardSource:
         self.name = str(dpath)
         self.d = int(self.manifest["d"])
         tpi = int(self.manifest["tokens_per_image"])
-        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d)
+        subset = self.manifest["token_selection"] is not None  # load_manifest fills it in for old manifests
+        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d, subset)
                        for fpath, entry in zip(shard_fpaths(dpath, self.manifest), self.manifest["shards"])]
 
     def units(self, split: str, val_fraction: float) -> list[ShardUnit]:
