@@ -32,6 +32,7 @@ STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a
 # What a rerun must agree on with the directory's extraction.json.
 # An extraction.json written before token subsets has no "token_selection": it held all tokens (None).
 _COMPARED_FIELDS = ("backbone", "layer", "weights", "shard_size", "n_images", "ids_sha256", "token_selection")
+_FLAG_HINTS = {"token_selection": "token_selection (--tokens_per_image, --keep_prefix_tokens, --seed)"}
 
 
 def ids_digest(keys: Sequence[str]) -> str:
@@ -54,7 +55,8 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
         raise ValueError(f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
                          f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
                          "use another --out (e.g. one directory per backbone and layer)")
-    differ = [f"{k}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS if old.get(k) != record[k]]
+    differ = [f"{_FLAG_HINTS.get(k, k)}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS
+              if old.get(k) != record[k]]
     if differ:
         raise ValueError(f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
                          "rerun with the same settings and images, or use another --out")

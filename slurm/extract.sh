@@ -6,6 +6,7 @@
 #   IMAGES=/data/imagenet/train SHARDS_ROOT=/scratch/shards sbatch slurm/extract.sh siglip
 #   SBATCH_ARRAY_INX=0-31 sbatch slurm/extract.sh clip          # 32 tasks instead of 8
 #   EXTRACT_ARGS="--layer 6 --batch_size 128" sbatch slurm/extract.sh vit
+#   EXTRACT_ARGS="--tokens_per_image 64" sbatch slurm/extract.sh dinov2   # 64 seeded patches + prefix per image
 #   SBATCH_GRES=none PRETRAINED=false sbatch slurm/extract.sh vit_tiny   # no GPU, random weights
 #
 # Each array task writes the shards it owns (shard i belongs to task i % N); the task that

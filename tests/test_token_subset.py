@@ -152,10 +152,10 @@ def test_rerun_with_other_token_settings_is_refused(images, full, subset) -> Non
     for kwargs, message in [(dict(tokens_per_image=N + 1, seed=3), "'patches_per_image': 7"),
                             (dict(tokens_per_image=N, seed=4), "'seed': 4"),
                             (dict(tokens_per_image=N, seed=3, keep_prefix_tokens=False), "'keep_prefix_tokens': False"),
-                            (dict(seed=3), "token_selection: .* there, None now")]:
+                            (dict(seed=3), r"token_selection \(--tokens_per_image, --keep_prefix_tokens, --seed\): .* there, None now")]:
         with pytest.raises(ValueError, match=f"other settings .*{message}"):
             run(images, subset, backbone=BACKBONE, **kwargs)
-    with pytest.raises(ValueError, match="token_selection: None there"):
+    with pytest.raises(ValueError, match=r"token_selection \(.*\): None there"):
         run(images, full, backbone=BACKBONE, tokens_per_image=N, seed=3)
     assert shard_bytes(subset) == before
 
@@ -255,3 +255,23 @@ def test_fit_and_predict_commands_on_subset_shards(subset, tmp_path) -> None:
     expected = [(key, int(p)) for key, _, _, positions in
                 R.iter_shard_samples(S.shard_fpaths(subset, manifest), with_positions=True) for p in positions]
     assert list(zip(codes["image_ids"].tolist(), codes["token_positions"].tolist())) == expected
+
+
+def test_readme_disk_table_follows_from_the_backbone_specs() -> None:
+    from feature_extraction.backbones import BACKBONES
+
+    text = (REPO_DPATH / "README.md").read_text(encoding="utf-8")
+    section = text.split("### Disk per backbone", 1)[1].split("\n#", 1)[0]
+    rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    n_images = 1_281_167
+    assert {row[0] for row in rows} == {name for name in BACKBONES if not name.endswith("_tiny")}
+    for name, layout, d, all_gb, n_stored, subset_gb, saving in rows:
+        spec = BACKBONES[name]
+        stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, make_selection(
+            64, True, 0, spec.n_prefix_tokens, spec.grid)).values())
+        assert layout == f"{spec.n_prefix_tokens} + {spec.grid[0]}×{spec.grid[1]} = {spec.n_tokens}"
+        assert (int(d), int(n_stored)) == (spec.d, stored)
+        assert all_gb == f"{n_images * spec.n_tokens * spec.d * 2 / 1e9:,.0f} GB"
+        assert subset_gb == f"{n_images * stored * spec.d * 2 / 1e9:,.0f} GB"
+        assert saving == f"{spec.n_tokens / stored:.1f}×"
