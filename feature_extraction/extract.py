@@ -161,12 +161,12 @@ def _record_meta(record: ImageRecord) -> dict:
 def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records: Sequence[ImageRecord],
                  shards: Sequence[tuple[int, Sequence[int]]], out_dpath: Path, *, batch_size: int,
                  num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True,
-                 positions_of: Callable[[str], np.ndarray] | None = None) -> dict:
+                 positions_of: Callable[[list[str]], np.ndarray] | None = None) -> dict:
     """Run the backbone over each shard's records and write the shards; the command's hot loop.
 
     `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
-    `(i, pixels or None)` for record `i`. `positions_of(image_id)`, when given, says which
-    tokens of each image to store. Returns counts and the elapsed time.
+    `(i, pixels or None)` for record `i`. `positions_of(image_ids)`, when given, says which
+    tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
     """
     if not shards:
         return {"images": 0, "skipped": 0, "seconds": 0.0}
@@ -216,7 +216,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
         for batch_no, (ok, pixels, failed) in enumerate(batch_iter):
             positions = None
             if positions_of is not None and pixels is not None:
-                positions = np.stack([positions_of(records[i].image_id) for i in ok])
+                positions = positions_of([records[i].image_id for i in ok])
             tokens, event = (forward_tokens(backbone, pixels, device, None if positions is None else
                                             torch.from_numpy(positions)) if pixels is not None else (None, None))
             if pending is not None:
