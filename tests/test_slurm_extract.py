@@ -52,12 +52,16 @@ def test_sbatch_header_requests_a_gpu() -> None:
 
 
 @pytest.mark.slow
-def test_array_job_equals_single_process_run(tmp_path) -> None:
+@pytest.mark.parametrize("subset", [{}, {"tokens_per_image": 8, "keep_prefix_tokens": False}],
+                         ids=["all_tokens", "token_subset"])
+def test_array_job_equals_single_process_run(tmp_path, subset) -> None:
+    """Each task stores the same tokens as one process would: all of them, or the same seeded subset."""
     system_tools.require(EXECUTABLES, INSTALL_HINT)
+    extract_args = EXTRACT_ARGS + "".join(f" --{k} {str(v).lower()}" for k, v in subset.items())
     shards_root, logs = tmp_path / "shards", tmp_path / "logs"
     logs.mkdir()
     env = {"IMAGES": "samples", "SHARDS_ROOT": str(shards_root), "PYTHON": sys.executable, "PRETRAINED": "false",
-           "EXTRACT_ARGS": EXTRACT_ARGS, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none"}
+           "EXTRACT_ARGS": extract_args, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none"}
     with SlurmCluster(tmp_path / "cluster") as cluster:
         # The header asks for a GPU; SBATCH_GRES=none (as README says) drops it on this GPU-less node.
         job_id = cluster.sbatch(["--array=0-1", "--cpus-per-task=1", "--mem=2G",
@@ -76,11 +80,12 @@ def test_array_job_equals_single_process_run(tmp_path) -> None:
     torch.set_num_threads(1)
     try:
         extract("vit_tiny", "samples", str(reference), shard_size=3, batch_size=2, num_workers=0, device="cpu",
-                progress=False)  # the same settings as EXTRACT_ARGS
+                progress=False, **subset)  # the same settings as extract_args
     finally:
         torch.set_num_threads(threads)
     expected = S.load_manifest(reference)
     assert manifest["n_images"] == 14 and len(manifest["shards"]) == 5
+    assert manifest["tokens_per_image"] == (8 if subset else 17)
     for entry, expected_entry in zip(manifest["shards"], expected["shards"]):
         assert (out / entry["fname"]).read_bytes() == (reference / entry["fname"]).read_bytes()
     drop = ("created_at",)
