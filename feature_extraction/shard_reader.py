@@ -192,7 +192,7 @@ def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None
                 else:
                     stream.seek(positions[1])
                     yield key, tokens, decode_positions(stream.read(positions[2]), len(tokens),
-                                                        f"{fpath}: member {key}.{POSITIONS_SUFFIX!r}")
+                                                        f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}")
                 if last is not None and index >= last:
                     return
     except tarfile.TarError as exn:

@@ -44,8 +44,9 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
     """Body of a writer process: write the shards the main process streams to `tasks`.
 
     Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
-    metas, positions [b, n] or None), ("end", skipped), ("abort",), None (stop). A failure is reported on `results`
-    and the rest of the queue drained, so the producer never blocks on a dead consumer.
+    metas, positions [b, n] or None), ("end", skipped), ("abort",), None (stop). A failure
+    is reported on `results` and the rest of the queue drained, so the producer never
+    blocks on a dead consumer.
     """
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process aborts the open shards in order

@@ -428,7 +428,7 @@ def _check_token_layout(manifest: dict, fpath: Path) -> None:
     selection = manifest.setdefault("token_selection", None)
     n_patches = int(manifest["grid"][0]) * int(manifest["grid"][1])
     if selection is not None and (not isinstance(selection, dict) or set(selection) != {
-            "patches_per_image", "keep_prefix_tokens", "seed"}
+            "patches_per_image", "keep_prefix_tokens", "seed"} or not isinstance(selection["patches_per_image"], int)
             or not 1 <= selection["patches_per_image"] <= n_patches):
         raise ShardFormatError(f"{fpath}: field 'token_selection' must be null or {{patches_per_image in [1, "
                                f"{n_patches}], keep_prefix_tokens, seed}}, got {selection!r}; re-run finalize")

@@ -277,3 +277,18 @@ def test_readme_disk_table_follows_from_the_backbone_specs() -> None:
         assert all_gb == f"{n_images * spec.n_tokens * spec.d * 2 / 1e9:,.0f} GB"
         assert subset_gb == f"{n_images * stored * spec.d * 2 / 1e9:,.0f} GB"
         assert saving == f"{spec.n_tokens / stored:.1f}×"
+
+
+@pytest.mark.parametrize("selection", [{"patches_per_image": 0, "keep_prefix_tokens": True, "seed": 0},
+                                       {"patches_per_image": "6", "keep_prefix_tokens": True, "seed": 0},
+                                       {"patches_per_image": 6}, [6]])
+def test_malformed_token_selection_is_named(subset, tmp_path, selection) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(subset, copy)
+    manifest = json.loads((copy / S.MANIFEST_FNAME).read_text())
+    manifest["token_selection"] = selection
+    (copy / S.MANIFEST_FNAME).write_text(json.dumps(manifest))
+    with pytest.raises(S.ShardFormatError, match="field 'token_selection' must be null or"):
+        S.load_manifest(copy)
