@@ -60,7 +60,7 @@ from feature_extraction.images import ImageDataset, ImageRecord, collate_images,
 from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shard_writers import ShardWriters
 from feature_extraction.shards import assign_shards, shard_is_complete, shards_for_task
-from feature_extraction.token_selection import make_selection, selected_positions
+from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 
 __all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
 
@@ -313,6 +313,11 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     logger.info("task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)", task_index,
                 num_tasks, len(owned), len(shards), len(owned) - len(todo), len(todo), spec.name, model.layer,
                 torch_device)
+    if selection is not None:
+        stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, selection).values())
+        logger.info("storing %d of %d tokens per image: %d seeded patches (seed %d)%s", stored, spec.n_tokens,
+                    selection["patches_per_image"], selection["seed"],
+                    " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "")
     counts = write_shards(model, ImageDataset(records, model.preprocess), records,
                           [(i, [by_key[k] for k in shards[i]]) for i in todo], out_dpath,
                           batch_size=batch_size, num_workers=num_workers, device=torch_device,
