@@ -9,9 +9,12 @@ Design choices:
   the batch or the shard, so every task of an array job, every rerun and any reader
   can recompute it. Patch p (0-based, row-major) scores splitmix64's finaliser of
   `key + (p + 1) * 0x9E3779B97F4A7C15 mod 2^64`, with `key` the 8-byte little-endian
-  blake2b digest of `f"{seed}\0{image_id}"`; the N lowest scores win (ties by patch
+  blake2b digest of `f"{seed}\\0{image_id}"`; the N lowest scores win (ties by patch
   index). Plain integer arithmetic, so no numpy or torch release can change which patches
   are picked (a `Generator.choice` stream carries no such promise).
+- A different random subset per image rather than one fixed sub-grid: over the dataset
+  every patch position is equally represented (tested), so the SAE sees the whole
+  image plane, and each image still costs N tokens.
 - Positions are stored ascending, as positions in the backbone's full token sequence
   (prefix tokens 0..n_prefix_tokens-1, then n_prefix_tokens + row * grid_w + col), so a
   stored token maps back to its patch without knowing how it was chosen.
