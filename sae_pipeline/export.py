@@ -186,7 +186,7 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
     from sae_pipeline import saelens  # imports this module: load it on use
 
     dpath = Path(dpath)
-    if not (dpath / CONFIG_FNAME).is_file() and saelens.is_saelens_dir(dpath):
+    if not (dpath / CONFIG_FNAME).is_file() and (dpath / saelens.SAELENS_CFG_FNAME).is_file():
         return saelens.load_saelens(dpath, map_location)
     config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
     for fpath in (config_fpath, weights_fpath):

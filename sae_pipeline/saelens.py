@@ -80,12 +80,6 @@ DEFAULT_PROBE_TOKENS = 65_536
 NEGATIVE_TOLERANCE = 1e-6  # relative to the probe's RMS residual norm: float32 round-off, not a real sign
 
 
-def is_saelens_dir(dpath: Path | str) -> bool:
-    """Whether ``dpath`` holds SAELens's ``cfg.json`` + ``sae_weights.safetensors``."""
-    dpath = Path(dpath)
-    return (dpath / SAELENS_CFG_FNAME).is_file() and (dpath / SAELENS_WEIGHTS_FNAME).is_file()
-
-
 # --- ours -> SAELens -------------------------------------------------------------------------
 def saelens_architecture(sae: SparseAutoencoder) -> str:
     """The SAELens architecture that computes ``sae``'s function; ExportError for other classes.
@@ -353,6 +347,9 @@ def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") ->
         raise ExportError(f"{cfg_fpath}: not readable JSON ({exn}); save the SAE again with SAELens") from None
     if not isinstance(config, dict):
         raise ExportError(f"{cfg_fpath}: expected a JSON object, got {type(config).__name__}")
+    if not (dpath / SAELENS_WEIGHTS_FNAME).is_file():
+        raise ExportError(f"{dpath / SAELENS_WEIGHTS_FNAME}: not found beside {SAELENS_CFG_FNAME}; a SAELens directory "
+                          "holds both (SAELens: sae.save_model(DIR))")
     try:
         tensors = load_file(str(dpath / SAELENS_WEIGHTS_FNAME))
     except Exception as exn:  # safetensors raises its own SafetensorError for damaged files

@@ -203,16 +203,28 @@ OURS_FOR = {"standard": ReLUSAE, "standard_no_b_dec": ReLUSAE, "topk": TopKSAE, 
 
 
 @pytest.mark.parametrize("kind", sorted(OURS_FOR))
-def test_saelens_made_sae_gets_r2_l0_and_babel_in_our_evaluation(kind: str, tmp_path: Path) -> None:
+def test_saelens_made_sae_loads_as_our_equivalent(kind: str, tmp_path: Path) -> None:
     sae_dpath = saelens_made(kind, tmp_path / kind)
     theirs = sae_lens.SAE.load_from_disk(sae_dpath)
     ours = load_sae(sae_dpath)
-    assert type(ours) is OURS_FOR[kind]
+    assert type(ours) is OURS_FOR[kind] and not ours.training
+    x = validation_tokens("digits", 0.1)
+    with torch.no_grad():
+        codes = theirs.encode(x)
+        assert 0 < float((codes != 0).sum(1).double().mean()) < 128
+        assert_equal_to_1e5(ours.encode(x), codes)
+        assert_equal_to_1e5(ours.decode(codes), theirs.decode(codes))
+        assert_equal_to_1e5(ours(x).x_hat, theirs(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jumprelu", "matching_pursuit"])
+def test_saelens_made_sae_gets_r2_l0_and_babel_in_our_evaluation(kind: str, tmp_path: Path) -> None:
+    sae_dpath = saelens_made(kind, tmp_path / kind)
+    theirs = sae_lens.SAE.load_from_disk(sae_dpath)
     x = validation_tokens("digits", 0.1)
     with torch.no_grad():
         codes, x_hat = theirs.encode(x), theirs(x)
-        assert_equal_to_1e5(ours.encode(x), codes)
-        assert_equal_to_1e5(ours.decode(codes), theirs.decode(codes))
     assert evaluate_main(["sae", "--sae", str(sae_dpath), "--data", "digits", "--out", str(tmp_path / "eval"),
                           "--r_max", "8"]) == 0
     result = json.loads((tmp_path / "eval" / "results.json").read_text())["saes"][kind]
@@ -250,3 +262,10 @@ def test_saelens_settings_we_cannot_compute_are_refused_in_one_line(
     with pytest.raises(ExportError, match=message) as info:
         load_sae(sae_dpath)
     assert "\n" not in str(info.value) and str(sae_dpath) in str(info.value)
+
+
+def test_saelens_directory_without_weights_names_the_missing_file(tmp_path: Path) -> None:
+    sae_dpath = saelens_made("topk", tmp_path / "topk")
+    (sae_dpath / "sae_weights.safetensors").unlink()
+    with pytest.raises(ExportError, match="sae_weights.safetensors: not found"):
+        load_sae(sae_dpath)
