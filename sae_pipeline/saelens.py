@@ -50,7 +50,6 @@ normalises them itself).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -230,11 +229,12 @@ def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, pro
     sae = sae_from_checkpoint(checkpoint).eval()
     sae.fold_input_scale(float(checkpoint["input_scale"]))
     saelens_architecture(sae)
+    metadata = {**data_metadata(checkpoint), "input_scale_folded": float(checkpoint["input_scale"]),
+                "global_step": checkpoint.get("global_step"), "checkpoint": str(Path(ckpt_fpath).resolve())}
     if isinstance(sae, MatchingPursuitSAE):
         x, probe_name = checkpoint_probe(checkpoint, probe, n_probe_tokens)
         check_pursuit_agrees(sae, x, probe_name)
-    metadata = {**data_metadata(checkpoint), "input_scale_folded": float(checkpoint["input_scale"]),
-                "global_step": checkpoint.get("global_step"), "checkpoint": str(Path(ckpt_fpath).resolve())}
+        metadata["saelens_agreement_checked_on"] = {"data": probe_name, "n_tokens": int(x.shape[0])}
     return write_saelens(sae, out_dpath, metadata)
 
 
@@ -355,7 +355,7 @@ def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") ->
     except Exception as exn:  # safetensors raises its own SafetensorError for damaged files
         raise ExportError(f"{dpath / SAELENS_WEIGHTS_FNAME}: not a readable safetensors file "
                           f"({type(exn).__name__}); save the SAE again with SAELens") from None
-    sae = sae_from_saelens(config, tensors, where=str(dpath))
-    if not all(math.isfinite(float(v)) for v in (sae.W_dec.abs().max(), sae.b_pre.abs().max())):
-        raise ExportError(f"{dpath}: W_dec or b_dec holds NaN or inf; the saved SAE is damaged")
-    return sae.to(map_location)
+    damaged = sorted(name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor.float()).all()))
+    if damaged:
+        raise ExportError(f"{dpath}: {', '.join(damaged)} hold NaN or inf; the saved SAE is damaged")
+    return sae_from_saelens(config, tensors, where=str(dpath)).to(map_location)

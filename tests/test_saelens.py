@@ -123,6 +123,7 @@ def test_config_fields_are_saelens_6(trained: dict[str, tuple[SAEModule, Path]],
     assert (config["max_iterations"], config["residual_threshold"], config["stop_on_duplicate_support"]) == (K, 0, False)
     assert config["metadata"]["sae_lens_version"].startswith("6.")
     assert config["metadata"]["input_scale_folded"] == pytest.approx(float(module.input_scale))
+    assert config["metadata"]["saelens_agreement_checked_on"]["n_tokens"] == 160  # 640 rows, val_fraction 0.25
     _, ckpt_fpath = trained["batchtopk"]
     config = json.loads((export_checkpoint_saelens(ckpt_fpath, tmp_path / "btk") / "cfg.json").read_text())
     assert config["architecture"] == "jumprelu" and config["metadata"]["training_architecture"] == "batchtopk"
