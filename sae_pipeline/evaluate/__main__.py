@@ -20,6 +20,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
 from sae_pipeline.help_format import DefaultsHelpFormatter
@@ -30,7 +31,8 @@ PROG = "python -m sae_pipeline.evaluate"
 class OneLineParser(argparse.ArgumentParser):
     """Parse errors as one line naming the flag (not the whole usage block); ``--help`` shows the defaults."""
 
-    def __init__(self, *args, formatter_class: type = DefaultsHelpFormatter, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args: Any, formatter_class: type[argparse.HelpFormatter] = DefaultsHelpFormatter,
+                 **kwargs: Any) -> None:
         super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
