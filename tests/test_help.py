@@ -58,3 +58,11 @@ def test_export_help_shows_the_formats_and_default() -> None:
                             text=True, timeout=120)
     text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "--format {native,saelens}" in text and "(default: native)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["fit", "extract"])
+def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
