@@ -40,6 +40,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from sae_pipeline import lightning_compat
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive
 from sae_pipeline.sae import SparseAutoencoder
@@ -244,11 +245,10 @@ def _hparam(pl_module: L.LightningModule, name: str) -> Any:
 
 
 def _logged_step(trainer: L.Trainer) -> int:
-    """The step Lightning gives the scalars logged now (``_batches_that_stepped``, as its own
+    """The step Lightning gives the scalars logged now (its count of batches that stepped, as its own
     ``LearningRateMonitor`` uses), so a figure sits at the same step as its scalars: during fit
     that is ``global_step − 1`` for a validation after step ``global_step``."""
-    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    return int(getattr(epoch_loop, "_batches_that_stepped", trainer.global_step))
+    return lightning_compat.batches_that_stepped(trainer)
 
 
 def _tensorboard_writer(trainer: L.Trainer) -> Any | None:

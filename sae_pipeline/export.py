@@ -13,7 +13,8 @@ The SAE's constructor arguments are the whole config (``sae_config``): every var
 each constructor argument as an attribute of the same name, so the config is read off the
 instance with ``inspect.signature`` and rebuilt with ``build_sae``.
 
-Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR``.
+Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
+(SAELens's format: :mod:`sae_pipeline.saelens`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import sae_pipeline
 from sae_pipeline import sae as sae_package
+from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 
 CONFIG_FNAME = "config.json"
@@ -176,8 +178,16 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
 
 
 def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
-    """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode."""
+    """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode.
+
+    A SAELens directory (``cfg.json`` + ``sae_weights.safetensors``) gives our equivalent module
+    (:func:`sae_pipeline.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
+    """
+    from sae_pipeline import saelens  # imports this module: load it on use
+
     dpath = Path(dpath)
+    if not (dpath / CONFIG_FNAME).is_file() and (dpath / saelens.SAELENS_CFG_FNAME).is_file():
+        return saelens.load_saelens(dpath, map_location)
     config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
     for fpath in (config_fpath, weights_fpath):
         if not fpath.is_file():
@@ -198,13 +208,26 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
 def main(argv: list[str] | None = None) -> Path:
     """``python -m sae_pipeline export --ckpt_path FILE --out DIR``."""
     parser = argparse.ArgumentParser(
-        prog="python -m sae_pipeline export",
+        prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter,
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
                     "with the input normalisation folded in so it runs on raw activations.")
     parser.add_argument("--ckpt_path", required=True,
                         help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
+    parser.add_argument("--format", choices=("native", "saelens"), default="native",
+                        help="native: sae.safetensors + config.json; saelens: SAELens 6's cfg.json + "
+                             "sae_weights.safetensors (SAEBench, dashboards, Neuronpedia)")
+    parser.add_argument("--probe", default=None,
+                        help="saelens format, MP-SAE only: data whose validation split checks that SAELens computes "
+                             "the same codes (default: the data the run was trained on)")
     args = parser.parse_args(argv)
-    out_dpath = export_checkpoint(args.ckpt_path, args.out)
-    print(f"exported {args.ckpt_path} -> {out_dpath / WEIGHTS_FNAME}, {out_dpath / CONFIG_FNAME}")
+    if args.format == "saelens":
+        from sae_pipeline import saelens
+
+        out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
+        files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+    else:
+        out_dpath = export_checkpoint(args.ckpt_path, args.out)
+        files = (WEIGHTS_FNAME, CONFIG_FNAME)
+    print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
     return out_dpath

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import sae_pipeline
+from sae_pipeline import lightning_compat
 from sae_pipeline.export import manifest_sha256, sae_config
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction, l0
 from sae_pipeline.predict import sparse_codes
@@ -212,8 +213,7 @@ class SAEModule(L.LightningModule):
 
     def _is_logging_step(self) -> bool:
         """Whether Lightning writes this step's logged values (its own rule, so none is lost)."""
-        connector = getattr(self.trainer, "_logger_connector", None)
-        return bool(getattr(connector, "should_update_logs", True))
+        return lightning_compat.should_update_logs(self.trainer)
 
     @torch.no_grad()
     def record_firing(self, codes: Tensor) -> None:
@@ -244,13 +244,10 @@ class SAEModule(L.LightningModule):
         epoch 0's order. So the early set-up is dropped; the fit loop builds the loader again
         after the restore.
         """
-        fit_loop = self.trainer.fit_loop
-        built_here = fit_loop._combined_loader is None
+        built_here = not lightning_compat.has_train_loader(self.trainer)
         total_steps = self.trainer.estimated_stepping_batches
-        if built_here and fit_loop._combined_loader is not None:
-            if fit_loop._data_fetcher is not None:
-                fit_loop._data_fetcher.teardown()
-            fit_loop._combined_loader, fit_loop._data_fetcher = None, None
+        if built_here and lightning_compat.has_train_loader(self.trainer):
+            lightning_compat.discard_train_loader(self.trainer)
         return total_steps
 
     def configure_optimizers(self) -> dict[str, Any]:

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from sae_pipeline import lightning_compat
+
 
 def slurm_job_tag() -> str | None:
     """``<array job>_<task>`` for an array task, else ``<job id>``; None where Lightning would not
@@ -69,7 +71,7 @@ class SLURMRequeue(L.Callback):
         self.signal_received = True  # nothing else: the work happens at the next step boundary
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = lightning_compat.cluster_environment(trainer)
         if stage != "fit" or not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
             return
         self.signal_received = False
@@ -108,7 +110,7 @@ class SLURMRequeue(L.Callback):
         for logger in trainer.loggers:
             logger.finalize("finished")  # as Lightning's handler does: flush the metrics logged so far
         root = Path(trainer.default_root_dir)
-        fpath = trainer._checkpoint_connector.hpc_save_path(str(root))
+        fpath = lightning_compat.hpc_save_path(trainer, str(root))
         trainer.save_checkpoint(fpath)  # full state (optimiser, loops); every rank takes part, rank 0 writes
         requeued = self._any_rank(trainer, trainer.is_global_zero and self._requeue(fpath, trainer.global_step))
         if not requeued:

@@ -5,6 +5,7 @@
     python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --k_main 32 --p_main 19200
     python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
     python -m sae_pipeline.evaluate dictionary --npz authors --out eval_authors
+    python -m sae_pipeline.evaluate sae --sae exported/ --data digits --out eval_sae   # ours or SAELens's
 
 Studies share their runs (``OUT/runs``, ``OUT/models``): a run already trained and exported with
 the same settings is reused, never retrained, so studies resume and add up; ``results.json``
@@ -19,14 +20,20 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
+from sae_pipeline.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline.evaluate"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Parse errors as one line naming the flag (not the whole usage block)."""
+    """Parse errors as one line naming the flag (not the whole usage block); ``--help`` shows the defaults."""
+
+    def __init__(self, *args: Any, formatter_class: type[argparse.HelpFormatter] = DefaultsHelpFormatter,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
@@ -76,18 +83,33 @@ def build_parser() -> OneLineParser:
         sub.add_argument("--example_index", type=int, default=0, help="validation input of the sequential "
                          "reconstruction")
     report = commands.add_parser("report", help="rebuild OUT/report.md from OUT/results.json")
-    report.add_argument("--out", required=True)
+    report.add_argument("--out", required=True, help="a study's output folder")
     dictionary = commands.add_parser("dictionary", help="concept figures and Babel of an external MP-SAE (.npz)")
     dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)")
-    dictionary.add_argument("--out", required=True)
+    dictionary.add_argument("--out", required=True, help="output folder: figures, results.json, report.md")
     dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
                             "to 28x28, a stand-in, not MNIST), mnist (MNIST/raw under --data_dpath) or none")
     dictionary.add_argument("--k", type=_positive, default=10, help="MP steps (the authors trained at k = 10)")
-    dictionary.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80])
-    dictionary.add_argument("--r_max", type=_positive, default=64)
-    dictionary.add_argument("--max_tokens", type=_positive, default=None)
-    dictionary.add_argument("--example_index", type=int, default=0)
+    dictionary.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80],
+                            help="inference-time k values")
+    dictionary.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
+    dictionary.add_argument("--max_tokens", type=_positive, default=None, help="cap on inputs (default: all)")
+    dictionary.add_argument("--example_index", type=int, default=0, help="input of the sequential reconstruction")
     dictionary.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
+    one = commands.add_parser("sae", help="R², L0, Babel of one SAE directory: an export or a SAELens SAE")
+    one.add_argument("--sae", required=True, help="export (config.json + sae.safetensors) or SAELens directory "
+                     "(cfg.json + sae_weights.safetensors)")
+    one.add_argument("--out", required=True, help="output folder: results.json (saes.<DIR name>), figures")
+    one.add_argument("--data", default="digits", help="the SAE's data: digits, mnist, a shard directory or an .h5 "
+                     "token cache; evaluated on its validation split")
+    one.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's "
+                     "--data.val_fraction (the same rows)")
+    one.add_argument("--k_infer", nargs="+", type=_positive, default=None,
+                     help="inference-time k values (default: powers of two around the trained k)")
+    one.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
+    one.add_argument("--max_tokens", type=_positive, default=None, help="cap on validation tokens "
+                     "(default: the whole split)")
+    one.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
     return parser
 
 
@@ -187,6 +209,21 @@ def run_dictionary(args: argparse.Namespace) -> Path:
     return out_dpath
 
 
+def run_sae(args: argparse.Namespace) -> Path:
+    from sae_pipeline.evaluate.report import read_results, save_figures, write_results
+    from sae_pipeline.evaluate.sae_dir import evaluate_sae_dir, summary_line
+
+    results_part, figures = evaluate_sae_dir(args.sae, args.data, args.val_fraction, args.k_infer, args.r_max,
+                                             args.max_tokens, args.data_dpath)
+    out_dpath = Path(args.out)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    results = read_results(out_dpath)
+    results.setdefault("saes", {})[Path(args.sae).resolve().name] = results_part
+    save_figures(figures, out_dpath, tag_prefix="sae")
+    print(summary_line(results_part))
+    return write_results(results, out_dpath)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -204,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["claims"] = check_claims(results)
                 write_results(results, Path(args.out))
             out_fpath = write_report(results, Path(args.out))
+        elif args.command == "sae":
+            out_fpath = run_sae(args)
         elif args.command == "dictionary":
             out_fpath = run_dictionary(args) / "report.md"
         else:

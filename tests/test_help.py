@@ -1,0 +1,68 @@
+"""Conventions of the command line: one entry point lists every command; every option's help shows its default."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS, usage
+from sae_pipeline.evaluate.__main__ import build_parser
+from sae_pipeline.help_format import DefaultsHelpFormatter
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def defaulted_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.default not in (None, argparse.SUPPRESS)
+            and not a.required and not isinstance(a, argparse._HelpAction)]
+
+
+def test_top_level_help_lists_every_command() -> None:
+    text = usage()
+    for name in (*LIGHTNING_COMMANDS, *COMMANDS):
+        assert f"\n  {name} " in text
+    assert {"export", "extract", "evaluate"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(subparsers(build_parser())))
+def test_every_evaluate_option_shows_its_default(name: str) -> None:
+    parser = subparsers(build_parser())[name]
+    formatter = parser._get_formatter()
+    options = defaulted_options(parser)
+    for action in options:
+        shown = formatter._expand_help(action) if action.help else ""  # the text --help prints for it
+        assert "default" in shown, f"{name} {action.option_strings[-1]}: --help does not show its default"
+    if name != "report":
+        assert options  # every study command has defaulted options to show
+
+
+def test_formatter_adds_defaults_only_where_they_say_something() -> None:
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=7, help="steps")
+    parser.add_argument("--out", required=True, help="folder")
+    parser.add_argument("--cap", default=None, help="cap on tokens")
+    parser.add_argument("--data", default="digits", help="source (default: the bundled digits)")
+    text = " ".join(parser.format_help().split())
+    assert "steps (default: 7)" in text
+    assert "folder (default" not in text and "cap on tokens (default" not in text
+    assert text.count("default") == 2  # --data keeps its own wording, once
+
+
+def test_export_help_shows_the_formats_and_default() -> None:
+    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "export", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    text = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "--format {native,saelens}" in text and "(default: native)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["fit", "extract"])
+def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
