@@ -1,4 +1,4 @@
-"""A throw-away single-node SLURM cluster (munged + slurmctld + slurmd) for tests, run as root.
+"""A throw-away SLURM cluster (munged + slurmctld + one slurmd per node) for tests, run as root.
 
 Everything lives in one temporary directory: munge key and socket, slurm.conf, state,
 spool and logs; the ports are free ones picked at start, so it never touches a system
@@ -12,7 +12,13 @@ Use as a context manager; the daemons it started are stopped by pid on exit:
         job_id = cluster.sbatch(["--array=0-1", "slurm/extract.sh", "vit_tiny"], env)
         states = cluster.wait(job_id)
 
-Or by hand: `python tests/slurm_cluster.py DIR` starts it, prints `export SLURM_CONF=...`
+With `nodes=2` (or more) each node is a test host of its own (tests/node_network.py): slurmd
+runs in its own network namespace with its own address on a bridge, its own hostname (n1, n2,
+...) and an /etc/hosts naming the nodes, and the machine's cores are split between the nodes.
+slurmctld and munged stay on the machine (the bridge's address); the file system is shared, as
+a cluster's shared disk is. Needs iproute2 as well.
+
+Or by hand: `python tests/slurm_cluster.py DIR [NODES]` starts it, prints `export SLURM_CONF=...`
 and waits for Ctrl-C.
 """
 from __future__ import annotations
@@ -29,12 +35,14 @@ from pathlib import Path
 INSTALL_HINT = ("apt-get update && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
                 "(as root; .ci/run does it)")
 EXECUTABLES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
+MULTINODE_EXECUTABLES = (*EXECUTABLES, "ip", "nsenter", "unshare")
+MULTINODE_INSTALL_HINT = INSTALL_HINT.replace("munge ", "munge iproute2 ")
 
 
-def missing_executables() -> list[str]:
+def missing_executables(names: tuple[str, ...] = EXECUTABLES) -> list[str]:
     """Names of the SLURM/munge programs not on PATH (also looked up in /usr/sbin)."""
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
-    return [name for name in EXECUTABLES if shutil.which(name, path=path) is None]
+    return [name for name in names if shutil.which(name, path=path) is None]
 
 
 def _free_port() -> int:
@@ -52,10 +60,14 @@ def _memory_mb() -> int:
 class SlurmCluster:
     """Start munged, slurmctld and slurmd under `root_dpath`; stop them by pid."""
 
-    def __init__(self, root_dpath: Path, cpus: int | None = None) -> None:
+    def __init__(self, root_dpath: Path, cpus: int | None = None, nodes: int = 1) -> None:
+        """`cpus`: per node (default: the machine's cores split between the `nodes`)."""
         self.root = Path(root_dpath)
         self.hostname = socket.gethostname().split(".")[0]
-        self.cpus = cpus or os.cpu_count() or 1
+        self.nodes = nodes
+        self.cpus = cpus or max((os.cpu_count() or 1) // nodes, 1)
+        self.node_names = [self.hostname] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
+        self.network = None  # a NodeNetwork when nodes > 1
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf),
                     "PATH": os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"}
@@ -63,8 +75,9 @@ class SlurmCluster:
         self.daemons: list[subprocess.Popen] = []
 
     def __enter__(self) -> SlurmCluster:
-        if missing := missing_executables():
-            raise RuntimeError(f"SLURM is not installed (missing {', '.join(missing)}); run: {INSTALL_HINT}")
+        if missing := missing_executables(EXECUTABLES if self.nodes == 1 else MULTINODE_EXECUTABLES):
+            hint = INSTALL_HINT if self.nodes == 1 else MULTINODE_INSTALL_HINT
+            raise RuntimeError(f"SLURM is not installed (missing {', '.join(missing)}); run: {hint}")
         try:
             self._start()
         except BaseException:
@@ -89,9 +102,24 @@ class SlurmCluster:
                         f"--seed-file={munge_dpath / 'munged.seed'}"], env=self.env, check=True, capture_output=True)
         self.pids.append(int((munge_dpath / "munged.pid").read_text().split()[0]))  # it forks: pid from its file
         r = self.root
+        memory_mb = _memory_mb() // self.nodes
+        controller, nodes = self.hostname, [f"NodeName={self.hostname}"]
+        spool, slurmd_pid, slurmd_log = f"{r}/spool", f"{r}/slurmd.pid", f"{log_dpath}/slurmd.log"
+        if self.nodes > 1:
+            from node_network import NodeNetwork
+
+            self.network = NodeNetwork(self.node_names).__enter__()
+            controller = f"{self.hostname}({self.network.gateway})"
+            nodes = [f"NodeName={name} NodeAddr={self.network.addresses[name]} NodeHostname={name}"
+                     for name in self.node_names]
+            (r / "hosts").write_text(self.network.hosts_file(self.hostname))
+            for name in self.node_names:
+                (r / "spool" / name).mkdir(exist_ok=True)
+            spool, slurmd_pid, slurmd_log = f"{r}/spool/%n", f"{r}/slurmd-%n.pid", f"{log_dpath}/slurmd-%n.log"
+        nodes_text = "\n".join(f"{node} CPUs={self.cpus} RealMemory={memory_mb} State=UNKNOWN" for node in nodes)
         self.conf.write_text(f"""\
 ClusterName=extracttest
-SlurmctldHost={self.hostname}
+SlurmctldHost={controller}
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -100,11 +128,11 @@ AuthType=auth/munge
 AuthInfo=socket={socket_fpath}
 CredType=cred/munge
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={slurmd_pid}
 SlurmctldLogFile={log_dpath}/slurmctld.log
-SlurmdLogFile={log_dpath}/slurmd.log
+SlurmdLogFile={slurmd_log}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -116,23 +144,29 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 SlurmdParameters=config_overrides
-NodeName={self.hostname} CPUs={self.cpus} RealMemory={_memory_mb()} State=UNKNOWN
-PartitionName=debug Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP
+{nodes_text}
+PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINITE State=UP
 """)
-        for command, name in ((["slurmctld", "-D", "-i"], "slurmctld"), (["slurmd", "-D"], "slurmd")):
+        commands = [(["slurmctld", "-D", "-i"], "slurmctld")]
+        if self.network is None:
+            commands.append((["slurmd", "-D"], "slurmd"))
+        else:  # each slurmd inside its own test host, named explicitly (-N) as in slurm.conf
+            commands += [(self.network.wrap(name, ["slurmd", "-D", "-N", name], r / "hosts"), f"slurmd-{name}")
+                         for name in self.node_names]
+        for command, name in commands:
             out = open(log_dpath / f"{name}.out", "wb")
             self.daemons.append(subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT))
             out.close()
         deadline = time.time() + 60
         while time.time() < deadline:
             result = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True)
-            if result.returncode == 0 and result.stdout.strip() == "idle":
+            if result.returncode == 0 and result.stdout.split() == ["idle"] * self.nodes:
                 return
             if any(d.poll() is not None for d in self.daemons):
                 break
             time.sleep(0.5)
-        logs = "".join((log_dpath / f).read_text(errors="replace")[-1500:] for f in ("slurmctld.out", "slurmd.out"))
-        raise RuntimeError(f"the test SLURM node did not become idle in {self.root}; daemon output:\n{logs}")
+        logs = "".join((log_dpath / f"{name}.out").read_text(errors="replace")[-1500:] for _, name in commands)
+        raise RuntimeError(f"the test SLURM nodes did not become idle in {self.root}; daemon output:\n{logs}")
 
     def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
         """Submit a job; returns its id (`sbatch --parsable`)."""
@@ -180,10 +214,15 @@ PartitionName=debug Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP
             except ProcessLookupError:
                 pass
         self.pids = []
+        if self.network is not None:
+            self.network.stop()
+            self.network = None
 
 
 if __name__ == "__main__":
-    with SlurmCluster(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("slurm-test")) as cluster:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` cleans up as Ctrl-C does
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("slurm-test")
+    with SlurmCluster(root, nodes=int(sys.argv[2]) if len(sys.argv) > 2 else 1) as cluster:
         print(f"export SLURM_CONF={cluster.conf}   # Ctrl-C stops the cluster", flush=True)
         try:
             signal.pause()

