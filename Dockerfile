@@ -7,6 +7,11 @@
 #   docker run --gpus all --shm-size=16g -v /big/disk:/data sae-pipeline \
 #       extract --config configs/extract_dinov2.yaml --images /data/imagenet/train
 #
+# Without a Docker daemon or a registry (as CI does it, tests/test_docker.py): build a stand-in base
+# with `python docker/standin_base.py --tag localhost/pytorch-standin:latest`, then
+#   buildah bud --isolation chroot --network host --format docker \
+#       --build-arg BASE_IMAGE=localhost/pytorch-standin:latest -t sae-pipeline .
+#
 # Working directory /app holds configs/ and slurm/; /app/shards points to /data/shards (where the
 # configs read and extraction writes shards) and /app/runs to /runs (TensorBoard logs, checkpoints).
 # No credentials are baked in: pass tokens at run time (-e HF_TOKEN) if a backbone download needs one.

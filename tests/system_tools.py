@@ -28,3 +28,12 @@ def require(executables: tuple[str, ...] | list[str], install_hint: str) -> None
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{message} ({REQUIRE_ENV}=1: CI must not skip this)")
         pytest.skip(message)
+
+
+def require_root(reason: str) -> None:
+    """Skip (or, with SAE_PIPELINE_REQUIRE_SYSTEM_TOOLS=1, fail) unless running as root."""
+    if os.geteuid() != 0:
+        message = f"needs root: {reason}"
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{message} ({REQUIRE_ENV}=1: CI must not skip this)")
+        pytest.skip(message)

@@ -13,7 +13,6 @@ finishes; its final validation R² must equal a single process's validation of t
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -61,8 +60,7 @@ def scalars(run_dpath: Path, tag: str) -> list[tuple[int, float]]:
 @pytest.mark.timeout(900)
 def test_two_node_job_trains_across_the_bridge_requeues_and_resumes_on_both_nodes(tmp_path: Path) -> None:
     system_tools.require(MULTINODE_EXECUTABLES, MULTINODE_INSTALL_HINT)
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces and a bridge need root")
+    system_tools.require_root("the test makes network namespaces and a bridge")
     workdir = tmp_path / "work"
     (workdir / "logs").mkdir(parents=True)
     # The interpreter as train.sh starts it on each node, saying first where it runs.
