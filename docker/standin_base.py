@@ -173,8 +173,8 @@ def build(buildah: Buildah, tag: str, work_dpath: Path) -> dict[str, float]:
     if download_error:
         raise download_error[0]
     start = time.perf_counter()
-    buildah("bud", "--isolation", "chroot", "--network", "host", "--format", "docker", "--quiet", "--file", str(CONTAINERFILE),
-            "--build-arg", f"ROOTFS_IMAGE={rootfs_tag}", "--build-arg",
+    buildah("bud", "--isolation", "chroot", "--network", "host", "--format", "docker", "--quiet", "--file",
+            str(CONTAINERFILE), "--build-arg", f"ROOTFS_IMAGE={rootfs_tag}", "--build-arg",
             f"TORCH_REQUIREMENTS={' '.join(requirements)}", "--tag", tag, str(context))
     seconds["base stage: pip install torch + commit"] = time.perf_counter() - start
     shutil.rmtree(context, ignore_errors=True)

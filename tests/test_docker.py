@@ -154,7 +154,8 @@ def load_standin_base():
 def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
     standin_base = load_standin_base()
     (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list").write_text("# nothing\ndeb [arch=amd64] http://one.example/debian bookworm-updates main\n")
+    (tmp_path / "sources.list").write_text("# nothing\n"
+                                           "deb [arch=amd64] http://one.example/debian bookworm-updates main\n")
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
         "Types: deb\nURIs: http://two.example/debian-security\nSuites: bookworm-security\n\n"
         "Types: deb\n# comment\nURIs: http://two.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
@@ -191,10 +192,13 @@ def built_image(tmp_path_factory: pytest.TempPathFactory):
         print("image build seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
 
 
-def run_in_image(buildah, container: str, mounts: dict[Path, str], *command: str) -> subprocess.CompletedProcess:
-    volumes = [arg for host, target in mounts.items() for arg in ("-v", f"{host}:{target}")]
+def run_in_image(buildah, container: str, mount: tuple[Path, str] | None, *command: str) \
+        -> subprocess.CompletedProcess:
+    """`buildah run` with at most one host folder mounted: buildah 1.28 (Debian 12), given two `-v`,
+    mounts neither for writing (the files stay in the container), so each command gets the one it needs."""
+    volume = ["-v", f"{mount[0]}:{mount[1]}"] if mount else []
     return subprocess.run(["buildah", *buildah.global_args, "run", "--isolation", "chroot", "--network", "host",
-                           *volumes, container, "--", *command], capture_output=True, text=True, timeout=600)
+                           *volume, container, "--", *command], capture_output=True, text=True, timeout=600)
 
 
 def owned_by(path: Path, uid: int) -> bool:
@@ -219,19 +223,18 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     container = buildah("from", "--quiet", IMAGE_TAG)
     config = json.loads(buildah("inspect", "--type", "container", container))["OCIv1"]["config"]
     assert config["User"] == "1000:1000" and config["Entrypoint"] == ["python", "-m", "sae_pipeline"]
-    mounts = {runs: "/runs", data: "/data"}
 
     # The process runs as uid 1000, with the base image's torch (not another build fetched from PyPI).
-    who = run_in_image(buildah, container, mounts, "python", "-c",
+    who = run_in_image(buildah, container, None, "python", "-c",
                        "import os, torch, torchvision; print(os.getuid(), torch.__version__, torchvision.__version__)")
     assert who.returncode == 0, who.stderr[-2000:]
     base_versions = [r.split("==")[1] for r in load_standin_base().torch_requirements()]
     assert [v.split("+")[0] for v in who.stdout.split()] == ["1000", *base_versions], who.stdout
-    helped = run_in_image(buildah, container, mounts, *config["Entrypoint"], "--help")
+    helped = run_in_image(buildah, container, None, *config["Entrypoint"], "--help")
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert "fit" in helped.stdout and "extract" in helped.stdout
 
-    fit = run_in_image(buildah, container, mounts, *config["Entrypoint"], "fit", "--config",
+    fit = run_in_image(buildah, container, (runs, "/runs"), *config["Entrypoint"], "fit", "--config",
                        "configs/mpsae_digits.yaml", "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch",
                        "1", "--trainer.enable_progress_bar", "false", "--model.sae.init_args.d_sae", "64")
     assert fit.returncode == 0, fit.stderr[-3000:]
@@ -243,9 +246,9 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     checkpoint = torch.load(next(p for p in checkpoints if p.name == "last.ckpt"), weights_only=True)
     assert checkpoint["global_step"] == 2 * 6  # 6 batches of the digits per epoch
 
-    extract = run_in_image(buildah, container, mounts, *config["Entrypoint"], "extract", "--backbone", "vit_tiny",
-                           "--pretrained", "false", "--images", "/data/images", "--out", "/data/shards/vit_tiny",
-                           "--device", "cpu", "--progress", "false")
+    extract = run_in_image(buildah, container, (data, "/data"), *config["Entrypoint"], "extract", "--backbone",
+                           "vit_tiny", "--pretrained", "false", "--images", "/data/images", "--out",
+                           "/data/shards/vit_tiny", "--device", "cpu", "--progress", "false")
     assert extract.returncode == 0, extract.stderr[-3000:]
     manifest = json.loads((data / "shards" / "vit_tiny" / "manifest.json").read_text())
     assert manifest["n_images"] == 2 and manifest["d"] == 192
