@@ -59,6 +59,7 @@ from tqdm import tqdm
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.output_dirs import prepare_output_dir
 from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shard_writers import ShardWriters
 from feature_extraction.shards import (
@@ -292,6 +293,7 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     keys = [image_key(r.image_id) for r in records]
     by_key = {key: i for i, key in enumerate(keys)}
     shards = assign_shards(keys, shard_size)
+    out_dpath = prepare_output_dir(out, "--out")  # before the backbone loads: a bad --out costs nothing
     if checkpoint_path is not None:
         checkpoint_path = os.path.abspath(os.path.expanduser(checkpoint_path))
     random_weights = not pretrained and checkpoint_path is None
@@ -300,8 +302,6 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
         model = load_backbone(backbone, pretrained=pretrained, checkpoint_path=checkpoint_path, layer=layer)
     model.to(torch_device)
 
-    out_dpath = Path(out).expanduser()
-    out_dpath.mkdir(parents=True, exist_ok=True)
     record = {
         "backbone": spec.name, "layer": model.layer, "shard_size": shard_size, "n_images": len(records),
         "n_shards": len(shards), "ids_sha256": ids_digest(keys),

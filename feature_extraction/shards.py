@@ -402,8 +402,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         raise ShardFormatError(f"{shards_dpath}: shard directory not found; check the path or run the extraction")
     fpath = shards_dpath / MANIFEST_FNAME
     if not fpath.is_file():
-        raise ShardFormatError(f"{fpath}: missing, the extraction is unfinished; run `python -m feature_extraction "
-                               f"finalize --out {shards_dpath}` or finish the tasks")
+        raise ShardFormatError(_no_manifest_advice(shards_dpath))
     manifest = _read_json(fpath, "manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ShardFormatError(f"{fpath}: field 'schema_version' is {manifest.get('schema_version')!r}, this version "
@@ -416,8 +415,13 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     _check_token_layout(manifest, fpath)
     stats = manifest["stats"]
     if not isinstance(stats, dict) or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens")) \
-            or not isinstance(stats["mean"], list) or len(stats["mean"]) != manifest["d"]:
-        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d={manifest['d']}], mean_sq_norm, n_tokens")
+            or not isinstance(stats["mean"], list):
+        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d], mean_sq_norm, n_tokens; the manifest was "
+                               f"edited or damaged: run `python -m feature_extraction finalize --out {shards_dpath}`")
+    if isinstance(manifest["d"], bool) or not isinstance(manifest["d"], int) or manifest["d"] != len(stats["mean"]):
+        raise ShardFormatError(f"{fpath}: field 'd' is {manifest['d']!r} but the shards' statistics have "
+                               f"{len(stats['mean'])} dimensions; the manifest was edited: run "
+                               f"`python -m feature_extraction finalize --out {shards_dpath}` to rewrite it")
     if not isinstance(manifest["shards"], list) or not manifest["shards"]:
         raise ShardFormatError(f"{fpath}: field 'shards' must be a non-empty list")
     for entry in manifest["shards"]:
@@ -442,6 +446,20 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
     return manifest
+
+
+def _no_manifest_advice(shards_dpath: Path) -> str:
+    """Why ``shards_dpath`` has no manifest, and the fix that works there (not a finalize that would fail)."""
+    fpath = shards_dpath / MANIFEST_FNAME
+    if (shards_dpath / "extraction.json").is_file():
+        return (f"{fpath}: missing, the extraction is unfinished; finish its tasks (rerun the extraction) or run "
+                f"`python -m feature_extraction finalize --out {shards_dpath}` once every shard exists")
+    nested = sorted(p.parent for p in shards_dpath.glob(f"*/{MANIFEST_FNAME}"))
+    if nested:
+        names = ", ".join(str(p) for p in nested[:5]) + (", ..." if len(nested) > 5 else "")
+        return (f"{shards_dpath}: holds no {MANIFEST_FNAME} but its sub-directories do; pass one of them: {names}")
+    return (f"{shards_dpath}: not a shard directory (no {MANIFEST_FNAME}); pass the --out directory of a "
+            "finished `python -m feature_extraction` run, or extract into it first")
 
 
 def _check_token_layout(manifest: dict, fpath: Path) -> None:

@@ -343,6 +343,13 @@ def open_source(source: str, data_dpath: str | Path = "data",
         if not any(fpath.iterdir()):
             raise ValueError(f"--data.source {source}: empty directory; pass {SOURCE_FORMS}")
         return ShardSource(fpath)  # load_manifest names an unfinished extraction and its fix
+    if fpath.name == "manifest.json" and fpath.parent.is_dir():
+        raise ValueError(f"--data.source {source}: pass the shard directory ({fpath.parent}), not its manifest")
+    if fpath.is_file():
+        hint = " (an .npy array of tokens [N, d]: save it as a cache with " \
+               "feature_extraction.h5cache.write_token_cache(PATH.h5, tokens))" if fpath.suffix == ".npy" else ""
+        raise ValueError(f"--data.source {source}: is a {fpath.suffix or 'extension-less'} file, not a data "
+                         f"source{hint}; pass {SOURCE_FORMS}")
     raise ValueError(f"--data.source {source!r}: not found; pass {SOURCE_FORMS}")
 
 
