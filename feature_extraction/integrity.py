@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_64"
 _CHUNK_BYTES = 1 << 22
-_SHA256_VERIFIED: set[tuple[str, str]] = set()  # (shard path, sha256) checked in this process
+_SHA256_VERIFIED: set[tuple] = set()  # (shard path, sha256, size, mtime) checked in this process
 
 
 def digest(data: bytes | memoryview) -> str:
@@ -145,7 +145,9 @@ def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
     """For shards without per-sample checksums: check the whole file's sha256, once per process."""
     from feature_extraction.shards import ShardFormatError
 
-    if (str(tar_fpath), sha256) in _SHA256_VERIFIED:
+    stat = tar_fpath.stat()
+    key = (str(tar_fpath), sha256, stat.st_size, stat.st_mtime_ns)  # a file changed since is checked again
+    if key in _SHA256_VERIFIED:
         return
     if not _SHA256_VERIFIED:
         logger.warning("%s: shards without per-sample checksums; checking each one's sha256 before reading it "
@@ -154,7 +156,7 @@ def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
     if file_digests(tar_fpath)[0] != sha256:
         raise ShardFormatError(f"{tar_fpath}: corrupt shard (its sha256 differs from its sidecar's); "
                                f"{repair_command(tar_fpath.parent)}")
-    _SHA256_VERIFIED.add((str(tar_fpath), sha256))
+    _SHA256_VERIFIED.add(key)
 
 
 def add_sample_checksums(sidecar: dict, tar_fpath: Path) -> dict | None:

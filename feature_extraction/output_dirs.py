@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["prepare_output_dir"]
+__all__ = ["check_output_path", "prepare_output_dir"]
 
 
 def _reason(exn: OSError) -> str:
@@ -25,6 +25,25 @@ def _reason(exn: OSError) -> str:
     if exn.errno == errno.ENOSPC:
         return "no space left on the device"
     return exn.strerror or type(exn).__name__
+
+
+def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """The checks of ``prepare_output_dir`` that need no write: for commands that must create nothing
+    before their other input is validated. Not a directory, under a file, or an existing but
+    unwritable directory (by permissions; a read-only mount shows up in ``prepare_output_dir``)."""
+    dpath = Path(path).expanduser()
+    if dpath.exists() and not dpath.is_dir():
+        raise ValueError(f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
+                         "or move the file away")
+    for existing in (dpath, *dpath.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise ValueError(f"{flag} {dpath}: {existing} is a file, not a directory; choose another path")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {dpath}: {existing} is not writable (permission denied); choose a "
+                                 "writable location or fix its permissions")
+            break
+    return dpath
 
 
 def prepare_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:

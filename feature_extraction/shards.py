@@ -454,6 +454,9 @@ def _no_manifest_advice(shards_dpath: Path) -> str:
     if (shards_dpath / "extraction.json").is_file():
         return (f"{fpath}: missing, the extraction is unfinished; finish its tasks (rerun the extraction) or run "
                 f"`python -m feature_extraction finalize --out {shards_dpath}` once every shard exists")
+    if any(shards_dpath.glob("shard-*.json")):
+        return (f"{fpath}: missing, and without extraction.json `finalize` cannot rebuild it; write it with "
+                "feature_extraction.shards.finalize_manifest (as the code that wrote these shards should) or re-extract")
     nested = sorted(p.parent for p in shards_dpath.glob(f"*/{MANIFEST_FNAME}"))
     if nested:
         names = ", ".join(str(p) for p in nested[:5]) + (", ..." if len(nested) > 5 else "")
