@@ -96,6 +96,7 @@ def test_positions_are_checksummed_and_checked(tmp_path: Path) -> None:
         read_all(tmp_path, with_ids=True)
 
 
+@pytest.mark.slow  # a real `fit` process, ~8 s on a quiet 2-core box
 def test_flipped_payload_bytes_stop_fit_with_one_line_naming_shard_and_repair(shards: Path, tmp_path: Path) -> None:
     flip_tokens_payload(shards / S.shard_fname(1))
     assert S.shard_is_complete(shards, 1)  # same size: the old completeness test does not see it
