@@ -228,8 +228,8 @@ def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:
     """One line for a Trainer that cannot be built here (e.g. ``--trainer.accelerator gpu`` without a GPU)."""
     first = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
     accelerator = trainer_config.get("accelerator") if hasattr(trainer_config, "get") else None
-    if "not available" in first or "can not run on your system" in first:
-        return (f"--trainer.accelerator {accelerator}: this machine has no such device ({first.split('.')[0]}); "
+    if str(accelerator or "auto") not in ("auto", "cpu"):
+        return (f"--trainer.accelerator {accelerator}: not usable here ({first.split('. ')[0].rstrip('.!')}); "
                 "use --trainer.accelerator cpu, or auto to take what is there")
     return f"trainer settings: {first}"
 
