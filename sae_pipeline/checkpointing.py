@@ -39,8 +39,8 @@ from sae_pipeline import lightning_compat
 LAST_FNAME = "last.ckpt"
 CHECKPOINTS_DNAME = "checkpoints"
 PARTIAL_SUFFIX = ".partial"
-# Test-only: "<global step>:<marker file>" makes the first save at or after that step write half of
-# its bytes, create the marker and sleep, so a test can kill -9 the process inside a save.
+# Test-only: "<global step>:<marker file>" makes the first save of a last*.ckpt at or after that step
+# write half of its bytes, create the marker and sleep, so a test can kill -9 the process inside a save.
 PAUSE_IN_SAVE_ENV = "SAE_PIPELINE_TEST_PAUSE_IN_SAVE"
 PAUSE_IN_SAVE_S = 120.0
 FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
@@ -113,10 +113,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
         with open(partial, "wb") as f:
-            if _pause_marker(checkpoint) is None:
+            marker = _pause_marker(checkpoint, target)
+            if marker is None:
                 torch.save(checkpoint, f)
             else:
-                _save_with_pause(checkpoint, f)
+                _save_with_pause(checkpoint, f, marker)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, target)
@@ -124,9 +125,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return None
 
 
-def _pause_marker(checkpoint: dict[str, Any]) -> Path | None:
+def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:
     setting = os.environ.get(PAUSE_IN_SAVE_ENV)
-    if not setting:
+    if not setting or not target.name.startswith("last"):
         return None
     step, _, marker = setting.partition(":")
     if int(checkpoint.get("global_step", -1)) < int(step):
@@ -134,10 +135,8 @@ def _pause_marker(checkpoint: dict[str, Any]) -> Path | None:
     return Path(marker)
 
 
-def _save_with_pause(checkpoint: dict[str, Any], f: Any) -> None:
+def _save_with_pause(checkpoint: dict[str, Any], f: Any, marker: Path) -> None:
     """The test hook: half the bytes, the marker, a long sleep (the test kills us here), the rest."""
-    marker = _pause_marker(checkpoint)
-    assert marker is not None
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
     data = buffer.getvalue()
