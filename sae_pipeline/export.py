@@ -111,7 +111,7 @@ def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:
     ckpt_fpath = Path(ckpt_fpath)
     if not ckpt_fpath.is_file():
         raise ExportError(f"--ckpt_path {ckpt_fpath}: file not found; pass a .ckpt written by `fit` "
-                          "(e.g. runs/NAME/checkpoints/last.ckpt)")
+                          "(e.g. runs/NAME/version_N/checkpoints/last.ckpt, which fit prints)")
     try:
         checkpoint = torch.load(ckpt_fpath, map_location="cpu", weights_only=True)
     except Exception as exn:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
                     "with the input normalisation folded in so it runs on raw activations.")
     parser.add_argument("--ckpt_path", required=True,
-                        help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
+                        help="checkpoint written by `fit`, e.g. runs/NAME/version_N/checkpoints/last.ckpt "
+                             "(fit prints its path; each fit run has its own version_N)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--format", choices=("native", "saelens"), default="native",
                         help="native: sae.safetensors + config.json; saelens: SAELens 6's cfg.json + "
