@@ -131,7 +131,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint as `fit` writes one (state dict, sae_config, input_scale), without training."""
     root = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
-    module = SAEModule(TopKSAE(64, 128, k=2))  # d_in = 64: the digits
+    module = SAEModule(TopKSAE(64, 128, k=2))  # d_in = 64: the digits (evaluate runs them)
     ckpt = {"state_dict": module.state_dict(), "sae_config": sae_config(module.sae), "input_scale": 1.0}
     torch.save(ckpt, root / "model.ckpt")
     return root / "model.ckpt"
