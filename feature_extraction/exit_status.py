@@ -53,6 +53,7 @@ def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bo
     lines read ``error: ExportError: ...``, as ``python -m sae_pipeline``'s own commands print them.
     """
     previous = None
+    _TERMINATED.clear()
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread: leave SIGTERM alone
