@@ -215,13 +215,18 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def after_fit(self) -> None:
         """Tell the user which files hold what this run trained (rank 0 only)."""
         trainer = self.trainer
+        log_dir = trainer.log_dir if trainer.logger is not None else None  # a broadcast: every rank calls it
         if not trainer.is_global_zero:
             return
         callback = trainer.checkpoint_callback
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
-        print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
-        if trainer.logger is not None and trainer.log_dir:
-            print(f"TensorBoard run: {trainer.log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+        if ckpt:
+            print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        else:
+            print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
+                  flush=True)
+        if log_dir:
+            print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
 
 
 def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:
