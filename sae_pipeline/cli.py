@@ -215,7 +215,6 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def after_fit(self) -> None:
         """Tell the user which files hold what this run trained (rank 0 only)."""
         trainer = self.trainer
-        log_dir = trainer.log_dir if trainer.logger is not None else None  # a broadcast: every rank calls it
         if not trainer.is_global_zero:
             return
         callback = trainer.checkpoint_callback
@@ -225,6 +224,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         else:
             print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
                   flush=True)
+        # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
+        log_dir = getattr(trainer.logger, "log_dir", None)
         if log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
 
