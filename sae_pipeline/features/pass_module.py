@@ -15,6 +15,7 @@ The SAE works on raw activations: a checkpoint's input scale is folded into its 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -90,3 +91,7 @@ class FeaturesModule(L.LightningModule):
             self.collection = merge_collections(parts) if rank == 0 else None
         else:
             self.collection = part
+
+
+# The pass returns nothing per batch on purpose (the table is the state).
+warnings.filterwarnings("ignore", message=r"predict returned None if it was on purpose")
