@@ -136,3 +136,12 @@ def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:
         assert (tmp_path / "e" / "index.html").is_file()
     finally:
         shutil.move(str(moved), data["images"])
+
+
+def test_help_shows_every_default() -> None:
+    from sae_pipeline.features.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--top TOP top images kept per atom (default: 16)" in text
+    for option in ("--data.source", "--data.batch_size", "--trainer.devices", "--trainer.precision"):
+        assert f"as `fit {option}` (default: the config's, else" in text

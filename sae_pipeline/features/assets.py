@@ -45,7 +45,7 @@ th.sorted-asc::after { content: " \\25B2"; } th.sorted-desc::after { content: " 
 td.id, th.id { text-align: left; }
 td img { width: 40px; height: 40px; vertical-align: middle; object-fit: cover; }
 .legend { display: inline-block; width: 120px; height: 10px; vertical-align: middle;
-          background: linear-gradient(to right, rgba(255,80,0,0), rgba(255,80,0,.85)); border: 1px solid var(--line); }
+          background: linear-gradient(to right, rgba(255,80,0,0), rgba(255,80,0,.7)); border: 1px solid var(--line); }
 """
 
 JS = r"""
@@ -53,7 +53,7 @@ JS = r"""
 const LEVEL_MAX = 250, NOT_STORED = 255;
 
 function heatColour(level) {
-  const a = 0.85 * level / LEVEL_MAX;
+  const a = 0.7 * level / LEVEL_MAX;
   return "rgba(255,80,0," + a.toFixed(3) + ")";
 }
 

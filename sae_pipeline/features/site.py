@@ -243,7 +243,7 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
         nav.append(f'<a class="prev" href="{atom_fname(prev_atom, width)}">← #{prev_atom}</a>')
     if next_atom is not None:
         nav.append(f'<a class="next" href="{atom_fname(next_atom, width)}">#{next_atom} →</a>')
-    stats = [("frequency", f"{frequency:.4%}", f"{int(fire)} of {n_tokens} tokens"),
+    stats = [("frequency", f"{frequency * 100:.3g} %", f"{int(fire)} of {n_tokens} tokens"),
              ("mean value when active", "–" if not np.isfinite(mean_value) else f"{mean_value:.4g}", ""),
              ("max value", f"{values[0]:.4g}" if filled else "–", "")]
     if mean_step is not None:
@@ -291,7 +291,7 @@ def _index_page(sae: Any, datamodule: Any, state: dict[str, Tensor], data: dict,
 <link rel="stylesheet" href="assets/site.css"></head>
 <body><header><h1>Feature browser</h1><span>{esc(type(sae).__name__)}: d_in {sae.d_in}, d_sae {sae.d_sae}, k {sae.k}</span>
 <span class="muted">{esc(str(datamodule.source))}: {int(state["n_tokens"])} tokens ({esc(layout.kind)}); top {state["value"].shape[1]} images per atom; {n_fired} atoms fired</span></header>
-<div class="controls"><input id="search" type="search" placeholder="atom id (Enter opens)" aria-label="search atom id">
+<div class="controls"><input id="search" type="search" placeholder="atom id" aria-label="search atom id">
 <span id="count"></span><span class="muted">click a column to sort</span></div>
 <table id="atoms"><thead><tr>{"".join(headers)}</tr></thead><tbody></tbody></table>
 <script type="application/json" id="atom-data">{payload}</script>
