@@ -90,3 +90,15 @@ def test_mp_selection_steps_are_counted() -> None:
     table.update_codes(codes, torch.arange(2), torch.arange(2), torch.zeros(2, dtype=torch.int64), steps)
     assert table.step_sum.tolist() == [2, 1 + 1 + 2, 0, 0]
     assert table.step_count.tolist() == [1, 3, 0, 0]
+
+
+def test_packed_key_orders_by_atom_then_value_desc() -> None:
+    from sae_pipeline.features.topn import _value_desc_key
+
+    rng = np.random.default_rng(0)
+    value = torch.from_numpy(np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-40, 30, 500),
+                                             [0.0, 1e-45, -1e-45, 3.4e38, -3.4e38]]).astype(np.float32))
+    atom = torch.from_numpy(rng.integers(0, 3, len(value)))
+    order = torch.sort(_value_desc_key(atom, value), stable=True).indices
+    expected = sorted(range(len(value)), key=lambda i: (int(atom[i]), -float(value[i])))
+    assert [(int(atom[i]), float(value[i])) for i in order] == [(int(atom[i]), float(value[i])) for i in expected]

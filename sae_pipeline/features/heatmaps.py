@@ -149,17 +149,17 @@ def _collect_shard_images(out: dict, source: ShardSource, layout: Layout, encode
                 stored = np.arange(len(tokens)) if positions is None else positions.astype(np.int64)
                 image_codes = codes[j * layout.tokens_per_image : (j + 1) * layout.tokens_per_image]
                 out["images"][key] = {**meta, "positions": stored}
-                for entry in by_image[key]:
-                    row = np.full(layout.n_full, np.nan, np.float32)
-                    row[stored] = image_codes[:, atoms[entry]]
-                    heat_rows.append(row.astype(np.float16))
-                    heat_entries.append(entry)
+                entries = by_image[key]
+                rows = np.full((len(entries), layout.n_full), np.nan, np.float16)
+                rows[:, stored] = image_codes[:, atoms[entries]].T
+                heat_rows.append(rows)
+                heat_entries.extend(entries)
         if progress is not None:
             progress(len(shard_keys))
     if heat_entries:
         entries = np.array(heat_entries, np.int64)
         out["heat_atom"], out["heat_rank"] = atoms[entries], ranks[entries]
-        out["heat"] = np.stack(heat_rows)
+        out["heat"] = np.concatenate(heat_rows)
     return out
 
 

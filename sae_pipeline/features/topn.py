@@ -38,12 +38,23 @@ class Entries(NamedTuple):
     image: Tensor  # int64, global image key (equal for tokens of one image)
     position: Tensor  # int64, the token's place in the backbone's full sequence
 
-    def select(self, mask_or_index: Tensor) -> "Entries":
-        return Entries(*(field[mask_or_index] for field in self))
+    def select(self, index: Tensor) -> "Entries":
+        """The entries at ``index`` (int64 positions; a boolean mask is turned into positions once)."""
+        if index.dtype == torch.bool:
+            index = index.nonzero().squeeze(1)
+        return Entries(*(field.index_select(0, index) for field in self))
 
 
 def _cat(parts: list[Entries]) -> Entries:
     return Entries(*(torch.cat(fields) for fields in zip(*parts)))
+
+
+def _value_desc_key(atom: Tensor, value: Tensor) -> Tensor:
+    """One int64 key ordering (atom asc, value desc): the atom in the high 32 bits, the float32 value's bits
+    turned into an order-preserving unsigned integer (negated) in the low 32 (one sort instead of two)."""
+    bits = value.float().contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + (1 << 31)  # ascending with the value, in [0, 2^32)
+    return (atom << 32) | ((1 << 32) - 1 - ordered)
 
 
 def rank_entries(entries: Entries, n: int) -> tuple[Entries, Tensor]:
@@ -53,29 +64,32 @@ def rank_entries(entries: Entries, n: int) -> tuple[Entries, Tensor]:
     first in that order. Stable sorts only, so the result depends on the entries, not on
     their order.
     """
-    # (atom asc, value desc, token asc) by successive stable sorts, least significant key first.
+    if entries.atom.numel() == 0:
+        return entries, entries.atom.clone()
+    # (atom asc, value desc, token asc): a stable sort by token, then by the packed (atom, value) key.
     order = torch.sort(entries.token, stable=True).indices
-    order = order[torch.sort(entries.value[order], descending=True, stable=True).indices]
-    order = order[torch.sort(entries.atom[order], stable=True).indices]
+    order = order[torch.sort(_value_desc_key(entries.atom[order], entries.value[order]), stable=True).indices]
     ranked = entries.select(order)
-    # First entry of each (atom, image) pair in that order: a stable sort by (atom, image).
-    by_image = torch.sort(ranked.image, stable=True).indices
-    by_image = by_image[torch.sort(ranked.atom[by_image], stable=True).indices]
+    # The first entry of each (atom, image) pair in that order: a stable sort by (atom, image).
+    n_images = int(ranked.image.max()) + 1
+    if (int(ranked.atom.max()) + 1) * n_images < (1 << 62):
+        by_image = torch.sort(ranked.atom * n_images + ranked.image, stable=True).indices
+    else:  # keys too wide to pack: two sorts
+        by_image = torch.sort(ranked.image, stable=True).indices
+        by_image = by_image[torch.sort(ranked.atom[by_image], stable=True).indices]
     a, g = ranked.atom[by_image], ranked.image[by_image]
     first = torch.ones_like(a, dtype=torch.bool)
     first[1:] = (a[1:] != a[:-1]) | (g[1:] != g[:-1])
     keep = torch.zeros_like(first)
     keep[by_image[first]] = True
-    ranked = ranked.select(keep)
+    ranked = ranked.select(keep.nonzero().squeeze(1))
     # Rank within each atom: position minus the atom's first position.
-    if ranked.atom.numel() == 0:
-        return ranked, ranked.atom.clone()
     starts = torch.ones_like(ranked.atom, dtype=torch.bool)
     starts[1:] = ranked.atom[1:] != ranked.atom[:-1]
     index = torch.arange(ranked.atom.numel(), device=ranked.atom.device)
     group_start = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
     rank = index - group_start
-    within = rank < n
+    within = (rank < n).nonzero().squeeze(1)
     return ranked.select(within), rank[within]
 
 
@@ -111,7 +125,7 @@ class TopNTable:
         ``image [B]`` at ``position [B]``; ``steps``: MP's ``(atom indices [B, k], step 1..k)`` order."""
         rows, atoms = codes.nonzero(as_tuple=True)
         values = codes[rows, atoms].float()
-        self.fire_count.index_add_(0, atoms, torch.ones_like(atoms))
+        self.fire_count += torch.bincount(atoms, minlength=self.d_sae)
         self.value_sum.index_add_(0, atoms, values.double())
         self.n_tokens += codes.shape[0]
         if steps is not None:
@@ -130,7 +144,9 @@ class TopNTable:
         candidates = candidates.select(candidates.value >= threshold[candidates.atom])
         if candidates.atom.numel() == 0:
             return
-        affected = torch.unique(candidates.atom)
+        hit = torch.zeros(self.d_sae, dtype=torch.bool, device=self.value.device)
+        hit[candidates.atom] = True
+        affected = hit.nonzero().squeeze(1)
         current = self.entries(affected)
         kept, rank = rank_entries(_cat([current, candidates]), self.n)
         self.value[affected] = -torch.inf
@@ -143,12 +159,13 @@ class TopNTable:
 
     def entries(self, atoms: Tensor | None = None) -> Entries:
         """The table's filled entries (of ``atoms``, all when None) as flat entries."""
-        atoms = torch.arange(self.d_sae, device=self.value.device) if atoms is None else atoms
-        token = self.token[atoms]
-        filled = token != NO_TOKEN
-        atom = atoms[:, None].expand_as(token)
-        return Entries(atom[filled], self.value[atoms][filled], token[filled], self.image[atoms][filled],
-                       self.position[atoms][filled])
+        device = self.value.device
+        atoms = torch.arange(self.d_sae, device=device) if atoms is None else atoms
+        slots = (atoms[:, None] * self.n + torch.arange(self.n, device=device)).view(-1)
+        slots = slots[self.token.view(-1).index_select(0, slots) != NO_TOKEN]
+        return Entries(torch.div(slots, self.n, rounding_mode="floor"), self.value.view(-1).index_select(0, slots),
+                       self.token.view(-1).index_select(0, slots), self.image.view(-1).index_select(0, slots),
+                       self.position.view(-1).index_select(0, slots))
 
     # --- results -----------------------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
