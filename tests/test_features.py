@@ -145,3 +145,21 @@ def test_help_shows_every_default() -> None:
     assert "--top TOP top images kept per atom (default: 16)" in text
     for option in ("--data.source", "--data.batch_size", "--trainer.devices", "--trainer.precision"):
         assert f"as `fit {option}` (default: the config's, else" in text
+
+
+def test_h5_token_cache_lists_tokens_without_images(data, tmp_path, capsys) -> None:
+    from feature_extraction.h5cache import write_token_cache
+
+    tokens = data["tokens"][:60]
+    write_token_cache(tmp_path / "cache.h5", tokens, image_ids=[f"im{i // 5}" for i in range(60)],
+                      token_positions=np.arange(60) % 5)
+    out = tmp_path / "site"
+    code, err = run(["--sae", str(data["sae"]), "--data.source", str(tmp_path / "cache.h5"), "--out", str(out),
+                     "--top", "3", "--data.num_workers", "0", "--trainer.accelerator", "cpu"], capsys)
+    assert code == 0, err
+    table = np.load(out / "features.npz")
+    assert [[(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0] for j in range(12)] \
+        == brute_force(np.maximum(tokens, 0), np.arange(60), n=3)  # one token per row: no image grouping
+    page = (out / "atoms" / "02.html").read_text()
+    best = int(table["token"][2][0])
+    assert f"im{best // 5}" in page and f"token {best % 5}" in page and "<img" not in page
