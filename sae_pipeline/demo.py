@@ -166,7 +166,7 @@ def launch_features(name: str, config_fname: str, out_dpath: Path, runs_dpath: P
     site_dpath = out_dpath / "features" / name
     log_fpath = logs_dpath / f"features_{name}.log"
     command = [sys.executable, "-m", "sae_pipeline", "features", "--config", str(config_fpath), "--ckpt_path",
-               str(runs_dpath / config_fpath.stem / "checkpoints" / "last.ckpt"), "--out", str(site_dpath),
+               "last", "--runs", str(runs_dpath), "--out", str(site_dpath),
                "--trainer.accelerator", "cpu", "--trainer.devices", "1", *(extra or [])]
     with log_fpath.open("w") as log:
         log.write(" ".join(command) + "\n")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         for site in sites:
             print(f"  feature browser: open {site}")
     print(f"\nTensorBoard logs: {runs_dpath}   (view with: tensorboard --logdir {runs_dpath})")
-    print(f"Checkpoints: {runs_dpath}/<run>/checkpoints/last.ckpt; training logs: {logs_dpath}")
+    print(f"Checkpoints: {runs_dpath}/<run>/version_N/checkpoints/last.ckpt; training logs: {logs_dpath}")
     print(f"Total time: {time.perf_counter() - start:.0f} s")
     return 0
 

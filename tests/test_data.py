@@ -308,6 +308,7 @@ def test_loader_benchmark_quick_run(capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     results = module.main(["--quick"])
-    assert set(results) == {"plain", "workers_1", "workers_2"}
+    assert set(results) == {"plain", "workers_1", "workers_2", "workers_1_unverified", "workers_2_unverified",
+                            "verify_ratio_1", "verify_ratio_2"}
     assert all(np.isfinite(rate) and rate > 0 for rates in results.values() for rate in rates)
     assert "ratio" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """``python -m sae_pipeline features``: build the feature browser of a trained SAE.
 
-    python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path runs/mpsae_digits/checkpoints/last.ckpt --out site/
+    python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site/   # newest run
     python -m sae_pipeline features --sae exported/ --data.source shards/dinov2 --out site/ --trainer.devices 4
     python -m sae_pipeline features ... --images /new/place/of/imagenet/train   # images moved since extraction
 
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "atoms. Opens from disk (OUT/index.html) or through python -m http.server.")
     parser.add_argument("--config", help="a training config (configs/<variant>_<data>.yaml): its data section and "
                                          "trainer device settings are used")
-    parser.add_argument("--ckpt_path", help="checkpoint written by `fit` (or give --sae)")
+    parser.add_argument("--ckpt_path", help="checkpoint written by `fit`, or `last`: the newest of the --config's runs "
+                                           "under --runs (or give --sae)")
+    parser.add_argument("--runs", default="runs", help="where `fit` wrote the runs (for --ckpt_path last)")
     parser.add_argument("--sae", help="an exported SAE directory: ours (config.json + sae.safetensors) or "
                                       "SAELens's (cfg.json + sae_weights.safetensors)")
     parser.add_argument("--out", required=True, help="site directory (created; a previous site there is replaced)")
@@ -107,6 +109,17 @@ def load_model(args: argparse.Namespace):  # noqa: ANN201 -- SparseAutoencoder; 
             raise ValueError(f"--sae {args.sae}: not a directory; pass an export (config.json + sae.safetensors) or "
                              "a SAELens directory (cfg.json + sae_weights.safetensors)")
         return load_sae(args.sae)
+    if args.ckpt_path == "last":
+        from sae_pipeline.checkpointing import newest_checkpoint
+
+        if not args.config:
+            raise ValueError("--ckpt_path last needs --config (the newest run of that config); or pass the .ckpt file")
+        run_dpath = Path(args.runs) / Path(args.config).stem
+        found = newest_checkpoint([run_dpath])
+        if found is None:
+            raise ValueError(f"--ckpt_path last: no checkpoint under {run_dpath}; train one first with fit, or pass "
+                             "--runs DIR (where fit wrote its runs)")
+        args.ckpt_path = str(found)
     checkpoint = load_checkpoint(args.ckpt_path)
     sae = sae_from_checkpoint(checkpoint)
     scale = float(checkpoint["input_scale"])
