@@ -219,9 +219,15 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             return
         callback = trainer.checkpoint_callback
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
-        print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
-        if trainer.logger is not None and trainer.log_dir:
-            print(f"TensorBoard run: {trainer.log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+        if ckpt:
+            print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        else:
+            print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
+                  flush=True)
+        # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
+        log_dir = getattr(trainer.logger, "log_dir", None)
+        if log_dir:
+            print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
 
 
 def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:

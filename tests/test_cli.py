@@ -195,7 +195,7 @@ def test_main_reports_value_errors_in_one_line(capsys: pytest.CaptureFixture[str
 
     assert main(["export", "--ckpt_path", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ExportError:") and "missing.ckpt" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and "missing.ckpt" in err[0] and "--ckpt_path" in err[0]
 
 
 def scalar(run_dpath: Path, tag: str) -> float:
