@@ -199,9 +199,9 @@ class SparseAutoencoder(nn.Module):
         if grad is None:
             return
         W = self.W_dec
-        # Row dot products by batched matmul and an in-place update: no [d_sae, d_in] temporary.
-        dots = torch.bmm(grad.unsqueeze(1), W.unsqueeze(2)).view(-1)
-        sq_norms = torch.bmm(W.unsqueeze(1), W.unsqueeze(2)).view(-1).clamp_min(torch.finfo(W.dtype).tiny)
+        # Row dot products and an in-place update: no [d_sae, d_in] temporary (3 passes, not 7).
+        dots = torch.linalg.vecdot(grad, W)
+        sq_norms = W.norm(dim=1).square_().clamp_min_(torch.finfo(W.dtype).tiny)
         grad.addcmul_(W, (dots / sq_norms).unsqueeze(1), value=-1)
 
     @torch.no_grad()
