@@ -196,7 +196,7 @@ def run_shape(d_sae: int, args) -> list[str]:
         for c in contenders:
             step = statistics.median(step_times[c.name])
             peak = peak_step_bytes(c, x) / 2 ** 20
-            row = (f"| {args.d_in} | {d_sae} | {c.name} | {step:.3f} s | {step / ours_time:.2f} | {step / gemm:.2f} | "
+            row = (f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
                    f"{peak:.{0 if peak >= 10 else 2}f} MiB | {equal[c.name]} |")
             print(row, flush=True)
             rows.append(row)

@@ -141,7 +141,7 @@ class JumpReLUSAE(ShallowSAE):
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this JumpReLUSAE's forward")
         if output.sparse is not None:  # every entry with a nonzero step or kernel is in the support
             support = output.sparse
-            steps = StepFunction.apply(output.pre_acts[support.rows, support.indices],
+            steps = StepFunction.apply(support.gather(output.pre_acts),
                                        self.threshold[support.indices], self.bandwidth)
             l0 = steps.sum() / output.x_hat.shape[0]
         else:

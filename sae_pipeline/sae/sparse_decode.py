@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,10 +38,11 @@ class SparseCodes:
     """
 
     __slots__ = ("indices", "values", "rows", "crow", "d_sae", "_by_latent")
+    _by_latent: tuple[Tensor, Tensor, Tensor] | None
 
     def __init__(self, indices: Tensor, rows: Tensor, crow: Tensor, d_sae: int, values: Tensor | None = None) -> None:
         self.indices, self.rows, self.crow, self.d_sae, self.values = indices, rows, crow, d_sae, values
-        self._by_latent: tuple[Tensor, Tensor] | None = None
+        self._by_latent = None
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -92,20 +94,33 @@ class SparseCodes:
         """Mean number of nonzero codes per token, float64."""
         return torch.count_nonzero(self._values()).to(torch.float64) / max(self.batch_size, 1)
 
-    def by_latent(self) -> tuple[Tensor, Tensor]:
-        """``(order, latent_crow)``: entry permutation grouping entries by latent, and its offsets."""
+    def by_latent(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(order, rows[order], latent_crow)``: the entry permutation that groups entries by
+        latent, the tokens in that order, and the latents' offsets."""
         if self._by_latent is None:
-            order = torch.argsort(self.indices, stable=True)
+            order = _stable_argsort(self.indices)
             counts = torch.bincount(self.indices, minlength=self.d_sae)
             latent_crow = torch.zeros(self.d_sae + 1, dtype=torch.int64, device=self.indices.device)
             torch.cumsum(counts, 0, out=latent_crow[1:])
-            self._by_latent = (order, latent_crow)
+            self._by_latent = (order, self.rows.index_select(0, order), latent_crow)
         return self._by_latent
+
+    def gather(self, dense: Tensor) -> Tensor:
+        """``dense[rows, indices]`` ``[nnz]`` of a ``[B, d_sae]`` tensor."""
+        return dense.reshape(-1).index_select(0, self.rows * self.d_sae + self.indices)
 
     def _values(self) -> Tensor:
         if self.values is None:
             raise ValueError("these SparseCodes hold a support only; attach values with with_values()")
         return self.values
+
+
+def _stable_argsort(indices: Tensor) -> Tensor:
+    """Stable argsort; on the CPU through numpy (one thread: torch's parallel sort of a few
+    thousand keys costs more in thread hand-offs than the sort, badly so on a busy machine)."""
+    if indices.device.type == "cpu":
+        return torch.from_numpy(np.argsort(indices.numpy(), kind="stable"))
+    return torch.argsort(indices, stable=True)
 
 
 def _crow(rows: Tensor, batch: int) -> Tensor:
@@ -123,9 +138,9 @@ def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
 
 def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
     """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]``."""
-    order, latent_crow = codes.by_latent()
-    return F.embedding_bag(codes.rows[order], source.contiguous(), latent_crow, mode="sum",
-                           per_sample_weights=per_entry[order].to(source.dtype), include_last_offset=True)
+    order, rows, latent_crow = codes.by_latent()
+    return F.embedding_bag(rows, source.contiguous(), latent_crow, mode="sum",
+                           per_sample_weights=per_entry.index_select(0, order).to(source.dtype), include_last_offset=True)
 
 
 def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
@@ -157,7 +172,7 @@ class SparseEncodeGather(torch.autograd.Function):
                 codes: SparseCodes) -> Tensor:
         ctx.save_for_backward(x, b_pre, W_enc)
         ctx.codes = codes
-        return pre[codes.rows, codes.indices]
+        return codes.gather(pre)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
