@@ -70,7 +70,8 @@ def make_sae(variant: str, args: argparse.Namespace, x: torch.Tensor) -> SparseA
     sae.init_b_pre(x.mean(0))
     with torch.no_grad():
         if isinstance(sae, (ReLUSAE, JumpReLUSAE)):
-            cut = sae.pre_activations(x).flatten().topk(x.shape[0] * args.k).values.min()
+            top = sae.pre_activations(x).flatten().topk(x.shape[0] * args.k + 1).values
+            cut = (top[-1] + top[-2]) / 2  # B·k entries above it, none at it
             if isinstance(sae, ReLUSAE):
                 sae.b_enc.sub_(cut)
             else:

@@ -70,7 +70,8 @@ def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) 
     sae.init_b_pre(x.mean(0))
     with torch.no_grad():
         pre = sae.pre_activations(x)
-        cut = pre.flatten().topk(x.shape[0] * k).values.min()  # B·k entries above it
+        top = pre.flatten().topk(x.shape[0] * k + 1).values  # B·k entries above the cut, none at it
+        cut = (top[-1] + top[-2]) / 2
         if isinstance(sae, ReLUSAE):
             sae.b_enc.sub_(cut)
         elif isinstance(sae, JumpReLUSAE):
