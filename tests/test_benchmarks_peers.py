@@ -1,6 +1,8 @@
-"""benchmarks/peers.py and benchmarks/gpu.py in their tiny dry-run modes (about 20-40 s on 2 cores,
-most of it importing SAELens): every contender steps, and every peer that is installed (the
-``bench`` extra) computes the same codes, x_hat and gradients as ours from the same weights."""
+"""benchmarks/peers.py and benchmarks/gpu.py in their tiny dry-run modes: every contender steps,
+and every peer that is installed (the ``bench`` extra) computes the same codes, x_hat and
+gradients as ours from the same weights. The two dry runs are marked slow: about 35 s of CPU
+together, most of it importing SAELens, timm and the peers (3 min wall on the box loaded by
+five other sessions); the two argument tests take a few seconds."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +27,7 @@ def table_rows(stdout: str) -> list[list[str]]:
             if line.startswith("| ") and not line.startswith("| d_in") and not line.startswith("| variant")]
 
 
+@pytest.mark.slow
 def test_peers_dry_run_every_contender_steps_and_agrees_with_ours() -> None:
     result = run("peers.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -47,6 +50,7 @@ def test_peers_bad_argument_is_one_line_exit_2() -> None:
     assert result.returncode == 2 and "--k must be >= 1, got 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_gpu_dry_run_reports_every_variant_and_extraction() -> None:
     result = run("gpu.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
