@@ -45,13 +45,15 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def run_command(function: Callable[[], Any], *, interrupted: str) -> tuple[int, Any]:
+def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False) -> tuple[int, Any]:
     """Run ``function()`` under the convention; returns ``(exit status, result or None)``.
 
     ``interrupted`` says what an interruption leaves (e.g. "finished shards are kept; rerun
-    the same command to resume"), printed after ``interrupted (Ctrl-C):``.
+    the same command to resume"), printed after ``interrupted (Ctrl-C):``. ``error_type``:
+    lines read ``error: ExportError: ...``, as ``python -m sae_pipeline``'s own commands print them.
     """
     previous = None
+    _TERMINATED.clear()
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread: leave SIGTERM alone
@@ -70,7 +72,7 @@ def run_command(function: Callable[[], Any], *, interrupted: str) -> tuple[int, 
             return EXIT_TERMINATED, None
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
-        print(f"error: {one_line(error)}", file=sys.stderr)
+        print(f"error: {type(error).__name__ + ': ' if error_type else ''}{one_line(error)}", file=sys.stderr)
         return (EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_RUNTIME), None
     finally:
         if previous is not None:

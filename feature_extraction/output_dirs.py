@@ -28,9 +28,9 @@ def _reason(exn: OSError) -> str:
 
 
 def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """The checks of ``prepare_output_dir`` that need no write: for commands that must create nothing
-    before their other input is validated. Not a directory, under a file, or an existing but
-    unwritable directory (by permissions; a read-only mount shows up in ``prepare_output_dir``)."""
+    """The checks of ``prepare_output_dir`` that leave nothing behind, for commands that must create
+    nothing before their other input is validated: not a directory, under a file, or the nearest
+    existing directory not writable (a temporary file is opened there and removed at once)."""
     dpath = Path(path).expanduser()
     if dpath.exists() and not dpath.is_dir():
         raise ValueError(f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
@@ -39,9 +39,12 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
         if existing.exists():
             if not existing.is_dir():
                 raise ValueError(f"{flag} {dpath}: {existing} is a file, not a directory; choose another path")
-            if not os.access(existing, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {dpath}: {existing} is not writable (permission denied); choose a "
-                                 "writable location or fix its permissions")
+            try:  # a probe that leaves nothing behind: os.access says yes to root on a read-only tree
+                with tempfile.TemporaryFile(dir=existing, prefix=".write-test-"):
+                    pass
+            except OSError as exn:
+                raise ValueError(f"{flag} {dpath}: {existing} is not writable ({_reason(exn)}); choose a "
+                                 "writable location or fix its permissions") from None
             break
     return dpath
 

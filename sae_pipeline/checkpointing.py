@@ -53,9 +53,10 @@ class CheckpointError(ValueError):
 def run_checkpoints(run_dpath: str | Path) -> list[Path]:
     """Every resumable "newest state" checkpoint of a run name: ``*/checkpoints/last*.ckpt`` and
     Lightning's SLURM ``*/hpc_ckpt_*.ckpt`` under ``runs/<name>``, and ``last*.ckpt`` directly in it
-    (an explicit ``--checkpoint.dirpath``)."""
+    (an explicit ``--checkpoint.dirpath``) or in its ``checkpoints/`` (a run without a logger)."""
     run_dpath = Path(run_dpath)
-    patterns = (f"*/{CHECKPOINTS_DNAME}/last*.ckpt", "*/hpc_ckpt_*.ckpt", "last*.ckpt")
+    patterns = (f"*/{CHECKPOINTS_DNAME}/last*.ckpt", "*/hpc_ckpt_*.ckpt", "last*.ckpt",
+                f"{CHECKPOINTS_DNAME}/last*.ckpt")  # the last two: --checkpoint.dirpath, --trainer.logger false
     return sorted({fpath for pattern in patterns for fpath in run_dpath.glob(pattern) if fpath.is_file()})
 
 

@@ -219,7 +219,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             return
         callback = trainer.checkpoint_callback
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
-        print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        if ckpt:
+            print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        else:
+            print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
+                  flush=True)
         # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
         log_dir = getattr(trainer.logger, "log_dir", None)
         if log_dir:

@@ -319,4 +319,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
 
     return run_command(run, interrupted=f"nothing was written to {args.out} (exports are written whole or not at "
-                                        "all); rerun the command")[0]
+                                        "all); rerun the command", error_type=True)[0]

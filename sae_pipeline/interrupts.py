@@ -15,7 +15,9 @@ reached one rank stops every rank at the same step. Then they save ``last.ckpt``
 dead-latent clock and data position), rank 0 prints where, and every rank exits with
 ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), the shell convention. ``fit --ckpt_path last``
 continues from it. A second Ctrl-C while waiting for the step boundary stops at once, without
-saving (``KeyboardInterrupt``).
+saving (``KeyboardInterrupt``). DataLoader workers are forked with this handler, so a terminal's Ctrl-C
+(sent to the whole process group) does not end their loop with ``KeyboardInterrupt`` (the next
+batch would then fail before the checkpoint is saved); there the handler does nothing at all.
 
 SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.requeue`.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.utils.data import get_worker_info
 
 from sae_pipeline import lightning_compat
 from sae_pipeline.checkpointing import save_final_checkpoint
@@ -48,6 +51,8 @@ class Interrupts(L.Callback):
 
     # --- the handler --------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if get_worker_info() is not None:
+            return  # a DataLoader worker (forked with this handler): the main process stops the run
         if not self._armed:  # outside fit (Lightning's teardown may reinstate us): behave as before
             _call_previous(self._previous.get(signum, signal.SIG_DFL), signum, frame)
             return

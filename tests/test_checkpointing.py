@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+import system_tools
+
 from feature_extraction.h5cache import read_codes, write_token_cache
 from sae_pipeline.__main__ import main
 from sae_pipeline.checkpointing import AtomicCheckpointIO, newest_checkpoint
@@ -249,11 +251,9 @@ def test_read_only_working_directory_is_one_line(tmp_path: Path) -> None:
 
 def _fit_in_read_only_folder(readonly: Path) -> None:
     command = [sys.executable, "-m", "sae_pipeline", "fit", "--config", TOPK_DIGITS, *SMALL]
-    if os.geteuid() == 0:
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without setpriv (util-linux) to drop privileges")
-        command = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    if os.geteuid() == 0:  # root writes anywhere: drop to `nobody` for the run
+        system_tools.require(["setpriv"], "apt-get install -y util-linux")
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(readonly),
            "MPLCONFIGDIR": str(readonly)}
     result = subprocess.run(command, cwd=readonly, env=env, capture_output=True, text=True, timeout=300)

@@ -29,7 +29,8 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 def start(cwd: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *extra], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as under a terminal
 
 
 def wait_for_training(cwd: Path, process: subprocess.Popen, timeout: float = 240) -> None:
@@ -83,9 +84,11 @@ def test_sigterm_saves_exits_143_and_the_run_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
-    process = start(tmp_path)
+    """As a terminal does: SIGINT to the whole process group, DataLoader workers included."""
+    process = start(tmp_path, "--data.num_workers", "2")
     wait_for_training(tmp_path, process)
-    process.send_signal(signal.SIGINT)
+    assert len(child_pids(process.pid)) >= 2  # the DataLoader workers, which get the signal too
+    os.killpg(process.pid, signal.SIGINT)
     status, _, err = finish(process)
     assert status == 130, err[-3000:]
     last = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"

@@ -131,7 +131,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint as `fit` writes one (state dict, sae_config, input_scale), without training."""
     root = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
-    module = SAEModule(TopKSAE(64, 128, k=2))  # d_in = 64: the digits
+    module = SAEModule(TopKSAE(64, 128, k=2))  # d_in = 64: the digits (evaluate runs them)
     ckpt = {"state_dict": module.state_dict(), "sae_config": sae_config(module.sae), "input_scale": 1.0}
     torch.save(ckpt, root / "model.ckpt")
     return root / "model.ckpt"
@@ -239,3 +239,24 @@ def test_interrupted_extraction_is_one_line_and_keeps_finished_shards(many_image
     complete = [i for i in range(20) if S.shard_is_complete(out, i)]
     assert complete[:2] == [0, 1] and all(S.shard_is_intact(out, i) for i in complete)
     assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(("raise_it", "status", "line"), [
+    (lambda: os.kill(os.getpid(), signal.SIGINT), 130, "interrupted (Ctrl-C): runs kept"),
+    (lambda: os.kill(os.getpid(), signal.SIGTERM), 143, "terminated (SIGTERM): runs kept"),
+    (lambda: open("/nonexistent-dir/x", "w"), 1, "error: [Errno 2] No such file or directory: '/nonexistent-dir/x'"),
+    (lambda: int("x"), 2, "error: invalid literal for int() with base 10: 'x'"),
+])
+def test_exit_status_convention_with_real_signals(raise_it, status, line, capsys) -> None:
+    """The convention evaluate, export and the extraction share (feature_extraction.exit_status)."""
+    from feature_extraction.exit_status import run_command
+
+    def work() -> None:
+        raise_it()
+        time.sleep(5)  # a signal is delivered before this ends
+        raise AssertionError("not interrupted")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    assert run_command(work, interrupted="runs kept") == (status, None)
+    assert [x for x in capsys.readouterr().err.splitlines() if x.strip()] == [line]
+    assert signal.getsignal(signal.SIGTERM) is previous  # the handler is put back
