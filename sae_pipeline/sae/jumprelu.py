@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, keep_top_k
+from sae_pipeline.sae.sparse_decode import SparseCodes
 
 
 def rectangle(u: Tensor) -> Tensor:
@@ -121,6 +122,15 @@ class JumpReLUSAE(ShallowSAE):
         codes = JumpReLUFunction.apply(pre, self.threshold, self.bandwidth)
         return codes if k is None else keep_top_k(codes, k)
 
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """The active latents and those within ε/2 below θ (``(pre − θ)/ε > −½``): the rectangle
+        kernel gives the latter a straight-through θ gradient although their code is 0."""
+        mask = (pre - self.threshold.detach()).div_(self.bandwidth) > -0.5
+        return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None
+
+    def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
+        return JumpReLUFunction.apply(pre_values, self.threshold[support.indices], self.bandwidth)
+
     def l0(self, pre: Tensor) -> Tensor:
         """Mean number of active latents per token, differentiable in θ through the STE."""
         return StepFunction.apply(pre, self.threshold, self.bandwidth).sum(dim=-1).mean()
@@ -129,7 +139,13 @@ class JumpReLUSAE(ShallowSAE):
         """``λ·L0`` or ``λ·(L0/target_l0 − 1)²`` (L0 averaged over the batch first)."""
         if output.pre_acts is None:
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this JumpReLUSAE's forward")
-        l0 = self.l0(output.pre_acts)
+        if output.sparse is not None:  # every entry with a nonzero step or kernel is in the support
+            support = output.sparse
+            steps = StepFunction.apply(support.gather(output.pre_acts),
+                                       self.threshold[support.indices], self.bandwidth)
+            l0 = steps.sum() / output.x_hat.shape[0]
+        else:
+            l0 = self.l0(output.pre_acts)
         if self.sparsity_loss == "l0":
             return self.sparsity_coefficient * l0
         assert self.target_l0 is not None
