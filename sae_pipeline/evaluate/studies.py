@@ -30,7 +30,7 @@ from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
 from sae_pipeline.export import load_sae
 from sae_pipeline.metrics import ReconstructionR2
-from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
 
 __all__ = ["STUDIES", "coherence", "evaluate_concepts", "evaluate_run", "expressivity", "inference"]
 _CHUNK = 4096
@@ -82,7 +82,8 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
     """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
-    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if k <= sae.d_sae)}))
+    mp = isinstance(sae, MatchingPursuitSAE)  # MP may pick atoms again: any inference k, also above p
+    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if mp or k <= sae.d_sae)}))
     record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
     return {
         "name": spec.name, "variant": spec.variant, "k": spec.k, "p": spec.p,
