@@ -36,7 +36,8 @@ from pathlib import Path
 import yaml
 
 VARIANTS = ("relu", "jumprelu", "topk", "batchtopk", "mpsae")
-LABELS = {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK", "mpsae": "MP-SAE"}
+LABELS = {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK", "mpsae": "MP-SAE",
+          "authors": "MP-SAE (paper authors)"}
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
 STUDIES = ("expressivity", "inference", "coherence", "concepts")
