@@ -3,6 +3,10 @@
     python benchmarks/loader.py            # d=768, float16, 261 tokens/image, 32 shards x 128 images (target >= 0.7)
     python benchmarks/loader.py --quick    # tiny sizes; used by tests/test_data.py
 
+Each DataModule row is run twice: with the per-sample checksum verification the training
+stream always does (``feature_extraction/integrity.py``) and without it; the last column is
+their ratio (target >= 0.9: verification may cost at most a tenth of the throughput).
+
 Both read the same shard files of a temporary directory. The reference is the least work
 that still yields float32 tokens: ``tarfile`` over each shard, ``np.load`` of every
 ``tokens.npy``, one ``np.concatenate`` per shard, and torch's float16 -> float32
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import resource
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -33,7 +39,10 @@ REPO_DPATH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DPATH))
 
 from feature_extraction import shards as S  # noqa: E402
+from feature_extraction.integrity import load_sample_checksums  # noqa: E402
+from feature_extraction.shard_reader import iter_shard_tokens  # noqa: E402
 from sae_pipeline.data import ActivationDataModule  # noqa: E402
+from sae_pipeline.data_sources import ShardUnit  # noqa: E402
 
 
 def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_image: int, d: int) -> None:
@@ -62,14 +71,38 @@ def plain_read(fpaths: list[Path], batch_size: int) -> int:
     return n_tokens
 
 
-def stream_read(dpath: Path, num_workers: int, batch_size: int, buffer_tokens: int) -> int:
-    """One epoch of the DataModule's training loader; returns the token count."""
+def stream_read(dpath: Path, num_workers: int, batch_size: int, buffer_tokens: int, verify: bool = True) -> int:
+    """One epoch of the DataModule's training loader (``verify``: check each sample's checksum); returns tokens."""
+    ShardUnit.verify = verify  # read by each ShardUnit the DataModule creates
     dm = ActivationDataModule(str(dpath), batch_size=batch_size, num_workers=num_workers,
                               shuffle_buffer_tokens=buffer_tokens, val_fraction=0.0)
     n_tokens = 0
     for batch in dm.train_dataloader():
         n_tokens += len(batch["x"])
     return n_tokens
+
+
+def reader_read(fpaths: list[Path], verify: bool) -> int:
+    """Every token of every shard through the training stream's shard reader, checksums checked or not."""
+    n_tokens = 0
+    for fpath in fpaths:
+        checksums = None
+        if verify:
+            checksums = load_sample_checksums(json.loads(fpath.with_suffix(".json").read_text()), fpath)
+        for _, tokens in iter_shard_tokens(fpath, checksums=checksums):
+            n_tokens += len(tokens)
+    return n_tokens
+
+
+def interleaved_best(fns: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Best tokens per CPU-second of each function, run in turns so that a loaded machine slows all alike."""
+    best = dict.fromkeys(fns, 0.0)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.process_time()
+            n_tokens = fn()
+            best[name] = max(best[name], n_tokens / (time.process_time() - start))
+    return best
 
 
 def cpu_seconds() -> float:
@@ -118,17 +151,39 @@ def main(argv: list[str] | None = None) -> dict:
               f"d={args.d} float16 ({size_mb:.0f} MB); batch {args.batch_size}, buffer {args.buffer_tokens} tokens")
         plain_read(fpaths, args.batch_size)  # warm the page cache
         results["plain"] = best_rates(lambda: plain_read(fpaths, args.batch_size), args.repeats)
-        print(f"{'':22s} {'M tokens/s':>10s} {'ratio':>6s}   {'M tokens/CPU-s':>14s} {'ratio':>6s}")
-        print(f"{'plain sequential read':22s} {results['plain'][0] / 1e6:10.3f} {'':6s}   "
+        print(f"{'':32s} {'M tokens/s':>10s} {'ratio':>6s}   {'M tokens/CPU-s':>14s} {'ratio':>6s}   "
+              f"{'verified/unverified (wall, CPU)':>31s}")
+        print(f"{'plain sequential read':32s} {results['plain'][0] / 1e6:10.3f} {'':6s}   "
               f"{results['plain'][1] / 1e6:14.3f}")
         for workers in (1, 2):
-            rates = best_rates(lambda: stream_read(dpath, workers, args.batch_size, args.buffer_tokens),
-                               args.repeats)
-            results[f"workers_{workers}"] = rates
-            ratios = [rate / plain for rate, plain in zip(rates, results["plain"])]
-            print(f"{f'DataModule, {workers} worker' + 's' * (workers > 1):22s} {rates[0] / 1e6:10.3f} "
-                  f"{ratios[0]:6.2f}   {rates[1] / 1e6:14.3f} {ratios[1]:6.2f}")
-        print("target: wall-clock ratio >= 0.7")
+            for verify in (False, True):
+                rates = best_rates(lambda: stream_read(dpath, workers, args.batch_size, args.buffer_tokens, verify),
+                                   args.repeats)
+                name = f"workers_{workers}" + ("" if verify else "_unverified")
+                results[name] = rates
+                ratios = [rate / plain for rate, plain in zip(rates, results["plain"])]
+                label = f"DataModule, {workers} worker" + "s" * (workers > 1) + (", verified" if verify else "")
+                line = (f"{label:32s} {rates[0] / 1e6:10.3f} {ratios[0]:6.2f}   {rates[1] / 1e6:14.3f} "
+                        f"{ratios[1]:6.2f}")
+                if verify:
+                    unverified = results[f"workers_{workers}_unverified"]
+                    results[f"verify_ratio_{workers}"] = (rates[0] / unverified[0], rates[1] / unverified[1])
+                    line += f"   {rates[0] / unverified[0]:15.2f} {rates[1] / unverified[1]:15.2f}"
+                print(line)
+        ShardUnit.verify = True
+        reader = interleaved_best({"off": lambda: reader_read(fpaths, False), "on": lambda: reader_read(fpaths, True)},
+                                  max(3, args.repeats))
+        results["reader"] = (reader["off"], reader["on"])
+        print(f"shard reader alone (one process, interleaved best of {max(3, args.repeats)}): "
+              f"{reader['off'] / 1e6:.3f} M tokens/CPU-s unverified, {reader['on'] / 1e6:.3f} verified, "
+              f"ratio {reader['on'] / reader['off']:.2f}")
+        # The checks' CPU time per token, against what the whole stream spends per token (1 worker, unverified):
+        # a figure that a loaded machine disturbs far less than the wall-clock ratios above.
+        extra = 1 / reader["on"] - 1 / reader["off"]
+        stream = 1 / results["workers_1_unverified"][1]
+        print(f"verification's CPU time per token: {extra * 1e9:.0f} ns, {extra / stream:.1%} of the stream's "
+              f"{stream * 1e9:.0f} ns: the verified stream keeps {1 / (1 + extra / stream):.2f} of its throughput")
+        print("targets: wall-clock ratio to the plain read >= 0.7; verified/unverified >= 0.9")
     return results
 
 

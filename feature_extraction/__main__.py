@@ -2,8 +2,9 @@
 
 The flags are `extract`'s (and `finalize`'s) signature, read by jsonargparse, so every
 option is a flag, `--config file.yaml` sets any of them and `--print_config` shows the
-result. Errors are one line on stderr: exit 2 for bad input (ValueError), 1 for
-anything else the command anticipates (disk full, a held finalize lock).
+result. Errors are one line on stderr (``exit_status``): exit 2 for bad input (ValueError), 1 for
+anything else the command anticipates (disk full, a held finalize lock), 130 / 143 for Ctrl-C /
+SIGTERM (finished shards are kept; a rerun resumes).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from feature_extraction.exit_status import run_command
 from feature_extraction.extract import extract
 from feature_extraction.finalize import finalize
 
@@ -33,12 +35,8 @@ def build_parser(command: str = "extract") -> ArgumentParser:
     return parser
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status."""
+    """Run the command; returns the exit status (``exit_status``: 2 bad input, 1 runtime, 130/143 interrupted)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = "finalize" if argv[:1] == ["finalize"] else "extract"
     if command == "finalize":
@@ -47,22 +45,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parser.parse_args(argv).as_dict()
     config.pop("config", None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+
+    def run() -> dict:
         if command == "finalize":
             manifest = finalize(**config)
             summary = {k: manifest[k] for k in ("n_images", "n_tokens", "d", "tokens_per_image")}
             summary["skipped"] = len(manifest["skipped"])
-        else:
-            summary = extract(**config)
-            summary["shards_written"] = len(summary["shards_written"])
-    except ValueError as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return 2
-    except (OSError, RuntimeError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, default=str))
-    return 0
+            return summary
+        summary = extract(**config)
+        summary["shards_written"] = len(summary["shards_written"])
+        return summary
+
+    kept = ("finished shards are kept; rerun the same command to resume" if command == "extract" else
+            "manifest.json was not written; rerun finalize")
+    status, summary = run_command(run, interrupted=kept)
+    if status == 0:
+        print(json.dumps(summary, default=str))
+    return status
 
 
 if __name__ == "__main__":

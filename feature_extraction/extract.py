@@ -11,7 +11,9 @@ Design choices:
 - Batches never span two shards. A shard's batches are then the same whichever shards a
   task skips, so a resumed or differently split run computes every sample from the same
   batch and, on the CPU in float32, produces byte-identical shards.
-- Resume is "skip the shards whose tar and sidecar are complete, redo the others":
+- Resume is "skip the shards whose tar and sidecar are complete and intact, redo the others"
+  (each complete shard the task owns is read once and checked against its sidecar's xxh3-64,
+  `integrity`, so a shard corrupted on disk is written again):
   `write_shard` streams to a `.tmp` file and renames, so a job killed at any point leaves
   complete shards and a few partial `.tmp` files that the rerun overwrites (the writer
   processes die with the main process, so none outlives it to race the rerun).
@@ -57,9 +59,12 @@ from tqdm import tqdm
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.output_dirs import prepare_output_dir
 from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shard_writers import ShardWriters
-from feature_extraction.shards import assign_shards, shard_is_complete, shards_for_task
+from feature_extraction.shards import (
+    assign_shards, format_indices, shard_is_complete, shard_is_intact, shards_for_task,
+)
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 
 __all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
@@ -288,6 +293,7 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     keys = [image_key(r.image_id) for r in records]
     by_key = {key: i for i, key in enumerate(keys)}
     shards = assign_shards(keys, shard_size)
+    out_dpath = prepare_output_dir(out, "--out")  # before the backbone loads: a bad --out costs nothing
     if checkpoint_path is not None:
         checkpoint_path = os.path.abspath(os.path.expanduser(checkpoint_path))
     random_weights = not pretrained and checkpoint_path is None
@@ -296,8 +302,6 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
         model = load_backbone(backbone, pretrained=pretrained, checkpoint_path=checkpoint_path, layer=layer)
     model.to(torch_device)
 
-    out_dpath = Path(out).expanduser()
-    out_dpath.mkdir(parents=True, exist_ok=True)
     record = {
         "backbone": spec.name, "layer": model.layer, "shard_size": shard_size, "n_images": len(records),
         "n_shards": len(shards), "ids_sha256": ids_digest(keys),
@@ -309,7 +313,12 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     check_or_create_record(out_dpath, record)
 
     owned = shards_for_task(len(shards), task_index, num_tasks)
-    todo = [i for i in owned if not shard_is_complete(out_dpath, i)]
+    complete = [i for i in owned if shard_is_complete(out_dpath, i)]
+    corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
+    if corrupt:
+        logger.warning("shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
+                       format_indices(corrupt))
+    todo = [i for i in owned if i not in complete or i in corrupt]
     logger.info("task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)", task_index,
                 num_tasks, len(owned), len(shards), len(owned) - len(todo), len(todo), spec.name, model.layer,
                 torch_device)

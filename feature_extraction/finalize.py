@@ -2,7 +2,8 @@
 
 Every task of an array job checks the record before writing a shard (another backbone,
 layer, image list or shard size is refused rather than mixed in), and the task that
-finds every shard complete assembles `manifest.json` (`finalize`, also a subcommand).
+finds every shard complete assembles `manifest.json` (`finalize`, also a subcommand; run as
+a command it first reads every shard and checks it against its sidecar, `integrity`).
 Several tasks may finish at once, so the manifest is written under a lock file.
 """
 from __future__ import annotations
@@ -17,12 +18,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from feature_extraction.shard_writers import skipped_fname
+from feature_extraction import integrity
 from feature_extraction.shards import (
-    ShardFormatError, finalize_manifest, load_manifest, read_sidecar, shard_is_complete, write_json_atomic,
+    ShardFormatError, finalize_manifest, format_indices, load_manifest, read_sidecar, shard_fname,
+    shard_is_complete, sidecar_fname, write_json_atomic,
 )
 from feature_extraction.token_selection import token_kinds
 
-__all__ = ["EXTRACTION_FNAME", "LOCK_FNAME", "check_or_create_record", "finalize", "finalize_if_last", "ids_digest"]
+__all__ = ["EXTRACTION_FNAME", "LOCK_FNAME", "check_or_create_record", "finalize", "finalize_if_last", "ids_digest",
+           "verify_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +85,33 @@ def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
         return False
 
 
-def finalize(out: str, force: bool = False) -> dict:
-    """Assemble `manifest.json` of `--out` once all its shards are complete; returns the manifest.
+def verify_shards(out_dpath: Path, n_shards: int) -> None:
+    """Check every complete shard's bytes against its sidecar; add per-sample checksums to old sidecars.
+
+    Raises a one-line ShardFormatError naming the corrupt shards and the extraction command
+    that redoes them (a rerun verifies the shards it owns and writes corrupt ones again).
+    """
+    corrupt = []
+    for index in range(n_shards):
+        if not shard_is_complete(out_dpath, index):
+            continue  # finalize_manifest lists the missing ones
+        sidecar, tar_fpath = read_sidecar(out_dpath, index), out_dpath / shard_fname(index)
+        if "sample_checksums" in sidecar:
+            if not integrity.shard_is_intact(sidecar, tar_fpath):
+                corrupt.append(index)
+        elif (upgraded := integrity.add_sample_checksums(sidecar, tar_fpath)) is None:
+            corrupt.append(index)
+        else:
+            write_json_atomic(out_dpath / sidecar_fname(index), upgraded)
+            logger.info("shard %d: per-sample checksums added to its sidecar", index)
+    if corrupt:
+        what = f"shard {corrupt[0]} no longer matches its sidecar" if len(corrupt) == 1 else \
+            f"shards {format_indices(corrupt)} no longer match their sidecars"
+        raise ShardFormatError(f"{out_dpath}: {what} (corrupt on disk); {integrity.repair_command(out_dpath)}")
+
+
+def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
+    """Assemble `manifest.json` of `--out` once all its shards are complete and intact; returns the manifest.
 
     Several tasks may finish together: a lock file (created with O_EXCL, which is atomic on
     NFS too) lets one of them write the manifest. A lock older than ten minutes, or
@@ -91,6 +120,9 @@ def finalize(out: str, force: bool = False) -> dict:
     Args:
         out: the extraction's output directory (holding extraction.json and the shards).
         force: take over a finalize lock held by another process.
+        verify: read every shard and check it against its sidecar's checksums (refusing corrupt
+            ones, naming the command that redoes them); adds per-sample checksums to sidecars
+            written before them. False: trust the shards (each extraction task checked its own).
     """
     out_dpath = Path(out).expanduser()
     record = _read_record(out_dpath)
@@ -110,6 +142,8 @@ def finalize(out: str, force: bool = False) -> dict:
     else:
         os.close(fd)
     try:
+        if verify:
+            verify_shards(out_dpath, n_shards)
         skipped = []
         for index in range(n_shards):
             fpath = out_dpath / skipped_fname(index)
@@ -135,7 +169,7 @@ def finalize_if_last(out_dpath: Path, n_shards: int) -> bool:
     if _manifest_is_current(out_dpath, n_shards):
         return True
     try:
-        finalize(str(out_dpath))
+        finalize(str(out_dpath), verify=False)  # each task verified the complete shards it owns at its start
     except RuntimeError:  # another task holds the lock and is writing the same manifest
         logger.info("another task is finalizing %s", out_dpath)
         return False

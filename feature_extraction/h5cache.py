@@ -73,7 +73,10 @@ def _open_checked(fpath: Path, expected_format: str) -> h5py.File:
     found = found.decode() if isinstance(found, bytes) else found
     if found != expected_format:
         h5.close()
-        raise CacheFormatError(f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}")
+        writer = "feature_extraction.h5cache.write_token_cache" if expected_format == TOKEN_CACHE_FORMAT else \
+            "python -m sae_pipeline predict"
+        raise CacheFormatError(f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}: "
+                               f"not a file written by {writer}; write it with that")
     return h5
 
 
@@ -129,8 +132,12 @@ class TokenCache:
     def __init__(self, fpath: Path | str) -> None:
         self.fpath = Path(fpath)
         with _open_checked(self.fpath, TOKEN_CACHE_FORMAT) as h5:
-            if "tokens" not in h5 or h5["tokens"].ndim != 2:
+            if "tokens" not in h5:
                 raise CacheFormatError(f"{self.fpath}: dataset 'tokens' [N, d] missing; rewrite the cache")
+            if h5["tokens"].ndim != 2:
+                raise CacheFormatError(f"{self.fpath}: dataset 'tokens' is {h5['tokens'].ndim}-D "
+                                       f"{list(h5['tokens'].shape)}, expected [N, d] (one row per token); "
+                                       "rewrite it with write_token_cache(fpath, tokens.reshape(-1, d))")
             self._n, self.d = (int(s) for s in h5["tokens"].shape)
             self.attrs = _read_attrs(h5)
             self.has_image_ids = "image_ids" in h5

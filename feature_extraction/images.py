@@ -72,8 +72,15 @@ def list_images(source: str) -> list[ImageRecord]:
     path = Path(source)
     if path.is_file() and path.suffix == ".tar":
         records = _list_tar(path)
+    elif path.is_file():
+        kind = "an image" if path.suffix.lower() in IMAGE_EXTENSIONS else f"a {path.suffix or 'extension-less'} file"
+        raise ValueError(f"--images {source}: is {kind}, not an image folder; give the folder that holds the "
+                         "images (class sub-folders give labels), a directory of .tar shards, a .tar, or 'samples'")
+    elif path.exists() and not path.is_dir():
+        raise ValueError(f"--images {source}: is neither a folder nor a file; give an image folder, a directory "
+                         "of .tar shards, or 'samples'")
     elif not path.is_dir():
-        raise ValueError(f"images source {source!r} does not exist; give an image folder, a "
+        raise ValueError(f"--images {source}: does not exist; give an image folder, a "
                          f"directory of .tar shards, or 'samples'")
     elif tars := sorted(p for p in path.glob("*.tar") if p.is_file()):
         records = [record for tar in tars for record in _list_tar(tar)]

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import webdataset as wds
+import xxhash
 
+from feature_extraction import integrity
 from feature_extraction.shards import ShardFormatError
 
 __all__ = ["check_tar_end", "decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
@@ -44,8 +46,8 @@ def member_key(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), suffix
 
 
-def _npy_header(stream, where: str) -> tuple[tuple[int, ...], int]:  # noqa: ANN001 (binary file)
-    """``(shape, header length)`` of the ``.npy`` at the stream's position; the stream is left after the header.
+def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bytes]:  # noqa: ANN001 (binary file)
+    """``(shape, header bytes)`` of the ``.npy`` at the stream's position; the stream is left after the header.
 
     Every sample of a shard has the same header bytes, so the parse (numpy's, a
     ``literal_eval``) is cached by those bytes: it was a tenth of the reader's time.
@@ -76,7 +78,7 @@ def _npy_header(stream, where: str) -> tuple[tuple[int, ...], int]:  # noqa: ANN
         if len(_HEADERS) >= 64:
             _HEADERS.clear()
         parsed = _HEADERS[header] = shape
-    return parsed, length
+    return parsed, header
 
 
 def _ustar_member(block: bytes, offset: int, fpath: Path) -> tuple[str, int, int] | None:
@@ -130,17 +132,34 @@ def _members(stream, fpath: Path) -> Iterator[tuple[str, int, int]]:  # noqa: AN
             raise ShardFormatError(f"{fpath}: corrupt tar (invalid header at byte {tar.offset}); re-extract the shard")
 
 
-def _read_tokens(stream, where: str, offset: int, size: int) -> np.ndarray:  # noqa: ANN001 (binary file)
-    """The float16 ``[n, d]`` array of one ``tokens.npy`` member, read once into place."""
+def _read_tokens(stream, where: str, offset: int, size: int,  # noqa: ANN001 (binary file)
+                 checksum: int | None = None) -> np.ndarray:
+    """The float16 ``[n, d]`` array of one ``tokens.npy`` member, read once into place.
+
+    With ``checksum`` (the sidecar's xxh3-64 of the member), the bytes read are checked
+    against it: a flipped byte anywhere in the member is an error, never training data.
+    """
     stream.seek(offset)
-    shape, header_length = _npy_header(stream, where)
+    shape, header = _npy_header(stream, where)
     tokens = np.empty(shape, np.float16)
-    if header_length + tokens.nbytes > size:
+    if len(header) + tokens.nbytes > size:
         raise ShardFormatError(f"{where}: its .npy header promises more bytes than the member holds; "
                                "re-extract the shard")
-    if stream.readinto(memoryview(tokens).cast("B")) != tokens.nbytes:
+    data = memoryview(tokens).cast("B")
+    if stream.readinto(data) != tokens.nbytes:
         raise ShardFormatError(f"{where} is cut short; re-extract the shard")
+    if checksum is not None:
+        hasher = xxhash.xxh3_64(header)
+        hasher.update(data)
+        if hasher.intdigest() != checksum or len(header) + tokens.nbytes != size:
+            raise _mismatch(where)
     return tokens
+
+
+def _mismatch(where: str) -> ShardFormatError:
+    fpath = Path(where.split(": member ", 1)[0])
+    return ShardFormatError(f"{where} does not match its checksum in {fpath.with_suffix('.json').name}: the shard "
+                            f"is corrupt; {integrity.repair_command(fpath.parent)}")
 
 
 def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
@@ -158,14 +177,16 @@ def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
 
 
 def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None,
-                      with_positions: bool = False) -> Iterator[tuple]:
+                      with_positions: bool = False,
+                      checksums: integrity.SampleChecksums | None = None) -> Iterator[tuple]:
     """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
 
     With ``with_positions``, yield ``(key, tokens, positions)``: the sample's
     ``positions.npy`` (written before its tokens, members being sorted by name), or None
     for a sample of an all-token extraction. Samples before ``first`` are counted but
     not read; reading stops after ``last``. A missing, truncated or corrupt shard raises
-    ``ShardFormatError`` naming it.
+    ``ShardFormatError`` naming it; with ``checksums`` (``integrity.load_sample_checksums``)
+    every member read is checked against its sidecar, naming the command that repairs it.
     """
     fpath = Path(fpath)
     if not fpath.is_file():
@@ -184,15 +205,24 @@ def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None
                 index += 1
                 if index < first:
                     continue
-                tokens = _read_tokens(stream, f"{fpath}: member {name!r}", offset, size)
+                if checksums is not None and index >= len(checksums.tokens):
+                    raise _mismatch(f"{fpath}: member {name!r} (sample {index + 1} of {len(checksums.tokens)})")
+                tokens = _read_tokens(stream, f"{fpath}: member {name!r}", offset, size,
+                                      None if checksums is None else checksums.tokens[index])
                 if not with_positions:
                     yield key, tokens
                 elif positions is None or positions[0] != key:
+                    if checksums is not None and checksums.positions is not None:
+                        raise _mismatch(f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r} (missing)")
                     yield key, tokens, None
                 else:
+                    where = f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}"
                     stream.seek(positions[1])
-                    yield key, tokens, decode_positions(stream.read(positions[2]), len(tokens),
-                                                        f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}")
+                    data = stream.read(positions[2])
+                    if checksums is not None and checksums.positions is not None \
+                            and xxhash.xxh3_64_intdigest(data) != checksums.positions[index]:
+                        raise _mismatch(where)
+                    yield key, tokens, decode_positions(data, len(tokens), where)
                 if last is not None and index >= last:
                     return
     except tarfile.TarError as exn:

@@ -49,7 +49,9 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
     blocks on a dead consumer.
     """
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the main process aborts the open shards in order
+    # Ctrl-C, or a SIGTERM sent to the whole group (scancel): the main process aborts the open shards in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     failed = False
     while (item := tasks.get()) is not None:
         if item[0] != "begin" or failed:

@@ -14,6 +14,8 @@ Design choices:
   streaming), fsynced and renamed; only then is its sidecar ``shard-NNNNNN.json`` written
   (tmp + rename). "Tar and sidecar exist, sizes agree" is the completion test, so a job
   killed at any point leaves either a complete shard or one that the rerun redoes.
+- Each sidecar also records an xxh3-64 of the tar and of every sample's ``tokens.npy`` and
+  ``positions.npy``, checked by the training stream, reruns and finalize (``integrity``).
 - Each sidecar carries float64 running sums, so ``finalize_manifest`` gets the
   normalisation statistics (per-dimension mean, mean squared norm) without re-reading
   the 0.5 TB of tokens.
@@ -31,7 +33,9 @@ from typing import Any, BinaryIO, Iterable, Sequence
 
 import numpy as np
 import webdataset as wds
+import xxhash
 
+from feature_extraction import integrity
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.token_selection import full_token_count, token_kinds
 
@@ -116,11 +120,13 @@ class _HashingWriter:
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
         self.sha256 = hashlib.sha256()
+        self.xxh3 = xxhash.xxh3_64()  # integrity.ALGORITHM: what reruns and finalize check quickly
         self.n_bytes = 0
 
     def write(self, data: bytes) -> int:
         self.f.write(data)
         self.sha256.update(data)
+        self.xxh3.update(data)
         self.n_bytes += len(data)
         return len(data)
 
@@ -236,6 +242,7 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
     stats = RunningStats(0)
     seen: set[str] = set()
     d = n_tokens = None
+    checksums: dict[str, list[str]] = {"tokens.npy": [], "positions.npy": []}
     try:
         with open(tmp_fpath, "wb") as f:
             hashing = _HashingWriter(f)
@@ -254,6 +261,9 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
                         raise ValueError(f"sample {key!r}: tokens contain inf/nan (float16 overflow?); "
                                          "check the backbone output")
                     stats = stats.merge(sample_stats)
+                    for member in checksums:
+                        if member in sample:
+                            checksums[member].append(integrity.digest(sample[member]))
                     writer.write(sample)
             f.flush()
             os.fsync(f.fileno())
@@ -264,8 +274,12 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
         tmp_fpath.unlink(missing_ok=True)
         raise
     _fsync_dir(shards_dpath)
+    if len(checksums["positions.npy"]) != len(seen):  # all-token extraction: no positions.npy
+        del checksums["positions.npy"]
     sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,
-               "sha256": hashing.sha256.hexdigest(), "bytes": hashing.n_bytes, "stats": stats.to_json()}
+               "sha256": hashing.sha256.hexdigest(), integrity.ALGORITHM: hashing.xxh3.hexdigest(),
+               "bytes": hashing.n_bytes, "stats": stats.to_json(),
+               "sample_checksums": {"algorithm": integrity.ALGORITHM, **checksums}}
     write_json_atomic(shards_dpath / sidecar_fname(index), sidecar)
     return sidecar
 
@@ -294,7 +308,14 @@ def shard_is_complete(shards_dpath: Path, index: int) -> bool:
         return False
 
 
-def _format_indices(indices: list[int], limit: int = 20) -> str:
+def shard_is_intact(shards_dpath: Path, index: int) -> bool:
+    """Complete, and the tar's bytes still match its sidecar (reads the whole tar: xxh3-64, or sha256 if older)."""
+    if not shard_is_complete(shards_dpath, index):
+        return False
+    return integrity.shard_is_intact(read_sidecar(shards_dpath, index), Path(shards_dpath) / shard_fname(index))
+
+
+def format_indices(indices: list[int], limit: int = 20) -> str:
     shown = ", ".join(str(i) for i in indices[:limit])
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
@@ -328,12 +349,12 @@ def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: i
             raise ValueError(f"finalize_manifest {name} must be JSON-serialisable ({exn})") from None
     missing = [i for i in range(n_shards) if not shard_is_complete(shards_dpath, i)]
     if missing:
-        raise ShardFormatError(f"{shards_dpath}: shards {_format_indices(missing)} of {n_shards} are incomplete; "
+        raise ShardFormatError(f"{shards_dpath}: shards {format_indices(missing)} of {n_shards} are incomplete; "
                                "run the extraction tasks that own them")
     strays = sorted(int(p.stem.split("-")[1]) for p in shards_dpath.glob("shard-*.json")
                     if p.stem.split("-")[1].isdigit() and int(p.stem.split("-")[1]) >= n_shards)
     if strays:
-        raise ShardFormatError(f"{shards_dpath}: found shards {_format_indices(strays)} beyond n_shards={n_shards}; "
+        raise ShardFormatError(f"{shards_dpath}: found shards {format_indices(strays)} beyond n_shards={n_shards}; "
                                "pass the right n_shards or remove them")
     stats = RunningStats(0)
     entries = []
@@ -381,8 +402,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         raise ShardFormatError(f"{shards_dpath}: shard directory not found; check the path or run the extraction")
     fpath = shards_dpath / MANIFEST_FNAME
     if not fpath.is_file():
-        raise ShardFormatError(f"{fpath}: missing, the extraction is unfinished; run `python -m feature_extraction "
-                               f"finalize --out {shards_dpath}` or finish the tasks")
+        raise ShardFormatError(_no_manifest_advice(shards_dpath))
     manifest = _read_json(fpath, "manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ShardFormatError(f"{fpath}: field 'schema_version' is {manifest.get('schema_version')!r}, this version "
@@ -395,8 +415,13 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     _check_token_layout(manifest, fpath)
     stats = manifest["stats"]
     if not isinstance(stats, dict) or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens")) \
-            or not isinstance(stats["mean"], list) or len(stats["mean"]) != manifest["d"]:
-        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d={manifest['d']}], mean_sq_norm, n_tokens")
+            or not isinstance(stats["mean"], list):
+        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d], mean_sq_norm, n_tokens; the manifest was "
+                               f"edited or damaged: run `python -m feature_extraction finalize --out {shards_dpath}`")
+    if isinstance(manifest["d"], bool) or not isinstance(manifest["d"], int) or manifest["d"] != len(stats["mean"]):
+        raise ShardFormatError(f"{fpath}: field 'd' is {manifest['d']!r} but the shards' statistics have "
+                               f"{len(stats['mean'])} dimensions; the manifest was edited: run "
+                               f"`python -m feature_extraction finalize --out {shards_dpath}` to rewrite it")
     if not isinstance(manifest["shards"], list) or not manifest["shards"]:
         raise ShardFormatError(f"{fpath}: field 'shards' must be a non-empty list")
     for entry in manifest["shards"]:
@@ -421,6 +446,23 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
     return manifest
+
+
+def _no_manifest_advice(shards_dpath: Path) -> str:
+    """Why ``shards_dpath`` has no manifest, and the fix that works there (not a finalize that would fail)."""
+    fpath = shards_dpath / MANIFEST_FNAME
+    if (shards_dpath / "extraction.json").is_file():
+        return (f"{fpath}: missing, the extraction is unfinished; finish its tasks (rerun the extraction) or run "
+                f"`python -m feature_extraction finalize --out {shards_dpath}` once every shard exists")
+    if any(shards_dpath.glob("shard-*.json")):
+        return (f"{fpath}: missing, and without extraction.json `finalize` cannot rebuild it; write it with "
+                "feature_extraction.shards.finalize_manifest (as the code that wrote these shards should) or re-extract")
+    nested = sorted(p.parent for p in shards_dpath.glob(f"*/{MANIFEST_FNAME}"))
+    if nested:
+        names = ", ".join(str(p) for p in nested[:5]) + (", ..." if len(nested) > 5 else "")
+        return (f"{shards_dpath}: holds no {MANIFEST_FNAME} but its sub-directories do; pass one of them: {names}")
+    return (f"{shards_dpath}: not a shard directory (no {MANIFEST_FNAME}); pass the --out directory of a "
+            "finished `python -m feature_extraction` run, or extract into it first")
 
 
 def _check_token_layout(manifest: dict, fpath: Path) -> None:

@@ -25,6 +25,7 @@ import time
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 LIGHTNING_COMMANDS = {
     "fit": "train an SAE (--config configs/<variant>_<data>.yaml)",
     "validate": "R², L0, dead fraction of a trained SAE on the validation split (--ckpt_path)",
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(args, argv)
+    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise

@@ -8,11 +8,18 @@ What this subclass adds to LightningCLI:
 - ``data.d_in`` is linked into ``model.sae.init_args.d_in`` when the classes are
   instantiated, so the width comes from the data (manifest) and is never typed twice.
 - Always-on callbacks, configurable from the YAML or flags: ``--checkpoint.*``
-  (ModelCheckpoint, ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard
-  figures) and ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise).
-- TensorBoardLogger by default, under ``runs/<config file stem>/`` (``runs/sae`` without a
-  config); checkpoints go to ``runs/<name>/checkpoints`` (not per logger version), so
-  ``fit --ckpt_path last`` finds the previous run's ``last.ckpt``.
+  (:class:`~sae_pipeline.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
+  final step; ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard figures) and
+  ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise); SIGTERM / Ctrl-C save
+  and exit 143 / 130 (:mod:`sae_pipeline.interrupts`); checkpoints are written atomically.
+- TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (``runs/sae`` without
+  a config; ``--trainer.default_root_dir DIR`` replaces ``runs``), with that run's checkpoints
+  in ``version_N/checkpoints/`` (:mod:`sae_pipeline.checkpointing`). ``--ckpt_path last`` is the
+  newest checkpoint over the config's runs; ``fit`` ends by printing its final checkpoint and
+  TensorBoard directory.
+- ``validate``, ``test`` and ``predict`` need ``--ckpt_path``; every ``--ckpt_path`` is checked
+  (exists, is a checkpoint of this package, fits the data's ``d_in``) before anything runs, and
+  output folders are checked writable: one-line errors, exit 2.
 - Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
   (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
   directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
@@ -22,15 +29,23 @@ What this subclass adds to LightningCLI:
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from sae_pipeline import lightning_compat
 from sae_pipeline.callbacks import SAEFigures
+from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
+    newest_checkpoint, read_checkpoint
+from sae_pipeline.cli_args import check_config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.interrupts import Interrupts
 from sae_pipeline.module import SAEModule
 from sae_pipeline.predict import CodesPredictionWriter
 from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
@@ -41,14 +56,17 @@ from sae_pipeline.sae import (  # noqa: F401 -- imported so that bare class name
     ReLUSAE,
     TopKSAE,
 )
+from sae_pipeline.writable import check_writable_dir, check_writable_file, dir_problem
 
 DEFAULT_RUNS_DPATH = "runs"
 DEFAULT_RUN_NAME = "sae"
 PROG = "python -m sae_pipeline"
+EVALUATING = ("validate", "test", "predict")
 DESCRIPTION = ("Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
-               "on token activations. Export a checkpoint with: python -m sae_pipeline export --ckpt_path FILE "
-               "--out DIR (see its --help); extract features with: python -m sae_pipeline extract ... (the flags of "
-               "python -m feature_extraction).")
+               "on token activations. Each fit run writes runs/<config stem>/version_N/ (TensorBoard) and "
+               "version_N/checkpoints/last.ckpt; --ckpt_path last means the newest run's. Export a checkpoint with: "
+               "python -m sae_pipeline export --ckpt_path FILE --out DIR (see its --help); extract features with: "
+               "python -m sae_pipeline extract ... (the flags of python -m feature_extraction).")
 
 
 class SAEArgumentParser(LightningArgumentParser):
@@ -58,20 +76,24 @@ class SAEArgumentParser(LightningArgumentParser):
         print(f"usage: {self.prog.replace(' [options]', '')} [options]", file=file)
 
 
-class SAECLI(LightningCLI):
+class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     """LightningCLI for :class:`SAEModule` + :class:`ActivationDataModule` (see the module docstring)."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        self.run_dpath: Path | None = None
+        self._prepared = False
+        self._ckpt_d_in: int | None = None
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
-        kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue()]})
+        kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
         super().__init__(SAEModule, ActivationDataModule, args=args, run=run, auto_configure_optimizers=False,
                          parser_class=SAEArgumentParser, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.d_in", "model.sae.init_args.d_in", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_lightning_class_args(SAECheckpoint, "checkpoint")
+        # enable_version_counter false: last.ckpt is overwritten, never joined by a stale last-v1.ckpt.
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(SAEFigures, "figures")
         parser.add_lightning_class_args(CodesPredictionWriter, "codes")
         parser.set_defaults({
@@ -81,38 +103,149 @@ class SAECLI(LightningCLI):
             },
         })
 
+    # --- before instantiation: names, outputs, --ckpt_path ---------------------------------------
+    def prepare_ckpt_path(self) -> None:
+        """Called by LightningCLI before it reads ``--ckpt_path`` (:class:`lightning_compat.CkptPathHook`)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        self._name_run(config, subcommand)
+        self._check_outputs(config, subcommand)
+        self._check_ckpt_path(config, subcommand)
+
     def before_instantiate_classes(self) -> None:
-        """Name the TensorBoard run after the config file and put checkpoints beside it."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        self.prepare_ckpt_path()  # already done unless this Lightning has no _parse_ckpt_path
+
+    def _name_run(self, config: Namespace, subcommand: str | None) -> None:
+        """Name the TensorBoard run after the config file; ``--trainer.default_root_dir`` replaces ``runs``."""
         run_name = DEFAULT_RUN_NAME
         config_fpaths = config.get("config") or []
         if config_fpaths:
             run_name = Path(str(config_fpaths[-1])).stem
         logger = config.trainer.get("logger")
-        save_dir = DEFAULT_RUNS_DPATH
+        root = config.trainer.get("default_root_dir")
         tensorboard = isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger")
         if tensorboard:
             if logger.init_args.get("name") is None:
                 logger.init_args.name = run_name
-            save_dir, run_name = logger.init_args.save_dir, logger.init_args.name
-        if config.checkpoint.get("dirpath") is None:
-            config.checkpoint.dirpath = str(Path(save_dir) / run_name / "checkpoints")
+            if root is not None and logger.init_args.get("save_dir") == DEFAULT_RUNS_DPATH:
+                logger.init_args.save_dir = str(root)
+            self.run_dpath = Path(logger.init_args.save_dir) / str(logger.init_args.name)
+        else:
+            self.run_dpath = Path(root if root is not None else DEFAULT_RUNS_DPATH) / run_name
+            if root is None:
+                config.trainer.default_root_dir = str(self.run_dpath)
         job = slurm_job_tag()
         if tensorboard and job is not None:
-            self._follow_slurm_job(config, logger, job)
+            self._follow_slurm_job(config, logger, job, subcommand)
 
-    def _follow_slurm_job(self, config: Namespace, logger: Namespace, job: str) -> None:
+    def _follow_slurm_job(self, config: Namespace, logger: Namespace, job: str, subcommand: str | None) -> None:
         """One SLURM job, one TensorBoard run: ``runs/<name>/slurm-<job>``, also Lightning's hpc
         checkpoint directory. A requeued job resumes from its hpc checkpoint whatever ``--ckpt_path``."""
         if logger.init_args.get("version") is None:
             logger.init_args.version = f"slurm-{job}"
         version_dpath = Path(logger.init_args.save_dir) / logger.init_args.name / str(logger.init_args.version)
-        if config.trainer.get("default_root_dir") is None:
-            config.trainer.default_root_dir = str(version_dpath)
-        if self.subcommand == "fit" and hpc_checkpoints(config.trainer.default_root_dir):
+        config.trainer.default_root_dir = str(version_dpath)
+        if subcommand == "fit" and hpc_checkpoints(config.trainer.default_root_dir):
             config.ckpt_path = None  # Lightning then restores the newest hpc checkpoint (SLURM only)
+
+    def _check_outputs(self, config: Namespace, subcommand: str | None) -> None:
+        if subcommand == "fit" and self.run_dpath is not None:
+            problem = dir_problem(self.run_dpath)
+            if problem:
+                raise ValueError(f"the run folder {self.run_dpath} {problem}; pass --trainer.default_root_dir DIR "
+                                 "to write logs and checkpoints elsewhere")
+            if config.checkpoint.get("dirpath"):
+                check_writable_dir(config.checkpoint.dirpath, "--checkpoint.dirpath")
+        if subcommand == "predict":
+            check_writable_file(config.codes.fpath, "--codes.fpath")
+
+    def _check_ckpt_path(self, config: Namespace, subcommand: str | None) -> None:
+        """``last`` -> the newest checkpoint of this config's runs; any path -> checked readable."""
+        ckpt_path = config.get("ckpt_path") if subcommand else None
+        if subcommand in EVALUATING and not ckpt_path:
+            raise CheckpointError(f"{subcommand} needs a trained SAE: pass --ckpt_path FILE (written by fit, e.g. "
+                                  f"{self.run_dpath}/version_0/checkpoints/last.ckpt) or --ckpt_path last (the "
+                                  "newest run of this config)")
+        if not ckpt_path:
+            return
+        if str(ckpt_path) == "last":
+            search = [self.run_dpath] + ([Path(config.checkpoint.dirpath)] if config.checkpoint.get("dirpath") else [])
+            found = newest_checkpoint(search)
+            if found is None:
+                what = "resume; run fit without --ckpt_path to start a new run" if subcommand == "fit" else \
+                    "use; train one first with fit"
+                raise CheckpointError(f"--ckpt_path last: no checkpoint under {' or '.join(map(str, search))} to "
+                                      f"{what}")
+            rank_zero_info(f"--ckpt_path last: {found}")
+            config.ckpt_path = ckpt_path = str(found)
+        checkpoint = read_checkpoint(ckpt_path, for_fit=subcommand == "fit")
+        self._ckpt_d_in = checkpoint_d_in(checkpoint)
+        self._ckpt_source = (checkpoint.get("data") or {}).get("source")
+        del checkpoint
+
+    # --- instantiation --------------------------------------------------------------------------
+    def after_instantiate_classes(self) -> None:
+        """The checkpoint's SAE must take the data's width (the model's d_in is linked from the data)."""
+        d_in = getattr(self.datamodule, "d_in", None)
+        if self._ckpt_d_in is not None and d_in is not None and d_in != self._ckpt_d_in:
+            subcommand = self.subcommand or ""
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            trained_on = f" (it was trained on {self._ckpt_source})" if self._ckpt_source else ""
+            raise CheckpointError(f"--ckpt_path {ckpt_path}: its SAE takes d_in={self._ckpt_d_in} inputs but "
+                                  f"data.source {getattr(self.datamodule, 'source', '?')} gives d_in={d_in}; pass "
+                                  f"the data it was trained on{trained_on}")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with checkpoints written atomically, and its set-up errors in one line."""
+        config_init = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = (config_init.get("trainer") or {}).get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            plugins.append(AtomicCheckpointIO())
+        kwargs.setdefault("plugins", plugins)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except MisconfigurationException as exn:
+            raise ValueError(trainer_setup_error(exn, config_init.get("trainer") or {})) from None
+
+    # --- after fit ------------------------------------------------------------------------------
+    def after_fit(self) -> None:
+        """Tell the user which files hold what this run trained (rank 0 only)."""
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        callback = trainer.checkpoint_callback
+        ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
+        if ckpt:
+            print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        else:
+            print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
+                  flush=True)
+        # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
+        log_dir = getattr(trainer.logger, "log_dir", None)
+        if log_dir:
+            print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+
+
+def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:
+    """One line for a Trainer that cannot be built here (e.g. ``--trainer.accelerator gpu`` without a GPU)."""
+    first = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
+    accelerator = trainer_config.get("accelerator") if hasattr(trainer_config, "get") else None
+    if str(accelerator or "auto") not in ("auto", "cpu"):
+        return (f"--trainer.accelerator {accelerator}: not usable here ({first.split('. ')[0].rstrip('.!')}); "
+                "use --trainer.accelerator cpu, or auto to take what is there")
+    return f"trainer settings: {first}"
 
 
 def cli_main(args: Any = None, run: bool = True) -> SAECLI:
     """Entry point of ``python -m sae_pipeline`` (also used by tests with ``args=[...]``)."""
+    if args is None:
+        sys.argv[1:] = normalize_args(sys.argv[1:])
+        check_config_files(sys.argv[1:])
+    elif isinstance(args, (list, tuple)):
+        args = normalize_args(list(args))
+        check_config_files(args)
     return SAECLI(args=args, run=run)

@@ -23,6 +23,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Iterator, NamedTuple, Protocol
@@ -30,6 +31,7 @@ from typing import Iterator, NamedTuple, Protocol
 import numpy as np
 
 from feature_extraction.h5cache import TokenCache
+from feature_extraction.integrity import SampleChecksums, load_sample_checksums, repair_command, verify_sha256_once
 from feature_extraction.shard_reader import iter_shard_tokens
 from feature_extraction.shards import ShardFormatError, load_manifest, shard_fpaths
 
@@ -68,9 +70,15 @@ class ShardUnit:
     (``subset``: it must be there), else its index in the sample.
     """
 
-    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False) -> None:
+    verify = True  # check each sample against its sidecar's checksums (benchmarks/loader.py turns it off)
+
+    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False,
+                 sha256: str | None = None) -> None:
         self.fpath = Path(fpath)
         self.subset = subset
+        self.sha256 = sha256  # the manifest's: the sidecar must be the one the manifest was built from
+        self.verify = ShardUnit.verify
+        self._checksums: SampleChecksums | None | bool = False  # False: not loaded yet (None: old sidecar)
         self.name = str(self.fpath)
         self.n_images = int(n_images)
         self.tokens_per_image = int(tokens_per_image)
@@ -85,7 +93,9 @@ class ShardUnit:
             return
         tpi = self.tokens_per_image
         first, last = lo // tpi, (hi - 1) // tpi
-        with contextlib.closing(iter_shard_tokens(self.fpath, first, last, with_positions=with_ids)) as samples:
+        checksums = self._sample_checksums() if self.verify else None
+        with contextlib.closing(iter_shard_tokens(self.fpath, first, last, with_positions=with_ids,
+                                                  checksums=checksums)) as samples:
             for index, (key, tokens, *positions) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
                     raise ShardFormatError(f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
@@ -98,6 +108,25 @@ class ShardUnit:
                     return
         raise ShardFormatError(f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
                                "lists; re-extract the shard")
+
+    def _sample_checksums(self) -> SampleChecksums | None:
+        """The sidecar's per-sample checksums, loaded once per process (None: an old sidecar, sha256 checked)."""
+        if self._checksums is False:
+            sidecar_fpath = self.fpath.with_suffix(".json")
+            try:
+                sidecar = json.loads(sidecar_fpath.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exn:
+                raise ShardFormatError(f"{sidecar_fpath}: unreadable sidecar ({type(exn).__name__}); "
+                                       f"{repair_command(self.fpath.parent)}") from None
+            if self.sha256 is not None and sidecar.get("sha256") != self.sha256:
+                raise ShardFormatError(f"{sidecar_fpath}: sha256 differs from {self.fpath.parent / 'manifest.json'}: "
+                                       "the shard was rewritten after the manifest; run `python -m feature_extraction "
+                                       f"finalize --out {self.fpath.parent}`")
+            self._checksums = load_sample_checksums(sidecar, sidecar_fpath)
+            self.sha256 = sidecar.get("sha256")
+        if self._checksums is None:
+            verify_sha256_once(self.fpath, str(self.sha256))
+        return self._checksums
 
     def _positions(self, key: str, stored: np.ndarray | None, a: int, b: int) -> np.ndarray:
         """Full-sequence positions of the sample's stored tokens ``[a, b)`` (int64)."""
@@ -219,7 +248,7 @@ class ShardSource:
         self.d = int(self.manifest["d"])
         tpi = int(self.manifest["tokens_per_image"])
         subset = self.manifest["token_selection"] is not None  # load_manifest fills it in for old manifests
-        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d, subset)
+        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d, subset, entry["sha256"])
                        for fpath, entry in zip(shard_fpaths(dpath, self.manifest), self.manifest["shards"])]
 
     def units(self, split: str, val_fraction: float) -> list[ShardUnit]:
@@ -333,6 +362,13 @@ def open_source(source: str, data_dpath: str | Path = "data",
         if not any(fpath.iterdir()):
             raise ValueError(f"--data.source {source}: empty directory; pass {SOURCE_FORMS}")
         return ShardSource(fpath)  # load_manifest names an unfinished extraction and its fix
+    if fpath.name == "manifest.json" and fpath.parent.is_dir():
+        raise ValueError(f"--data.source {source}: pass the shard directory ({fpath.parent}), not its manifest")
+    if fpath.is_file():
+        hint = " (an .npy array of tokens [N, d]: save it as a cache with " \
+               "feature_extraction.h5cache.write_token_cache(PATH.h5, tokens))" if fpath.suffix == ".npy" else ""
+        raise ValueError(f"--data.source {source}: is a {fpath.suffix or 'extension-less'} file, not a data "
+                         f"source{hint}; pass {SOURCE_FORMS}")
     raise ValueError(f"--data.source {source!r}: not found; pass {SOURCE_FORMS}")
 
 

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               "random tiny ViT; d_sae = 256, k = 8,\nheld-out shard): a check that the pipeline runs end to end, "
               "not a result.")
     print(f"\nTensorBoard logs: {runs_dpath}   (view with: tensorboard --logdir {runs_dpath})")
-    print(f"Checkpoints: {runs_dpath}/<run>/checkpoints/last.ckpt; training logs: {logs_dpath}")
+    print(f"Checkpoints: {runs_dpath}/<run>/version_N/checkpoints/last.ckpt; training logs: {logs_dpath}")
     print(f"Total time: {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -24,6 +24,7 @@ import importlib
 import inspect
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sae_pipeline
+from feature_extraction.exit_status import run_command
 from sae_pipeline import sae as sae_package
 from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
@@ -109,7 +111,7 @@ def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:
     ckpt_fpath = Path(ckpt_fpath)
     if not ckpt_fpath.is_file():
         raise ExportError(f"--ckpt_path {ckpt_fpath}: file not found; pass a .ckpt written by `fit` "
-                          "(e.g. runs/NAME/checkpoints/last.ckpt)")
+                          "(e.g. runs/NAME/version_N/checkpoints/last.ckpt, which fit prints)")
     try:
         checkpoint = torch.load(ckpt_fpath, map_location="cpu", weights_only=True)
     except Exception as exn:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
@@ -170,11 +172,79 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
         "package_version": sae_pipeline.__version__,
         "trained_with_package_version": checkpoint.get("sae_pipeline_version"),
     }
-    out_dpath.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.detach().contiguous() for key, value in sae.state_dict().items()}
-    save_file(tensors, str(out_dpath / WEIGHTS_FNAME), metadata={"format": EXPORT_FORMAT})
-    (out_dpath / CONFIG_FNAME).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+    write_export_files(out_dpath, WEIGHTS_FNAME, tensors, {"format": EXPORT_FORMAT}, CONFIG_FNAME, config,
+                       record_sha256=True)
     return out_dpath
+
+
+def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[str, torch.Tensor],
+                       weights_metadata: dict[str, str] | None, config_fname: str, config: dict[str, Any],
+                       record_sha256: bool = False) -> Path:
+    """Write an export's weights and config so that a failure never leaves a half-written export.
+
+    Both files are written whole under temporary names (fsynced) and only then renamed over the
+    old ones, weights first, config last; a failure before the renames (disk full, Ctrl-C) leaves
+    the previous export as it was and no temporary file. ``record_sha256`` stores the weights'
+    sha256 in the config, so the one instant between the two renames (a kill -9 there) shows up as a
+    mismatch that ``load_sae`` names, instead of a silent mix of two exports.
+    """
+    from feature_extraction.output_dirs import prepare_output_dir
+
+    out_dpath = prepare_output_dir(out_dpath, "--out")
+    weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
+    config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
+    try:
+        save_file(tensors, str(weights_tmp), metadata=weights_metadata)
+        if record_sha256:
+            config = {**config, "weights_sha256": _sha256_file(weights_tmp)}
+        with open(config_tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=False) + "\n")
+        for fpath in (weights_tmp, config_tmp):
+            with open(fpath, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(weights_tmp, out_dpath / weights_fname)
+        os.replace(config_tmp, out_dpath / config_fname)
+    except OSError as exn:
+        raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
+                      "choose another --out (the previous export there, if any, is unchanged)") from None
+    finally:
+        weights_tmp.unlink(missing_ok=True)
+        config_tmp.unlink(missing_ok=True)
+    return out_dpath
+
+
+def _sha256_file(fpath: Path) -> str:
+    sha = hashlib.sha256()
+    with open(fpath, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def check_export(dpath: Path | str) -> None:
+    """Raise a one-line ExportError when ``dpath`` is not a whole native export (cheap: no SAE is built)."""
+    from safetensors import safe_open
+
+    dpath = Path(dpath)
+    config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
+    fix = f"re-export it, or delete {dpath} and rerun what wrote it"
+    try:
+        config = json.loads(config_fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exn:
+        raise ExportError(f"{config_fpath}: unreadable ({type(exn).__name__}); {fix}") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_fpath}: not a JSON object; {fix}")
+    if "weights_sha256" in config:
+        if not weights_fpath.is_file() or _sha256_file(weights_fpath) != config["weights_sha256"]:
+            raise ExportError(f"{weights_fpath}: missing or its sha256 differs from {CONFIG_FNAME}'s "
+                              f"'weights_sha256' (damaged); {fix}")
+        return
+    try:
+        with safe_open(str(weights_fpath), framework="pt") as f:
+            list(f.keys())
+    except Exception as exn:  # safetensors raises SafetensorError (no common base) for damaged files
+        raise ExportError(f"{weights_fpath}: not a readable safetensors file ({type(exn).__name__}); {fix}") from None
 
 
 def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
@@ -197,22 +267,37 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
         config = json.loads(config_fpath.read_text())
     except json.JSONDecodeError as exn:
         raise ExportError(f"{config_fpath}: invalid JSON ({exn}); re-export the checkpoint") from None
-    sae = build_sae(config)
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_fpath}: not a JSON object; re-export the checkpoint")
+    fix = f"re-export it (python -m sae_pipeline export --ckpt_path {config.get('checkpoint') or 'FILE'} --out {dpath})"
+    if "weights_sha256" in config and _sha256_file(weights_fpath) != config["weights_sha256"]:
+        raise ExportError(f"{weights_fpath}: sha256 differs from {CONFIG_FNAME}'s 'weights_sha256' (a damaged or "
+                          f"mixed export); {fix}")
     try:
-        sae.load_state_dict(load_file(str(weights_fpath), device=str(map_location)), strict=True)
+        sae = build_sae(config)
+    except TypeError as exn:
+        raise ExportError(f"{config_fpath}: does not describe an SAE ({exn}); {fix}") from None
+    try:
+        state = load_file(str(weights_fpath), device=str(map_location))
+    except Exception as exn:  # safetensors raises SafetensorError (no common base) for damaged files
+        raise ExportError(f"{weights_fpath}: not a readable safetensors file ({type(exn).__name__}: "
+                          f"{str(exn).splitlines()[0] if str(exn) else ''}); {fix}") from None
+    try:
+        sae.load_state_dict(state, strict=True)
     except RuntimeError as exn:
         raise ExportError(f"{weights_fpath}: weights do not match {CONFIG_FNAME}: {str(exn).splitlines()[0]}") from None
     return sae.to(map_location).eval()
 
 
-def main(argv: list[str] | None = None) -> Path:
-    """``python -m sae_pipeline export --ckpt_path FILE --out DIR``."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sae_pipeline export --ckpt_path FILE --out DIR``; returns the exit status (``exit_status``)."""
     parser = argparse.ArgumentParser(
         prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter,
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
                     "with the input normalisation folded in so it runs on raw activations.")
     parser.add_argument("--ckpt_path", required=True,
-                        help="checkpoint written by `fit`, e.g. runs/NAME/checkpoints/last.ckpt")
+                        help="checkpoint written by `fit`, e.g. runs/NAME/version_N/checkpoints/last.ckpt "
+                             "(fit prints its path; each fit run has its own version_N)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--format", choices=("native", "saelens"), default="native",
                         help="native: sae.safetensors + config.json; saelens: SAELens 6's cfg.json + "
@@ -221,13 +306,17 @@ def main(argv: list[str] | None = None) -> Path:
                         help="saelens format, MP-SAE only: data whose validation split checks that SAELens computes "
                              "the same codes (default: the data the run was trained on)")
     args = parser.parse_args(argv)
-    if args.format == "saelens":
-        from sae_pipeline import saelens
 
-        out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
-        files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
-    else:
-        out_dpath = export_checkpoint(args.ckpt_path, args.out)
-        files = (WEIGHTS_FNAME, CONFIG_FNAME)
-    print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
-    return out_dpath
+    def run() -> None:
+        if args.format == "saelens":
+            from sae_pipeline import saelens
+
+            out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
+            files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+        else:
+            out_dpath = export_checkpoint(args.ckpt_path, args.out)
+            files = (WEIGHTS_FNAME, CONFIG_FNAME)
+        print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+
+    return run_command(run, interrupted=f"nothing was written to {args.out} (exports are written whole or not at "
+                                        "all); rerun the command", error_type=True)[0]

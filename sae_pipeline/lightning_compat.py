@@ -2,8 +2,11 @@
 
 Lightning has no public API for a few things we need: the trainer's cluster environment
 (SLURM requeue), the path of its next hpc checkpoint, whether this step's logged values are
-written, the step its loggers stamp on scalars, and dropping the training loader that
-``estimated_stepping_batches`` builds too early on a resumed run. Each is reached here and
+written, the step its loggers stamp on scalars, dropping the training loader that
+``estimated_stepping_batches`` builds too early on a resumed run, the CLI's reading of
+``--ckpt_path`` (to resolve and check it first), Lightning's SIGTERM notifier (replaced by
+:mod:`sae_pipeline.interrupts`) and ``ModelCheckpoint``'s ``last.ckpt`` save (to save the final
+step, which it skips when ``max_steps`` is not a checkpoint step). Each is reached here and
 nowhere else, so a Lightning release that moves one breaks one function, and
 ``tests/test_lightning_compat.py`` (which runs each against a real ``Trainer``) fails, naming it.
 
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import lightning as L
     from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
 VERIFIED_LIGHTNING = "2.6"  # the major.minor whose internals these functions were written against
 
@@ -57,3 +61,48 @@ def discard_train_loader(trainer: L.Trainer) -> None:
     if fit_loop._data_fetcher is not None:
         fit_loop._data_fetcher.teardown()
     fit_loop._combined_loader, fit_loop._data_fetcher = None, None
+
+
+class CkptPathHook:
+    """Mixin for ``LightningCLI``: run :meth:`prepare_ckpt_path` just before the CLI reads ``--ckpt_path``.
+
+    ``LightningCLI._parse_ckpt_path`` (private, called between parsing and instantiation) loads the
+    checkpoint's hyper-parameters into the model's config, but only when ``--ckpt_path`` is an existing
+    file: ``last`` passes through unread, and a truncated or foreign file raises torch's traceback
+    (which advises ``weights_only=False``). The subclass's ``prepare_ckpt_path`` resolves ``last`` to a
+    file and validates it first, so Lightning only ever reads a checked path.
+    """
+
+    def prepare_ckpt_path(self) -> None:  # pragma: no cover - overridden
+        """Resolve and check ``self.config[subcommand].ckpt_path`` (the subclass implements it)."""
+
+    def _parse_ckpt_path(self) -> None:
+        self.prepare_ckpt_path()
+        super()._parse_ckpt_path()  # type: ignore[misc]
+
+
+def mute_sigterm_notifier(trainer: L.Trainer) -> None:
+    """Keep Lightning's own SIGTERM handling out of the way of :mod:`sae_pipeline.interrupts`.
+
+    Lightning's notifier (registered when a stage starts, composed with the handler already
+    installed) forwards the signal to the launcher's children, runs a ``dist.broadcast`` *inside
+    the signal handler* (a collective that pairs with whatever the other ranks are doing) and
+    makes the loops raise ``SIGTERMException``: exit status 0, no checkpoint. Replacing the
+    connector's bound notifier before it registers leaves only our handler doing anything.
+    """
+    trainer._signal_connector._sigterm_notifier_fn = _ignore_signal
+
+
+def _ignore_signal(signum: int, frame: object) -> None:
+    return None
+
+
+def last_saved_step(callback: ModelCheckpoint) -> int:
+    """The global step of the newest checkpoint this ``ModelCheckpoint`` wrote (0 before any)."""
+    return int(callback._last_global_step_saved)
+
+
+def save_last_checkpoint(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """Save ``last.ckpt`` now, the way ``ModelCheckpoint(save_last=True)`` does after a periodic save
+    (same name, same bookkeeping of ``last_model_path``); every rank must call it."""
+    callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))

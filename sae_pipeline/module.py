@@ -59,6 +59,13 @@ def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_rat
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _sources(batch: dict[str, Any], shown: int = 3) -> str:
+    """The shards (or row blocks) of a batch for an error message: a few names, then how many more."""
+    names = [str(name) for name in batch.get("shards", [])]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"shards {', '.join(names[:shown])}{more}" if names else "an unnamed source"
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -128,7 +135,7 @@ class SAEModule(L.LightningModule):
         if not torch.isfinite(x).all():
             n_bad = int((~torch.isfinite(x)).sum())
             raise NonFiniteBatchError(
-                f"{stage} at global step {self.global_step}: batch from shards {list(batch.get('shards', []))} "
+                f"{stage} at global step {self.global_step}: batch from {_sources(batch)} "
                 f"holds {n_bad} NaN/Inf values; re-extract or drop those shards")
         return self.preprocess(x)
 
@@ -194,8 +201,8 @@ class SAEModule(L.LightningModule):
         losses = self.sae.loss(x, output, step=self.global_step)
         if not torch.isfinite(losses.loss):
             raise NonFiniteBatchError(
-                f"training at global step {self.global_step}: loss is {float(losses.loss)} on the batch from shards "
-                f"{list(batch.get('shards', []))}; training diverged, lower model.lr")
+                f"training at global step {self.global_step}: loss is {float(losses.loss)} on the batch from "
+                f"{_sources(batch)}; training diverged, lower model.lr (now {self.hparams.lr})")
         self.record_firing(output.codes)
         self.log("train/loss", losses.loss, prog_bar=True)
         if self._is_logging_step():

@@ -5,7 +5,7 @@ Per token: the active atoms' indices and values (largest |value| first, padded w
 raw-activation units, as the exported SAE (``sae_pipeline.export.load_sae``) gives them.
 
 Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --codes.fpath codes.h5``
-(``--codes.fpath`` defaults to ``codes.h5``). Each rank writes its own part
+(``--codes.fpath`` defaults to ``codes.h5``; the command prints where it wrote them). Each rank writes its own part
 (``codes.h5.rank{R}``) while predicting; at the end rank 0 merges the parts in rank order
 into the one file and deletes them. Predictions are not also kept in memory
 (``trainer.predict`` returns None): a dataset's codes can exceed RAM.
@@ -105,14 +105,17 @@ class CodesPredictionWriter(BasePredictionWriter):
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.__exit__(None, None, None)
-        if trainer.world_size == 1:
-            return
-        trainer.strategy.barrier("codes_parts_written")
-        if trainer.global_rank == 0:
-            parts = [part_fpath(self.fpath, rank) for rank in range(trainer.world_size)]
-            merge_codes(parts, self.fpath)
-            for part in parts:
-                part.unlink()
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("codes_parts_written")
+            if trainer.global_rank == 0:
+                parts = [part_fpath(self.fpath, rank) for rank in range(trainer.world_size)]
+                merge_codes(parts, self.fpath)
+                for part in parts:
+                    part.unlink()
+        if trainer.is_global_zero:
+            with h5py.File(self.fpath, "r") as h5:
+                n_tokens = h5["token_positions"].shape[0]
+            print(f"Wrote the codes of {n_tokens} tokens to {self.fpath}", flush=True)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         writer, self._writer = self._writer, None

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 import sae_pipeline
@@ -212,11 +212,9 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
     """Write ``sae`` (raw-activation units) as SAELens's ``cfg.json`` + ``sae_weights.safetensors``."""
     config = saelens_config(sae, metadata)
     tensors = saelens_tensors(sae)
-    out_dpath = Path(out_dpath)
-    out_dpath.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dpath / SAELENS_WEIGHTS_FNAME))
-    (out_dpath / SAELENS_CFG_FNAME).write_text(json.dumps(config, indent=2) + "\n")
-    return out_dpath
+    from sae_pipeline.export import write_export_files  # imports this module: load it on use
+
+    return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, None, SAELENS_CFG_FNAME, config)
 
 
 def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, probe: str | None = None,

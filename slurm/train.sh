@@ -5,7 +5,7 @@
 #   sbatch slurm/train.sh configs/mpsae_dinov2.yaml       # 1 node x 4 GPUs (#SBATCH lines below)
 #   sbatch --nodes=4 slurm/train.sh configs/mpsae_dinov2.yaml            # 16 GPUs
 #   sbatch slurm/train.sh configs/topk_dinov2.yaml --model.sae.init_args.k 64   # extra flags pass through
-#   sbatch slurm/train.sh configs/mpsae_dinov2.yaml --ckpt_path last     # continue the config's last.ckpt
+#   sbatch slurm/train.sh configs/mpsae_dinov2.yaml --ckpt_path last     # continue the config's newest run
 #
 # `srun` starts one `python -m sae_pipeline fit` per task; Lightning's SLURMEnvironment reads the
 # ranks from SLURM and sets up DDP (NCCL on GPUs, gloo on CPUs). This script passes
@@ -13,7 +13,7 @@
 #
 # Outputs (run name = config file stem; version = slurm-<job id>, or slurm-<array job>_<task>):
 #   runs/<name>/slurm-<id>/          TensorBoard events, config.yaml, hpc_ckpt_<n>.ckpt after a pre-emption
-#   runs/<name>/checkpoints/         last.ckpt and the periodic checkpoints (`--checkpoint.*`)
+#   runs/<name>/slurm-<id>/checkpoints/   last.ckpt (final state) and the periodic ones (`--checkpoint.*`)
 #   slurm-logs/<job name>-<id>.out   this log: progress bar, errors (SLURM appends after a requeue)
 #
 # Pre-emption and time limit: SLURM sends SIGUSR1 90 s before it stops the job (--signal below).

@@ -235,6 +235,11 @@ def test_short_shard_raises_shard_format_error(shard_dir, tmp_path):
         (dpath / f.name).write_bytes(f.read_bytes())
     dm = make_dm(dpath, num_workers=0, val_fraction=0.0)
     S.write_shard(dpath, 1, [(f"x{i}", np.zeros((TPI, D), np.float16), {}) for i in range(2)])  # 2, not 11
+    with pytest.raises(S.ShardFormatError, match=r"shard-000001.json: sha256 differs from .*manifest.json: the shard "
+                                                 r"was rewritten after the manifest; run .*finalize --out"):
+        list(dm.predict_dataset(0, 1))
+    for unit in dm.data_source.units("all", 0.0):
+        unit.verify = False  # without the sidecar check, the short read itself is named
     with pytest.raises(S.ShardFormatError, match=r"shard-000001.tar: ends before sample \d+ of the 11 the manifest lists"):
         list(dm.predict_dataset(0, 1))
 
@@ -308,6 +313,7 @@ def test_loader_benchmark_quick_run(capsys):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     results = module.main(["--quick"])
-    assert set(results) == {"plain", "workers_1", "workers_2"}
+    assert set(results) == {"plain", "workers_1", "workers_2", "workers_1_unverified", "workers_2_unverified",
+                            "verify_ratio_1", "verify_ratio_2", "reader"}
     assert all(np.isfinite(rate) and rate > 0 for rates in results.values() for rate in rates)
     assert "ratio" in capsys.readouterr().out

@@ -150,7 +150,7 @@ def test_relu_l1_falls_with_k() -> None:
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, expected) -> None:
     out = tmp_path / "out"
-    assert main(["all", "--out", str(out), *args]) == 1
+    assert main(["all", "--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and expected in err and "\n" not in err
     assert not out.exists()

@@ -86,6 +86,6 @@ def test_dictionary_without_data_draws_data_free_figures(tmp_path, reference_dic
 
 
 def test_missing_npz_is_one_line(tmp_path, capsys) -> None:
-    assert main(["dictionary", "--npz", str(tmp_path / "none.npz"), "--out", str(tmp_path / "o")]) == 1
+    assert main(["dictionary", "--npz", str(tmp_path / "none.npz"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --npz") and "\n" not in err and not (tmp_path / "o").exists()

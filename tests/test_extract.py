@@ -184,7 +184,7 @@ def test_refuses_directory_of_another_extraction(images, reference, tmp_path) ->
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--backbone", "nope"], "backbone 'nope' is unknown; choose one of .*vit_tiny"),
-    (["--images", "{tmp}/missing"], "images source .*missing' does not exist"),
+    (["--images", "{tmp}/missing"], "--images .*missing: does not exist"),
     (["--images", "{tmp}/empty"], "images source .*empty' holds no images"),
     (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
     (["--task_index", "3", "--num_tasks", "3"], r"--task_index must be in \[0, 2\]"),

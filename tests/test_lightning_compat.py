@@ -4,7 +4,9 @@ or changes one fails here, by name."""
 from __future__ import annotations
 
 import csv
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -106,3 +108,79 @@ def test_pyproject_caps_lightning_at_the_verified_minor() -> None:
     lightning = next(spec for spec in dependencies if re.match(r"lightning\b", spec))
     major, minor = map(int, lightning_compat.VERIFIED_LIGHTNING.split("."))
     assert f"<{major}.{minor + 1}" in lightning.replace(" ", "")
+
+
+class Sized(L.LightningModule):
+    """A module whose one hyper-parameter is visible in its weights' shape."""
+
+    def __init__(self, width: int = 1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, 1)
+
+
+def test_ckpt_path_hook_runs_before_the_cli_reads_the_checkpoint(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    ckpt_fpath = tmp_path / "sized.ckpt"
+    torch.save({"hyper_parameters": {"width": 3}, "state_dict": {}}, ckpt_fpath)
+
+    class HookedCLI(lightning_compat.CkptPathHook, LightningCLI):
+        def prepare_ckpt_path(self) -> None:
+            self.given = self.config.fit.ckpt_path
+            self.config.fit.ckpt_path = str(ckpt_fpath)  # e.g. `last` resolved to a file
+
+        def fit(self, **kwargs: object) -> None:  # LightningCLI runs this instead of Trainer.fit
+            self.fit_kwargs = kwargs
+
+    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"],
+                    save_config_callback=None)
+    assert cli.given == "last"
+    # LightningCLI read the hyper-parameters from the file the hook chose, after the hook.
+    assert cli.model.hparams.width == 3 and cli.model.layer.in_features == 3
+    assert cli.fit_kwargs["ckpt_path"] == str(ckpt_fpath)
+
+
+class SelfSignalling(Probe):
+    """Sends itself SIGTERM during training step 2."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("muted", [False, True])
+def test_mute_sigterm_notifier_keeps_lightning_from_acting_on_sigterm(tmp_path: Path, muted: bool) -> None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what Interrupts installs first
+    try:
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        if muted:
+            lightning_compat.mute_sigterm_notifier(trainer)
+            trainer.fit(SelfSignalling(), DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
+            assert trainer.global_step == N_BATCHES and not trainer.received_sigterm
+        else:  # the control: Lightning's notifier stops the run with a SystemExit of status None (0)
+            with pytest.raises(SIGTERMException):
+                trainer.fit(SelfSignalling(), DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
+            assert trainer.global_step == 3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_checkpoint_accessors_save_last_at_the_current_step(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_last=True)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[callback],
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Probe(), DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
+    # Lightning's own end-of-training rule left the last periodic step (8) in last.ckpt, not step 9.
+    assert lightning_compat.last_saved_step(callback) == 8
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == 8
+    lightning_compat.save_last_checkpoint(callback, trainer)
+    assert lightning_compat.last_saved_step(callback) == N_BATCHES
+    assert callback.last_model_path == str(tmp_path / "ckpts" / "last.ckpt")
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == N_BATCHES

@@ -116,8 +116,8 @@ def test_two_task_job_trains_with_lightning_ddp(uninterrupted: tuple[Path, str])
     assert "distributed_backend=gloo" in log and "Starting with 2 processes" in log
     assert "SLURM auto-requeueing enabled" in log
     run_dpath = workdir / "runs" / "demo_shards"
-    assert sorted(p.name for p in run_dpath.iterdir()) == ["checkpoints", f"slurm-{job_id}"]
-    checkpoint = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)
+    assert sorted(p.name for p in run_dpath.iterdir()) == [f"slurm-{job_id}"]  # logs and checkpoints: one folder
+    checkpoint = torch.load(run_dpath / f"slurm-{job_id}" / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert logged_steps(run_dpath / f"slurm-{job_id}")[-1][-1] == EPOCHS * STEPS_PER_EPOCH - 1
 
@@ -128,7 +128,8 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluste
     job_id = submit(cluster, tmp_path, train_args(shards))
     run_dpath = tmp_path / "runs" / "demo_shards"
     deadline = time.time() + 240
-    while not (run_dpath / "checkpoints" / "last.ckpt").exists():  # training is under way (step >= 10)
+    last_fpath = run_dpath / f"slurm-{job_id}" / "checkpoints" / "last.ckpt"
+    while not last_fpath.exists():  # training is under way (step >= 10)
         assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), \
             log_text(tmp_path)[-3000:]
         time.sleep(0.2)
@@ -165,16 +166,17 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluste
     assert loader_state["epoch"] * STEPS_PER_EPOCH + loader_state["batches_done"] == saved_step
 
     # One TensorBoard run, continued: the steps of the second event file follow those of the first.
-    assert sorted(p.name for p in run_dpath.iterdir()) == ["checkpoints", f"slurm-{job_id}"]
+    assert sorted(p.name for p in run_dpath.iterdir()) == [f"slurm-{job_id}"]
     before, after = logged_steps(version_dpath)
     assert before and after and before[-1] < saved_step <= after[0]
     assert after[-1] == EPOCHS * STEPS_PER_EPOCH - 1
 
     # The same end as the run that was never interrupted: step count and the trained weights
     # (optimiser, schedule, dead-latent clock and data order all resumed).
-    final = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)
-    reference_dpath, _ = uninterrupted
-    reference = torch.load(reference_dpath / "runs" / "demo_shards" / "checkpoints" / "last.ckpt", weights_only=True)
+    final = torch.load(version_dpath / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_dpath, reference_job = uninterrupted
+    reference_fpath = reference_dpath / "runs" / "demo_shards" / f"slurm-{reference_job}" / "checkpoints" / "last.ckpt"
+    reference = torch.load(reference_fpath, weights_only=True)
     assert final["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
     for name, value in reference["state_dict"].items():
         torch.testing.assert_close(final["state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -193,7 +195,9 @@ def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Pa
     log = log_text(tmp_path)
     assert states[job_id].startswith("FAILED"), f"{states}\n{log[-3000:]}"
     errors = [line for line in log.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, log[-3000:]
+    # One error, once per job; under load both ranks may print it before srun stops the second
+    # (rank > 0 waits a few seconds first, see sae_pipeline/__main__.py): the same line then.
+    assert len(set(errors)) == 1 and len(errors) <= 2, log[-3000:]
     assert "Traceback" not in log
     expected = {"no config": "error: missing config file; usage: sbatch slurm/train.sh CONFIG.yaml",
                 "missing config": "error: config file 'configs/nope.yaml' not found",
@@ -223,9 +227,10 @@ def test_sweep_trains_each_entry_into_its_own_run(cluster: SlurmCluster, shards:
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(expected)
     for name, version in expected.items():
         assert logged_steps(tmp_path / "runs" / name / version)[-1], name  # its own TensorBoard events
-        checkpoint = torch.load(tmp_path / "runs" / name / "checkpoints" / "last.ckpt", weights_only=True)
+        checkpoint = torch.load(tmp_path / "runs" / name / version / "checkpoints" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 4 * 6  # 1 rank: 6 steps per epoch
-    mp = torch.load(tmp_path / "runs" / "mp_shards-k4" / "checkpoints" / "last.ckpt", weights_only=True)
+    mp = torch.load(tmp_path / "runs" / "mp_shards-k4" / expected["mp_shards-k4"] / "checkpoints" / "last.ckpt",
+                    weights_only=True)
     assert mp["sae_config"]["class_path"].endswith("MatchingPursuitSAE") and mp["sae_config"]["init_args"]["k"] == 4
 
 

@@ -248,7 +248,7 @@ def test_fit_and_predict_commands_on_subset_shards(subset, tmp_path) -> None:
     common = ["--config", config, "--data.source", str(subset), "--data.val_fraction", "0.25", *QUIET]
     result = run_cli(["fit", *common, "--trainer.max_steps", "3", "--trainer.max_epochs", "1"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    ckpt_fpath = tmp_path / "runs" / "demo_shards" / "checkpoints" / "last.ckpt"
+    ckpt_fpath = tmp_path / "runs" / "demo_shards" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt_fpath, weights_only=True)["global_step"] == 3
     result = run_cli(["predict", *common, "--ckpt_path", str(ckpt_fpath), "--codes.fpath", "codes.h5"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -10,7 +10,9 @@
 Studies share their runs (``OUT/runs``, ``OUT/models``): a run already trained and exported with
 the same settings is reused, never retrained, so studies resume and add up; ``results.json``
 keeps the results of earlier studies in the same ``OUT``. Bad input ends with one ``error:``
-line and exit status 1 (2 for unparsable flags) before anything is written.
+line and exit status 2 before anything is written; a runtime failure (a training run that
+failed, a full disk) with one line and 1; Ctrl-C with 130, SIGTERM with 143 (finished runs are
+kept and reused by a rerun). The convention is ``feature_extraction.exit_status``'s.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from feature_extraction.exit_status import run_command
+from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
 from sae_pipeline.help_format import DefaultsHelpFormatter
 
@@ -149,8 +153,7 @@ def run_studies(args: argparse.Namespace) -> Path:
     by_point = {(s.variant, s.k, s.p): s for s in specs}
     main_specs = [by_point[(v, args.k_main, args.p_main)] for v in variants
                   if any(study in ("coherence", "concepts") for study in chosen)]
-    out_dpath = Path(args.out)
-    out_dpath.mkdir(parents=True, exist_ok=True)
+    out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
 
     n_concepts = len(main_specs) if "concepts" in chosen else 0
@@ -209,8 +212,7 @@ def run_dictionary(args: argparse.Namespace) -> Path:
 
     results_part, figures = evaluate_dictionary(args.npz, args.data, args.k, args.k_infer, args.r_max,
                                                 args.max_tokens, args.example_index, args.data_dpath)
-    out_dpath = Path(args.out)
-    out_dpath.mkdir(parents=True, exist_ok=True)
+    out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
     results["dictionary"] = results_part
     save_figures(figures, out_dpath, tag_prefix="dictionary")
@@ -225,8 +227,7 @@ def run_sae(args: argparse.Namespace) -> Path:
 
     results_part, figures = evaluate_sae_dir(args.sae, args.data, args.val_fraction, args.k_infer, args.r_max,
                                              args.max_tokens, args.data_dpath)
-    out_dpath = Path(args.out)
-    out_dpath.mkdir(parents=True, exist_ok=True)
+    out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
     results.setdefault("saes", {})[Path(args.sae).resolve().name] = results_part
     save_figures(figures, out_dpath, tag_prefix="sae")
@@ -235,10 +236,14 @@ def run_sae(args: argparse.Namespace) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (``feature_extraction.exit_status``: 2 bad input, 1 runtime failure,
+    130 / 143 interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    try:
+
+    def run() -> Path:
+        check_output_path(args.out, "--out")  # before any work: nothing is created until the input is valid
         if args.command == "report":
             from sae_pipeline.evaluate.report import read_results, write_report, write_results
 
@@ -251,21 +256,18 @@ def main(argv: list[str] | None = None) -> int:
                 results["claims"] = check_claims(results)
                 results["claims_summary"] = count_claims(results["claims"])
                 write_results(results, Path(args.out))
-            out_fpath = write_report(results, Path(args.out))
-        elif args.command == "sae":
-            out_fpath = run_sae(args)
-        elif args.command == "dictionary":
-            out_fpath = run_dictionary(args) / "report.md"
-        else:
-            out_fpath = run_studies(args) / "report.md"
-    except (ValueError, RuntimeError, FileNotFoundError) as exn:
-        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
-            raise
-        message = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    print(f"wrote {out_fpath}")
-    return 0
+            return write_report(results, Path(args.out))
+        if args.command == "sae":
+            return run_sae(args)
+        if args.command == "dictionary":
+            return run_dictionary(args) / "report.md"
+        return run_studies(args) / "report.md"
+
+    status, out_fpath = run_command(run, interrupted=f"finished runs in {args.out} are kept (trained and exported "
+                                                     "runs are reused); rerun the same command to resume")
+    if status == 0:
+        print(f"wrote {out_fpath}")
+    return status
 
 
 if __name__ == "__main__":

@@ -184,15 +184,28 @@ def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, m
 
 
 def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
-    """True when the run's export exists with exactly these settings (then it is not retrained)."""
+    """True when the run's export exists, intact, with exactly these settings (then it is not retrained).
+
+    A damaged export (a file cut short or changed since, found by ``export.check_export``) is
+    logged and trained again, rather than stopping the study at its evaluation.
+    """
+    from sae_pipeline.export import ExportError, check_export
+
     model_dpath = Path(out_dpath) / "models" / spec.name
     marker = model_dpath / RUN_FNAME
     if not (marker.is_file() and (model_dpath / "sae.safetensors").is_file()):
         return False
     try:
-        return json.loads(marker.read_text()).get("settings") == spec.settings()
-    except json.JSONDecodeError:
+        if json.loads(marker.read_text()).get("settings") != spec.settings():
+            return False
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False
+    try:
+        check_export(model_dpath)
+    except ExportError as exn:
+        logging.getLogger(__name__).warning("%s; training %s again", exn, spec.name)
+        return False
+    return True
 
 
 def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:

@@ -1,0 +1,79 @@
+"""One exit-status convention for the commands that are not Lightning's (extraction, evaluate, export).
+
+DESIGN.md: 0 success; 2 bad input, one ``error:`` line on stderr saying what is wrong and how
+to fix it (as argparse does); 1 a runtime failure (disk full, a held lock), also one line;
+130 Ctrl-C and 143 SIGTERM (``docker stop``, ``timeout``, a cluster's kill), one line saying
+what was kept. Errors the product raises for bad input are ``ValueError`` s whose message names
+the file or flag and the fix; runtime failures are ``OSError`` / ``RuntimeError``. Anything
+else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
+every error instead of the line.
+
+SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
+runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Terminated", "one_line",
+           "run_command"]
+
+EXIT_RUNTIME = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received; a KeyboardInterrupt so that every Ctrl-C cleanup path runs for it too."""
+
+
+_TERMINATED: list[int] = []  # SIGTERM seen by this process
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001 (signal handler signature)
+    _TERMINATED.append(signum)
+    raise Terminated()
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (whitespace collapsed); its type name when it has none."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False) -> tuple[int, Any]:
+    """Run ``function()`` under the convention; returns ``(exit status, result or None)``.
+
+    ``interrupted`` says what an interruption leaves (e.g. "finished shards are kept; rerun
+    the same command to resume"), printed after ``interrupted (Ctrl-C):``. ``error_type``:
+    lines read ``error: ExportError: ...``, as ``python -m sae_pipeline``'s own commands print them.
+    """
+    previous = None
+    _TERMINATED.clear()
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        pass
+    try:
+        return 0, function()
+    except Terminated:
+        print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr)
+        return EXIT_TERMINATED, None
+    except KeyboardInterrupt:
+        print(f"\ninterrupted (Ctrl-C): {interrupted}", file=sys.stderr)
+        return EXIT_INTERRUPTED, None
+    except (ValueError, OSError, RuntimeError) as error:
+        if _TERMINATED:  # a SIGTERM to the whole group: a helper process (DataLoader worker) died of it first
+            print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr)
+            return EXIT_TERMINATED, None
+        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
+            raise
+        print(f"error: {type(error).__name__ + ': ' if error_type else ''}{one_line(error)}", file=sys.stderr)
+        return (EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_RUNTIME), None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,204 @@
+"""A fit run's checkpoints: where they live, which one ``--ckpt_path last`` means, how they are written.
+
+Layout: one folder per run, next to its TensorBoard events, so a second ``fit`` of the same
+config never leaves the first run's model under the name a user is told to use::
+
+    runs/<config stem>/version_N/               TensorBoard events, config.yaml
+    runs/<config stem>/version_N/checkpoints/   last.ckpt (the run's newest state) + periodic ones
+    runs/<config stem>/slurm-<job>/             the same under SLURM, + hpc_ckpt_<n>.ckpt (requeue)
+
+(``--trainer.default_root_dir DIR`` puts ``<config stem>/version_N/`` under DIR instead of runs.)
+``last.ckpt`` is saved whenever the run stops: at the end of training whatever ``max_steps``
+(Lightning skips it when the last step is not a checkpoint step), on SIGTERM / Ctrl-C
+(:mod:`sae_pipeline.interrupts`) and alongside every periodic checkpoint. ``--ckpt_path last``
+is the newest (by modification time) ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` over the config's
+runs: the run that trained most recently, which a resumed run then continues in a new
+``version_N``.
+
+Writes are atomic: the bytes go to a hidden ``.<name>.partial`` file in the same folder, are
+fsynced, and the file is renamed over the target (``os.replace``), so a ``kill -9`` at any
+moment leaves the previous checkpoint whole. ``--ckpt_path`` problems (missing, not a
+checkpoint, truncated, no training state) are one-line :class:`CheckpointError` s that never
+print torch's advice to load with ``weights_only=False`` (which would run code from the file).
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from sae_pipeline import lightning_compat
+
+LAST_FNAME = "last.ckpt"
+CHECKPOINTS_DNAME = "checkpoints"
+PARTIAL_SUFFIX = ".partial"
+# Test-only: "<global step>:<marker file>" makes the first save of a last*.ckpt at or after that step
+# write half of its bytes, create the marker and sleep, so a test can kill -9 the process inside a save.
+PAUSE_IN_SAVE_ENV = "SAE_PIPELINE_TEST_PAUSE_IN_SAVE"
+PAUSE_IN_SAVE_S = 120.0
+FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
+
+
+class CheckpointError(ValueError):
+    """A ``--ckpt_path`` that cannot be used; the message names the file and the fix."""
+
+
+def run_checkpoints(run_dpath: str | Path) -> list[Path]:
+    """Every resumable "newest state" checkpoint of a run name: ``*/checkpoints/last*.ckpt`` and
+    Lightning's SLURM ``*/hpc_ckpt_*.ckpt`` under ``runs/<name>``, and ``last*.ckpt`` directly in it
+    (an explicit ``--checkpoint.dirpath``) or in its ``checkpoints/`` (a run without a logger)."""
+    run_dpath = Path(run_dpath)
+    patterns = (f"*/{CHECKPOINTS_DNAME}/last*.ckpt", "*/hpc_ckpt_*.ckpt", "last*.ckpt",
+                f"{CHECKPOINTS_DNAME}/last*.ckpt")  # the last two: --checkpoint.dirpath, --trainer.logger false
+    return sorted({fpath for pattern in patterns for fpath in run_dpath.glob(pattern) if fpath.is_file()})
+
+
+def newest_checkpoint(search_dpaths: list[str | Path]) -> Path | None:
+    """The most recently written of :func:`run_checkpoints` over ``search_dpaths`` (None if none)."""
+    found = {fpath for dpath in search_dpaths for fpath in run_checkpoints(dpath)}
+    stamped = []
+    for fpath in found:
+        try:
+            stamped.append((fpath.stat().st_mtime_ns, str(fpath), fpath))
+        except FileNotFoundError:  # replaced or removed meanwhile
+            continue
+    return max(stamped)[2] if stamped else None
+
+
+def read_checkpoint(fpath: str | Path, for_fit: bool = False, flag: str = "--ckpt_path") -> dict[str, Any]:
+    """Check that ``fpath`` is an ``SAEModule`` checkpoint (and a resumable one when ``for_fit``);
+    return it, tensors memory-mapped (cheap even for large dictionaries)."""
+    fpath = Path(fpath)
+    hint = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt) or `last` for the newest"
+    if not fpath.exists():
+        raise CheckpointError(f"{flag} {fpath}: file not found; {hint}")
+    if not fpath.is_file():
+        raise CheckpointError(f"{flag} {fpath}: not a file; {hint}")
+    try:
+        checkpoint = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exn:  # noqa: BLE001 -- torch raises many types; its message advises weights_only=False
+        raise CheckpointError(f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
+                              f"{type(exn).__name__}); {hint}") from None
+    missing = [key for key in ("state_dict", "sae_config", "global_step") if not isinstance(checkpoint, dict)
+               or key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); "
+                              f"{hint}")
+    if for_fit and any(key not in checkpoint for key in FIT_KEYS):
+        raise CheckpointError(f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
+                              "without --ckpt_path, or use this file with validate, predict or export")
+    return checkpoint
+
+
+def checkpoint_d_in(checkpoint: dict[str, Any]) -> int | None:
+    """The input width of the SAE a checkpoint holds."""
+    d_in = (checkpoint.get("sae_config") or {}).get("init_args", {}).get("d_in")
+    return int(d_in) if isinstance(d_in, int) else None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a hidden partial file, fsync, then rename over the target (see the module
+    docstring). Remote (``scheme://``) paths keep Lightning's own writer."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+        with open(partial, "wb") as f:
+            marker = _pause_marker(checkpoint, target)
+            if marker is None:
+                torch.save(checkpoint, f)
+            else:
+                _save_with_pause(checkpoint, f, marker)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+        _fsync_dir(target.parent)
+        return None
+
+
+def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:
+    setting = os.environ.get(PAUSE_IN_SAVE_ENV)
+    if not setting or not target.name.startswith("last"):
+        return None
+    step, _, marker = setting.partition(":")
+    if int(checkpoint.get("global_step", -1)) < int(step):
+        return None
+    return Path(marker)
+
+
+def _save_with_pause(checkpoint: dict[str, Any], f: Any, marker: Path) -> None:
+    """The test hook: half the bytes, the marker, a long sleep (the test kills us here), the rest."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    data = buffer.getvalue()
+    f.write(data[: len(data) // 2])
+    f.flush()
+    os.environ.pop(PAUSE_IN_SAVE_ENV, None)  # once per process
+    marker.write_text(f"{checkpoint.get('global_step')}\n")
+    time.sleep(PAUSE_IN_SAVE_S)
+    f.write(data[len(data) // 2:])
+
+
+def _fsync_dir(dpath: Path) -> None:
+    """Make the rename itself durable (a crash right after it must not bring back the old file)."""
+    try:
+        fd = os.open(dpath, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SAECheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that always leaves the run's final state in ``last.ckpt``.
+
+    Lightning saves ``last.ckpt`` only next to a periodic checkpoint, so a run whose
+    ``max_steps`` is not a checkpoint step loses its last steps; this one saves at the end of
+    training too (and on demand, for :mod:`sae_pipeline.interrupts`). The ``--checkpoint.*``
+    flags are ModelCheckpoint's.
+    """
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save_final(trainer)
+
+    def save_final(self, trainer: L.Trainer) -> str | None:
+        """Save ``last.ckpt`` unless it already holds this global step; return its path.
+        Every rank must call it (the save is collective)."""
+        if trainer.fast_dev_run:
+            return None
+        if self.save_last and self.last_model_path and lightning_compat.last_saved_step(self) == trainer.global_step:
+            return self.last_model_path
+        if self.save_last:
+            lightning_compat.save_last_checkpoint(self, trainer)
+            return self.last_model_path
+        fpath = str(Path(self.dirpath or trainer.default_root_dir) / LAST_FNAME)
+        trainer.save_checkpoint(fpath)
+        return fpath
+
+
+def save_final_checkpoint(trainer: L.Trainer) -> str:
+    """Save the run's current state as its ``last.ckpt`` (through :class:`SAECheckpoint` when the
+    trainer has one, so its bookkeeping follows); returns the path."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, SAECheckpoint):
+        fpath = callback.save_final(trainer)
+        if fpath:
+            return fpath
+    root = Path(trainer.log_dir or trainer.default_root_dir)
+    fpath = str(root / CHECKPOINTS_DNAME / LAST_FNAME)
+    trainer.save_checkpoint(fpath)
+    return fpath

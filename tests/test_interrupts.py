@@ -1,0 +1,118 @@
+"""SIGTERM and Ctrl-C stop ``fit`` with a resumable checkpoint and exit 143 / 130 (issue 10, item 5).
+
+Real ``python -m sae_pipeline fit`` processes get real signals once training is under way (a
+periodic checkpoint exists); the DDP case signals only the second rank, so rank 0 can only stop
+through the all-reduced decision.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
+MAX_STEPS = 40
+# d_sae 2000 makes a step slow enough (tens of ms) that the signal lands mid-run.
+ARGS = ["fit", "--config", MPSAE_DIGITS, "--trainer.max_steps", str(MAX_STEPS), "--trainer.max_epochs", "-1",
+        "--trainer.check_val_every_n_epoch", "1000", "--checkpoint.every_n_train_steps", "2",
+        "--model.sae.init_args.d_sae", "2000", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def start(cwd: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *extra], cwd=cwd, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as under a terminal
+
+
+def wait_for_training(cwd: Path, process: subprocess.Popen, timeout: float = 240) -> None:
+    """Until the first periodic checkpoint exists (training is under way)."""
+    deadline = time.monotonic() + timeout
+    while not list(cwd.glob("runs/mpsae_digits/version_0/checkpoints/*.ckpt")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, out, err
+
+
+def saved_step(err: str, signame: str, last_fpath: str) -> int:
+    line, = [line for line in err.splitlines() if line.startswith(f"{signame}: saved")]
+    assert f"{signame}: saved {last_fpath} at global step " in line, line
+    return int(line.split("at global step ")[1].split(";")[0])
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_the_run_resumes(tmp_path: Path) -> None:
+    process = start(tmp_path)
+    wait_for_training(tmp_path, process)
+    process.send_signal(signal.SIGTERM)
+    status, _, err = finish(process)
+    assert status == 143, err[-3000:]
+    last = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"
+    step = saved_step(err, "SIGTERM", last)
+    assert 2 <= step < MAX_STEPS and "Traceback" not in err
+    interrupted = torch.load(tmp_path / last, weights_only=True)
+    assert interrupted["global_step"] == step  # the step it stopped at, not the last periodic one
+
+    resumed = subprocess.run([sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"], cwd=tmp_path,
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final_fpath = "runs/mpsae_digits/version_1/checkpoints/last.ckpt"
+    assert f"Final checkpoint (global step {MAX_STEPS}): {final_fpath}" in resumed.stdout
+    final = torch.load(tmp_path / final_fpath, weights_only=True)
+    scheduler = final["lr_schedulers"][0]
+    assert scheduler["last_epoch"] == MAX_STEPS and scheduler["_last_lr"][0] == pytest.approx(1e-6)
+    adam_steps = {int(state["step"]) for state in final["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {MAX_STEPS}  # the optimiser state continued rather than restarting
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
+    """As a terminal does: SIGINT to the whole process group, DataLoader workers included."""
+    process = start(tmp_path, "--data.num_workers", "2")
+    wait_for_training(tmp_path, process)
+    assert len(child_pids(process.pid)) >= 2  # the DataLoader workers, which get the signal too
+    os.killpg(process.pid, signal.SIGINT)
+    status, _, err = finish(process)
+    assert status == 130, err[-3000:]
+    last = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"
+    step = saved_step(err, "SIGINT", last)
+    assert 2 <= step < MAX_STEPS and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert torch.load(tmp_path / last, weights_only=True)["global_step"] == step
+
+
+def child_pids(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in children.read_text().split()] if children.exists() else []
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_ddp_rank_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
+    process = start(tmp_path, "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    wait_for_training(tmp_path, process)
+    rank1, = child_pids(process.pid)  # Lightning's launcher started rank 1 as our only child
+    os.kill(rank1, signal.SIGTERM)  # rank 0 never sees the signal: only the all-reduce tells it
+    status, _, err = finish(process)
+    assert status == 143, err[-3000:]
+    last = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"
+    step = saved_step(err, "SIGTERM", last)
+    assert 2 <= step < MAX_STEPS
+    assert torch.load(tmp_path / last, weights_only=True)["global_step"] == step
+    time.sleep(0.5)
+    assert not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
