@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 
-from sae_pipeline.metrics import ReconstructionR2, dead_fraction, l0  # noqa: E402
-from sae_pipeline.module import SAEModule, warmup_cosine_factor  # noqa: E402
+from sae_pipeline.metrics import ReconstructionR2, dead_fraction  # noqa: E402
+from sae_pipeline.module import SAEModule, adam_implementation, warmup_cosine_factor  # noqa: E402
 from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder, TopKSAE  # noqa: E402
 
 VARIANTS = {"topk": TopKSAE, "mp": MatchingPursuitSAE}
@@ -144,7 +144,7 @@ def bare_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor]
     input_scale = torch.ones((), device=device)
     sae.init_b_pre(batches[0].mean(0))
     total = args.warmup + args.steps
-    optimizer = torch.optim.Adam(sae.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(sae.parameters(), lr=LR, **adam_implementation(sae))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_factor(step, min(args.warmup_lr_steps, total), total, MIN_LR / LR))
     clock = StepClock(args.warmup, args.steps, device)
@@ -161,12 +161,12 @@ def bare_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor]
             if not torch.isfinite(losses.loss):
                 raise FloatingPointError(f"non-finite loss at step {step}")
         if with_metrics and (step + 1) % args.log_every == 0:
-            _ = [l0(output.codes).float(), train_r2(x, output.x_hat).float(),
+            _ = [output.l0().float(), train_r2(x, output.x_hat).float(),
                  dead_fraction(sae.tokens_since_fired, sae.dead_after_tokens).float()]
         optimizer.zero_grad(set_to_none=True)
         losses.loss.backward()
         with torch.no_grad():
-            sae.record_firing((output.codes != 0).any(0), x.shape[0])
+            sae.record_firing(output.fired(), x.shape[0])
         sae.remove_parallel_grad()
         optimizer.step()
         schedule.step()

@@ -306,3 +306,60 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             # webdataset appends the stream and url to exn.args; keep only the message.
             reason = str(exn.args[0]).split(" @ ")[0] if exn.args else type(exn).__name__
             raise ShardFormatError(f"{fpath}: corrupt tar ({reason}); re-extract the shard") from None
+
+
+META_SUFFIX = "meta.json"
+
+
+def read_shard_samples(fpath: Path | str, indices: Sequence[int]) -> Iterator[tuple[int, str, np.ndarray,
+                                                                                     np.ndarray | None, dict]]:
+    """Yield ``(index, key, tokens, positions or None, meta)`` of the samples ``indices`` of one shard, in order.
+
+    For readers that need a few samples of many shards (the feature browser re-reads the
+    top images' tokens): one scan of the member headers, and only the wanted samples'
+    members are read. Checked like ``iter_shard_tokens``; a wanted index beyond the shard's
+    last sample raises ``ShardFormatError``.
+    """
+    fpath = Path(fpath)
+    wanted = sorted(set(int(i) for i in indices))
+    if not wanted:
+        return
+    if not fpath.is_file():
+        raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
+    check_tar_end(fpath)
+    index, members = -1, {}  # suffix -> (offset, size) of the current sample's members seen so far
+    current_key = None
+    try:
+        with open(fpath, "rb") as stream:
+            for name, offset, size in _members(stream, fpath):
+                key, suffix = member_key(name)
+                if key != current_key:
+                    current_key, members = key, {}
+                members[suffix] = (offset, size)
+                if suffix != TOKENS_SUFFIX:  # members are sorted by name: meta, positions, then tokens
+                    continue
+                index += 1
+                if index != wanted[0]:
+                    continue
+                where = f"{fpath}: member {name!r}"
+                tokens = _read_tokens(stream, where, offset, size)
+                positions = None
+                if POSITIONS_SUFFIX in members:
+                    stream.seek(members[POSITIONS_SUFFIX][0])
+                    positions = decode_positions(stream.read(members[POSITIONS_SUFFIX][1]), len(tokens),
+                                                 f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}")
+                meta: dict = {}
+                if META_SUFFIX in members:
+                    stream.seek(members[META_SUFFIX][0])
+                    try:
+                        meta = json.loads(stream.read(members[META_SUFFIX][1]))
+                    except (ValueError, UnicodeDecodeError) as exn:
+                        raise ShardFormatError(f"{fpath}: member {key + '.' + META_SUFFIX!r} is not valid JSON "
+                                               f"({exn}); re-extract the shard") from None
+                yield index, key, tokens, positions, meta if isinstance(meta, dict) else {}
+                wanted.pop(0)
+                if not wanted:
+                    return
+    except tarfile.TarError as exn:
+        raise ShardFormatError(f"{fpath}: corrupt tar ({exn}); re-extract the shard") from None
+    raise ShardFormatError(f"{fpath}: has {index + 1} samples, sample {wanted[0]} was asked for; re-extract the shard")

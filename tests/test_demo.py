@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sae_pipeline.demo import FINAL_TAGS, SHARDS_LABEL, format_table, run_shard_stage
+from sae_pipeline.demo import FINAL_TAGS, SHARDS_LABEL, build_feature_sites, format_table, run_shard_stage
 
 
 @pytest.mark.slow
@@ -23,3 +23,7 @@ def test_shard_stage_end_to_end(tmp_path):
     again = run_shard_stage(tmp_path, threads=2)  # a rerun resumes the complete extraction and trains afresh
     assert set(again) == set(FINAL_TAGS)
     assert all(math.isfinite(value) for _, value in again.values())
+    sites = build_feature_sites(tmp_path, variants=[], with_shards=True, threads=2)  # make demo's feature browser
+    assert [site.relative_to(tmp_path).as_posix() for site in sites] == ["features/demo_shards/index.html"]
+    assert len(list((tmp_path / "features" / "demo_shards" / "atoms").glob("*.html"))) == 256  # d_sae of the run
+    assert len(list((tmp_path / "features" / "demo_shards" / "thumbs").glob("*.jpg"))) == 14  # each photo once

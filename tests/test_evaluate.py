@@ -115,9 +115,16 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
     spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
     model_dpath = tmp_path / "models" / spec.name
     model_dpath.mkdir(parents=True)
-    (model_dpath / "sae.safetensors").write_bytes(b"")
+    from sae_pipeline.export import write_export_files
+
+    write_export_files(model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {},
+                       record_sha256=True)
     (model_dpath / "study_run.json").write_text(json.dumps({"settings": spec.settings()}))
     assert is_finished(spec, tmp_path)
+    (model_dpath / "sae.safetensors").write_bytes(b"")  # damaged since: trained again
+    assert not is_finished(spec, tmp_path)
+    write_export_files(model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {},
+                       record_sha256=True)
     longer = plan_runs(["topk"], [(4, 32)], "digits", 40, REPO_DPATH / "configs", "digits")[0]
     assert not is_finished(longer, tmp_path)
 

@@ -259,7 +259,8 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="k must be"):
         sae.encode(x, 0)
     with pytest.raises(ValueError, match="k must be"):
-        sae.encode(x, 9)
+        sae.encode(x, 2.5)
+    assert sae.encode(x, 9).shape == (3, 8)  # k > d_sae is allowed: atoms are picked again
     x[1, 2] = float("nan")
     for fn in (sae, sae.encode, sae.pursuit):
         with pytest.raises(ValueError, match="NaN"):

@@ -60,8 +60,8 @@ def build_parser() -> OneLineParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for name in (*runs.STUDIES, "all"):
         sub = commands.add_parser(name, help="run every study" if name == "all" else f"run the {name} study")
-        sub.add_argument("--data", default="digits", help="digits (bundled), mnist, a shard directory or an .h5 "
-                         "token cache (default: digits)")
+        sub.add_argument("--data", default="digits", help="digits (bundled), mnist_sample (5000 real MNIST digits, "
+                         "extra 'mnist'), mnist, a shard directory or an .h5 token cache")
         sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
         sub.add_argument("--variants", nargs="+", default=list(runs.VARIANTS), help="subset of "
                          f"{' '.join(runs.VARIANTS)} (default: all five)")
@@ -78,7 +78,8 @@ def build_parser() -> OneLineParser:
         sub.add_argument("--jobs", type=_positive, default=1, help="training runs side by side (subprocesses when "
                          "> 1; default 1: in-process)")
         sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
-        sub.add_argument("--config_suffix", default=None, help="config suffix (default: digits for digits/mnist, "
+        sub.add_argument("--config_suffix", default=None, help="config suffix (default: digits for digits, mnist for "
+                         "mnist/mnist_sample, "
                          "else the shard manifest's backbone)")
         sub.add_argument("--data_dpath", default=None, help="folder holding MNIST/raw for --data mnist")
         sub.add_argument("--eval_tokens", type=_positive, default=None, help="cap on validation tokens evaluated "
@@ -92,7 +93,8 @@ def build_parser() -> OneLineParser:
     dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)")
     dictionary.add_argument("--out", required=True, help="output folder: figures, results.json, report.md")
     dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
-                            "to 28x28, a stand-in, not MNIST), mnist (MNIST/raw under --data_dpath) or none")
+                            "to 28x28, a stand-in, not MNIST), mnist_sample (5000 real MNIST digits, extra 'mnist'), "
+                            "mnist (MNIST/raw under --data_dpath) or none")
     dictionary.add_argument("--k", type=_positive, default=10, help="MP steps (the authors trained at k = 10)")
     dictionary.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80],
                             help="inference-time k values")
@@ -104,7 +106,8 @@ def build_parser() -> OneLineParser:
     one.add_argument("--sae", required=True, help="export (config.json + sae.safetensors) or SAELens directory "
                      "(cfg.json + sae_weights.safetensors)")
     one.add_argument("--out", required=True, help="output folder: results.json (saes.<DIR name>), figures")
-    one.add_argument("--data", default="digits", help="the SAE's data: digits, mnist, a shard directory or an .h5 "
+    one.add_argument("--data", default="digits", help="the SAE's data: digits, mnist_sample, mnist, a shard directory "
+                     "or an .h5 "
                      "token cache; evaluated on its validation split")
     one.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's "
                      "--data.val_fraction (the same rows)")
@@ -130,7 +133,7 @@ def run_studies(args: argparse.Namespace) -> Path:
     from tqdm import tqdm
 
     from sae_pipeline.evaluate import studies
-    from sae_pipeline.evaluate.claims import check_claims
+    from sae_pipeline.evaluate.claims import check_claims, count_claims
     from sae_pipeline.evaluate.report import read_results, save_figures, study_figures, write_report, write_results
 
     start = time.perf_counter()
@@ -182,8 +185,15 @@ def run_studies(args: argparse.Namespace) -> Path:
                 image_shape = stats[spec.variant].pop("image_shape")
                 bar.update()
             results["concepts"] = {"k": args.k_main, "p": args.p_main, "image_shape": image_shape, "variants": stats}
+        if "mpsae" in variants and any(study in ("coherence", "concepts") for study in chosen):
+            bar.set_postfix_str("the authors' MNIST dictionary")
+            reference = studies.reference_dictionary(by_point[("mpsae", args.k_main, args.p_main)], out_dpath,
+                                                     args.k_infer, args.r_max, args.eval_tokens)
+            if reference is not None:
+                results["reference"] = reference
         bar.set_postfix_str("figures and report")
         results["claims"] = check_claims(results)
+        results["claims_summary"] = count_claims(results["claims"])
         results["meta"] = {"command": f"{PROG} {shlex.join(args.argv)}",
                            "data": args.data, "variants": variants, "max_steps": args.max_steps,
                            "studies": sorted(set(results.get("meta", {}).get("studies", [])) | set(chosen)),
@@ -241,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             if not results:
                 raise ValueError(f"--out {args.out}: no results.json; run a study into it first")
             if "runs" in results:
-                from sae_pipeline.evaluate.claims import check_claims
+                from sae_pipeline.evaluate.claims import check_claims, count_claims
 
                 results["claims"] = check_claims(results)
+                results["claims_summary"] = count_claims(results["claims"])
                 write_results(results, Path(args.out))
             return write_report(results, Path(args.out))
         if args.command == "sae":

@@ -3,16 +3,18 @@
 The quantities of the paper's "Learned Concepts" and "Hints of Hierarchy" (Costa et al. 2025,
 Figs. 3, 4 and the appendix "Sequential Reconstruction"):
 
-- per atom j: activation frequency ``P(z_j ≠ 0)`` and mean value ``E[z_j]`` over all tokens
-  (zeros included, as in :class:`sae_pipeline.metrics.ActivationStats`);
+- per atom j: activation frequency ``P(z_j ≠ 0)``, mean value ``E[z_j]`` over all tokens
+  (zeros included, as in :class:`sae_pipeline.metrics.ActivationStats`) and the value when
+  active ``E[z_j | z_j ≠ 0]`` (= mean value / frequency; both forms are reported, the claims
+  use the value when active, see :mod:`.claims`);
 - the *selection step* of atom j: for MP-SAE the pursuit step (1-based) at which it was picked,
   averaged over every selection; shallow SAEs pick all atoms at once, so, as the paper does,
   their active atoms are ordered by activation value (largest first) to simulate a sequence;
 - one input reconstructed atom by atom in that order, from ``b_pre``.
 
 Summary numbers test the paper's reading: MP-SAE uses atoms with roughly equal frequency but
-widely varying values (coefficient of variation of each), atoms with larger mean values are
-selected earlier (Spearman ρ between mean value and mean step), and shallow SAEs hold a
+widely varying values (coefficient of variation of each), atoms with larger values are
+selected earlier (Spearman ρ between value and mean step, in both forms), and shallow SAEs hold a
 "negative" atom close to ``−b_pre`` (its cosine and frequency rank).
 """
 from __future__ import annotations
@@ -67,6 +69,9 @@ def concept_statistics(sae: SparseAutoencoder, x: Tensor, n_top: int = 25) -> di
     frequency, mean_value = (fire / n).numpy(), (value_sum / n).numpy()
     mean_step = np.where(step_count.numpy() > 0, step_sum.numpy() / np.maximum(step_count.numpy(), 1), np.nan)
     fired = frequency > 0
+    # E[z_j] counts the zeros, so it is frequency x value-when-active and grows with the frequency by
+    # construction; the value when active, E[z_j | z_j != 0] = E[z_j] / frequency, separates the two.
+    when_active = np.where(fired, mean_value / np.maximum(frequency, 1e-300), np.nan)
     W = sae.W_dec.detach().double()
     negative_bias = -sae.b_pre.detach().double()
     cosines = (W @ negative_bias) / (W.norm(dim=1) * negative_bias.norm()).clamp_min(1e-12)
@@ -78,12 +83,13 @@ def concept_statistics(sae: SparseAutoencoder, x: Tensor, n_top: int = 25) -> di
         "top_by_frequency": np.argsort(-frequency, kind="stable")[:n_top].tolist(),
         "top_by_mean": np.argsort(-mean_value, kind="stable")[:n_top].tolist(),
         "n_fired": int(fired.sum()),
+        "value_when_active": _json_list(when_active),
         "frequency_cv": _cv(frequency[fired]), "mean_value_cv": _cv(mean_value[fired]),
+        "value_when_active_cv": _cv(when_active[fired]),
         "spearman_mean_vs_step": spearman(mean_value[fired], mean_step[fired]),
+        "spearman_value_when_active_vs_step": spearman(when_active[fired], mean_step[fired]),
         "spearman_frequency_vs_mean": spearman(frequency[fired], mean_value[fired]),
-        # E[z_j] counts the zeros, so it grows with the frequency by construction; the value when
-        # active, E[z_j | z_j != 0] = E[z_j] / frequency, separates the two.
-        "spearman_frequency_vs_value_when_active": spearman(frequency[fired], mean_value[fired] / frequency[fired]),
+        "spearman_frequency_vs_value_when_active": spearman(frequency[fired], when_active[fired]),
         "negative_atom": {"index": negative_atom, "cosine_with_minus_b_pre": float(cosines[negative_atom]),
                           "frequency_rank": frequency_rank},
     }

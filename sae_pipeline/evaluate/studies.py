@@ -11,7 +11,8 @@ Studies (names as in the CLI):
 
 - ``expressivity``: R² and measured L0 against k at p = p_main, and against p at k = k_main;
 - ``inference``: R² against the inference k for models trained at each k (p = p_main);
-- ``coherence``: Babel μ₁(r) of the dictionary and of the co-activated atoms (k_main, p_main);
+- ``coherence``: Babel μ₁(r) of the dictionary and of the co-activated atoms (k_main, p_main),
+  and the co-active coherence controlled for support size (:mod:`.coherence`);
 - ``concepts``: per-atom statistics of the k_main / p_main models (see :mod:`.concepts`).
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ from sae_pipeline.callbacks import evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.data_sources import read_sample
 from sae_pipeline.evaluate import concepts
+from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
 from sae_pipeline.export import load_sae
 from sae_pipeline.metrics import ReconstructionR2
-from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
 
 __all__ = ["STUDIES", "coherence", "evaluate_concepts", "evaluate_run", "expressivity", "inference"]
 _CHUNK = 4096
@@ -82,8 +84,10 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
     """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
-    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if k <= sae.d_sae)}))
+    mp = isinstance(sae, MatchingPursuitSAE)  # MP may pick atoms again: any inference k, also above p
+    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if mp or k <= sae.d_sae)}))
     record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
+    support = coherence_stats(sae, x, len(report["babel_coactive"]))
     return {
         "name": spec.name, "variant": spec.variant, "k": spec.k, "p": spec.p,
         "r2": reconstruction_r2(sae, x), "l0": report["l0"], "n_eval_tokens": int(x.shape[0]),
@@ -91,8 +95,15 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
         "logged": logged_metrics(spec, out_dpath),
         "inference": {"ks": report["ks"], "r2": report["r2_by_k"]},
         "babel_dict": report["babel_dict"].tolist(), "babel_coactive": report["babel_coactive"].tolist(),
-        "command": record["command"],
+        "support_coherence": support, "command": record["command"],
     }
+
+
+@torch.no_grad()
+def coherence_stats(sae: SparseAutoencoder, x: torch.Tensor, r_max: int) -> dict[str, Any]:
+    """Co-active coherence controlled for support size (see :mod:`.coherence`) on ``x``."""
+    codes = torch.cat([sae.encode(chunk) for chunk in x.split(_CHUNK)])
+    return support_coherence(sae.W_dec, codes, r_max)
 
 
 def evaluate_concepts(spec: RunSpec, out_dpath: Path, concept_tokens: int | None, example_index: int
@@ -107,6 +118,30 @@ def evaluate_concepts(spec: RunSpec, out_dpath: Path, concept_tokens: int | None
     result["sequence"] = concepts.sequential_reconstruction(sae, example)
     result["image_shape"] = list(datamodule.image_shape) if datamodule.image_shape else None
     return result
+
+
+def reference_dictionary(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
+                         eval_tokens: int | None = None) -> dict[str, Any] | None:
+    """The paper authors' MNIST MP-SAE (p = 1000, k = 10) on the validation rows of ``spec`` (our MP-SAE's run).
+
+    The same numbers as :func:`evaluate_run` (R² against the inference k, Babel curves, support-
+    controlled co-active coherence), so that report.md can put "ours vs the paper's" side by side.
+    None when the run's inputs are not 784-d (MNIST's pixels).
+    """
+    from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
+
+    datamodule = datamodule_for(spec)
+    if datamodule.d_in != 784:
+        return None
+    sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
+    x = load_tokens(datamodule, "val", eval_tokens)
+    report = evaluate_sae(sae, x, r_max, ks=sorted({10, *k_infer}))
+    return {"npz": REFERENCE_NPZ_FPATH.name, "p": sae.d_sae, "k": 10, "n_eval_tokens": int(x.shape[0]),
+            "same_rows_as": spec.name, "r2": reconstruction_r2(sae, x), "l0": report["l0"],
+            "inference": {"ks": report["ks"], "r2": report["r2_by_k"]},
+            "babel_dict": report["babel_dict"].tolist(), "babel_coactive": report["babel_coactive"].tolist(),
+            "support_coherence": coherence_stats(sae, x, len(report["babel_coactive"])),
+            "concepts": concepts.concept_statistics(sae, load_tokens(datamodule, "all"))}
 
 
 def expressivity(entries: dict[str, dict], variants: list[str], ks: list[int], ps: list[int],
@@ -134,4 +169,5 @@ def coherence(entries: dict[str, dict], variants: list[str], k_main: int, p_main
     chosen = {v: entries[f"{v}_p{p_main}_k{k_main}"] for v in variants}
     return {"k": k_main, "p": p_main,
             "dictionary": {v: e["babel_dict"] for v, e in chosen.items()},
-            "coactive": {v: e["babel_coactive"] for v, e in chosen.items()}}
+            "coactive": {v: e["babel_coactive"] for v, e in chosen.items()},
+            "support": {v: e["support_coherence"] for v, e in chosen.items()}}

@@ -12,19 +12,62 @@ The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
-class SAEOutput(NamedTuple):
-    """What ``forward`` returns; ``pre_acts`` is None for variants without an encoder (MP)."""
 
-    x_hat: Tensor  # [B, d_in]
-    codes: Tensor  # [B, d_sae] dense
-    pre_acts: Tensor | None  # [B, d_sae] pre-activations of the shallow variants
+class SAEOutput:
+    """What ``forward`` returns: ``x_hat``, ``codes`` and ``pre_acts`` (None for MP), and, on the
+    sparse path of the shallow variants, ``sparse`` (:class:`SparseCodes`).
+
+    On that path the dense ``codes [B, d_sae]`` are built only if someone reads them (once,
+    then kept): the training step reads ``fired()`` and ``l0()`` from the sparse form instead,
+    which saves a ``[B, d_sae]`` allocation and its zero-fill per step. ``pre_acts`` there is
+    detached (the gradients flow through ``sparse.values``). Unpacks like the former
+    ``(x_hat, codes, pre_acts)`` named tuple.
+    """
+
+    __slots__ = ("x_hat", "pre_acts", "sparse", "_codes")
+
+    def __init__(self, x_hat: Tensor, codes: Tensor | None = None, pre_acts: Tensor | None = None,
+                 sparse: SparseCodes | None = None) -> None:
+        if codes is None and sparse is None:
+            raise ValueError("SAEOutput needs dense codes or sparse codes")
+        self.x_hat, self._codes, self.pre_acts, self.sparse = x_hat, codes, pre_acts, sparse
+
+    @property
+    def codes(self) -> Tensor:  # [B, d_sae] dense
+        if self._codes is None:
+            assert self.sparse is not None
+            self._codes = self.sparse.to_dense()
+        return self._codes
+
+    def fired(self) -> Tensor:
+        """Bool ``[d_sae]``: latents active on some token of the batch."""
+        if self.sparse is not None:
+            return self.sparse.fired()
+        return (self.codes.detach() != 0).any(0)
+
+    def l0(self) -> Tensor:
+        """Mean active latents per token, float64."""
+        if self.sparse is not None:
+            return self.sparse.l0()
+        return torch.count_nonzero(self.codes.detach()).to(torch.float64) / max(self.codes.shape[0], 1)
+
+    def __iter__(self) -> Iterator[Tensor | None]:
+        return iter((self.x_hat, self.codes, self.pre_acts))
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> Tensor | None:
+        return (self.x_hat, self.codes, self.pre_acts)[index]
 
 
 class SAELoss(NamedTuple):
@@ -156,10 +199,10 @@ class SparseAutoencoder(nn.Module):
         if grad is None:
             return
         W = self.W_dec
-        parallel = (grad * W).sum(dim=1, keepdim=True) / (W * W).sum(dim=1, keepdim=True).clamp_min(
-            torch.finfo(W.dtype).tiny
-        )
-        grad.sub_(parallel * W)
+        # Row dot products and an in-place update: no [d_sae, d_in] temporary (3 passes, not 7).
+        dots = torch.linalg.vecdot(grad, W)
+        sq_norms = W.norm(dim=1).square_().clamp_min_(torch.finfo(W.dtype).tiny)
+        grad.addcmul_(W, (dots / sq_norms).unsqueeze(1), value=-1)
 
     @torch.no_grad()
     def record_firing(self, fired: Tensor, n_tokens: int) -> None:
@@ -227,11 +270,25 @@ class ShallowSAE(SparseAutoencoder):
         self.b_enc.div_(scale)
 
     def pre_activations(self, x: Tensor) -> Tensor:
-        """``(x - b_pre) @ W_enc + b_enc`` ``[B, d_sae]``."""
-        return (x - self.b_pre) @ self.W_enc + self.b_enc
+        """``(x - b_pre) @ W_enc + b_enc`` ``[B, d_sae]`` (one ``addmm``: one ``[B, d_sae]`` allocation)."""
+        return torch.addmm(self.b_enc, x - self.b_pre, self.W_enc)
 
     def activate(self, pre: Tensor, k: int | None) -> Tensor:
         """The variant's nonlinearity; ``k`` is the validated inference-time override or None."""
+        raise NotImplementedError
+
+    # --- the sparse path (see sae_pipeline/sae/sparse_decode.py) ----------------------------------
+    #: Largest fraction of nonzero codes for which forward decodes sparsely; above it the dense
+    #: path (``codes @ W_dec``) is cheaper. An instance attribute of 0 forces the dense path,
+    #: 1 the sparse one (the tests compare the two).
+    sparse_max_density: float = 1 / 8
+
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """The (token, latent) entries forward needs, from the detached ``pre``; None: decode densely."""
+        return None
+
+    def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
+        """The nonlinearity on the gathered ``pre`` at ``support``'s entries ``[nnz]``."""
         raise NotImplementedError
 
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
@@ -242,5 +299,15 @@ class ShallowSAE(SparseAutoencoder):
     def forward(self, x: Tensor) -> SAEOutput:
         self.check_input(x)
         pre = self.pre_activations(x)
-        codes = self.activate(pre, None)
-        return SAEOutput(x_hat=self.decode(codes), codes=codes, pre_acts=pre)
+        support = self.select_support(pre.detach()) if self.sparse_max_density > 0 else None
+        if support is None:
+            codes = self.activate(pre, None)
+            return SAEOutput(x_hat=self.decode(codes), codes=codes, pre_acts=pre)
+        pre = pre.detach()  # its graph is dropped: the gradients go through the gathered entries
+        values = self.sparse_activate(sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, pre, support), support)
+        codes = support.with_values(values)
+        return SAEOutput(x_hat=sparse_decode(codes, self.W_dec, self.b_pre), pre_acts=pre, sparse=codes)
+
+    def fits_sparse(self, nnz: int, batch: int) -> bool:
+        """Whether ``nnz`` entries over ``batch`` tokens are sparse enough for the sparse path."""
+        return nnz <= self.sparse_max_density * batch * self.d_sae

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sae_pipeline.sae.base import SAEOutput, check_float, keep_top_k
+from sae_pipeline.sae.sparse_decode import SparseCodes
 from sae_pipeline.sae.topk import TopKSAE
 
 
@@ -58,11 +59,24 @@ class BatchTopKSAE(TopKSAE):
         values, indices = flat.topk(n_keep, sorted=False)
         return torch.zeros_like(flat).scatter(0, indices, values).view_as(acts)
 
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """Training: the batch top ``B·k`` of ``pre``; inference: ``pre > max(θ, 0)``."""
+        batch = pre.shape[0]
+        if self.training:
+            n_keep = min(batch * self.k, pre.numel())
+            if not self.fits_sparse(n_keep, batch):
+                return None
+            return SparseCodes.from_flat(pre.flatten().topk(n_keep, sorted=False).indices, batch, self.d_sae)
+        mask = (pre > self.threshold) & (pre > 0)
+        if not self.fits_sparse(int(mask.sum()), batch):
+            return None
+        return SparseCodes.from_mask(mask)
+
     def forward(self, x: Tensor) -> SAEOutput:
         """As the shallow forward; in training mode also updates θ from this batch."""
         output = super().forward(x)
         if self.training:
-            self.update_threshold(output.codes)
+            self.update_threshold(output.sparse.values if output.sparse is not None else output.codes)
         return output
 
     @torch.no_grad()
@@ -73,11 +87,13 @@ class BatchTopKSAE(TopKSAE):
 
     @torch.no_grad()
     def update_threshold(self, codes: Tensor) -> None:
-        """EMA of the smallest positive kept activation, averaged over DDP ranks.
+        """EMA of the smallest positive kept activation, averaged over DDP ranks (``codes``: dense, or
+        the values of the sparse codes).
 
         No host sync: a batch with no positive activation (min = +inf) leaves θ unchanged.
         """
-        batch_min = torch.where(codes > 0, codes, float("inf")).amin().to(self.threshold.dtype)
+        positive = torch.where(codes.detach() > 0, codes.detach(), float("inf"))
+        batch_min = (positive.amin() if positive.numel() else positive.new_full((), float("inf"))).to(self.threshold.dtype)
         valid = torch.isfinite(batch_min)
         batch_min = torch.where(valid, batch_min, self.threshold)
         if dist.is_available() and dist.is_initialized():

@@ -12,9 +12,21 @@ import math
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, keep_top_k
+from sae_pipeline.sae.sparse_decode import SparseCodes
+
+DEFAULT_BANDWIDTH = 0.05  # ε for O(1) pre-activations (inputs normalised to E‖x‖² = d_in), see JumpReLUSAE
+UNCALIBRATED_THRESHOLD = 0.1  # θ₀ before calibration, and θ₀ without a target L0
+MIN_CALIBRATED_THRESHOLD = 1e-3  # θ stays positive when a quantile is <= 0 (a target L0 above half of d_sae)
+QUANTILE_MAX_ELEMENTS = 1 << 24  # torch.quantile accepts at most 2^24 elements: larger batches are strided
+
+
+def at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32 when it is a lower precision (bf16/fp16), else unchanged (float64 stays)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def rectangle(u: Tensor) -> Tensor:
@@ -29,16 +41,17 @@ class JumpReLUFunction(torch.autograd.Function):
     def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         ctx.save_for_backward(pre, threshold)
         ctx.bandwidth = bandwidth
-        return pre * (pre > threshold).to(pre.dtype)
+        return pre * (at_least_float32(pre) > at_least_float32(threshold)).to(pre.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, None]:
         pre, threshold = ctx.saved_tensors
         bandwidth = ctx.bandwidth
-        grad_pre = grad_out * (pre > threshold).to(pre.dtype)
-        kernel = rectangle((pre - threshold) / bandwidth)
-        grad_threshold = (-(threshold / bandwidth) * kernel * grad_out).sum_to_size(threshold.shape)
-        return grad_pre, grad_threshold, None
+        pre32, threshold32 = at_least_float32(pre), at_least_float32(threshold)  # ε is finer than bf16's spacing
+        grad_pre = grad_out * (pre32 > threshold32).to(grad_out.dtype)
+        kernel = rectangle((pre32 - threshold32) / bandwidth)
+        grad_threshold = (-(threshold32 / bandwidth) * kernel * at_least_float32(grad_out)).sum_to_size(threshold.shape)
+        return grad_pre, grad_threshold.to(threshold.dtype), None
 
 
 class StepFunction(torch.autograd.Function):
@@ -48,15 +61,15 @@ class StepFunction(torch.autograd.Function):
     def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
         ctx.save_for_backward(pre, threshold)
         ctx.bandwidth = bandwidth
-        return (pre > threshold).to(pre.dtype)
+        return (at_least_float32(pre) > at_least_float32(threshold)).to(pre.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, None]:
         pre, threshold = ctx.saved_tensors
         bandwidth = ctx.bandwidth
-        kernel = rectangle((pre - threshold) / bandwidth)
-        grad_threshold = (-(1.0 / bandwidth) * kernel * grad_out).sum_to_size(threshold.shape)
-        return torch.zeros_like(pre), grad_threshold, None
+        kernel = rectangle((at_least_float32(pre) - at_least_float32(threshold)) / bandwidth)
+        grad_threshold = (-(1.0 / bandwidth) * kernel * at_least_float32(grad_out)).sum_to_size(threshold.shape)
+        return torch.zeros_like(pre), grad_threshold.to(threshold.dtype), None
 
 
 class JumpReLUSAE(ShallowSAE):
@@ -72,10 +85,15 @@ class JumpReLUSAE(ShallowSAE):
         sparsity_loss: ``"l0"`` (Rajamanoharan et al. 2024) or ``"target_l0"`` (pins L0 near
             ``target_l0``, which makes runs comparable at equal sparsity k, as the paper does).
         target_l0: the target mean L0; required for ``"target_l0"``, in (0, d_sae].
-        bandwidth: ε of the rectangle kernel; 1e-3 as in the JumpReLU paper (for inputs of
-            unit scale per dimension).
-        initial_threshold: θ at init; 1e-3 as in the JumpReLU paper, so training starts
-            close to a ReLU SAE.
+        bandwidth: ε of the rectangle kernel. The JumpReLU paper's 1e-3 assumes pre-activations
+            far smaller than ours: with inputs normalised to E‖x‖² = d_in (SAEModule's default)
+            and unit-norm encoder columns at init they are O(1), so the default 0.05 is a few
+            percent of their scale and still 12x bf16's spacing near 1 (0.004).
+        initial_threshold: θ at init. None (default): with ``target_l0``, θ is set on the first
+            training batch to the pre-activation quantile that makes the mean L0 equal
+            ``target_l0`` (one value for all latents, averaged over ranks), because log θ moves
+            by about the learning rate per step, so a far-off θ₀ (the JumpReLU paper's 1e-3)
+            needs ~10⁴ steps to reach O(1); without a target, θ₀ = 0.1. A number: that θ₀.
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
@@ -86,8 +104,8 @@ class JumpReLUSAE(ShallowSAE):
         sparsity_coefficient: float = 1e-3,
         sparsity_loss: Literal["l0", "target_l0"] = "l0",
         target_l0: float | None = None,
-        bandwidth: float = 1e-3,
-        initial_threshold: float = 1e-3,
+        bandwidth: float = DEFAULT_BANDWIDTH,
+        initial_threshold: float | None = None,
         dead_after_tokens: int = 10_000_000,
     ) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
@@ -101,8 +119,13 @@ class JumpReLUSAE(ShallowSAE):
             None if target_l0 is None else check_float("target_l0", target_l0, 0.0, float(d_sae), strict_minimum=True)
         )
         self.bandwidth = check_float("bandwidth", bandwidth, 0.0, strict_minimum=True)
-        self.initial_threshold = check_float("initial_threshold", initial_threshold, 0.0, strict_minimum=True)
-        self.log_threshold = nn.Parameter(torch.full((d_sae,), math.log(self.initial_threshold)))
+        self.initial_threshold = (None if initial_threshold is None else
+                                  check_float("initial_threshold", initial_threshold, 0.0, strict_minimum=True))
+        start = UNCALIBRATED_THRESHOLD if self.initial_threshold is None else self.initial_threshold
+        self.log_threshold = nn.Parameter(torch.full((d_sae,), math.log(start)))
+        # Calibrate on the first training batch only if θ is still at its placeholder then (a resumed
+        # or loaded model is not); checked once per process, so one host sync in a whole run.
+        self._calibration_pending = self.initial_threshold is None and self.target_l0 is not None
 
     @property
     def threshold(self) -> Tensor:
@@ -115,11 +138,43 @@ class JumpReLUSAE(ShallowSAE):
         super().fold_input_scale(scale)
         self.log_threshold.sub_(math.log(scale))
 
+    def pre_activations(self, x: Tensor) -> Tensor:
+        """``(x - b_pre) @ W_enc + b_enc`` in float32 even under bf16 autocast: bf16 spaces values near 1 by
+        ~0.004, coarser than the kernel window ε, so θ's straight-through gradient would be rounding noise."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            pre = super().pre_activations(at_least_float32(x))
+        if self._calibration_pending and self.training:
+            self._calibration_pending = False
+            if bool((self.log_threshold == math.log(UNCALIBRATED_THRESHOLD)).all()):
+                self.calibrate_threshold(pre)
+        return pre
+
+    @torch.no_grad()
+    def calibrate_threshold(self, pre: Tensor) -> None:
+        """θ = the ``1 − target_l0/d_sae`` quantile of ``pre`` (all latents pooled), averaged over ranks."""
+        assert self.target_l0 is not None
+        flat = pre.detach().float().flatten()
+        flat = flat[:: max(1, math.ceil(flat.numel() / QUANTILE_MAX_ELEMENTS))]  # torch.quantile's size limit
+        value = torch.quantile(flat, 1.0 - self.target_l0 / self.d_sae)
+        if dist.is_available() and dist.is_initialized():  # ranks saw different batches: keep θ identical
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        self.log_threshold.fill_(math.log(max(float(value), MIN_CALIBRATED_THRESHOLD)))
+
     def activate(self, pre: Tensor, k: int | None) -> Tensor:
         """``pre · H(pre − θ)``; with ``k`` given, the ``k`` largest of those codes per token
         (JumpReLU can only shrink its support at inference, like ReLU)."""
         codes = JumpReLUFunction.apply(pre, self.threshold, self.bandwidth)
         return codes if k is None else keep_top_k(codes, k)
+
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """The active latents and those within ε/2 below θ (``(pre − θ)/ε > −½``): the rectangle
+        kernel gives the latter a straight-through θ gradient although their code is 0."""
+        mask = (pre - self.threshold.detach()).div_(self.bandwidth) > -0.5
+        return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None
+
+    def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
+        return JumpReLUFunction.apply(pre_values, self.threshold[support.indices], self.bandwidth)
 
     def l0(self, pre: Tensor) -> Tensor:
         """Mean number of active latents per token, differentiable in θ through the STE."""
@@ -129,7 +184,13 @@ class JumpReLUSAE(ShallowSAE):
         """``λ·L0`` or ``λ·(L0/target_l0 − 1)²`` (L0 averaged over the batch first)."""
         if output.pre_acts is None:
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this JumpReLUSAE's forward")
-        l0 = self.l0(output.pre_acts)
+        if output.sparse is not None:  # every entry with a nonzero step or kernel is in the support
+            support = output.sparse
+            steps = StepFunction.apply(support.gather(output.pre_acts),
+                                       self.threshold[support.indices], self.bandwidth)
+            l0 = steps.sum() / output.x_hat.shape[0]
+        else:
+            l0 = self.l0(output.pre_acts)
         if self.sparsity_loss == "l0":
             return self.sparsity_coefficient * l0
         assert self.target_l0 is not None

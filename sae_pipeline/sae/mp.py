@@ -47,6 +47,13 @@ class MatchingPursuitSAE(SparseAutoencoder):
         self.selection: Selection = selection
         self.workspace = Workspace()  # CPU scratch buffers (Gram matrix), not state
 
+    def resolve_k(self, k: int | None) -> int | None:
+        """``k`` ≥ 1 with no upper bound (the trained ``self.k`` when None): a pursuit may run more steps
+        than there are atoms, picking atoms again; the residual still shrinks (Proposition 2)."""
+        if k is None:
+            return self.k
+        return check_int("k", k, 1)
+
     def pursuit(self, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
         """Selection order and coefficients: ``(indices [B, k], coefficients [B, k])``.
 
@@ -65,7 +72,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
 
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
-        """Codes after ``k`` pursuit steps (the trained k when None); any k in [1, d_sae]."""
+        """Codes after ``k`` pursuit steps (the trained k when None); any k ≥ 1, also above d_sae."""
         indices, coefficients = self.pursuit(x, k)
         return self.codes_from_pursuit(indices, coefficients)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, check_int, keep_top_k
+from sae_pipeline.sae.sparse_decode import SparseCodes
 
 
 class ReLUSAE(ShallowSAE):
@@ -50,6 +51,14 @@ class ReLUSAE(ShallowSAE):
         codes = F.relu(pre)
         return codes if k is None else keep_top_k(codes, k)
 
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """``pre > 0``, when few enough are."""
+        mask = pre > 0
+        return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None
+
+    def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
+        return F.relu(pre_values)
+
     def l1_scale(self, step: int) -> float:
         """``λ`` at ``step`` after the linear warm-up."""
         if self.l1_warmup_steps == 0:
@@ -58,6 +67,8 @@ class ReLUSAE(ShallowSAE):
 
     def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
         """``λ(step) · mean_tokens Σ_latents |codes|``."""
+        if output.sparse is not None:
+            return self.l1_scale(step) * output.sparse.values.abs().sum() / output.x_hat.shape[0]
         return self.l1_scale(step) * output.codes.abs().sum(dim=-1).mean()
 
     def extra_repr(self) -> str:

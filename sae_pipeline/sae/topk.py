@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, check_int, keep_top_k
+from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
 
 class TopKSAE(ShallowSAE):
@@ -49,24 +50,43 @@ class TopKSAE(ShallowSAE):
         """The ``k`` (trained k when None) largest of ``relu(pre)`` per token."""
         return keep_top_k(F.relu(pre), self.k if k is None else k)
 
+    def select_support(self, pre: Tensor) -> SparseCodes | None:
+        """The per-token top ``k`` of ``pre`` (those of ``relu(pre)``, up to ties at 0, whose codes are 0)."""
+        if not self.fits_sparse(pre.shape[0] * self.k, pre.shape[0]):
+            return None
+        return SparseCodes.from_topk(pre.topk(self.k, dim=-1, sorted=False).indices, self.d_sae)
+
+    def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
+        return F.relu(pre_values)
+
     def auxiliary_loss(self, x: Tensor, output: SAEOutput) -> Tensor:
         """``α · mse(e_hat, (x − x_hat).detach())`` with ``e_hat`` from the top ``k_aux`` dead latents.
 
-        ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero when no
-        latent is dead. Written without host syncs: when fewer than ``k_aux`` latents are dead,
-        the extra picks are live latents masked to -inf, whose values are replaced by 0.
+        ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero, at no
+        cost, while no latent is dead (one host read of the dead mask per step). On the sparse
+        path it gathers the dead columns of the detached ``pre`` and decodes sparsely; on the
+        dense path, when fewer than ``k_aux`` latents are dead, the extra picks are live latents
+        masked to -inf, whose values are replaced by 0.
         """
         if output.pre_acts is None:
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this SAE's forward")
-        dead = self.dead_mask()
+        dead = self.dead_mask().to(output.pre_acts.device)
+        if not bool(dead.any()):
+            return output.x_hat.new_zeros(())
+        residual = (x - output.x_hat).detach()
+        if output.sparse is not None:
+            dead_latents = dead.nonzero().squeeze(1)
+            n_aux = min(self.k_aux, dead_latents.numel())
+            local = output.pre_acts.index_select(1, dead_latents).topk(n_aux, dim=-1, sorted=False).indices
+            support = SparseCodes.from_topk(dead_latents[local], self.d_sae)
+            values = F.relu(sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support))
+            e_hat = sparse_decode(support.with_values(values), self.W_dec)
+            return self.aux_coefficient * F.mse_loss(e_hat, residual)
         masked = torch.where(dead, F.relu(output.pre_acts), float("-inf"))
         values, indices = masked.topk(self.k_aux, dim=-1, sorted=False)
         values = torch.where(torch.isfinite(values), values, 0.0)
         aux_codes = torch.zeros_like(output.pre_acts).scatter(-1, indices, values)
-        e_hat = aux_codes @ self.W_dec
-        residual = (x - output.x_hat).detach()
-        any_dead = dead.any().to(e_hat.dtype)
-        return self.aux_coefficient * any_dead * F.mse_loss(e_hat, residual)
+        return self.aux_coefficient * F.mse_loss(aux_codes @ self.W_dec, residual)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_aux={self.k_aux}, aux_coefficient={self.aux_coefficient}"

@@ -1,0 +1,246 @@
+"""Benchmark: the feature browser's pass against a bare ``predict`` pass, its memory, and the site's cost.
+
+    python benchmarks/features.py                    # all three parts (CPU sizes below)
+    python benchmarks/features.py --device cuda      # parts 1 and 2 on a GPU
+    python benchmarks/features.py --quick            # tiny sizes (a smoke run)
+
+1. Throughput, same run, same data: synthetic shards in DINOv2's token layout (CLS + 4
+   registers + 16x16 patches = 261 tokens per image), a TopK SAE, both sides through
+   ``trainer.predict`` over ``ActivationDataModule``'s predict loader. "bare predict" is
+   ``SAEModule.predict_step`` (encode + sparse codes, nothing kept or written); "features pass"
+   is :class:`FeaturesModule` (encode + the exact top-N table + statistics) timed to the end of
+   its streaming pass; "features all" adds the end of the run (rank merge and the re-read of
+   the top images' tokens for the heatmaps). Sides alternate for ``--repeats`` rounds; the
+   median tokens/s of each is compared (target: features pass >= 0.7 x bare predict).
+2. Peak memory against the token count: the features pass over N and 4N tokens, each in a
+   fresh process; peak RSS (CPU) or ``torch.cuda.max_memory_allocated`` (GPU). Flat means the
+   4N/N ratio stays near 1 (the table is d_sae x N_top; no [tokens, d_sae] buffer).
+3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore")
+
+N_PREFIX, GRID = 5, (16, 16)
+TPI = N_PREFIX + GRID[0] * GRID[1]
+
+
+def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard: int = 64, seed: int = 0) -> None:
+    from feature_extraction import shards as S
+
+    rng = np.random.default_rng(seed)
+    n_shards = 0
+    for index, start in enumerate(range(0, n_images, images_per_shard)):
+        count = min(images_per_shard, n_images - start)
+        samples = [(f"img{start + i:07d}", rng.standard_normal((TPI, d)).astype(np.float16),
+                    {"image_id": f"img{start + i:07d}", "label": None, "source": "skimage.data.astronaut"})
+                   for i in range(count)]
+        S.write_shard(dpath, index, samples)
+        n_shards += 1
+    S.finalize_manifest(dpath, n_shards=n_shards, spec={"name": "synthetic", "image_size": 224}, layer=0,
+                        tokens_per_image=TPI, n_prefix_tokens=N_PREFIX, grid=GRID)
+
+
+def make_sae(d: int, d_sae: int, k: int, seed: int = 0):  # noqa: ANN201
+    import torch
+
+    from sae_pipeline.sae import TopKSAE
+
+    torch.manual_seed(seed)
+    return TopKSAE(d_in=d, d_sae=d_sae, k=k).eval()
+
+
+def timed_predict(side: str, shards: Path, sae, batch_size: int, device: str, top: int) -> dict:  # noqa: ANN001
+    """One pass of ``side`` ("bare" or "features"); returns tokens and seconds (pass, and whole run)."""
+    import lightning as L
+    import torch
+
+    from sae_pipeline.data import ActivationDataModule
+    from sae_pipeline.features.heatmaps import layout_of
+    from sae_pipeline.features.pass_module import FeaturesModule
+    from sae_pipeline.module import SAEModule
+
+    dm = ActivationDataModule(str(shards), batch_size=batch_size, num_workers=2, shuffle_buffer_tokens=batch_size,
+                              val_fraction=0.0)
+    marks: dict[str, float] = {}
+
+    class Bare(SAEModule):
+        def on_predict_start(self) -> None:
+            self.trainer.predict_loop.return_predictions = False
+
+        def predict_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            super().predict_step(batch, batch_idx)
+
+    class Features(FeaturesModule):
+        def on_predict_end(self) -> None:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            marks["pass_end"] = time.perf_counter()
+            super().on_predict_end()
+
+    module = Bare(sae) if side == "bare" else Features(sae, top, layout_of(dm.data_source))
+    if side == "bare":
+        module.initialized_from_data.fill_(True)  # raw units, like the features side
+    trainer = L.Trainer(accelerator=device, devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    start = time.perf_counter()
+    trainer.predict(module, datamodule=dm)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    n_tokens = dm.data_source.manifest["n_tokens"]
+    return {"tokens": n_tokens, "seconds": marks.get("pass_end", end) - start, "seconds_all": end - start}
+
+
+def throughput(args: argparse.Namespace, work: Path) -> None:
+    shards = work / "throughput"
+    write_synthetic_shards(shards, args.images, args.d)
+    sae = make_sae(args.d, args.d_sae, args.k)
+    print(f"1. throughput: {args.images} images x {TPI} tokens = {args.images * TPI} tokens, d {args.d}, TopK d_sae "
+          f"{args.d_sae} k {args.k}, batch {args.batch_size}, top {args.top}, device {args.device}")
+    rates: dict[str, list[float]] = {"bare predict": [], "features pass": [], "features all": []}
+    timed_predict("features", shards, sae, args.batch_size, args.device, args.top)  # warm-up (caches, threads)
+    for round_index in range(args.repeats):
+        bare = timed_predict("bare", shards, sae, args.batch_size, args.device, args.top)
+        feat = timed_predict("features", shards, sae, args.batch_size, args.device, args.top)
+        rates["bare predict"].append(bare["tokens"] / bare["seconds"])
+        rates["features pass"].append(feat["tokens"] / feat["seconds"])
+        rates["features all"].append(feat["tokens"] / feat["seconds_all"])
+        print(f"   round {round_index + 1}: bare {rates['bare predict'][-1]:,.0f} tok/s, features pass "
+              f"{rates['features pass'][-1]:,.0f} tok/s, with end of run {rates['features all'][-1]:,.0f} tok/s")
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    for name, value in medians.items():
+        print(f"   {name:<14} {value:>12,.0f} tokens/s (median)")
+    ratio = medians["features pass"] / medians["bare predict"]
+    print(f"   features pass / bare predict = {ratio:.2f} (target >= 0.7); with the end of the run: "
+          f"{medians['features all'] / medians['bare predict']:.2f}")
+
+
+def memory_child(shards: str, d: int, d_sae: int, k: int, batch_size: int, device: str, top: int) -> None:
+    import torch
+
+    result = timed_predict("features", Path(shards), make_sae(d, d_sae, k), batch_size, device, top)
+    if device == "cuda":
+        result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    else:
+        result["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print("RESULT " + json.dumps(result))
+
+
+def memory(args: argparse.Namespace, work: Path) -> None:
+    print(f"2. peak memory of the features pass (fresh process each; {'GPU allocated' if args.device == 'cuda' else 'RSS'})")
+    peaks = []
+    for factor in (1, 4):
+        shards = work / f"memory{factor}"
+        write_synthetic_shards(shards, args.memory_images * factor, args.d, seed=factor)
+        command = [sys.executable, __file__, "--memory-child", str(shards), "--d", str(args.d), "--d_sae",
+                   str(args.d_sae), "--k", str(args.k), "--batch_size", str(args.batch_size), "--device",
+                   args.device, "--top", str(args.top)]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+        peaks.append(result["peak_bytes"])
+        print(f"   {result['tokens']:>10,} tokens: peak {result['peak_bytes'] / 2**20:,.0f} MiB")
+    print(f"   4x tokens / 1x tokens peak = {peaks[1] / peaks[0]:.3f}")
+
+
+def site(args: argparse.Namespace, work: Path) -> None:
+    import torch
+    from PIL import Image
+
+    from sae_pipeline.features.heatmaps import Layout
+    from sae_pipeline.features.site import build_site
+
+    d_sae, top, d, n_images = args.site_d_sae, 16, 768, args.site_images
+    rng = np.random.default_rng(0)
+    images_dpath = work / "site_images"
+    images_dpath.mkdir()
+    yy, xx = np.mgrid[0:256, 0:256] / 256.0
+    for i in range(n_images):  # smooth synthetic photos (gradients and a disc), JPEG like ImageNet's
+        c = rng.random((3, 3))
+        disc = ((xx - c[0, 0]) ** 2 + (yy - c[0, 1]) ** 2 < 0.05 + 0.1 * c[0, 2])[..., None]
+        array = (np.stack([c[1, j] * xx + c[2, j] * yy for j in range(3)], -1) * 0.6 + disc * 0.4) * 255
+        Image.fromarray(array.astype(np.uint8)).save(images_dpath / f"{i}.jpg", quality=90)
+    value = -np.sort(-rng.gamma(2.0, 1.0, (d_sae, top)).astype(np.float32), axis=1)
+    image = rng.integers(0, n_images, (d_sae, top))
+    for row in image:  # one entry per image per atom
+        row[:] = rng.choice(n_images, top, replace=False)
+    position = rng.integers(0, TPI, (d_sae, top))
+    state = {"value": torch.from_numpy(value), "token": torch.from_numpy(image * TPI + position),
+             "image": torch.from_numpy(image), "position": torch.from_numpy(position),
+             "fire_count": torch.from_numpy(rng.integers(1, 10**6, d_sae)),
+             "value_sum": torch.from_numpy(rng.random(d_sae) * 1e5), "step_sum": torch.zeros(d_sae, dtype=torch.int64),
+             "step_count": torch.zeros(d_sae, dtype=torch.int64), "n_tokens": torch.tensor(334_000_000)}
+    atoms, ranks = np.nonzero(np.ones((d_sae, top), bool))
+    heat = (rng.random((d_sae * top, TPI)) * value.reshape(-1, 1)).astype(np.float16)
+    collection = {"images": {i: {"image_id": f"n0000/{i}.jpg", "label": i % 1000, "source": str(images_dpath / f"{i}.jpg")}
+                             for i in range(n_images)},
+                  "heat_atom": atoms, "heat_rank": ranks, "heat": heat}
+
+    class Data:
+        source = "synthetic"
+        manifest = {"backbone": {"image_size": 224, "preprocess": {
+            "library": "timm", "size": [224, 224], "crop": {"crop_pct": 0.875, "crop_mode": "center"},
+            "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic"}}}
+
+    sae = make_sae(d, d_sae, 32)
+    out = work / "site"
+    start = time.perf_counter()
+    build_site(out, sae, state, collection, Layout("patches", TPI, 1, 4, GRID), Data())
+    seconds = time.perf_counter() - start
+    files = [p for p in out.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    by_kind = {kind: sum(p.stat().st_size for p in files if kind in p.parts) for kind in ("atoms", "thumbs")}
+    print(f"3. site for d_sae = {d_sae}, N = {top} ({d_sae * top:,} entries over {n_images:,} distinct images, "
+          f"DINOv2 layout)")
+    print(f"   build {seconds:.1f} s; {len(files):,} files, {total / 1e6:,.0f} MB (atom pages "
+          f"{by_kind['atoms'] / 1e6:,.0f} MB, thumbnails {by_kind['thumbs'] / 1e6:,.0f} MB, "
+          f"index {(out / 'index.html').stat().st_size / 1e6:.1f} MB)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "site"])
+    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--memory_images", type=int, default=200)
+    parser.add_argument("--d", type=int, default=256)
+    parser.add_argument("--d_sae", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--top", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--site_d_sae", type=int, default=19_200)
+    parser.add_argument("--site_images", type=int, default=4096)
+    parser.add_argument("--memory-child", dest="memory_child")
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child, args.d, args.d_sae, args.k, args.batch_size, args.device, args.top)
+        return
+    if args.quick:
+        args.images, args.memory_images, args.d_sae, args.repeats = 20, 10, 512, 1
+        args.site_d_sae, args.site_images = 256, 64
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for part in args.parts:
+            {"throughput": throughput, "memory": memory, "site": site}[part](args, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""One training step of each contender in benchmarks/peers.py, behind one small interface.
+
+A :class:`Contender` owns a model started from *our* SAE's weights (so every contender begins
+from the same dictionary, encoder and biases), an Adam with the same settings for all
+(``torch.optim.Adam(lr, fused=True)``: the optimiser is not what is compared), and:
+
+- ``step(x)``: what the library's own training loop does per step: zero grads, its training
+  forward and loss, its firing bookkeeping, backward, its decoder-norm maintenance, Adam;
+- ``forward(x) -> (codes [B, d_sae] dense, x_hat)`` for the equality check, and ``grads(x)``:
+  gradients of the common loss ``mean((x_hat − x)²)`` in our names (``W_enc [d_in, d_sae]``,
+  ``b_enc``, ``W_dec`` with its parallel component removed, ``b_pre``).
+
+The peers are imported lazily (the ``bench`` extra: ``pip install -e ".[bench]"``); a missing
+one is reported and skipped. overcomplete imports ``matplotlib.cm.get_cmap``, which
+matplotlib 3.9 removed: the shim below restores it for that import only.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, ReLUSAE, ShallowSAE, TopKSAE
+
+VARIANTS = ("topk", "batchtopk", "jumprelu", "relu")
+LR = 5e-4
+SPARSITY_COEFFICIENT = 1e-3  # λ of ReLU's L1 and JumpReLU's L0, the same for every library
+
+
+def make_adam(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=LR, fused=True)
+
+
+def project_out_parallel(grad: Tensor, W_dec: Tensor) -> Tensor:
+    """``grad`` without its component along each row of ``W_dec`` (what every library's update keeps)."""
+    W = W_dec.detach()
+    return grad - ((grad * W).sum(1, keepdim=True) / (W * W).sum(1, keepdim=True)) * W
+
+
+class Contender:
+    library = "?"
+
+    def __init__(self, variant: str, template: ShallowSAE, batch_size: int, k: int) -> None:
+        self.variant, self.batch_size, self.k = variant, batch_size, k
+        self.model = self.build(template)
+        self.optimizer = make_adam(self.model)
+
+    @property
+    def name(self) -> str:
+        return f"{self.library} {self.variant}"
+
+    def build(self, template: ShallowSAE) -> nn.Module:
+        raise NotImplementedError
+
+    def step(self, x: Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        raise NotImplementedError
+
+    def grads(self, x: Tensor) -> dict[str, Tensor]:
+        self.optimizer.zero_grad(set_to_none=True)
+        _, x_hat = self.forward(x)
+        F.mse_loss(x_hat, x).backward()
+        grads = {name: g.detach().clone() for name, g in self.named_grads().items() if g is not None}
+        grads["W_dec"] = project_out_parallel(grads["W_dec"], self.W_dec())
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def W_dec(self) -> Tensor:
+        raise NotImplementedError
+
+
+# --- ours -------------------------------------------------------------------------------------
+class Ours(Contender):
+    library = "ours"
+
+    def build(self, template: ShallowSAE) -> nn.Module:
+        import copy
+
+        return copy.deepcopy(template).train()
+
+    def step(self, x: Tensor) -> None:
+        sae = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        output = sae(x)
+        sae.loss(x, output).loss.backward()
+        sae.record_firing(output.fired(), x.shape[0])
+        sae.remove_parallel_grad()
+        self.optimizer.step()
+        sae.normalize_atoms()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        output = self.model(x)
+        return output.codes, output.x_hat
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        return {n: self.model.get_parameter(n).grad for n in ("W_enc", "b_enc", "W_dec", "b_pre")}
+
+    def W_dec(self) -> Tensor:
+        return self.model.W_dec
+
+
+# --- SAELens -----------------------------------------------------------------------------------
+class SAELens(Contender):
+    """SAELens 6 training SAEs, stepped as ``SAETrainer._train_step`` does (without its gradient
+    clipping, which none of the others does). TopK and BatchTopK rescale the codes by the decoder
+    norms (their default; 1 here, the atoms being unit-norm)."""
+
+    library = "SAELens"
+
+    def build(self, template: ShallowSAE) -> nn.Module:
+        import sae_lens
+
+        common: dict[str, Any] = dict(d_in=template.d_in, d_sae=template.d_sae, dtype="float32", device="cpu")
+        if self.variant == "topk":
+            sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(k=self.k, **common))
+        elif self.variant == "batchtopk":
+            sae = sae_lens.BatchTopKTrainingSAE(sae_lens.BatchTopKTrainingSAEConfig(k=self.k, **common))
+        elif self.variant == "jumprelu":
+            assert isinstance(template, JumpReLUSAE)
+            sae = sae_lens.JumpReLUTrainingSAE(sae_lens.JumpReLUTrainingSAEConfig(
+                jumprelu_bandwidth=template.bandwidth, l0_coefficient=SPARSITY_COEFFICIENT, **common))
+        else:
+            sae = sae_lens.StandardTrainingSAE(sae_lens.StandardTrainingSAEConfig(
+                l1_coefficient=SPARSITY_COEFFICIENT, **common))
+        with torch.no_grad():
+            sae.W_enc.copy_(template.W_enc)
+            sae.b_enc.copy_(template.b_enc)
+            sae.W_dec.copy_(template.W_dec)
+            sae.b_dec.copy_(template.b_pre)
+            if self.variant == "jumprelu":
+                sae.threshold.copy_(template.threshold)
+        self.coefficients = {name: c.value if hasattr(c, "value") else c for name, c in sae.get_coefficients().items()}
+        self.since_fired = torch.zeros(template.d_sae)
+        return sae.train()
+
+    def step(self, x: Tensor) -> None:
+        from sae_lens.saes.sae import TrainStepInput
+
+        sae = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        out = sae.training_forward_pass(TrainStepInput(
+            sae_in=x, coefficients=self.coefficients, dead_neuron_mask=self.since_fired > 10_000_000,
+            n_training_steps=0, is_logging_step=False))
+        with torch.no_grad():  # SAETrainer's firing bookkeeping
+            did_fire = out.feature_acts.bool().float().sum(-2).bool()
+            self.since_fired += 1
+            self.since_fired[did_fire] = 0
+        out.loss.backward()
+        self.optimizer.step()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        codes, _ = self.model.encode_with_hidden_pre(x)
+        return codes, self.model.decode(codes)
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        m = self.model
+        return {"W_enc": m.W_enc.grad, "b_enc": m.b_enc.grad, "W_dec": m.W_dec.grad, "b_pre": m.b_dec.grad}
+
+    def W_dec(self) -> Tensor:
+        return self.model.W_dec
+
+
+# --- overcomplete ------------------------------------------------------------------------------
+def import_overcomplete() -> Any:
+    import matplotlib
+    import matplotlib.cm
+
+    if not hasattr(matplotlib.cm, "get_cmap"):
+        matplotlib.cm.get_cmap = matplotlib.colormaps.get_cmap  # removed in matplotlib 3.9
+    import overcomplete.sae
+
+    return overcomplete.sae
+
+
+class Overcomplete(Contender):
+    """overcomplete's SAEs with their default linear encoder, trained as ``train_sae`` does.
+
+    overcomplete has no pre-bias: ``pre = x W + b``, ``x_hat = z D`` (so the equality check sets
+    our ``b_pre`` to 0), and it renormalises the dictionary inside every training forward.
+    Criterion: the MSE (TopK, BatchTopK: its ``top_k_auxiliary_loss`` is another definition,
+    an AuxK over the top half of the unselected latents at every step); ``mse_l1`` for ReLU;
+    MSE + λ·L0 through its ``heaviside`` straight-through function for JumpReLU (rectangle kernel).
+    BatchTopK's ``top_k`` counts over the batch: B·k.
+    """
+
+    library = "overcomplete"
+
+    def build(self, template: ShallowSAE) -> nn.Module:
+        oc = import_overcomplete()
+        d_in, d_sae = template.d_in, template.d_sae
+        if self.variant == "topk":
+            model = oc.TopKSAE(d_in, d_sae, top_k=self.k)
+        elif self.variant == "batchtopk":
+            model = oc.BatchTopKSAE(d_in, d_sae, top_k=self.k * self.batch_size)
+        elif self.variant == "jumprelu":
+            assert isinstance(template, JumpReLUSAE)
+            model = oc.JumpSAE(d_in, d_sae, kernel="rectangle", bandwidth=template.bandwidth)
+        else:
+            model = oc.SAE(d_in, d_sae)
+        linear = model.encoder.final_block[0]
+        with torch.no_grad():
+            linear.weight.copy_(template.W_enc.T)
+            linear.bias.copy_(template.b_enc)  # no b_pre: see above
+            model.dictionary._weights.copy_(template.W_dec)
+            if self.variant == "jumprelu":
+                model.thresholds.copy_(template.log_threshold)
+        if self.variant == "relu":
+            self.criterion: Callable[..., Tensor] = lambda x, x_hat, z_pre, z, D: oc.losses.mse_l1(
+                x, x_hat, z_pre, z, D, penalty=SPARSITY_COEFFICIENT)
+        elif self.variant == "jumprelu":
+            def criterion(x: Tensor, x_hat: Tensor, z_pre: Tensor, z: Tensor, D: Tensor) -> Tensor:
+                steps = oc.heaviside(torch.relu(z_pre), torch.exp(model.thresholds), model.kernel_fn, model.bandwidth)
+                return (x - x_hat).square().mean() + SPARSITY_COEFFICIENT * steps.sum(-1).mean()
+            self.criterion = criterion
+        else:
+            self.criterion = lambda x, x_hat, z_pre, z, D: (x - x_hat).square().mean()
+        self.since_fired = torch.zeros(d_sae)
+        return model.train()
+
+    def step(self, x: Tensor) -> None:
+        model = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        z_pre, z, x_hat = model(x)
+        loss = self.criterion(x, x_hat, z_pre, z, model.get_dictionary())
+        with torch.no_grad():  # train_sae's DeadCodeTracker
+            self.since_fired[(z > 0).any(0)] = 0
+        loss.backward()
+        self.optimizer.step()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        _, z, x_hat = self.model(x)
+        return z, x_hat
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        linear = self.model.encoder.final_block[0]
+        W_enc = None if linear.weight.grad is None else linear.weight.grad.T
+        return {"W_enc": W_enc, "b_enc": linear.bias.grad, "W_dec": self.model.dictionary._weights.grad}
+
+    def W_dec(self) -> Tensor:
+        return self.model.dictionary._weights
+
+
+# --- sparsify ----------------------------------------------------------------------------------
+class Sparsify(Contender):
+    """EleutherAI sparsify's ``SparseCoder`` (TopK only), stepped as its ``Trainer`` does: FVU +
+    AuxK (on dead latents), gradient parallel to the atoms removed, unit-norm atoms after Adam.
+    On a CPU its decoder is ``F.embedding_bag`` (Triton off) and its encoder backward an
+    ``index_add_`` over the top-k columns."""
+
+    library = "sparsify"
+
+    def build(self, template: ShallowSAE) -> nn.Module:
+        os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
+        from sparsify import SparseCoder, SparseCoderConfig
+
+        coder = SparseCoder(template.d_in, SparseCoderConfig(num_latents=template.d_sae, k=self.k),
+                            device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            coder.encoder.weight.copy_(template.W_enc.T)
+            coder.encoder.bias.copy_(template.b_enc)
+            coder.W_dec.copy_(template.W_dec)
+            coder.b_dec.copy_(template.b_pre)
+        self.since_fired = torch.zeros(template.d_sae, dtype=torch.long)
+        return coder.train()
+
+    def step(self, x: Tensor) -> None:
+        coder = self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        out = coder(x, dead_mask=self.since_fired > 10_000_000)
+        (out.fvu + out.auxk_loss / 32).backward()
+        with torch.no_grad():  # Trainer's firing bookkeeping
+            self.since_fired += x.shape[0]
+            self.since_fired[out.latent_indices.flatten()] = 0
+        coder.remove_gradient_parallel_to_decoder_directions()
+        self.optimizer.step()
+        coder.set_decoder_norm_to_unit_norm()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        out = self.model(x)
+        codes = torch.zeros(x.shape[0], self.model.num_latents).scatter(1, out.latent_indices, out.latent_acts)
+        return codes, out.sae_out
+
+    def named_grads(self) -> dict[str, Tensor | None]:
+        c = self.model
+        W_enc = None if c.encoder.weight.grad is None else c.encoder.weight.grad.T
+        return {"W_enc": W_enc, "b_enc": c.encoder.bias.grad, "W_dec": c.W_dec.grad, "b_pre": c.b_dec.grad}
+
+    def W_dec(self) -> Tensor:
+        return self.model.W_dec
+
+
+PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
+    "SAELens": (SAELens, VARIANTS),
+    "overcomplete": (Overcomplete, VARIANTS),
+    "sparsify": (Sparsify, ("topk",)),
+}
+OURS: dict[str, type[ShallowSAE]] = {"topk": TopKSAE, "batchtopk": BatchTopKSAE, "jumprelu": JumpReLUSAE,
+                                     "relu": ReLUSAE}

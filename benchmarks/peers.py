@@ -1,0 +1,256 @@
+"""Benchmark: one shallow-SAE training step, ours against SAELens, overcomplete and sparsify.
+
+    pip install -e ".[bench]"                 # the peers (never a runtime dependency)
+    python benchmarks/peers.py                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
+    python benchmarks/peers.py --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
+
+For each variant (TopK, BatchTopK, JumpReLU, ReLU) every library that has it trains from the
+same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4, torch's
+fused implementation for all). A step is what the library's own training loop does: forward,
+loss, firing bookkeeping, backward, decoder-norm maintenance, Adam (benchmarks/peer_adapters.py
+says what that is per library). ReLU and JumpReLU start at the sparsity of a trained SAE: b_enc
+(ReLU) or θ (JumpReLU) is set so that B·k codes of the batch are active (L0 ≈ k), the regime
+the paper compares them in; at init they would fire on half the latents.
+
+Timing: contenders are interleaved: each round times a dense encoder GEMM
+(``(x − b_pre) @ W_enc``, ``[B, d_in] × [d_in, d_sae]``, fresh output) and then ``--steps``
+steps of every contender; the figure is the median over all rounds (on a shared machine a
+burst of interference spoils single steps, which the median ignores). "÷ GEMM" is the step
+over the GEMM's median from the same rounds; "÷ ours" the contender's step over ours.
+
+Peak memory: the parameters, buffers and Adam state, plus the peak of what one step allocates
+on top (torch's allocator events through ``torch.profiler``; CUDA: ``max_memory_allocated``).
+
+Equality: where the definitions coincide the codes, ``x_hat`` and the gradients of
+``mean((x_hat − x)²)`` (``W_dec``'s with its parallel component removed; SAELens TopK rescales
+codes by the decoder norms, which changes only that component) are compared with ours from the
+same weights; the table gives the largest difference relative to the largest value.
+overcomplete has no pre-bias ``b_pre``, so it is compared with ``b_pre = 0``; thresholds are
+not compared (SAELens trains θ, we and overcomplete log θ).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peer_adapters import OURS, PEERS, VARIANTS, Contender, Ours  # noqa: E402
+
+from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, ShallowSAE  # noqa: E402
+
+EQUAL_TOLERANCE = 1e-4  # float32, relative to the largest value
+
+
+def make_batch(d_in: int, batch_size: int, seed: int = 0) -> torch.Tensor:
+    """Token-like activations: low-rank plus noise, with an offset."""
+    generator = torch.Generator().manual_seed(seed)
+    rank = max(d_in // 4, 1)
+    mixing = torch.randn(rank, d_in, generator=generator) / rank ** 0.5
+    latent = torch.randn(batch_size, rank, generator=generator)
+    return latent @ mixing + 0.1 * torch.randn(batch_size, d_in, generator=generator) + torch.randn(d_in, generator=generator)
+
+
+def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) -> ShallowSAE:
+    """Our SAE, b_pre at the batch mean, and (ReLU, JumpReLU) L0 ≈ k on ``x``."""
+    torch.manual_seed(0)
+    cls = OURS[variant]
+    sae = cls(d_in, d_sae, k=k) if variant in ("topk", "batchtopk") else cls(d_in, d_sae)
+    sae.init_b_pre(x.mean(0))
+    with torch.no_grad():
+        pre = sae.pre_activations(x)
+        top = pre.flatten().topk(x.shape[0] * k + 1).values  # B·k entries above the cut, none at it
+        cut = (top[-1] + top[-2]) / 2
+        if isinstance(sae, ReLUSAE):
+            sae.b_enc.sub_(cut)
+        elif isinstance(sae, JumpReLUSAE):
+            sae.log_threshold.fill_(float(cut.clamp_min(1e-6).log()))
+    return sae
+
+
+def median_step(fn: Callable[[], None], n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def persistent_bytes(contender: Contender) -> int:
+    """Parameters, their gradients, buffers and the optimiser state (each storage once)."""
+    seen: dict[int, int] = {}
+    tensors = list(contender.model.parameters()) + list(contender.model.buffers())
+    tensors += [p.grad for p in contender.model.parameters() if p.grad is not None]
+    for state in contender.optimizer.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def peak_step_bytes(contender: Contender, x: torch.Tensor) -> int:
+    """What is allocated when a step starts, plus the peak of that step's own allocations.
+
+    CPU: two steps under ``torch.profiler`` (allocator events); the second is measured, so every
+    block it frees (the first step's gradients, a dictionary a peer replaces in its forward)
+    was allocated while recording and its release is seen.
+    """
+    if x.device.type == "cuda":
+        contender.step(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        at_start = persistent_bytes(contender)
+        contender.step(x)
+        torch.cuda.synchronize()
+        return at_start + torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        contender.step(x)
+        at_start = persistent_bytes(contender)
+        with record_function("measured_step"):
+            contender.step(x)
+    events = list(prof.profiler.kineto_results.events())
+    window = next(e for e in events if e.name() == "measured_step")
+    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    live = peak = base = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if event.start_ns() > end:
+            break
+        live += event.nbytes()
+        if event.start_ns() < start:
+            base = live
+        else:
+            peak = max(peak, live - base)
+    return at_start + peak
+
+
+def relative_difference(ours: Contender, peer: Contender, x: torch.Tensor) -> float:
+    """Largest |ours − peer| / largest |ours| over codes, x_hat and the common gradients."""
+    with torch.no_grad():
+        pairs = list(zip(ours.forward(x), peer.forward(x)))
+    ours_grads, peer_grads = ours.grads(x), peer.grads(x)
+    pairs += [(ours_grads[name], grad) for name, grad in peer_grads.items()]
+    return max(float((a - b).abs().max() / a.abs().max().clamp_min(1e-30)) for a, b in pairs)
+
+
+def equality(variant: str, peer_cls: type[Contender], template: ShallowSAE, x: torch.Tensor, args) -> str:
+    template = copy.deepcopy(template)
+    if peer_cls.library == "overcomplete":
+        with torch.no_grad():
+            template.b_pre.zero_()
+    diff = relative_difference(Ours(variant, template, args.batch_size, args.k),
+                               peer_cls(variant, template, args.batch_size, args.k), x)
+    return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
+
+
+def load_contenders(variant: str, template: ShallowSAE, args) -> tuple[list[Contender], list[str]]:
+    contenders: list[Contender] = [Ours(variant, template, args.batch_size, args.k)]
+    notes = []
+    for library in args.peers:
+        cls, variants = PEERS[library]
+        if variant not in variants:
+            continue
+        try:
+            contenders.append(cls(variant, template, args.batch_size, args.k))
+        except ImportError as exn:
+            notes.append(f"{library}: not installed ({exn.name}); pip install -e '.[bench]'")
+    return contenders, notes
+
+
+def run_shape(d_sae: int, args) -> list[str]:
+    x = make_batch(args.d_in, args.batch_size).to(args.device)
+    rows = []
+    for variant in args.variants:
+        template = make_template(variant, args.d_in, d_sae, args.k, x.cpu()).to(args.device)
+        contenders, notes = load_contenders(variant, template, args)
+        for note in notes:
+            print(f"  note: {note}", flush=True)
+        equal = {c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x, args)
+                 for c in contenders}
+        xc = (x - template.b_pre).detach()
+        W_enc = template.W_enc.detach()
+        gemm_times: list[float] = []
+        step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
+        for round_index in range(args.rounds):
+            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps)
+            for c in contenders:
+                if round_index == 0:
+                    median_step(lambda: c.step(x), args.warmup)
+                step_times[c.name] += median_step(lambda: c.step(x), args.steps)
+        gemm = statistics.median(gemm_times)
+        ours_time = statistics.median(step_times[contenders[0].name])
+        for c in contenders:
+            step = statistics.median(step_times[c.name])
+            peak = peak_step_bytes(c, x) / 2 ** 20
+            row = (f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
+                   f"{peak:.{0 if peak >= 10 else 2}f} MiB | {equal[c.name]} |")
+            print(row, flush=True)
+            rows.append(row)
+        del contenders
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-in", type=int, default=768)
+    parser.add_argument("--d-sae", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the first round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one round of 2 steps (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.d_in, args.d_sae, args.batch_size, args.k = 16, [64], 32, 4
+        args.steps, args.warmup, args.rounds = 2, 1, 1
+    for name in ("d_in", "batch_size", "k", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    for d_sae in args.d_sae:
+        if not 1 <= args.k <= d_sae:
+            parser.error(f"--k must be in [1, --d-sae={d_sae}], got {args.k}")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: no such device here; use --device cpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; float32; B={args.batch_size} k={args.k}; "
+          f"median over {args.rounds} rounds x {args.steps} steps", flush=True)
+    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | equal to ours |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for d_sae in args.d_sae:
+        run_shape(d_sae, args)
+
+
+if __name__ == "__main__":
+    main()

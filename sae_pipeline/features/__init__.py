@@ -1,0 +1,8 @@
+"""The feature browser: which images, and which patches of them, make each atom fire.
+
+``python -m sae_pipeline features`` (:mod:`sae_pipeline.features.cli`) streams a dataset once
+through a trained SAE on any number of devices (:mod:`.pass_module`, :mod:`.topn`,
+:mod:`.merge`), re-reads the top images' tokens for the heatmaps and the images themselves
+from the extraction's recorded source (:mod:`.images`), and writes a static site
+(:mod:`.site`). :mod:`.tensorboard` logs the top patches of a few atoms during training.
+"""

@@ -1,0 +1,200 @@
+"""``python -m sae_pipeline features``: build the feature browser of a trained SAE.
+
+    python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site/   # newest run
+    python -m sae_pipeline features --sae exported/ --data.source shards/dinov2 --out site/ --trainer.devices 4
+    python -m sae_pipeline features ... --images /new/place/of/imagenet/train   # images moved since extraction
+
+``--config`` takes the training config: its ``data`` section and the device settings of its
+``trainer`` section (accelerator, devices, num_nodes, strategy, precision) are used, the rest
+is ignored; flags override them. Every rank runs this same command (Lightning starts the
+other processes, or ``srun`` does); rank 0 writes the site.
+
+Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose width is not
+the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else)
+is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
+the pass starts and before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sae_pipeline.help_format import DefaultsHelpFormatter
+
+PROG = "python -m sae_pipeline features"
+DATA_KEYS = ("source", "batch_size", "num_workers", "data_dpath", "allow_download")
+TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
+DEFAULTS = {"data.batch_size": 4096, "data.num_workers": 2, "data.data_dpath": "data", "data.allow_download": False,
+            "trainer.accelerator": "auto", "trainer.devices": "auto", "trainer.num_nodes": 1,
+            "trainer.strategy": "auto", "trainer.precision": "32-true"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, formatter_class=DefaultsHelpFormatter,
+        description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
+                    "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
+                    "atoms. Opens from disk (OUT/index.html) or through python -m http.server.")
+    parser.add_argument("--config", help="a training config (configs/<variant>_<data>.yaml): its data section and "
+                                         "trainer device settings are used")
+    parser.add_argument("--ckpt_path", help="checkpoint written by `fit`, or `last`: the newest of the --config's runs "
+                                           "under --runs (or give --sae)")
+    parser.add_argument("--runs", default="runs", help="where `fit` wrote the runs (for --ckpt_path last)")
+    parser.add_argument("--sae", help="an exported SAE directory: ours (config.json + sae.safetensors) or "
+                                      "SAELens's (cfg.json + sae_weights.safetensors)")
+    parser.add_argument("--out", required=True, help="site directory (created; a previous site there is replaced)")
+    parser.add_argument("--top", type=int, default=16, help="top images kept per atom")
+    parser.add_argument("--images", help="where the extraction's images are now, when they have moved")
+    parser.add_argument("--atoms", type=int, nargs="+", help="only these atom ids get pages (default: every atom)")
+    parser.add_argument("--neighbours", type=int, default=8, help="nearest atoms (by cosine) listed per atom")
+    for key in DATA_KEYS:
+        kind = {"batch_size": int, "num_workers": int, "allow_download": _bool}.get(key, str)
+        parser.add_argument(f"--data.{key}", type=kind, default=None,
+                            help=f"as `fit --data.{key}` (default: the config's, else {DEFAULTS.get('data.' + key)})")
+    for key in TRAINER_KEYS:
+        kind = int if key == "num_nodes" else str
+        parser.add_argument(f"--trainer.{key}", type=kind, default=None,
+                            help=f"as `fit --trainer.{key}` (default: the config's, else "
+                                 f"{DEFAULTS.get('trainer.' + key)})")
+    return parser
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags over the config file over the defaults, as ``{"data.source": ..., "trainer.devices": ...}``."""
+    settings = dict(DEFAULTS)
+    if args.config:
+        fpath = Path(args.config)
+        if not fpath.is_file():
+            raise ValueError(f"--config {fpath}: file not found; pass a training config such as "
+                             "configs/mpsae_digits.yaml")
+        config = yaml.safe_load(fpath.read_text()) or {}
+        for section, keys in (("data", DATA_KEYS), ("trainer", TRAINER_KEYS)):
+            for key in keys:
+                if isinstance(config.get(section), dict) and key in config[section]:
+                    settings[f"{section}.{key}"] = config[section][key]
+    for name, value in vars(args).items():
+        if "." in name and value is not None:
+            settings[name] = value
+    if not settings.get("data.source"):
+        raise ValueError("no data: pass --data.source (a shard directory, an .h5 token cache, digits or mnist) or "
+                         "--config with a data section")
+    devices = settings["trainer.devices"]
+    if isinstance(devices, str) and devices.isdigit():
+        settings["trainer.devices"] = int(devices)
+    return settings
+
+
+def load_model(args: argparse.Namespace):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
+    """The SAE on raw activations, from ``--ckpt_path`` (input scale folded) or ``--sae``."""
+    from sae_pipeline.export import load_checkpoint, load_sae, sae_from_checkpoint
+
+    if bool(args.ckpt_path) == bool(args.sae):
+        raise ValueError("pass exactly one of --ckpt_path FILE (a checkpoint of `fit`) and --sae DIR (an export)")
+    if args.sae:
+        if not Path(args.sae).is_dir():
+            raise ValueError(f"--sae {args.sae}: not a directory; pass an export (config.json + sae.safetensors) or "
+                             "a SAELens directory (cfg.json + sae_weights.safetensors)")
+        return load_sae(args.sae)
+    if args.ckpt_path == "last":
+        from sae_pipeline.checkpointing import newest_checkpoint
+
+        if not args.config:
+            raise ValueError("--ckpt_path last needs --config (the newest run of that config); or pass the .ckpt file")
+        run_dpath = Path(args.runs) / Path(args.config).stem
+        found = newest_checkpoint([run_dpath])
+        if found is None:
+            raise ValueError(f"--ckpt_path last: no checkpoint under {run_dpath}; train one first with fit, or pass "
+                             "--runs DIR (where fit wrote its runs)")
+        args.ckpt_path = str(found)
+    checkpoint = load_checkpoint(args.ckpt_path)
+    sae = sae_from_checkpoint(checkpoint)
+    scale = float(checkpoint["input_scale"])
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"--ckpt_path {args.ckpt_path}: input_scale is {scale}, must be finite and > 0")
+    sae.fold_input_scale(scale)
+    return sae.eval()
+
+
+def check_inputs(args: argparse.Namespace, sae: Any, datamodule: Any) -> None:
+    """Every one-line refusal that can be known before the pass."""
+    from sae_pipeline.data_sources import ShardSource
+    from sae_pipeline.features.images import SourceImages
+    from sae_pipeline.features.site import check_out_dir
+
+    if args.top < 1:
+        raise ValueError(f"--top must be >= 1 (images kept per atom), got {args.top}")
+    if args.neighbours < 0:
+        raise ValueError(f"--neighbours must be >= 0, got {args.neighbours}")
+    if args.atoms:
+        bad = [atom for atom in args.atoms if not 0 <= atom < sae.d_sae]
+        if bad:
+            raise ValueError(f"--atoms {bad[0]}: out of range; the SAE has d_sae = {sae.d_sae} atoms, ids 0.."
+                             f"{sae.d_sae - 1}")
+    if datamodule.d_in != sae.d_in:
+        raise ValueError(f"--data.source {datamodule.source}: tokens are {datamodule.d_in}-d but the SAE takes d_in = "
+                         f"{sae.d_in}; pass the data it was trained on (or the SAE trained on this data)")
+    source = datamodule.data_source
+    if isinstance(source, ShardSource):
+        from feature_extraction.shard_reader import read_shard_samples
+        from feature_extraction.shards import shard_fpaths
+
+        fpaths = shard_fpaths(source.name, source.manifest)
+        if fpaths:
+            for _, _, _, _, meta in read_shard_samples(fpaths[0], [0]):
+                SourceImages(args.images).check(meta)
+    check_out_dir(Path(args.out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = resolve_settings(args)
+    start = time.perf_counter()
+
+    import lightning as L
+
+    from sae_pipeline.data import ActivationDataModule
+    from sae_pipeline.features.heatmaps import layout_of
+    from sae_pipeline.features.pass_module import FeaturesModule
+    from sae_pipeline.features.site import build_site
+
+    sae = load_model(args)
+    batch_size = int(settings["data.batch_size"])
+    datamodule = ActivationDataModule(
+        settings["data.source"], batch_size=batch_size, num_workers=int(settings["data.num_workers"]),
+        shuffle_buffer_tokens=batch_size, val_fraction=0.0, data_dpath=str(settings["data.data_dpath"]),
+        allow_download=bool(settings["data.allow_download"]))
+    check_inputs(args, sae, datamodule)
+    layout = layout_of(datamodule.data_source)
+    module = FeaturesModule(sae, args.top, layout, data_dpath=str(settings["data.data_dpath"]))
+    trainer = L.Trainer(accelerator=settings["trainer.accelerator"], devices=settings["trainer.devices"],
+                        num_nodes=int(settings["trainer.num_nodes"]), strategy=settings["trainer.strategy"],
+                        precision=settings["trainer.precision"], logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, inference_mode=True)
+    trainer.predict(module, datamodule=datamodule)
+    if trainer.global_rank != 0:
+        return 0
+    assert module.state is not None and module.collection is not None
+    out = build_site(Path(args.out), sae.cpu(), module.state, module.collection, layout, datamodule,
+                     images_dpath=args.images, atoms=args.atoms, n_neighbours=args.neighbours)
+    print(f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
+          f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
+          f"(or: python -m http.server --directory {out}, then http://localhost:8000)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+"""After the top-N pass: re-read the top images' tokens and take each atom's activation over them.
+
+The top-N pass keeps one token per (atom, image); a heatmap needs the atom's code on every
+token of the image. Only the images in some atom's list are read again (at most d_sae · N,
+usually far fewer), sample by sample (:func:`feature_extraction.shard_reader.read_shard_samples`
+reads just those members), and each rank reads the shards ``s`` with ``s mod world_size =
+rank``. A heatmap is laid out over the backbone's *full* token sequence (prefix tokens, then
+the patch grid in row-major order), each stored token at its recorded position
+(``positions.npy`` for a token subset) and NaN where the extraction stored no token, so a
+subset extraction draws its stored patches in place and leaves the others blank.
+
+Pixel data (digits, MNIST) has one token per image, the image itself: no heatmap, the
+thumbnail is the token. An ``.h5`` token cache has tokens without images: entries are listed
+with their id and position only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from feature_extraction.shard_reader import read_shard_samples
+from feature_extraction.shards import shard_fpaths
+from sae_pipeline.data_sources import RowSource, ShardSource
+
+ENCODE_TOKENS = 4096  # tokens per encode call in this pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How tokens map to images: ``kind`` is "patches" (shards), "pixels" (digits, MNIST) or "tokens" (.h5)."""
+
+    kind: str
+    tokens_per_image: int
+    n_cls: int = 0
+    n_registers: int = 0
+    grid: tuple[int, int] = (0, 0)
+    image_shape: tuple[int, int] | None = None
+
+    @property
+    def n_prefix(self) -> int:
+        return self.n_cls + self.n_registers
+
+    @property
+    def n_full(self) -> int:
+        """Tokens of the backbone's full sequence: the length of a heatmap."""
+        return self.n_prefix + self.grid[0] * self.grid[1]
+
+
+def layout_of(source: ShardSource | RowSource) -> Layout:
+    """The token layout of an opened data source."""
+    if isinstance(source, ShardSource):
+        manifest = source.manifest
+        n_prefix = int(manifest["n_prefix_tokens"])
+        n_cls = min(1, n_prefix)
+        return Layout("patches", int(manifest["tokens_per_image"]), n_cls, n_prefix - n_cls,
+                      tuple(int(g) for g in manifest["grid"]))
+    if source.image_shape is not None:
+        return Layout("pixels", 1, image_shape=tuple(source.image_shape))
+    return Layout("tokens", 1)
+
+
+def image_keys(tokens: Tensor, layout: Layout) -> Tensor:
+    """Global image key of each global token index (tokens of one image share it)."""
+    return torch.div(tokens, layout.tokens_per_image, rounding_mode="floor")
+
+
+def row_labels(source: RowSource, data_dpath: str = "data") -> np.ndarray | None:
+    """Class labels of the rows of digits / MNIST (None for other row sources)."""
+    if source.name == "digits":
+        from sklearn.datasets import load_digits
+
+        return load_digits().target
+    if source.name == "mnist":
+        from torchvision.datasets import MNIST
+
+        try:
+            return MNIST(root=str(data_dpath), train=True, download=False).targets.numpy()
+        except (RuntimeError, OSError):
+            return None
+    return None
+
+
+@torch.no_grad()
+def collect_images(state: dict[str, Tensor], source: ShardSource | RowSource, layout: Layout,
+                   encode: Callable[[Tensor], Tensor], rank: int = 0, world_size: int = 1,
+                   progress: Callable[[int], None] | None = None, data_dpath: str = "data") -> dict[str, Any]:
+    """This rank's part of the top images: their metadata, and for patch data the heatmaps.
+
+    Returns ``{"images": {key: meta}, "heat_atom": int64 [E], "heat_rank": int64 [E], "heat": float16
+    [E, n_full]}``; ``meta`` adds ``pixels`` (pixel data) and ``positions`` (stored positions).
+    """
+    token = state["token"].cpu()
+    filled = token >= 0
+    atom_grid = torch.arange(token.shape[0])[:, None].expand_as(token)
+    rank_grid = torch.arange(token.shape[1])[None, :].expand_as(token)
+    atoms, ranks, keys = atom_grid[filled].numpy(), rank_grid[filled].numpy(), state["image"].cpu()[filled].numpy()
+    tokens = token[filled].numpy()
+    out: dict[str, Any] = {"images": {}, "heat_atom": np.zeros(0, np.int64), "heat_rank": np.zeros(0, np.int64),
+                           "heat": np.zeros((0, layout.n_full), np.float16)}
+    if isinstance(source, ShardSource):
+        return _collect_shard_images(out, source, layout, encode, atoms, ranks, keys, rank, world_size, progress)
+    unique_rows = np.unique(tokens)
+    mine = unique_rows[unique_rows % world_size == rank]
+    if len(mine):
+        ids = source.reader.image_ids(mine)
+        positions = source.reader.token_positions(mine)
+        labels = row_labels(source, data_dpath)
+        pixels = source.reader.read(mine) if layout.kind == "pixels" else None
+        for i, row in enumerate(mine.tolist()):
+            meta = {"image_id": ids[i], "label": None if labels is None else int(labels[row]),
+                    "position": int(positions[i])}
+            if pixels is not None:
+                meta["pixels"] = pixels[i].astype(np.float32)
+            out["images"][int(row)] = meta
+    if progress is not None:
+        progress(len(mine))
+    return out
+
+
+def _collect_shard_images(out: dict, source: ShardSource, layout: Layout, encode: Callable[[Tensor], Tensor],
+                          atoms: np.ndarray, ranks: np.ndarray, keys: np.ndarray, rank: int, world_size: int,
+                          progress: Callable[[int], None] | None) -> dict:
+    manifest = source.manifest
+    counts = np.array([entry["count"] for entry in manifest["shards"]], np.int64)
+    first_image = np.concatenate([[0], np.cumsum(counts)])
+    fpaths = shard_fpaths(source.name, manifest)
+    wanted = np.unique(keys)
+    shard_of = np.searchsorted(first_image, wanted, side="right") - 1
+    by_image: dict[int, list[int]] = {}
+    for i, key in enumerate(keys.tolist()):
+        by_image.setdefault(key, []).append(i)
+    heat_rows: list[np.ndarray] = []
+    heat_entries: list[int] = []
+    for shard in np.unique(shard_of).tolist():
+        if shard % world_size != rank:
+            continue
+        shard_keys = wanted[shard_of == shard]
+        samples = list(read_shard_samples(fpaths[shard], (shard_keys - first_image[shard]).tolist()))
+        for start in range(0, len(samples), max(1, ENCODE_TOKENS // layout.tokens_per_image)):
+            chunk = samples[start : start + max(1, ENCODE_TOKENS // layout.tokens_per_image)]
+            x = torch.from_numpy(np.concatenate([tokens for _, _, tokens, _, _ in chunk]).astype(np.float32))
+            codes = encode(x).float().cpu().numpy()
+            for j, (index, _, tokens, positions, meta) in enumerate(chunk):
+                key = int(first_image[shard] + index)
+                stored = np.arange(len(tokens)) if positions is None else positions.astype(np.int64)
+                image_codes = codes[j * layout.tokens_per_image : (j + 1) * layout.tokens_per_image]
+                out["images"][key] = {**meta, "positions": stored}
+                entries = by_image[key]
+                rows = np.full((len(entries), layout.n_full), np.nan, np.float16)
+                rows[:, stored] = image_codes[:, atoms[entries]].T
+                heat_rows.append(rows)
+                heat_entries.extend(entries)
+        if progress is not None:
+            progress(len(shard_keys))
+    if heat_entries:
+        entries = np.array(heat_entries, np.int64)
+        out["heat_atom"], out["heat_rank"] = atoms[entries], ranks[entries]
+        out["heat"] = np.concatenate(heat_rows)
+    return out
+
+
+def merge_collections(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' :func:`collect_images` results as one."""
+    merged = {"images": {}, "heat_atom": np.concatenate([p["heat_atom"] for p in parts]),
+              "heat_rank": np.concatenate([p["heat_rank"] for p in parts]),
+              "heat": np.concatenate([p["heat"] for p in parts])}
+    for part in parts:
+        merged["images"].update(part["images"])
+    return merged

@@ -1,0 +1,97 @@
+"""The features pass as a LightningModule: ``trainer.predict`` streams the data, each rank fills a table.
+
+Why Lightning: the pass then runs wherever ``predict`` runs (one CPU, every GPU of a node,
+``srun`` across nodes) with the same ``--trainer.*`` flags and the same data split per rank
+(``ActivationDataModule.predict_dataloader``: each rank a contiguous part of the whole
+dataset, each token once, with its global ``token_index``). Nothing is returned per batch
+(``return_predictions`` is off); the table is the state. At the end of the pass
+(``on_predict_end``, every rank) the tables are merged on every rank
+(:func:`sae_pipeline.features.merge.gather_merge`), each rank re-reads its share of the top
+images (:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
+shares (``torch.distributed.gather_object``) for the site writer.
+
+The SAE works on raw activations: a checkpoint's input scale is folded into its biases as
+``export`` does, so codes are in the units ``predict`` writes.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from sae_pipeline.features.heatmaps import Layout, collect_images, image_keys, merge_collections
+from sae_pipeline.features.merge import gather_merge
+from sae_pipeline.features.topn import TopNTable
+from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+
+
+class FeaturesModule(L.LightningModule):
+    """Run ``sae`` over the predict split and keep the per-atom top-``n`` table.
+
+    Args:
+        sae: the SAE, on raw activations (input scale folded).
+        n: top entries per atom.
+        layout: how tokens map to images (:func:`sae_pipeline.features.heatmaps.layout_of`).
+        data_dpath: where MNIST lives (its labels), as ``--data.data_dpath``.
+    """
+
+    def __init__(self, sae: SparseAutoencoder, n: int, layout: Layout, data_dpath: str = "data") -> None:
+        super().__init__()
+        self.sae = sae.eval()
+        self.n, self.layout, self.data_dpath = int(n), layout, data_dpath
+        self.table: TopNTable | None = None
+        self.state: dict[str, Tensor] | None = None
+        self.collection: dict[str, Any] | None = None
+
+    def on_predict_start(self) -> None:
+        self.trainer.predict_loop.return_predictions = False
+        self.table = TopNTable(self.sae.d_sae, self.n, self.device)
+
+    @torch.no_grad()
+    def encode(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """Dense codes ``[B, d_sae]`` and, for MP-SAE, the selection order ``(indices, steps)``."""
+        if isinstance(self.sae, MatchingPursuitSAE):
+            indices, coefficients = self.sae.pursuit(x)
+            steps = torch.arange(1, indices.shape[1] + 1, device=indices.device)[None, :]
+            return self.sae.codes_from_pursuit(indices, coefficients), (indices, steps)
+        return self.sae.encode(x), None
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        x = batch["x"]
+        if not torch.isfinite(x).all():
+            raise ValueError(f"a batch from shards {list(batch.get('shards', []))} holds NaN/Inf values; "
+                             "re-extract or drop those shards")
+        codes, steps = self.encode(x)
+        token = batch["token_index"].to(self.device)
+        assert self.table is not None
+        self.table.update_codes(codes.float(), token, image_keys(token, self.layout),
+                                batch["token_positions"].to(self.device), steps)
+
+    def on_predict_end(self) -> None:
+        assert self.table is not None
+        strategy = self.trainer.strategy
+        self.state = {name: value.cpu() for name, value in gather_merge(self.table, strategy).items()}
+        self.table = None
+        rank, world_size = self.trainer.global_rank, self.trainer.world_size
+        n_images = int(torch.unique(self.state["image"][self.state["token"] >= 0]).numel())
+        bar = tqdm(total=n_images, desc="top images", unit="img", disable=rank != 0 or n_images == 0,
+                   dynamic_ncols=True)
+        part = collect_images(self.state, self.trainer.datamodule.data_source, self.layout,
+                              lambda x: self.encode(x.to(self.device))[0], rank, world_size,
+                              progress=lambda k: bar.update(k * world_size), data_dpath=self.data_dpath)
+        bar.close()
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            parts: list | None = [None] * world_size if rank == 0 else None
+            dist.gather_object(part, parts, dst=0)
+            self.collection = merge_collections(parts) if rank == 0 else None
+        else:
+            self.collection = part
+
+
+# The pass returns nothing per batch on purpose (the table is the state).
+warnings.filterwarnings("ignore", message=r"predict returned None if it was on purpose")

@@ -1,0 +1,229 @@
+"""Sparse codes and the two autograd Functions that make a shallow SAE step cost ~1.5 GEMMs.
+
+A shallow SAE with k active latents per token needs one dense GEMM, the encoder's
+``pre = (x − b_pre) @ W_enc + b_enc``, to choose its latents. Everything after that touches
+only the selected (token, latent) pairs:
+
+- decode: ``x_hat[b] = Σ_{j active in b} z_bj · W_dec[j] + b_pre``
+  (``F.embedding_bag``: a gather-and-sum, no ``[B, d_sae]`` codes, no ``[B, k, d_in]`` temporary);
+- its backward: ``∂z_bj = ⟨∂x_hat[b], W_dec[j]⟩`` (per-entry dot products) and
+  ``∂W_dec[j] = Σ_b z_bj · ∂x_hat[b]`` (the same gather-and-sum over the entries sorted by latent);
+- the encoder's backward only over the selected columns: ``∂W_enc[:, j] = Σ_b ∂pre_bj · (x_b − b_pre)``,
+  ``∂b_enc[j] = Σ_b ∂pre_bj``, ``∂b_pre = −W_enc · ∂b_enc``.
+
+Dense autograd would instead run three more GEMMs of the encoder's size (``codes @ W_dec``, its
+two gradients) and a fourth for ``∂W_enc``, and allocate several ``[B, d_sae]`` tensors.
+
+:class:`SparseCodes` is a CSR layout: entries grouped by token, each with a latent index, a value
+and its token. It may hold entries whose value is 0 (JumpReLU keeps the latents just below θ,
+whose straight-through gradient is not 0); those are not active (``fired``, ``l0`` and
+``to_dense`` agree with the dense codes).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class SparseCodes:
+    """CSR codes of a batch: ``indices``, ``values``, ``rows`` ``[nnz]``, ``crow`` ``[B + 1]``.
+
+    ``values`` may be None while only the support is known (selection before the encoder
+    gather); :meth:`with_values` attaches them. The latent-major order that backward needs is
+    computed once per batch and shared by the decoder's and encoder's gradients.
+    """
+
+    __slots__ = ("indices", "values", "rows", "crow", "d_sae", "_by_latent")
+    _by_latent: tuple[Tensor, Tensor, Tensor] | None
+
+    def __init__(self, indices: Tensor, rows: Tensor, crow: Tensor, d_sae: int, values: Tensor | None = None) -> None:
+        self.indices, self.rows, self.crow, self.d_sae, self.values = indices, rows, crow, d_sae, values
+        self._by_latent = None
+
+    # --- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_topk(cls, indices: Tensor, d_sae: int) -> SparseCodes:
+        """From per-token ``indices [B, k]`` (every token has k entries)."""
+        batch, k = indices.shape
+        device = indices.device
+        rows = torch.arange(batch, device=device).repeat_interleave(k)
+        crow = torch.arange(0, batch * k + 1, k, device=device)
+        return cls(indices.reshape(-1), rows, crow, d_sae)
+
+    @classmethod
+    def from_flat(cls, flat_indices: Tensor, batch: int, d_sae: int) -> SparseCodes:
+        """From indices into the flattened ``[B, d_sae]`` (e.g. a batch-wide top-k), any order."""
+        flat_indices = flat_indices.sort().values
+        rows = torch.div(flat_indices, d_sae, rounding_mode="floor")
+        return cls(flat_indices - rows * d_sae, rows, _crow(rows, batch), d_sae)
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> SparseCodes:
+        """From a bool ``[B, d_sae]`` support."""
+        rows, indices = mask.nonzero(as_tuple=True)
+        return cls(indices, rows, _crow(rows, mask.shape[0]), mask.shape[1])
+
+    def with_values(self, values: Tensor) -> SparseCodes:
+        out = SparseCodes(self.indices, self.rows, self.crow, self.d_sae, values)
+        out._by_latent = self._by_latent
+        return out
+
+    # --- queries ------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.crow.numel() - 1
+
+    def to_dense(self) -> Tensor:
+        """Dense codes ``[B, d_sae]`` (differentiable in ``values``)."""
+        values = self._values()
+        dense = values.new_zeros(self.batch_size, self.d_sae)
+        return dense.index_put((self.rows, self.indices), values, accumulate=True)
+
+    @torch.no_grad()
+    def fired(self) -> Tensor:
+        """Bool ``[d_sae]``: latents with a nonzero code on some token of the batch."""
+        fired = torch.zeros(self.d_sae, dtype=torch.bool, device=self.indices.device)
+        return fired.index_fill_(0, self.indices[self._values() != 0], True)
+
+    @torch.no_grad()
+    def l0(self) -> Tensor:
+        """Mean number of nonzero codes per token, float64."""
+        return torch.count_nonzero(self._values()).to(torch.float64) / max(self.batch_size, 1)
+
+    def by_latent(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(order, rows[order], latent_crow)``: the entry permutation that groups entries by
+        latent, the tokens in that order, and the latents' offsets."""
+        if self._by_latent is None:
+            order = _stable_argsort(self.indices)
+            counts = torch.bincount(self.indices, minlength=self.d_sae)
+            latent_crow = torch.zeros(self.d_sae + 1, dtype=torch.int64, device=self.indices.device)
+            torch.cumsum(counts, 0, out=latent_crow[1:])
+            self._by_latent = (order, self.rows.index_select(0, order), latent_crow)
+        return self._by_latent
+
+    def gather(self, dense: Tensor) -> Tensor:
+        """``dense[rows, indices]`` ``[nnz]`` of a ``[B, d_sae]`` tensor."""
+        return dense.reshape(-1).index_select(0, self.rows * self.d_sae + self.indices)
+
+    def _values(self) -> Tensor:
+        if self.values is None:
+            raise ValueError("these SparseCodes hold a support only; attach values with with_values()")
+        return self.values
+
+
+def _stable_argsort(indices: Tensor) -> Tensor:
+    """Stable argsort; on the CPU through numpy (one thread: torch's parallel sort of a few
+    thousand keys costs more in thread hand-offs than the sort, badly so on a busy machine)."""
+    if indices.device.type == "cpu":
+        return torch.from_numpy(np.argsort(indices.numpy(), kind="stable"))
+    return torch.argsort(indices, stable=True)
+
+
+def _crow(rows: Tensor, batch: int) -> Tensor:
+    crow = torch.zeros(batch + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(torch.bincount(rows, minlength=batch), 0, out=crow[1:])
+    return crow
+
+
+# --- the three sparse products -----------------------------------------------------------------
+def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
+    """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``."""
+    return F.embedding_bag(codes.indices, weight.contiguous(), codes.crow, mode="sum",
+                           per_sample_weights=per_entry.to(weight.dtype), include_last_offset=True)
+
+
+def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
+    """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]``."""
+    order, rows, latent_crow = codes.by_latent()
+    return F.embedding_bag(rows, source.contiguous(), latent_crow, mode="sum",
+                           per_sample_weights=per_entry.index_select(0, order).to(source.dtype), include_last_offset=True)
+
+
+def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
+    """``out[e] = ⟨tokens[rows[e]], weight[indices[e]]⟩`` ``[nnz]``."""
+    tokens, weight = tokens.contiguous(), weight.contiguous()
+    try:  # ATen's own per-sample-weight gradient of embedding_bag: exactly these dot products
+        return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+            tokens, weight, codes.indices, codes.crow[:-1], codes.rows, 0)
+    except (RuntimeError, AttributeError):  # a backend without it: the same in chunks of entries
+        out = tokens.new_empty(codes.indices.numel())
+        step = max(1, (1 << 22) // max(weight.shape[1], 1))
+        for start in range(0, out.numel(), step):
+            sl = slice(start, start + step)
+            out[sl] = (tokens[codes.rows[sl]] * weight[codes.indices[sl]]).sum(1)
+        return out
+
+
+# --- autograd Functions -----------------------------------------------------------------------
+class SparseEncodeGather(torch.autograd.Function):
+    """``pre[rows, indices]`` of ``pre = (x − b_pre) @ W_enc + b_enc``, differentiable in
+    ``x, b_pre, W_enc, b_enc`` with a backward over the selected columns only.
+
+    ``pre`` is the dense pre-activation already computed without a graph (it chose the
+    support); the forward only gathers from it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, b_pre: Tensor, W_enc: Tensor, b_enc: Tensor, pre: Tensor,
+                codes: SparseCodes) -> Tensor:
+        ctx.save_for_backward(x, b_pre, W_enc)
+        ctx.codes = codes
+        return codes.gather(pre)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, b_pre, W_enc = ctx.saved_tensors
+        codes: SparseCodes = ctx.codes
+        grad = grad.to(W_enc.dtype)
+        need_x, need_b_pre, need_W, need_b_enc = ctx.needs_input_grad[:4]
+        grad_x = grad_b_pre = grad_W = grad_b_enc = None
+        if need_W:  # [d_sae, d_in] transposed: the strides of W_enc = W_dec.T.clone()
+            grad_W = latent_sums(codes, (x - b_pre).to(W_enc.dtype), grad).T
+        if need_b_enc or need_b_pre:
+            column_sums = torch.zeros(codes.d_sae, dtype=grad.dtype, device=grad.device).index_add_(0, codes.indices, grad)
+            grad_b_enc = column_sums if need_b_enc else None
+            grad_b_pre = -(W_enc @ column_sums).to(b_pre.dtype) if need_b_pre else None
+        if need_x:
+            grad_x = token_sums(codes, W_enc.T, grad).to(x.dtype)
+        return grad_x, grad_b_pre, grad_W, grad_b_enc, None, None
+
+
+class SparseDecode(torch.autograd.Function):
+    """``x_hat[b] = Σ_e values[e] · W_dec[indices[e]] (+ bias)``, with the sparse backward."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, W_dec: Tensor, bias: Tensor | None, codes: SparseCodes) -> Tensor:
+        ctx.save_for_backward(values, W_dec)
+        ctx.codes = codes
+        out = token_sums(codes, W_dec, values)
+        if bias is not None:
+            out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        values, W_dec = ctx.saved_tensors
+        codes: SparseCodes = ctx.codes
+        grad = grad.to(W_dec.dtype)
+        grad_values = grad_W = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_values = entry_dots(codes, grad, W_dec).to(values.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_W = latent_sums(codes, grad, values)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_values, grad_W, grad_bias, None
+
+
+def sparse_encode(x: Tensor, b_pre: Tensor, W_enc: Tensor, b_enc: Tensor, pre: Tensor, codes: SparseCodes) -> Tensor:
+    """Differentiable ``pre`` at the entries of ``codes`` ``[nnz]`` (see :class:`SparseEncodeGather`)."""
+    return SparseEncodeGather.apply(x, b_pre, W_enc, b_enc, pre, codes)
+
+
+def sparse_decode(codes: SparseCodes, W_dec: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``Σ_e values[e] · W_dec[indices[e]] (+ bias)`` per token ``[B, d_in]`` (see :class:`SparseDecode`)."""
+    return SparseDecode.apply(codes._values(), W_dec, bias, codes)

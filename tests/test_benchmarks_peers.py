@@ -1,0 +1,72 @@
+"""benchmarks/peers.py and benchmarks/gpu.py in their tiny dry-run modes: every contender steps,
+and every peer that is installed (the ``bench`` extra) computes the same codes, x_hat and
+gradients as ours from the same weights. The two dry runs are marked slow: about 35 s of CPU
+together, most of it importing SAELens, timm and the peers (3 min wall on the box loaded by
+five other sessions); the two argument tests take a few seconds."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+PEER_MODULES = {"SAELens": "sae_lens", "overcomplete": "overcomplete", "sparsify": "sparsify"}
+PEER_VARIANTS = {"SAELens": 4, "overcomplete": 4, "sparsify": 1}
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_DPATH / "benchmarks" / script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=REPO_DPATH)
+
+
+def table_rows(stdout: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| d_in") and not line.startswith("| variant")]
+
+
+@pytest.mark.slow
+def test_peers_dry_run_every_contender_steps_and_agrees_with_ours() -> None:
+    result = run("peers.py", "--dry-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = table_rows(result.stdout)
+    libraries = [row[2].split()[0] for row in rows]
+    assert libraries.count("ours") == 4
+    for library, module in PEER_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            assert f"{library}: not installed" in result.stdout
+            continue
+        assert libraries.count(library) == PEER_VARIANTS[library], result.stdout
+    for row in rows:
+        step, vs_ours, vs_gemm, memory, equal = row[3], float(row[4]), float(row[5]), row[6], row[7]
+        assert step.endswith(" s") and vs_ours > 0 and vs_gemm > 0 and float(memory.split()[0]) > 0
+        assert equal == "reference" if row[2].startswith("ours") else equal.startswith("equal ("), row
+
+
+def test_peers_bad_argument_is_one_line_exit_2() -> None:
+    result = run("peers.py", "--k", "0")
+    assert result.returncode == 2 and "--k must be >= 1, got 0" in result.stderr
+
+
+@pytest.mark.slow
+def test_gpu_dry_run_reports_every_variant_and_extraction() -> None:
+    result = run("gpu.py", "--dry-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row[0]: row for row in table_rows(result.stdout)}
+    assert set(rows) == {"topk", "batchtopk", "jumprelu", "relu", "mpsae"}
+    for variant, row in rows.items():
+        assert float(row[2].replace(",", "")) > 0
+        assert (row[3] == "—") == (variant == "mpsae")
+    assert "images/s" in result.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch")
+def test_gpu_without_cuda_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    result = run("gpu.py")
+    assert result.returncode == 2 and "no CUDA device is visible" in result.stderr

@@ -1,0 +1,165 @@
+"""``python -m sae_pipeline features`` end to end: exact tables, heatmaps of a token subset, MP steps, bad input."""
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from features_fixtures import GRID, N_PREFIX, identity_sae, write_export, write_shards
+from sae_pipeline.__main__ import main
+from sae_pipeline.export import load_sae
+from sae_pipeline.sae import MatchingPursuitSAE
+from test_features_topn import brute_force
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("features")
+    tokens, positions = write_shards(root / "shards", root / "images")
+    return {"root": root, "shards": root / "shards", "images": root / "images", "tokens": tokens,
+            "positions": positions, "sae": write_export(identity_sae(), root / "sae")}
+
+
+def run(args: list[str], capsys) -> tuple[int, str]:
+    code = main(["features", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def site(data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site") / "site"
+    assert main(["features", "--sae", str(data["sae"]), "--data.source", str(data["shards"]), "--out", str(out),
+                 "--top", "4", "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator",
+                 "cpu"]) == 0
+    return out
+
+
+def test_table_equals_brute_force(data, site) -> None:
+    table = np.load(site / "features.npz", allow_pickle=False)
+    tokens = data["tokens"]
+    codes = np.maximum(tokens, 0)  # the identity SAE
+    tpi = len(tokens) // 14
+    expected = brute_force(codes, np.arange(len(tokens)) // tpi, n=4)
+    got = [[(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0]
+           for j in range(codes.shape[1])]
+    assert got == expected
+    assert table["fire_count"].tolist() == (codes != 0).sum(0).tolist()
+    np.testing.assert_allclose(table["value_sum"], codes.astype(np.float64).sum(0), rtol=1e-12)
+    filled = table["token"] >= 0
+    assert (table["position"][filled] == data["positions"][table["token"][filled]]).all()
+    assert int(table["n_tokens"]) == len(tokens)
+
+
+def decode_cards(page: str) -> list[tuple[np.ndarray, int]]:
+    return [(np.frombuffer(base64.b64decode(heat), np.uint8), int(top))
+            for heat, top in re.findall(r'data-heat="([^"]+)" data-top="(\d+)"', page)]
+
+
+def test_heatmaps_put_each_token_at_its_recorded_position(data, site) -> None:
+    table = np.load(site / "features.npz", allow_pickle=False)
+    tokens, positions = data["tokens"], data["positions"]
+    tpi = len(tokens) // 14
+    n_full = N_PREFIX + GRID[0] * GRID[1]
+    for atom in (0, 3, 7):
+        page = (site / "atoms" / f"{atom:02d}.html").read_text()
+        cards = decode_cards(page)
+        assert len(cards) == int((table["token"][atom] >= 0).sum()) > 0
+        scale = max(float(table["value"][atom][0]), 0.0)
+        for rank, (levels, top) in enumerate(cards):
+            token = int(table["token"][atom][rank])
+            image = token // tpi
+            rows = slice(image * tpi, (image + 1) * tpi)
+            expected = np.full(n_full, 255, np.uint8)
+            expected[positions[rows]] = np.round(np.clip(np.maximum(tokens[rows, atom], 0) / scale, 0, 1) * 250)
+            assert levels.tolist() == expected.tolist()
+            assert top == positions[token]
+        # prefix tokens are chips of their own, apart from the grid
+        assert page.count('data-i="0">CLS<') == len(cards) and page.count('>R2</span>') == len(cards)
+    assert len(list((site / "thumbs").glob("*.jpg"))) == len({int(g) for g in table["image"][table["token"] >= 0]})
+
+
+def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
+    torch.manual_seed(0)
+    sae = MatchingPursuitSAE(d_in=64, d_sae=40, k=4, selection="matmul")
+    with torch.no_grad():
+        sae.W_dec.copy_(torch.nn.functional.normalize(torch.randn(40, 64), dim=1))
+    out = tmp_path / "site"
+    code, err = run(["--sae", str(write_export(sae, tmp_path / "mp")), "--data.source", "digits", "--out", str(out),
+                     "--data.num_workers", "0", "--trainer.accelerator", "cpu"], capsys)
+    assert code == 0, err
+    from sklearn.datasets import load_digits
+
+    x = torch.from_numpy(load_digits().data.astype(np.float32) / 16.0)
+    indices, _ = load_sae(tmp_path / "mp").pursuit(x)
+    step_sum, step_count = np.zeros(40), np.zeros(40)
+    for row in indices.tolist():
+        for step, atom in enumerate(row, start=1):
+            step_sum[atom] += step
+            step_count[atom] += 1
+    table = np.load(out / "features.npz", allow_pickle=False)
+    assert table["step_sum"].tolist() == step_sum.tolist() and table["step_count"].tolist() == step_count.tolist()
+    assert "mean MP selection step" in (out / "atoms" / "00.html").read_text()
+    assert len(list((out / "atoms" / "img").glob("*.png"))) == 40  # pixel data: the atoms drawn
+
+
+def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:
+    base = ["--sae", str(data["sae"]), "--data.source", str(data["shards"]), "--data.num_workers", "0",
+            "--trainer.accelerator", "cpu"]
+    cases = {
+        "--top must be >= 1": [*base, "--out", str(tmp_path / "a"), "--top", "0"],
+        "--atoms 12: out of range": [*base, "--out", str(tmp_path / "b"), "--atoms", "3", "12"],
+        "tokens are 64-d but the SAE takes d_in = 12": ["--sae", str(data["sae"]), "--data.source", "digits",
+                                                        "--out", str(tmp_path / "c")],
+        "not a feature browser site": [*base, "--out", str(data["images"])],
+        "pass exactly one of --ckpt_path": ["--data.source", "digits", "--out", str(tmp_path / "d")],
+    }
+    for expected, args in cases.items():
+        code, err = run(args, capsys)
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, err[-2000:])
+        assert not (tmp_path / "a").exists()
+    # images moved: named, with --images; then --images finds them
+    moved = data["root"] / "moved"
+    shutil.move(str(data["images"]), moved)
+    try:
+        code, err = run([*base, "--out", str(tmp_path / "e")], capsys)
+        line = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(line) == 1 and "not found" in line[0] and "--images DIR" in line[0]
+        assert str(data["images"]) in line[0] and not (tmp_path / "e").exists()
+        code, err = run([*base, "--out", str(tmp_path / "e"), "--images", str(moved), "--top", "2"], capsys)
+        assert code == 0, err
+        assert (tmp_path / "e" / "index.html").is_file()
+    finally:
+        shutil.move(str(moved), data["images"])
+
+
+def test_help_shows_every_default() -> None:
+    from sae_pipeline.features.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--top TOP top images kept per atom (default: 16)" in text
+    for option in ("--data.source", "--data.batch_size", "--trainer.devices", "--trainer.precision"):
+        assert f"as `fit {option}` (default: the config's, else" in text
+
+
+def test_h5_token_cache_lists_tokens_without_images(data, tmp_path, capsys) -> None:
+    from feature_extraction.h5cache import write_token_cache
+
+    tokens = data["tokens"][:60]
+    write_token_cache(tmp_path / "cache.h5", tokens, image_ids=[f"im{i // 5}" for i in range(60)],
+                      token_positions=np.arange(60) % 5)
+    out = tmp_path / "site"
+    code, err = run(["--sae", str(data["sae"]), "--data.source", str(tmp_path / "cache.h5"), "--out", str(out),
+                     "--top", "3", "--data.num_workers", "0", "--trainer.accelerator", "cpu"], capsys)
+    assert code == 0, err
+    table = np.load(out / "features.npz")
+    assert [[(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0] for j in range(12)] \
+        == brute_force(np.maximum(tokens, 0), np.arange(60), n=3)  # one token per row: no image grouping
+    page = (out / "atoms" / "02.html").read_text()
+    best = int(table["token"][2][0])
+    assert f"im{best // 5}" in page and f"token {best % 5}" in page and "<img" not in page

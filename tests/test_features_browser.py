@@ -1,0 +1,110 @@
+"""The feature browser in a real headless Chromium (Debian's ``chromium`` through playwright), from disk."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from features_fixtures import D, identity_sae, write_export, write_shards
+from sae_pipeline.__main__ import main
+from system_tools import require
+
+CHROMIUM = "chromium"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("browser")
+    write_shards(root / "shards", root / "images")
+    out = root / "site"
+    assert main(["features", "--sae", str(write_export(identity_sae(), root / "sae")), "--data.source",
+                 str(root / "shards"), "--out", str(out), "--top", "5", "--neighbours", "3", "--data.num_workers",
+                 "0", "--trainer.accelerator", "cpu"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    require([CHROMIUM], "apt-get install -y chromium")
+    import shutil
+
+    from playwright.sync_api import sync_playwright  # the dev extra; its browser is Debian's, never downloaded
+
+    with sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=shutil.which(CHROMIUM), headless=True,
+                                     args=["--no-sandbox", "--allow-file-access-from-files"])
+        yield instance
+        instance.close()
+
+
+def open_page(browser, url: str):
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exn: errors.append(str(exn)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(url)
+    page.wait_for_load_state("load")
+    return page, errors
+
+
+def all_images_loaded(page) -> list[str]:
+    """The src of every <img> that did not load (complete with a natural width)."""
+    return page.evaluate("""() => Array.from(document.images)
+        .filter(img => !(img.complete && img.naturalWidth > 0)).map(img => img.src)""")
+
+
+def non_blank(png: bytes) -> bool:
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("L"), np.float32)
+    return pixels.std() > 5 and len(np.unique(pixels)) > 20
+
+
+def test_index_lists_every_atom_sorts_and_searches(site, browser, tmp_path) -> None:
+    page, errors = open_page(browser, (site / "index.html").as_uri())
+    assert page.locator("#atoms tbody tr").count() == D
+    assert page.locator("#count").inner_text() == f"{D} of {D} atoms"
+    assert all_images_loaded(page) == [] and page.locator("#atoms tbody img").count() == D
+    shot = page.screenshot(path=str(tmp_path / "index.png"), full_page=True)
+    assert (tmp_path / "index.png").stat().st_size > 0 and non_blank(shot)
+    # sort by frequency (descending on first click): the first row is the most frequent atom
+    freq = np.load(site / "features.npz")["fire_count"]
+    page.locator('th[data-key="frequency"]').click()
+    assert page.locator("#atoms tbody tr").first.get_attribute("data-id") == str(int(np.argmax(freq)))
+    page.locator("#search").fill("1")
+    ids = [int(i) for i in page.locator("#atoms tbody tr").evaluate_all("rows => rows.map(r => r.dataset.id)")]
+    assert sorted(ids) == [i for i in range(D) if str(i).startswith("1")]
+    page.locator("#search").press("Enter")  # exact id 1 -> its page
+    page.wait_for_url("**/atoms/01.html")
+    assert page.locator("h1").inner_text() == "Atom #1"
+    assert errors == []
+
+
+def test_atom_pages_load_draw_and_link(site, browser, tmp_path) -> None:
+    page, errors = open_page(browser, (site / "atoms" / "00.html").as_uri())
+    assert all_images_loaded(page) == []
+    n_cards = page.locator("figure.card").count()
+    assert n_cards == 5 and page.locator("figure.card img").count() == 5
+    # the heatmap canvases are drawn (not transparent) and the prefix tokens are chips apart from the grid
+    drawn = page.evaluate("""() => Array.from(document.querySelectorAll("canvas")).map(c => {
+        const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; })""")
+    assert len(drawn) == 5 and min(drawn) > 0
+    assert page.locator("figure.card .prefix .tok").count() == 5 * 3  # CLS + 2 registers per card
+    shot = page.screenshot(path=str(tmp_path / "atom.png"), full_page=True)
+    assert non_blank(shot)
+    # every link resolves: neighbours, prev/next, index
+    hrefs = page.locator("a").evaluate_all("links => links.map(a => a.href)")
+    assert any("/atoms/" in h for h in hrefs) and any(h.endswith("index.html") for h in hrefs)
+    for href in hrefs:
+        other, other_errors = open_page(browser, href)
+        assert other.locator("h1").count() == 1, href
+        assert all_images_loaded(other) == [] and other_errors == [], href
+        other.close()
+    assert errors == []
+    # the index links every page, and the pages exist
+    index, _ = open_page(browser, (site / "index.html").as_uri())
+    links = index.locator("#atoms tbody a").evaluate_all("links => links.map(a => a.href)")
+    assert len(links) == D and all(Path(link.removeprefix("file://")).is_file() for link in links)
+
