@@ -131,7 +131,8 @@ class _HashingWriter:
         return len(data)
 
 
-def _fsync_dir(dpath: Path) -> None:
+def fsync_dir(dpath: Path) -> None:
+    """Make a rename inside ``dpath`` durable (a crash right after it must not bring back the old file)."""
     try:
         fd = os.open(dpath, os.O_RDONLY)
     except OSError:
@@ -171,7 +172,7 @@ def write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
             os.replace(tmp_fpath, fpath)
     finally:
         tmp_fpath.unlink(missing_ok=True)
-    _fsync_dir(fpath.parent)
+    fsync_dir(fpath.parent)
     return True
 
 
@@ -273,7 +274,7 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
     except BaseException:
         tmp_fpath.unlink(missing_ok=True)
         raise
-    _fsync_dir(shards_dpath)
+    fsync_dir(shards_dpath)
     if len(checksums["positions.npy"]) != len(seen):  # all-token extraction: no positions.npy
         del checksums["positions.npy"]
     sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,

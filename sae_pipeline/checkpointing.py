@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from feature_extraction.shards import fsync_dir
 from sae_pipeline import lightning_compat
 
 LAST_FNAME = "last.ckpt"
@@ -122,7 +123,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         return None
 
 
@@ -147,20 +148,6 @@ def _save_with_pause(checkpoint: dict[str, Any], f: Any, marker: Path) -> None:
     marker.write_text(f"{checkpoint.get('global_step')}\n")
     time.sleep(PAUSE_IN_SAVE_S)
     f.write(data[len(data) // 2:])
-
-
-def _fsync_dir(dpath: Path) -> None:
-    """Make the rename itself durable (a crash right after it must not bring back the old file)."""
-    try:
-        fd = os.open(dpath, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class SAECheckpoint(ModelCheckpoint):
