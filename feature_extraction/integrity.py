@@ -33,7 +33,7 @@ import json
 import logging
 import shlex
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -59,22 +59,27 @@ class SampleChecksums(NamedTuple):
     positions: list[int] | None
 
 
-def file_digests(fpath: Path) -> tuple[str, str]:
-    """``(sha256, xxh3_64)`` hex digests of a whole file, in one read."""
-    sha, xxh = hashlib.sha256(), xxhash.xxh3_64()
+def hash_file(fpath: Path, *hashers: Any) -> list[str]:
+    """Hex digests of a whole file for each of ``hashers``, in one read."""
     with open(fpath, "rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
-            sha.update(chunk)
-            xxh.update(chunk)
-    return sha.hexdigest(), xxh.hexdigest()
+            for hasher in hashers:
+                hasher.update(chunk)
+    return [hasher.hexdigest() for hasher in hashers]
+
+
+def file_digests(fpath: Path) -> tuple[str, str]:
+    """``(sha256, xxh3_64)`` hex digests of a whole file, in one read."""
+    sha, xxh = hash_file(fpath, hashlib.sha256(), xxhash.xxh3_64())
+    return sha, xxh
+
+
+def file_sha256(fpath: Path) -> str:
+    return hash_file(fpath, hashlib.sha256())[0]
 
 
 def _file_xxh3(fpath: Path) -> str:
-    xxh = xxhash.xxh3_64()
-    with open(fpath, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            xxh.update(chunk)
-    return xxh.hexdigest()
+    return hash_file(fpath, xxhash.xxh3_64())[0]
 
 
 def shard_is_intact(sidecar: dict, tar_fpath: Path) -> bool:

@@ -48,7 +48,6 @@ REQUIRED_FIELDS = (
     "grid", "n_images", "n_tokens", "shards", "stats", "skipped", "package_version", "created_at",
 )
 SHARD_FIELDS = ("fname", "count", "n_tokens", "sha256", "bytes")
-_HASH_CHUNK_BYTES = 1 << 20
 
 
 class ShardFormatError(ValueError):
@@ -384,14 +383,6 @@ def finalize_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: i
     return manifest
 
 
-def _sha256_file(fpath: Path) -> str:
-    sha = hashlib.sha256()
-    with open(fpath, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     """Read and check ``manifest.json`` and the shard files it lists.
 
@@ -443,7 +434,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         if size != entry["bytes"]:
             raise ShardFormatError(f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
                                    f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it")
-        if verify and _sha256_file(shard_fpath) != entry["sha256"]:
+        if verify and integrity.file_sha256(shard_fpath) != entry["sha256"]:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
     return manifest

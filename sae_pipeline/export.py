@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 import sae_pipeline
 from feature_extraction.exit_status import run_command
+from feature_extraction.integrity import file_sha256
 from sae_pipeline import sae as sae_package
 from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
@@ -197,7 +198,7 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     try:
         save_file(tensors, str(weights_tmp), metadata=weights_metadata)
         if record_sha256:
-            config = {**config, "weights_sha256": _sha256_file(weights_tmp)}
+            config = {**config, "weights_sha256": file_sha256(weights_tmp)}
         with open(config_tmp, "w", encoding="utf-8") as f:
             f.write(json.dumps(config, indent=2, sort_keys=False) + "\n")
         for fpath in (weights_tmp, config_tmp):
@@ -214,14 +215,6 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     return out_dpath
 
 
-def _sha256_file(fpath: Path) -> str:
-    sha = hashlib.sha256()
-    with open(fpath, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest()
-
-
 def check_export(dpath: Path | str) -> None:
     """Raise a one-line ExportError when ``dpath`` is not a whole native export (cheap: no SAE is built)."""
     from safetensors import safe_open
@@ -236,7 +229,7 @@ def check_export(dpath: Path | str) -> None:
     if not isinstance(config, dict):
         raise ExportError(f"{config_fpath}: not a JSON object; {fix}")
     if "weights_sha256" in config:
-        if not weights_fpath.is_file() or _sha256_file(weights_fpath) != config["weights_sha256"]:
+        if not weights_fpath.is_file() or file_sha256(weights_fpath) != config["weights_sha256"]:
             raise ExportError(f"{weights_fpath}: missing or its sha256 differs from {CONFIG_FNAME}'s "
                               f"'weights_sha256' (damaged); {fix}")
         return
@@ -270,7 +263,7 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
     if not isinstance(config, dict):
         raise ExportError(f"{config_fpath}: not a JSON object; re-export the checkpoint")
     fix = f"re-export it (python -m sae_pipeline export --ckpt_path {config.get('checkpoint') or 'FILE'} --out {dpath})"
-    if "weights_sha256" in config and _sha256_file(weights_fpath) != config["weights_sha256"]:
+    if "weights_sha256" in config and file_sha256(weights_fpath) != config["weights_sha256"]:
         raise ExportError(f"{weights_fpath}: sha256 differs from {CONFIG_FNAME}'s 'weights_sha256' (a damaged or "
                           f"mixed export); {fix}")
     try:

@@ -30,17 +30,16 @@ import threading
 from typing import Any
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from torch.utils.data import get_worker_info
 
 from sae_pipeline import lightning_compat
 from sae_pipeline.checkpointing import save_final_checkpoint
+from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
-class Interrupts(L.Callback):
+class Interrupts(StepBoundaryCallback):
     """Turn SIGTERM / SIGINT during ``fit`` into "checkpoint at the next step boundary, exit 128 + signal"."""
 
     def __init__(self) -> None:
@@ -84,14 +83,6 @@ class Interrupts(L.Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._disarm()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self._check(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._check(trainer)
-
     # --- the stop ------------------------------------------------------------------------------
     def _disarm(self) -> None:
         if not self._armed:
@@ -101,18 +92,10 @@ class Interrupts(L.Callback):
             for signum in HANDLED:
                 signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
 
-    def _agreed_signal(self, trainer: L.Trainer) -> int:
-        """The largest signal number any rank received (SIGTERM wins over SIGINT), 0 for none."""
-        if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32, device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
     def _check(self, trainer: L.Trainer) -> None:
         if not self._armed:
             return
-        signum = self._agreed_signal(trainer)
+        signum = max_over_ranks(trainer, self.received)  # SIGTERM (15) wins over SIGINT (2); 0 for none
         if not signum:
             return
         for logger in trainer.loggers:

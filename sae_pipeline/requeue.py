@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from sae_pipeline import lightning_compat
+from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
 
 
 def slurm_job_tag() -> str | None:
@@ -54,7 +53,7 @@ def hpc_checkpoints(dpath: str | Path) -> list[Path]:
     return [fpath for _, fpath in sorted(found)]
 
 
-class SLURMRequeue(L.Callback):
+class SLURMRequeue(StepBoundaryCallback):
     """On SLURM's requeue signal: hpc checkpoint at a step boundary, ``scontrol requeue``, exit.
 
     Inert outside SLURM, outside ``fit``, and with ``SLURMEnvironment(auto_requeue=False)``.
@@ -90,29 +89,15 @@ class SLURMRequeue(L.Callback):
             signal.signal(self._signum, self._previous_handler)
             self._signum = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self._check(trainer)
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._check(trainer)
-
-    def _any_rank(self, trainer: L.Trainer, value: bool) -> bool:
-        flag = torch.tensor([int(value)], device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def _check(self, trainer: L.Trainer) -> None:
-        if self._signum is None or not self._any_rank(trainer, self.signal_received):
+        if self._signum is None or not max_over_ranks(trainer, int(self.signal_received)):
             return
         for logger in trainer.loggers:
             logger.finalize("finished")  # as Lightning's handler does: flush the metrics logged so far
         root = Path(trainer.default_root_dir)
         fpath = lightning_compat.hpc_save_path(trainer, str(root))
         trainer.save_checkpoint(fpath)  # full state (optimiser, loops); every rank takes part, rank 0 writes
-        requeued = self._any_rank(trainer, trainer.is_global_zero and self._requeue(fpath, trainer.global_step))
+        requeued = max_over_ranks(trainer, int(trainer.is_global_zero and self._requeue(fpath, trainer.global_step)))
         if not requeued:
             rank_zero_warn(f"could not requeue the SLURM job; training goes on until SLURM stops it. Resume by hand "
                            f"with --ckpt_path {fpath}")
