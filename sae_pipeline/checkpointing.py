@@ -34,7 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from feature_extraction.shards import fsync_dir
+from feature_extraction.atomic_files import fsync_dir
 from sae_pipeline import lightning_compat
 
 LAST_FNAME = "last.ckpt"
