@@ -36,7 +36,7 @@ from feature_extraction.exit_status import run_command
 from feature_extraction.integrity import file_sha256
 from sae_pipeline import sae as sae_package
 from sae_pipeline.help_format import DefaultsHelpFormatter
-from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, variant_key
 
 CONFIG_FNAME = "config.json"
 WEIGHTS_FNAME = "sae.safetensors"
@@ -55,8 +55,8 @@ def class_path_of(cls: type) -> str:
 
 
 def variant_name(cls: type) -> str | None:
-    """The registry name of a variant class (``"mp"``, ``"topk"``, ...), None when unregistered."""
-    return next((name for name, registered in SAE_REGISTRY.items() if registered is cls), None)
+    """The registry key of a variant class (``"mpsae"``, ``"topk"``, ...), None when unregistered."""
+    return variant_key(cls)
 
 
 def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
