@@ -58,7 +58,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 import sae_pipeline
-from sae_pipeline.export import ExportError, load_checkpoint, sae_config, sae_from_checkpoint, variant_name
+from sae_pipeline.export import ExportError, load_checkpoint, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -67,6 +67,7 @@ from sae_pipeline.sae import (
     SparseAutoencoder,
     TopKSAE,
 )
+from sae_pipeline.sae.config import sae_config
 
 SAELENS_CFG_FNAME = "cfg.json"
 SAELENS_WEIGHTS_FNAME = "sae_weights.safetensors"
