@@ -32,10 +32,11 @@ from torch import Tensor
 
 import sae_pipeline
 from sae_pipeline import lightning_compat
-from sae_pipeline.export import manifest_sha256, sae_config
+from feature_extraction.shards import manifest_sha256
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
-from sae_pipeline.predict import sparse_codes
 from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae.config import sae_config
+from sae_pipeline.sae.sparse_decode import sparse_codes
 
 
 class NonFiniteBatchError(FloatingPointError, ValueError):

@@ -16,9 +16,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import sae_pipeline
-from feature_extraction.shards import finalize_manifest, load_manifest, write_shard
+from feature_extraction.shards import finalize_manifest, load_manifest, manifest_sha256, write_shard
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.export import ExportError, export_checkpoint, load_sae, manifest_sha256
+from sae_pipeline.export import ExportError, export_checkpoint, load_sae
 from sae_pipeline.module import SAEModule
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, get_sae_class
 
