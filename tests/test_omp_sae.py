@@ -34,10 +34,13 @@ def plain_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, 
             corr = W_dec.detach() @ residual
             corr[distance_sq <= tolerance] = float("-inf")
             corr[chosen] = float("-inf")
+            if not torch.isfinite(corr).any():  # no atom can lower the residual: stop
+                break
             chosen.append(int(corr.argmax()))
             coefficients = torch.linalg.lstsq(W_dec[chosen].T, y[:, None]).solution[:, 0]
-        all_indices.append(torch.tensor(chosen))
-        all_codes.append(torch.zeros(d_sae, dtype=x.dtype).index_put((torch.tensor(chosen),), coefficients))
+        all_indices.append(torch.tensor(chosen + [-1] * (k - len(chosen))))
+        all_codes.append(torch.zeros(d_sae, dtype=x.dtype).index_put((torch.tensor(chosen, dtype=torch.int64),),
+                                                                     coefficients))
     codes = torch.stack(all_codes)
     return torch.stack(all_indices), codes, codes @ W_dec + b_pre
 
@@ -117,15 +120,15 @@ def test_near_degenerate_atoms_match_the_plain_loop() -> None:
 
 def test_duplicate_atoms_are_never_both_selected() -> None:
     """Exact copies: the copy of a selected atom lies in the span, so it is skipped (the system would be
-    singular); the span has 4 directions, so k = 5 is a one-line error."""
-    sae = make_sae(6, 8, 4, seed=8)
+    singular); the span has 4 directions, so with k = 6 every token stops after 4 atoms."""
+    sae = make_sae(6, 8, 6, seed=8)
     near_degenerate(sae, 0.0)
     x = torch.randn(30, 6, dtype=torch.float64)
-    indices, _ = sae.pursuit(x)
-    assert ((indices[:, :, None] // 2) == (indices[:, None, :] // 2)).sum((1, 2)).eq(4).all()
-    compare(sae, x, 4)
-    with pytest.raises(ValueError, match="linearly independent atoms"):
-        sae.encode(x, 5)
+    indices, coefficients = sae.pursuit(x)
+    assert (indices[:, 4:] == -1).all() and (coefficients[:, 4:] == 0).all()
+    assert ((indices[:, :4, None] // 2) == (indices[:, None, :4] // 2)).sum((1, 2)).eq(4).all()
+    compare(sae, x, 6)
+    torch.testing.assert_close(sae.encode(x, 6), sae.encode(x, 4), rtol=0, atol=0)
 
 
 def test_residual_is_orthogonal_to_every_selected_atom_and_shrinks() -> None:
@@ -172,21 +175,24 @@ def test_encode_with_other_k_matches_plain_loop(k_infer: int) -> None:
     assert sae.k == 5
 
 
-def test_k_above_d_in_or_rank_is_one_line_error() -> None:
-    with pytest.raises(ValueError, match=r"k must be an integer in \[1, 4\]") as info:
-        OMPSAE(4, 10, 5)
-    assert "\n" not in str(info.value) and "singular" in str(info.value)
-    sae = OMPSAE(4, 10, 2)
-    x = torch.randn(3, 4)
-    for k in (0, 5, 2.5):
-        with pytest.raises(ValueError, match="k must be"):
+def test_k_above_d_in_stops_at_d_in_atoms() -> None:
+    """Beyond d_in steps the residual is 0 (the least-squares system would be singular): the extra steps
+    are not taken, in training (same gradients as the plain loop, which stops) and at inference."""
+    sae = make_sae(4, 10, 7, seed=4)
+    x = torch.randn(9, 4, dtype=torch.float64)
+    compare(sae, x, 7)
+    indices, coefficients = sae.pursuit(x)
+    assert (indices[:, 4:] == -1).all() and (indices[:, :4] >= 0).all() and (coefficients[:, 4:] == 0).all()
+    torch.testing.assert_close(sae(x).x_hat, x, rtol=0, atol=1e-10)
+    torch.testing.assert_close(sae.encode(x, 10), sae.encode(x, 4), rtol=0, atol=0)
+    assert float(sae(x).l0()) == 4.0
+    norms = sae.residual_norms(x, 6)
+    assert norms[:, 4:].max() < 1e-10
+    for k in (0, 11, 2.5):
+        with pytest.raises(ValueError, match=r"k must be an integer \[1, 10\]"):
             sae.encode(x, k)
-    assert sae.encode(x, 4).shape == (3, 10)
-    with torch.no_grad():  # every atom on one of two directions: rank 2 < k = 3
-        sae.W_dec.copy_(F.normalize(torch.randn(2, 4), dim=1).repeat(5, 1))
-    with pytest.raises(ValueError, match="linearly independent atoms"):
-        sae.encode(x, 3)
-    assert (sae.encode(x, 2) != 0).sum(1).le(2).all()
+    with pytest.raises(ValueError, match="k must be"):
+        OMPSAE(4, 10, 11)
 
 
 def test_no_batch_by_dictionary_tensor_is_saved_for_backward() -> None:

@@ -14,9 +14,14 @@ onto their span: the best reconstruction those atoms allow. Per token, with ``y 
 The argmax is signed, as MP-SAE's (the paper's Algorithm 1), so OMP with k = 1 is MP with k = 1.
 "Allowed" excludes the atoms already selected and any atom (numerically) in their span, i.e. whose
 squared distance to the span is at most ``RANK_TOLERANCE · eps · ‖d_j‖²``: such an atom cannot
-lower the residual and would make the least-squares system singular. So k atoms are always
-linearly independent, which needs ``k ≤ d_in``: larger k raise a one-line ValueError (the system
-would be singular; MP-SAE instead accepts any k). A dictionary whose rank is below k raises too.
+lower the residual and would make the least-squares system singular. When no atom is allowed the
+token stops early: its residual is then orthogonal to every atom, so no further step could lower
+it. This always happens by step ``d_in`` (``d_in`` independent atoms span the input space and the
+residual is 0), or earlier when the dictionary spans fewer directions. So k is the MOST atoms per
+token: any k in ``[1, d_sae]`` is accepted (as TopK's), and a k above ``d_in`` gives the codes of
+``k = d_in``; the steps not taken appear in :meth:`OMPSAE.pursuit` as index −1 with coefficient 0.
+This is preferred to an error for k > d_in because a config written for one backbone (k = 32)
+stays valid on narrower inputs, and training cannot crash on a token whose residual vanished.
 
 Fast and exact, as MP-SAE:
 
@@ -50,7 +55,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
+from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder, check_int
 from sae_pipeline.sae.mp_autograd import CPU_CHUNK_ROWS, Workspace, argmax_block_size, compute_dtype, first_argmax
 from sae_pipeline.sae.sparse_decode import SparseCodes
 
@@ -60,22 +65,15 @@ from sae_pipeline.sae.sparse_decode import SparseCodes
 RANK_TOLERANCE = 100.0
 
 
-def check_k(k: object, d_in: int, d_sae: int) -> int:
-    """``k`` if it is an integer in ``[1, min(d_in, d_sae)]``; else a one-line ValueError."""
-    limit = min(d_in, d_sae)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limit:
-        raise ValueError(f"k must be an integer in [1, {limit}] for OMP (at most min(d_in={d_in}, d_sae={d_sae}) "
-                         f"atoms: beyond d_in the least-squares system is singular), got {k!r}")
-    return k
-
-
 @torch.no_grad()
 def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """OMP on ``y [B, d_in]``: ``(indices [B, k], L [B, k, k], z [B, k], r [B, d_in])``, no autograd.
 
     ``D_S = L Q`` with ``Q`` orthonormal rows, ``z = Q y`` and ``r`` the final residual, all in the
-    compute dtype (float32 for half inputs). In float64 the indices are those of the plain loop.
+    compute dtype (float32 for half inputs). In float64 the indices are those of the plain loop. A
+    step a token does not take (no atom left to lower its residual) has index −1, ``z = 0`` and an
+    identity row in ``L``, so the least-squares solve and its backward ignore it.
     """
     n_tokens, d_in = y.shape
     d_sae = W_dec.shape[0]
@@ -89,7 +87,6 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
     L = torch.zeros(n_tokens, k, k, dtype=dtype, device=device)
     z = torch.empty(n_tokens, k, dtype=dtype, device=device)
     residual = y.detach().to(dtype).clone()
-    ran_out = torch.zeros((), dtype=torch.bool, device=device)
     on_cpu = device.type == "cpu"
     chunk = CPU_CHUNK_ROWS if on_cpu else max(n_tokens, 1)
     block = argmax_block_size(d_sae) if on_cpu else None
@@ -108,9 +105,14 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
         for t in range(k):
             corr.masked_fill_(perp <= tolerance, float("-inf"))  # never unmasked: distances only shrink
             j, best = first_argmax(corr, block)
-            ran_out |= torch.isinf(best).any()
-            indices[start:stop, t] = j
+            stopped = torch.isinf(best[:, 0])  # no atom left that could lower the residual
             q, row = orthonormal_step(W.index_select(0, j), Q[:n, :t])
+            if bool(stopped.any()):  # rare: k > d_in, or a dictionary of lower rank
+                q[stopped] = 0.0
+                row[stopped] = 0.0
+                row[stopped, t] = 1.0
+                j = torch.where(stopped, -1, j)
+            indices[start:stop, t] = j
             Q[:n, t] = q
             L[start:stop, t, : t + 1] = row
             z_t = torch.linalg.vecdot(q, r)
@@ -121,10 +123,7 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
             torch.matmul(q, W.T, out=proj)  # <q_t, d_j>
             corr.addcmul_(proj, z_t[:, None], value=-1.0)
             perp.addcmul_(proj, proj, value=-1.0)
-            perp.scatter_(1, j[:, None], 0.0)  # the atom just picked lies in the span exactly
-    if bool(ran_out):
-        raise ValueError(f"OMP needs k={k} linearly independent atoms per token, but the dictionary spans fewer "
-                         "directions; lower k")
+            perp.scatter_(1, j.clamp_min(0)[:, None], 0.0)  # the atom just picked lies in the span exactly
     return indices, L, z, residual
 
 
@@ -146,9 +145,10 @@ def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def gather_atoms(W_dec: Tensor, indices: Tensor, dtype: torch.dtype) -> Tensor:
-    """``W_dec[indices]`` as ``[B, k, d_in]`` in ``dtype``."""
+    """``W_dec[indices]`` as ``[B, k, d_in]`` in ``dtype`` (atom 0 for the −1 of a step not taken,
+    whose coefficient is 0)."""
     n_tokens, k = indices.shape
-    return W_dec.index_select(0, indices.reshape(-1)).view(n_tokens, k, -1).to(dtype)
+    return W_dec.index_select(0, indices.clamp_min(0).reshape(-1)).view(n_tokens, k, -1).to(dtype)
 
 
 class LeastSquaresFunction(torch.autograd.Function):
@@ -176,6 +176,7 @@ class LeastSquaresFunction(torch.autograd.Function):
         gamma = torch.bmm(atoms, g[:, :, None])  # D_S g [B, k, 1]
         if grad_c is not None:
             gamma += grad_c.to(dtype)[:, :, None]
+        gamma.masked_fill_(indices[:, :, None] < 0, 0.0)  # steps not taken: no atom, no gradient
         lam = torch.cholesky_solve(gamma, L)  # G⁻¹ γ
         lifted = torch.bmm(lam.transpose(1, 2), atoms)[:, 0]  # D_Sᵀ λ [B, d_in]
         u = g - lifted
@@ -187,7 +188,7 @@ class LeastSquaresFunction(torch.autograd.Function):
             grad_atoms = lam * r[:, None, :]  # λ_i r + c_i u
             grad_atoms.addcmul_(c[:, :, None], u[:, None, :])
             grad_W = torch.zeros(W_dec.shape, dtype=dtype, device=x.device)
-            grad_W.index_add_(0, indices.reshape(-1), grad_atoms.view(-1, W_dec.shape[1]))
+            grad_W.index_add_(0, indices.clamp_min(0).reshape(-1), grad_atoms.view(-1, W_dec.shape[1]))
             grad_W = grad_W.to(W_dec.dtype)
         return grad_x, grad_W, grad_b_pre, None, None, None
 
@@ -207,25 +208,27 @@ class OMPSAE(SparseAutoencoder):
     Args:
         d_in: input dimension.
         d_sae: number of atoms.
-        k: pursuit steps in training (= distinct atoms per token), in ``[1, min(d_in, d_sae)]``.
+        k: pursuit steps in training, in ``[1, d_sae]``: the most atoms per token (all distinct; at
+            most ``d_in`` are taken, see the module docstring).
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
+    key = "ompsae"
+    label = "OMP-SAE"
+    is_pursuit = True
+    test_kwargs = {"k": 4}
+
     def __init__(self, d_in: int, d_sae: int, k: int, dead_after_tokens: int = 10_000_000) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
-        self.k = check_k(k, self.d_in, self.d_sae)
+        self.k = check_int("k", k, 1, self.d_sae)
         self.workspace = Workspace()  # CPU scratch buffers, not state
-
-    def resolve_k(self, k: int | None) -> int | None:
-        """``k`` in ``[1, min(d_in, d_sae)]`` (the trained ``self.k`` when None); above or below the
-        trained k alike, since OMP has no parameter tied to k."""
-        return self.k if k is None else check_k(k, self.d_in, self.d_sae)
 
     def pursuit(self, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
         """Selection order and final coefficients: ``(indices [B, k], coefficients [B, k])``.
 
         Row b lists the atoms in the order OMP picked them (all distinct) with their coefficients
-        after the last least-squares fit. Differentiable in the coefficients.
+        after the last least-squares fit, then −1 / 0 for the steps a token did not take (none
+        while k ≤ d_in and the dictionary spans the inputs). Differentiable in the coefficients.
         """
         self.check_input(x)
         steps = self.resolve_k(k)
@@ -234,11 +237,12 @@ class OMPSAE(SparseAutoencoder):
         return indices, coefficients
 
     def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
-        """Dense codes ``[B, d_sae]`` (the atoms of a row are distinct)."""
-        return coefficients.new_zeros(coefficients.shape[0], self.d_sae).scatter_add_(1, indices, coefficients)
+        """Dense codes ``[B, d_sae]`` (the atoms of a row are distinct; −1 entries carry 0)."""
+        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
+        return codes.scatter_add_(1, indices.clamp_min(0), coefficients)
 
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
-        """Codes after ``k`` OMP steps (the trained k when None), any k in ``[1, min(d_in, d_sae)]``."""
+        """Codes after ``k`` OMP steps (the trained k when None), any k in ``[1, d_sae]``."""
         indices, coefficients = self.pursuit(x, k)
         return self.codes_from_pursuit(indices, coefficients)
 
@@ -248,7 +252,7 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         assert self.k is not None
         indices, coefficients, x_hat = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, self.k, self.workspace)
-        codes = SparseCodes.from_topk(indices, self.d_sae).with_values(coefficients.reshape(-1))
+        codes = SparseCodes.from_topk(indices.clamp_min(0), self.d_sae).with_values(coefficients.reshape(-1))
         return SAEOutput(x_hat=x_hat, pre_acts=None, sparse=codes)
 
     @torch.no_grad()
