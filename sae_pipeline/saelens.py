@@ -153,7 +153,7 @@ def validation_tokens(source: str, val_fraction: float, n_tokens: int | None = N
                       ) -> Tensor:
     """The validation split of ``source`` (any ``--data.source``; the rows training holds out for the same
     ``val_fraction``), or an even sample of ``n_tokens`` of it, float32 ``[n, d]``."""
-    from sae_pipeline.data_sources import open_source, read_sample
+    from sae_pipeline.data.sources import open_source, read_sample
 
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
