@@ -47,10 +47,10 @@ KWARGS: dict[str, dict[str, Any]] = {
     "jumprelu": {"initial_threshold": 0.3, "bandwidth": 0.1},
     "topk": {"k": K},
     "batchtopk": {"k": K},
-    "mp": {"k": K},
+    "mpsae": {"k": K},
 }
 EXPECTED_SAELENS = {"relu": "StandardSAE", "jumprelu": "JumpReLUSAE", "topk": "TopKSAE", "batchtopk": "JumpReLUSAE",
-                    "mp": "MatchingPursuitSAE"}
+                    "mpsae": "MatchingPursuitSAE"}
 
 
 def assert_equal_to_1e5(got: Tensor, expected: Tensor) -> None:
@@ -117,7 +117,7 @@ def test_our_export_loads_in_saelens_with_equal_encode_and_decode(
 
 
 def test_config_fields_are_saelens_6(trained: dict[str, tuple[SAEModule, Path]], tmp_path: Path) -> None:
-    module, ckpt_fpath = trained["mp"]
+    module, ckpt_fpath = trained["mpsae"]
     config = json.loads((export_checkpoint_saelens(ckpt_fpath, tmp_path / "mp") / "cfg.json").read_text())
     assert config["architecture"] == "matching_pursuit" and config["normalize_activations"] == "none"
     assert (config["max_iterations"], config["residual_threshold"], config["stop_on_duplicate_support"]) == (K, 0, False)
@@ -134,7 +134,7 @@ def test_config_fields_are_saelens_6(trained: dict[str, tuple[SAEModule, Path]],
 def test_mp_export_refused_where_saelens_would_clip(token_cache: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # 4 atoms in 12 dimensions: often every atom anti-correlates with a residual.
-    module, ckpt_fpath = train("mp", token_cache, tmp_path, d_sae=4, k=3)
+    module, ckpt_fpath = train("mpsae", token_cache, tmp_path, d_sae=4, k=3)
     out_dpath = tmp_path / "refused"
     status = sae_pipeline_main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(out_dpath),
                                 "--format", "saelens"])
@@ -152,7 +152,7 @@ def test_mp_export_refused_where_saelens_would_clip(token_cache: Path, tmp_path:
 
 def test_mp_export_through_the_command_line_checks_the_training_data(
         trained: dict[str, tuple[SAEModule, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _, ckpt_fpath = trained["mp"]
+    _, ckpt_fpath = trained["mpsae"]
     status = sae_pipeline_main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(tmp_path / "mp"),
                                 "--format", "saelens"])
     assert status == 0 and "sae_weights.safetensors" in capsys.readouterr().out

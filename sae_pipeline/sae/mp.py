@@ -32,6 +32,13 @@ class MatchingPursuitSAE(SparseAutoencoder):
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
+    key = "mpsae"
+    aliases = ("mp",)  # its registry key and exported "variant" before the configs' name was adopted
+    label = "MP-SAE"
+    is_pursuit = True
+    k_above_d_sae = True
+    test_kwargs = {"k": 4}
+
     def __init__(
         self,
         d_in: int,
