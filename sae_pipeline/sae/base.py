@@ -208,6 +208,12 @@ class SparseAutoencoder(nn.Module):
     def forward(self, x: Tensor) -> SAEOutput:
         raise NotImplementedError
 
+    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
+        """Dense codes ``[B, d_sae]`` of a pursuit's selection order: coefficients summed per atom (an atom
+        picked twice adds up)."""
+        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
+        return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
+
     # --- loss --------------------------------------------------------------------------
     def loss(self, x: Tensor, output: SAEOutput, step: int = 0) -> SAELoss:
         """The sum of :meth:`loss_terms`, with each term kept by name for logging."""

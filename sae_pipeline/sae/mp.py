@@ -73,11 +73,6 @@ class MatchingPursuitSAE(SparseAutoencoder):
         indices, coefficients, _ = matching_pursuit(x, self.W_dec, self.b_pre, steps, self.selection, self.workspace)
         return indices, coefficients
 
-    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
-        """Dense codes ``[B, d_sae]``: coefficients summed per atom (atoms may repeat)."""
-        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
-        return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
-
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
         """Codes after ``k`` pursuit steps (the trained k when None); any k ≥ 1, also above d_sae."""
         indices, coefficients = self.pursuit(x, k)
