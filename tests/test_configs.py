@@ -9,13 +9,14 @@ import pytest
 import torch
 import yaml
 
+from feature_extraction.backbones import BACKBONES as BACKBONE_SPECS
 from feature_extraction.shards import finalize_manifest, write_shard
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = ["relu", "jumprelu", "topk", "batchtopk", "mpsae"]
-BACKBONES = ["dinov2", "siglip", "clip", "vit"]
+BACKBONES = [name for name, spec in BACKBONE_SPECS.items() if spec.has_configs]  # dinov2, siglip, clip, vit
 CLASS_NAMES = {"relu": "ReLUSAE", "jumprelu": "JumpReLUSAE", "topk": "TopKSAE", "batchtopk": "BatchTopKSAE",
                "mpsae": "MatchingPursuitSAE"}
 TINY_D = 8
