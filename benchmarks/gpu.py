@@ -63,9 +63,8 @@ def timed(fn, n: int, device: torch.device) -> float:  # noqa: ANN001
 
 def make_sae(variant: str, args: argparse.Namespace, x: torch.Tensor) -> SparseAutoencoder:
     torch.manual_seed(0)
-    cls = SAE_REGISTRY["mp" if variant == "mpsae" and "mp" in SAE_REGISTRY else variant]
-    sae = cls(args.d_in, args.d_sae, k=args.k) if variant in ("topk", "batchtopk", "mpsae", "mp") else \
-        cls(args.d_in, args.d_sae)
+    cls = SAE_REGISTRY[variant]
+    sae = cls(args.d_in, args.d_sae, k=args.k) if cls.sparsity_knob == "k" else cls(args.d_in, args.d_sae)
     sae = sae.to(x.device)
     sae.init_b_pre(x.mean(0))
     with torch.no_grad():
