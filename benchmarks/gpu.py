@@ -43,7 +43,7 @@ from feature_extraction.backbones import load_backbone  # noqa: E402
 from sae_pipeline.module import adam_implementation  # noqa: E402
 from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder  # noqa: E402
 
-SHALLOW = ("topk", "batchtopk", "jumprelu", "relu")
+SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline
 
 
 def sync(device: torch.device) -> None:
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--d-sae", type=int, default=19200)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4096)
-    parser.add_argument("--variants", nargs="+", default=[*SHALLOW, "mpsae"], choices=[*SHALLOW, "mpsae"])
+    parser.add_argument("--variants", nargs="+", default=list(SAE_REGISTRY), choices=list(SAE_REGISTRY))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backbone", default="dinov2", help="extraction backbone (default: dinov2, ViT-B/14)")
