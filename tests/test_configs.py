@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from feature_extraction.shards import finalize_manifest, write_shard
+from feature_extraction.shards import write_manifest, write_shard
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
@@ -87,7 +87,7 @@ def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
         samples = [(f"img{index}_{i}", rng.standard_normal((5, TINY_D)).astype(np.float16), {"label": i})
                    for i in range(4)]
         write_shard(dpath, index, samples)
-    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
+    write_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
                       n_prefix_tokens=1, grid=(2, 2))
     return dpath
 

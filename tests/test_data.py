@@ -41,7 +41,7 @@ def shard_dir(tmp_path_factory) -> tuple[Path, dict, list[set]]:
             n_images += 1
         S.write_shard(dpath, index, samples)
         per_shard.append({key_of(row) for _, tokens, _ in samples for row in tokens})
-    S.finalize_manifest(dpath, n_shards=len(COUNTS), spec={"name": "fake"}, layer=0, tokens_per_image=TPI,
+    S.write_manifest(dpath, n_shards=len(COUNTS), spec={"name": "fake"}, layer=0, tokens_per_image=TPI,
                         n_prefix_tokens=1, grid=(2, 2))
     assert len(where) == sum(COUNTS) * TPI  # the keys are unique
     return dpath, where, per_shard
@@ -250,7 +250,7 @@ def test_bad_settings_are_one_line_errors(shard_dir, tmp_path):
     with pytest.raises(ValueError, match="--data.shuffle_buffer_tokens=8 must be >= --data.batch_size=16"):
         make_dm(shard_dir[0], batch_size=16, shuffle_buffer_tokens=8)
     S.write_shard(tmp_path, 0, [("a", np.zeros((TPI, D), np.float16), {})])
-    S.finalize_manifest(tmp_path, n_shards=1, spec={}, layer=0, tokens_per_image=TPI, n_prefix_tokens=1, grid=(2, 2))
+    S.write_manifest(tmp_path, n_shards=1, spec={}, layer=0, tokens_per_image=TPI, n_prefix_tokens=1, grid=(2, 2))
     with pytest.raises(ValueError, match="--data.val_fraction=0.1 leaves no training shards"):
         ActivationDataModule(str(tmp_path))
 

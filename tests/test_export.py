@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import sae_pipeline
-from feature_extraction.shards import finalize_manifest, load_manifest, manifest_sha256, write_shard
+from feature_extraction.shards import write_manifest, load_manifest, manifest_sha256, write_shard
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.export import ExportError, export_checkpoint, load_sae
 from sae_pipeline.module import SAEModule
@@ -141,7 +141,7 @@ def tiny_shards(tmp_path: Path) -> Path:
         samples = [(f"img{index}_{i}", (30 * rng.standard_normal((5, D_IN))).astype(np.float16), {})
                    for i in range(20)]
         write_shard(dpath, index, samples)
-    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5, n_prefix_tokens=1,
+    write_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5, n_prefix_tokens=1,
                       grid=(2, 2))
     return dpath
 
