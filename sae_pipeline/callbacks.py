@@ -43,7 +43,7 @@ from torch import Tensor
 from sae_pipeline import lightning_compat
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder
 
 # Dense code entries per chunk of the evaluation sample: 2**24 float32 = 64 MiB of codes.
 _CHUNK_ELEMENTS = 2**24
@@ -213,7 +213,7 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
     babel_co = (coactive_sum / x.shape[0]).float()
 
     requested = ks
-    k_cap = None if isinstance(sae, MatchingPursuitSAE) else sae.d_sae  # MP may repeat atoms: any k
+    k_cap = None if sae.k_above_d_sae else sae.d_sae  # MP may repeat atoms: any k
     ks = [value for value in (ks or default_inference_ks(k, sae.d_sae)) if k_cap is None or value <= k_cap]
     if not ks:
         raise ValueError(f"every k in ks={requested} exceeds d_sae={sae.d_sae}; choose ks in [1, {sae.d_sae}]")

@@ -31,7 +31,7 @@ import sae_pipeline
 from feature_extraction.exit_status import run_command
 from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
-from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder, variant_key
 from sae_pipeline.sae.config import ExportError, build_sae, sae_config
 
 CONFIG_FNAME = "config.json"
@@ -40,8 +40,8 @@ EXPORT_FORMAT = "sae_pipeline.export/1"
 
 
 def variant_name(cls: type) -> str | None:
-    """The registry name of a variant class (``"mp"``, ``"topk"``, ...), None when unregistered."""
-    return next((name for name, registered in SAE_REGISTRY.items() if registered is cls), None)
+    """The registry key of a variant class (``"mpsae"``, ``"topk"``, ...), None when unregistered."""
+    return variant_key(cls)
 
 
 def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:

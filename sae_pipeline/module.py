@@ -219,9 +219,8 @@ class SAEModule(L.LightningModule):
         if self._is_logging_step():
             # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
             # Lightning only writes them every `log_every_n_steps`: compute them only then.
-            self.log("train/mse", losses.mse)
-            self.log("train/sparsity_loss", losses.sparsity)
-            self.log("train/aux_loss", losses.aux)
+            for name, term in losses.terms.items():  # mse, sparsity_loss, aux_loss and any variant's own
+                self.log(f"train/{name}", term)
             self.log("train/l0", output.l0().float())
             self.log("train/r2", self.train_r2(x, output.x_hat).float())
             self.log("train/dead_fraction",

@@ -119,13 +119,12 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any] | None = Non
         config.update(k=sae.k, rescale_acts_by_decoder_norm=False)
     if architecture == "matching_pursuit":
         config.update(residual_threshold=0.0, max_iterations=sae.k, stop_on_duplicate_support=False)
-    variant = variant_name(type(sae))
     config["metadata"] = {
         "sae_lens_version": SAELENS_FORMAT_VERSION,
         "sae_lens_training_version": None,
         "training_library": "sae_pipeline",
         "sae_pipeline_version": sae_pipeline.__version__,
-        "training_architecture": "mpsae" if variant == "mp" else variant,
+        "training_architecture": variant_name(type(sae)),
         "training_architecture_details": sae_config(sae)["init_args"],
         **(metadata or {}),
     }

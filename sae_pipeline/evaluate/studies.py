@@ -32,7 +32,7 @@ from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
 from sae_pipeline.export import load_sae
 from sae_pipeline.metrics import ReconstructionR2
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder
 
 __all__ = ["STUDIES", "coherence", "evaluate_concepts", "evaluate_run", "expressivity", "inference"]
 _CHUNK = 4096
@@ -84,8 +84,8 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
     """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
-    mp = isinstance(sae, MatchingPursuitSAE)  # MP may pick atoms again: any inference k, also above p
-    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if mp or k <= sae.d_sae)}))
+    any_k = sae.k_above_d_sae  # MP may pick atoms again: any inference k, also above p
+    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if any_k or k <= sae.d_sae)}))
     record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
     support = coherence_stats(sae, x, len(report["babel_coactive"]))
     return {

@@ -28,6 +28,10 @@ class BatchTopKSAE(TopKSAE):
             The first update sets θ to that batch's value (no bias towards the 0 init).
     """
 
+    key = "batchtopk"
+    label = "BatchTopK"
+    test_kwargs = {"k": 4}
+
     def __init__(
         self,
         d_in: int,
