@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 import xxhash
 
 from feature_extraction.shards import integrity
@@ -282,9 +281,11 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             # consumer stops early (its url_opener leaves handles to the garbage collector).
             # A 1 MiB buffer: webdataset reads members in ~10 KB pieces, and unbuffered that
             # made the tar reader most of the training stream's CPU time (BENCHMARKS.md).
+            from webdataset import tariterators  # imported here: it loads torch, which the format does not need
+
             with open(fpath, "rb", buffering=1 << 20) as stream:
-                files = wds.tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
-                for sample in wds.tariterators.group_by_keys(files):
+                files = tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
+                for sample in tariterators.group_by_keys(files):
                     key, tokens, meta = decode_sample(sample)
                     if not with_positions:
                         yield key, tokens, meta

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import BinaryIO, Iterable
 
 import numpy as np
-import webdataset as wds
 import xxhash
 
 from feature_extraction.atomic_files import fsync_dir, write_json_atomic
@@ -35,6 +34,13 @@ from feature_extraction.shards.layout import (
 )
 
 __all__ = ["write_shard"]
+
+
+def webdataset():  # noqa: ANN201
+    """webdataset, imported on first write: it loads torch, which readers of a manifest do not need."""
+    import webdataset as wds
+
+    return wds
 
 
 class _HashingWriter:
@@ -115,7 +121,7 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
         with open(tmp, "wb") as f:
             hashing = _HashingWriter(f)
             # PAX is tarfile's default (TarWriter does not forward `format`): long and non-ASCII ids fit.
-            with wds.TarWriter(hashing, encoder=False, mtime=TAR_MTIME) as writer:
+            with webdataset().TarWriter(hashing, encoder=False, mtime=TAR_MTIME) as writer:
                 for key, tokens, meta, *positions in samples:
                     sample = _encode_sample(key, tokens, meta, d, n_tokens, positions[0] if positions else None)
                     if key in seen:

@@ -40,15 +40,9 @@ from pathlib import Path
 
 import yaml
 
-<<<<<<< HEAD
-from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest
+from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
 
-VARIANTS = ("relu", "jumprelu", "topk", "batchtopk", "mpsae")
-LABELS = {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK", "mpsae": "MP-SAE",
-          "authors": "MP-SAE (paper authors)"}
-=======
 EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
->>>>>>> main
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
 STUDIES = ("expressivity", "inference", "coherence", "concepts")
