@@ -55,7 +55,7 @@ def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_i
                     .astype(np.float16), {}) for i in range(images_per_shard)]
         S.write_shard(dpath, index, samples)
     S.write_manifest(dpath, n_shards=n_shards, spec={"name": "benchmark"}, layer=0,
-                        tokens_per_image=tokens_per_image, n_prefix_tokens=tokens_per_image - grid * grid,
+                     tokens_per_image=tokens_per_image, n_prefix_tokens=tokens_per_image - grid * grid,
                         grid=(grid, grid))
 
 

@@ -45,7 +45,7 @@ def write_token_shards(dpath: Path, counts: Sequence[int], d: int, *, scale: flo
         write_shard(dpath, index, samples)
         per_shard.append(samples)
     write_manifest(dpath, n_shards=len(counts), spec={"name": "tiny"}, layer=-1,
-                      tokens_per_image=TINY_TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(2, 2))
+                   tokens_per_image=TINY_TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(2, 2))
     return per_shard
 
 

@@ -43,7 +43,7 @@ def write_dataset(dpath: Path, samples: list, shard_size: int) -> list[list[str]
 
 def write_test_manifest(dpath: Path, n_shards: int) -> dict:
     return S.write_manifest(dpath, n_shards=n_shards, spec=SPEC, layer=11, tokens_per_image=N_TOKENS,
-                               n_prefix_tokens=1, grid=GRID, skipped=[{"image_id": "bad", "reason": "decode"}])
+                            n_prefix_tokens=1, grid=GRID, skipped=[{"image_id": "bad", "reason": "decode"}])
 
 
 @pytest.fixture

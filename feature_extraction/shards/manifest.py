@@ -44,7 +44,7 @@ def format_indices(indices: list[int], limit: int = 20) -> str:
 
 
 def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int, tokens_per_image: int,
-                      n_prefix_tokens: int, grid: tuple[int, int], skipped: list[dict] | None = None,
+                   n_prefix_tokens: int, grid: tuple[int, int], skipped: list[dict] | None = None,
                       extra: dict | None = None, token_selection: dict | None = None) -> dict:
     """Merge all sidecars into ``manifest.json`` (written atomically) and return it.
 
