@@ -4,12 +4,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
 
-from feature_extraction.shards import finalize_manifest, write_shard
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
@@ -82,16 +80,10 @@ def test_configs_do_not_drift() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_shards(tmp_path_factory: pytest.TempPathFactory, token_shards) -> Path:
     """Three shards of d = 8 tokens, so linking d_in from the manifest is visible (8 != 768)."""
     dpath = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for index in range(3):
-        samples = [(f"img{index}_{i}", rng.standard_normal((5, TINY_D)).astype(np.float16), {"label": i})
-                   for i in range(4)]
-        write_shard(dpath, index, samples)
-    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
-                      n_prefix_tokens=1, grid=(2, 2))
+    token_shards(dpath, [4, 4, 4], TINY_D)
     return dpath
 
 

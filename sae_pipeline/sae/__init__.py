@@ -16,6 +16,7 @@ from sae_pipeline.sae.base import SAELoss, SAEOutput, ShallowSAE, SparseAutoenco
 from sae_pipeline.sae.batchtopk import BatchTopKSAE
 from sae_pipeline.sae.jumprelu import JumpReLUSAE
 from sae_pipeline.sae.mp import MatchingPursuitSAE
+from sae_pipeline.sae.omp import OMPSAE
 from sae_pipeline.sae.relu import ReLUSAE
 from sae_pipeline.sae.topk import TopKSAE
 
@@ -26,6 +27,7 @@ VARIANTS: tuple[type[SparseAutoencoder], ...] = (
     TopKSAE,
     BatchTopKSAE,
     MatchingPursuitSAE,
+    OMPSAE,
 )
 
 
