@@ -8,12 +8,13 @@ import pytest
 import torch
 import yaml
 
+from feature_extraction.backbones import BACKBONES as BACKBONE_SPECS
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = list(SAE_REGISTRY)  # each has configs/<key>_<backbone|digits|mnist>.yaml
-BACKBONES = ["dinov2", "siglip", "clip", "vit"]
+BACKBONES = [name for name, spec in BACKBONE_SPECS.items() if spec.has_configs]  # dinov2, siglip, clip, vit
 CLASS_NAMES = {key: cls.__name__ for key, cls in SAE_REGISTRY.items()}
 TINY_D = 8
 
@@ -53,10 +54,12 @@ def test_configs_do_not_drift() -> None:
         for b in BACKBONES:
             config = load(f"{v}_{b}")
             assert config["data"]["source"] == f"shards/{b}"
+            init_args = config["model"]["sae"]["init_args"]
+            assert init_args["d_sae"] == 25 * BACKBONE_SPECS[b].d  # expansion factor 25
             config["data"]["source"] = reference["data"]["source"]
+            init_args["d_sae"] = reference["model"]["sae"]["init_args"]["d_sae"]
             assert config == reference, f"{v}_{b}.yaml drifted from {v}_dinov2.yaml"
             assert config["trainer"] == load("mpsae_dinov2")["trainer"]
-            assert config["model"]["sae"]["init_args"]["d_sae"] == 25 * 768  # expansion factor 25
             assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
                 (5e-4, 1e-6, 50)
     mnist = {v: load(f"{v}_mnist") for v in VARIANTS}
@@ -96,7 +99,7 @@ def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, t
                            "--data.source", str(tiny_shards)], run=False)
         sae = cli.model.sae
         assert type(sae).__name__ == CLASS_NAMES[variant]
-        assert (sae.d_in, sae.d_sae) == (TINY_D, 19200)
+        assert (sae.d_in, sae.d_sae) == (TINY_D, 25 * BACKBONE_SPECS[backbone].d)
         assert cli.datamodule.d_in == TINY_D
         assert cli.trainer.max_epochs == 50 and cli.model.hparams.lr == 5e-4
         assert cli.model.hparams.sae["init_args"]["d_in"] == TINY_D

@@ -20,7 +20,7 @@ from PIL import Image
 from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
 from feature_extraction.__main__ import build_parser, main
-from feature_extraction.backbones import BACKBONES, load_backbone
+from feature_extraction.backbones import BACKBONES, BackboneSpec, load_backbone
 from feature_extraction.extract import default_task, extract, image_id_from_key, image_key
 from feature_extraction.finalize import LOCK_FNAME
 
@@ -241,16 +241,34 @@ def test_finalize_command_and_lock(images, reference, tmp_path, capsys) -> None:
     assert without_time(S.load_manifest(out, verify=True)) == without_time(S.load_manifest(reference))
 
 
+def test_a_new_backbone_is_one_registry_entry(images, tmp_path, monkeypatch) -> None:
+    """An entry for a model nothing else names (DeiT: CLS + distillation token) extracts as it is."""
+    spec = BackboneSpec("deit_tiny", "timm", "deit_tiny_distilled_patch16_224", None, 2, (4, 4), 64, 64, 2,
+                        dict(img_size=64, depth=2, embed_dim=64, num_heads=2))
+    monkeypatch.setitem(BACKBONES, "deit_tiny", spec)
+    out = tmp_path / "shards"
+    assert run(images, out, backbone="deit_tiny")["finalized"]
+    manifest = S.load_manifest(out, verify=True)
+    assert manifest["backbone"] == load_backbone("deit_tiny").to_json()
+    assert (manifest["tokens_per_image"], manifest["n_prefix_tokens"], manifest["grid"]) == (18, 2, [4, 4])
+    _, tokens, _ = next(R.iter_shard_samples(S.shard_fpaths(out, manifest)))
+    assert tokens.shape == (18, 64)
+
+
 def test_configs_parse() -> None:
-    fpaths = sorted((REPO_DPATH / "configs").glob("extract_*.yaml"))
+    """Every registry entry with configs has ``extract_<name>.yaml`` writing ``shards/<name>`` (what its
+    training configs read, tests/test_configs.py); the only other one is the demo's."""
     parser = build_parser()
-    backbones = set()
-    for fpath in fpaths:
+    configs = {}
+    for fpath in sorted((REPO_DPATH / "configs").glob("extract_*.yaml")):
         config = parser.parse_args(["--config", str(fpath)])
         assert config.backbone in BACKBONES, fpath
         assert config.shard_size >= 1 and config.batch_size >= 1
-        backbones.add(config.backbone)
-    assert {"dinov2", "siglip", "clip", "vit"} <= backbones
+        configs[fpath.stem.removeprefix("extract_")] = config
+    with_configs = {name for name, spec in BACKBONES.items() if spec.has_configs}
+    assert set(configs) == with_configs | {"demo"}
+    for name in with_configs:
+        assert (configs[name].backbone, configs[name].out, configs[name].pretrained) == (name, f"shards/{name}", True)
 
 
 def test_help_lists_every_option(capsys) -> None:
