@@ -34,7 +34,7 @@ def write_token_shards(dpath: Path, counts: Sequence[int], d: int, *, scale: flo
     sort in writing order; meta ``{"label": image}``. Returns each shard's samples
     ``(id, tokens, meta)``, so a test can tell which token came from where.
     """
-    from feature_extraction.shards import finalize_manifest, write_shard
+    from feature_extraction.shards import write_manifest, write_shard
 
     rng = np.random.default_rng(seed)
     per_shard = []
@@ -44,8 +44,8 @@ def write_token_shards(dpath: Path, counts: Sequence[int], d: int, *, scale: flo
                     {"label": i}) for i in range(count)]
         write_shard(dpath, index, samples)
         per_shard.append(samples)
-    finalize_manifest(dpath, n_shards=len(counts), spec={"name": "tiny"}, layer=-1,
-                      tokens_per_image=TINY_TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(2, 2))
+    write_manifest(dpath, n_shards=len(counts), spec={"name": "tiny"}, layer=-1,
+                   tokens_per_image=TINY_TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(2, 2))
     return per_shard
 
 

@@ -130,7 +130,7 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_concepts_cover_all_five_variants(tmp_path) -> None:
+def test_concepts_cover_every_variant(tmp_path) -> None:
     out = tmp_path / "five"
     assert main(["concepts", "--data", "digits", "--out", str(out), "--k", "4", "--k_main", "4", "--p", "32",
                  "--p_main", "32", "--max_steps", "12", "--r_max", "8"]) == 0

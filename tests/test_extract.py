@@ -17,12 +17,13 @@ import skimage.data
 import torch
 from PIL import Image
 
-from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
+from feature_extraction.shards import read as R
+from feature_extraction.shards import write as W
 from feature_extraction.__main__ import build_parser, main
 from feature_extraction.backbones import BACKBONES, BackboneSpec, load_backbone
-from feature_extraction.extract import default_task, extract, image_id_from_key, image_key
-from feature_extraction.finalize import LOCK_FNAME
+from feature_extraction.extract import default_task, extract
+from feature_extraction.shards import LOCK_FNAME, image_id_from_key, image_key
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 BACKBONE = "vit_tiny"
@@ -201,14 +202,14 @@ def test_bad_input_one_line_error(images, tmp_path, capsys, args, message) -> No
 
 def test_disk_full_keeps_complete_shards(images, reference, tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "shards"
-    original_write = S._HashingWriter.write
+    original_write = W._HashingWriter.write
 
     def failing_write(self, data: bytes) -> int:
         if self.f.name.endswith("shard-000001.tar.tmp") and self.n_bytes > 5000:  # midway through shard 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return original_write(self, data)
 
-    monkeypatch.setattr(S._HashingWriter, "write", failing_write)
+    monkeypatch.setattr(W._HashingWriter, "write", failing_write)
     argv = ["--backbone", BACKBONE, "--images", str(images), "--out", str(out), "--shard_size", "3",
             "--batch_size", "2", "--num_workers", "0", "--device", "cpu", "--progress", "false"]
     assert main(argv) == 1
@@ -219,7 +220,7 @@ def test_disk_full_keeps_complete_shards(images, reference, tmp_path, capsys, mo
     kept = shard_bytes(out)  # other writer threads may have finished later shards: those are complete too
     assert "shard-000001.tar" not in kept and kept == {name: (reference / name).read_bytes() for name in kept}
     assert all(S.shard_is_complete(out, int(name[6:12])) for name in kept)
-    monkeypatch.setattr(S._HashingWriter, "write", original_write)
+    monkeypatch.setattr(W._HashingWriter, "write", original_write)
     assert main(argv) == 0
     assert shard_bytes(out) == shard_bytes(reference)
 
