@@ -43,7 +43,7 @@ from feature_extraction.backbones import load_backbone  # noqa: E402
 from sae_pipeline.module import adam_implementation  # noqa: E402
 from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder  # noqa: E402
 
-SHALLOW = ("topk", "batchtopk", "jumprelu", "relu")
+SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline
 
 
 def sync(device: torch.device) -> None:
@@ -63,9 +63,8 @@ def timed(fn, n: int, device: torch.device) -> float:  # noqa: ANN001
 
 def make_sae(variant: str, args: argparse.Namespace, x: torch.Tensor) -> SparseAutoencoder:
     torch.manual_seed(0)
-    cls = SAE_REGISTRY["mp" if variant == "mpsae" and "mp" in SAE_REGISTRY else variant]
-    sae = cls(args.d_in, args.d_sae, k=args.k) if variant in ("topk", "batchtopk", "mpsae", "mp") else \
-        cls(args.d_in, args.d_sae)
+    cls = SAE_REGISTRY[variant]
+    sae = cls(args.d_in, args.d_sae, k=args.k) if cls.sparsity_knob == "k" else cls(args.d_in, args.d_sae)
     sae = sae.to(x.device)
     sae.init_b_pre(x.mean(0))
     with torch.no_grad():
@@ -124,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--d-sae", type=int, default=19200)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4096)
-    parser.add_argument("--variants", nargs="+", default=[*SHALLOW, "mpsae"], choices=[*SHALLOW, "mpsae"])
+    parser.add_argument("--variants", nargs="+", default=list(SAE_REGISTRY), choices=list(SAE_REGISTRY))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backbone", default="dinov2", help="extraction backbone (default: dinov2, ViT-B/14)")

@@ -42,7 +42,7 @@ from feature_extraction import shards as S  # noqa: E402
 from feature_extraction.integrity import load_sample_checksums  # noqa: E402
 from feature_extraction.shard_reader import iter_shard_tokens  # noqa: E402
 from sae_pipeline.data import ActivationDataModule  # noqa: E402
-from sae_pipeline.data_sources import ShardUnit  # noqa: E402
+from sae_pipeline.data.sources import ShardUnit  # noqa: E402
 
 
 def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_image: int, d: int) -> None:

@@ -48,9 +48,8 @@ import lightning as L  # noqa: E402
 
 from sae_pipeline.metrics import ReconstructionR2, dead_fraction  # noqa: E402
 from sae_pipeline.module import SAEModule, adam_implementation, warmup_cosine_factor  # noqa: E402
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder, TopKSAE  # noqa: E402
+from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder  # noqa: E402
 
-VARIANTS = {"topk": TopKSAE, "mp": MatchingPursuitSAE}
 LR, MIN_LR = 5e-4, 1e-6
 
 
@@ -191,7 +190,8 @@ def make_batches(args: argparse.Namespace, device: torch.device) -> list[torch.T
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["topk", "mpsae"], choices=list(SAE_REGISTRY),
+                        help="registry keys; each gets sparsity --k through its class's sparsity_init_args")
     parser.add_argument("--d-in", type=int, default=256)
     parser.add_argument("--d-sae", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=1024)
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
           "   (steps/s; per round: bare/bare+metrics/Trainer)")
     for variant in args.variants:
         torch.manual_seed(0)
-        template = VARIANTS[variant](d_in=args.d_in, d_sae=args.d_sae, k=args.k)
+        cls = SAE_REGISTRY[variant]
+        template = cls(d_in=args.d_in, d_sae=args.d_sae, **cls.sparsity_init_args(args.k))
         sides: dict[str, list[float]] = {"bare": [], "bare+metrics": [], "Trainer": []}
         rounds = []
         for _ in range(args.repeats):

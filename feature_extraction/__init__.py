@@ -4,4 +4,6 @@ Kept free of Lightning so that extraction nodes need only torch, timm/open_clip 
 webdataset.
 """
 
-__version__ = "0.1.0"
+from feature_extraction.version import __version__
+
+__all__ = ["__version__"]

@@ -395,6 +395,13 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     return manifest
 
 
+def manifest_sha256(manifest: dict) -> str:
+    """sha256 of a shard manifest, ignoring ``created_at`` (which changes on every finalize),
+    so the hash names the data, not the moment it was indexed."""
+    content = {key: value for key, value in manifest.items() if key != "created_at"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()
+
+
 def _no_manifest_advice(shards_dpath: Path) -> str:
     """Why ``shards_dpath`` has no manifest, and the fix that works there (not a finalize that would fail)."""
     fpath = shards_dpath / MANIFEST_FNAME

@@ -1,3 +1,5 @@
 """Train and evaluate sparse autoencoders on vision-model token activations."""
 
-__version__ = "0.1.0"
+from feature_extraction.version import __version__  # one version for both packages (pyproject.toml)
+
+__all__ = ["__version__"]

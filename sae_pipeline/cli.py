@@ -49,13 +49,7 @@ from sae_pipeline.interrupts import Interrupts
 from sae_pipeline.module import SAEModule
 from sae_pipeline.predict import CodesPredictionWriter
 from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
-from sae_pipeline.sae import (  # noqa: F401 -- imported so that bare class names resolve in configs
-    BatchTopKSAE,
-    JumpReLUSAE,
-    MatchingPursuitSAE,
-    ReLUSAE,
-    TopKSAE,
-)
+from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 from sae_pipeline.writable import check_writable_dir, check_writable_file, dir_problem
 
 DEFAULT_RUNS_DPATH = "runs"

@@ -41,7 +41,6 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-VARIANT_LABELS = {"mpsae": "MP-SAE", "topk": "TopK", "batchtopk": "BatchTopK", "relu": "ReLU", "jumprelu": "JumpReLU"}
 SHARDS_LABEL = "TopK (photo shards)"
 SHARD_SIZE = 2  # images per shard: 7 shards of the 14 photos
 # Messages of feature_extraction's check that --out holds the same extraction (extract.py)
@@ -214,12 +213,20 @@ def format_table(rows: list[tuple[str, dict[str, tuple[int, float]]]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Extract the bundled photos into shards and train an SAE on them, "
                                      "train SAEs on the bundled digits, all through the CLIs, and compare them.")
-    parser.add_argument("--variants", nargs="+", default=["mpsae", "topk"], choices=sorted(VARIANT_LABELS))
+    parser.add_argument("--variants", nargs="+", default=["mpsae", "topk"],
+                        help="registry keys of the variants to train on digits, each from configs/<key>_digits.yaml "
+                             "(relu jumprelu topk batchtopk mpsae ...; default: mpsae topk)")
     parser.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
     parser.add_argument("--sequential", action="store_true", help="train one variant after the other")
     parser.add_argument("--skip_shards", action="store_true", help="skip the photo extraction and its SAE")
     parser.add_argument("--skip_features", action="store_true", help="do not build the feature browser sites")
     args = parser.parse_args(argv)
+    from sae_pipeline.sae import SAE_REGISTRY  # loads torch: only once the flags parsed
+
+    unknown = [v for v in args.variants if v not in SAE_REGISTRY]
+    if unknown:
+        parser.error(f"argument --variants: invalid choice: {unknown[0]!r} (choose from {', '.join(SAE_REGISTRY)})")
+    labels = {key: cls.label for key, cls in SAE_REGISTRY.items()}
 
     out_dpath = Path(args.out)
     runs_dpath, logs_dpath = out_dpath / "runs", out_dpath / "logs"
@@ -247,14 +254,14 @@ def main(argv: list[str] | None = None) -> int:
         if not parallel:
             failed |= _wait(SHARDS_LABEL, process, log_fpath, start)
     print(f"Training {SHARDS_LABEL + ', ' if not args.skip_shards else ''}"
-          f"{', '.join(VARIANT_LABELS[v] for v in args.variants)} on the bundled digits "
+          f"{', '.join(labels[v] for v in args.variants)} on the bundled digits "
           f"(p = 1000 atoms, k = 10) {'in parallel' if parallel else 'in turn'}, {threads} thread(s) each ...",
           flush=True)
     for variant in args.variants:
         process, log_fpath = launch(variant, runs_dpath, logs_dpath, threads)
-        launched.append((VARIANT_LABELS[variant], process, log_fpath))
+        launched.append((labels[variant], process, log_fpath))
         if not parallel:
-            failed |= _wait(VARIANT_LABELS[variant], process, log_fpath, start)
+            failed |= _wait(labels[variant], process, log_fpath, start)
     if parallel:
         for label, process, log_fpath in launched:
             failed |= _wait(label, process, log_fpath, start)
@@ -264,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for variant in args.variants:
-            rows.append((VARIANT_LABELS[variant], _last_run_metrics(runs_dpath / f"{variant}_digits")))
+            rows.append((labels[variant], _last_run_metrics(runs_dpath / f"{variant}_digits")))
         shard_row = None if args.skip_shards else (SHARDS_LABEL, _last_run_metrics(runs_dpath / "demo_shards"))
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)

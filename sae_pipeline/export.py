@@ -9,9 +9,8 @@ biases and thresholds (``f(s·x; b, θ) = s·f(x; b/s, θ/s)``), so the scale is
 exported model's ``x_hat`` on raw ``x`` equals the trained model's ``x_hat`` on ``s·x``
 divided by ``s``. Its codes are in raw units, i.e. the trained codes divided by ``s``.
 
-The SAE's constructor arguments are the whole config (``sae_config``): every variant keeps
-each constructor argument as an attribute of the same name, so the config is read off the
-instance with ``inspect.signature`` and rebuilt with ``build_sae``.
+The SAE's config (``{"class_path", "init_args"}``) is read and built by
+:mod:`sae_pipeline.sae.config`, which the training module uses too.
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
 (SAELens's format: :mod:`sae_pipeline.saelens`).
@@ -19,9 +18,6 @@ Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--form
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
-import inspect
 import json
 import math
 import os
@@ -34,77 +30,18 @@ from safetensors.torch import load_file, save_file
 import sae_pipeline
 from feature_extraction.exit_status import run_command
 from feature_extraction.integrity import file_sha256
-from sae_pipeline import sae as sae_package
 from sae_pipeline.help_format import DefaultsHelpFormatter
-from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder, variant_key
+from sae_pipeline.sae.config import ExportError, build_sae, sae_config
 
 CONFIG_FNAME = "config.json"
 WEIGHTS_FNAME = "sae.safetensors"
 EXPORT_FORMAT = "sae_pipeline.export/1"
 
 
-class ExportError(ValueError):
-    """A checkpoint or export directory that cannot be read; the message names the file and the fix."""
-
-
-def class_path_of(cls: type) -> str:
-    """``sae_pipeline.sae.Name`` for the package's variants (their public path), else ``module.Name``."""
-    if getattr(sae_package, cls.__name__, None) is cls:
-        return f"{sae_package.__name__}.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def variant_name(cls: type) -> str | None:
-    """The registry name of a variant class (``"mp"``, ``"topk"``, ...), None when unregistered."""
-    return next((name for name, registered in SAE_REGISTRY.items() if registered is cls), None)
-
-
-def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
-    """``{"class_path", "init_args"}`` of an SAE instance, as plain JSON data.
-
-    Read from the constructor signature and the attributes of the same name (the variants'
-    convention), so any variant, including a user's subclass that follows it, round-trips.
-    """
-    cls = type(sae)
-    init_args: dict[str, Any] = {}
-    for name, parameter in inspect.signature(cls.__init__).parameters.items():
-        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            continue
-        if not hasattr(sae, name):
-            raise ExportError(f"{cls.__name__} has no attribute {name!r} for its constructor argument; "
-                              "keep every constructor argument as an attribute of the same name")
-        value = getattr(sae, name)
-        if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise ExportError(f"{cls.__name__}.{name} = {value!r} is not a JSON scalar; the SAE config must be plain")
-        init_args[name] = value
-    return {"class_path": class_path_of(cls), "init_args": init_args}
-
-
-def resolve_sae_class(class_path: str) -> type[SparseAutoencoder]:
-    """Import ``class_path`` and check that it names a :class:`SparseAutoencoder` subclass."""
-    module_name, _, class_name = str(class_path).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
-        cls = None
-    if not (isinstance(cls, type) and issubclass(cls, SparseAutoencoder)):
-        names = ", ".join(class_path_of(c) for c in SAE_REGISTRY.values())
-        raise ExportError(f"class_path {class_path!r} is not an SAE class; use one of {names}")
-    return cls
-
-
-def build_sae(config: dict[str, Any]) -> SparseAutoencoder:
-    """Instantiate the SAE described by ``{"class_path", "init_args"}`` (weights freshly initialised)."""
-    if not isinstance(config, dict) or "class_path" not in config:
-        raise ExportError(f"SAE config must be a dict with 'class_path' and 'init_args', got {config!r}")
-    return resolve_sae_class(config["class_path"])(**dict(config.get("init_args") or {}))
-
-
-def manifest_sha256(manifest: dict) -> str:
-    """sha256 of a shard manifest, ignoring ``created_at`` (which changes on every finalize),
-    so the hash names the data, not the moment it was indexed."""
-    content = {key: value for key, value in manifest.items() if key != "created_at"}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode("utf-8")).hexdigest()
+    """The registry key of a variant class (``"mpsae"``, ``"topk"``, ...), None when unregistered."""
+    return variant_key(cls)
 
 
 def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:

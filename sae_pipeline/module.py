@@ -32,10 +32,11 @@ from torch import Tensor
 
 import sae_pipeline
 from sae_pipeline import lightning_compat
-from sae_pipeline.export import manifest_sha256, sae_config
+from feature_extraction.shards import manifest_sha256
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
-from sae_pipeline.predict import sparse_codes
 from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae.config import sae_config
+from sae_pipeline.sae.sparse_decode import sparse_codes
 
 
 class NonFiniteBatchError(FloatingPointError, ValueError):
@@ -218,9 +219,8 @@ class SAEModule(L.LightningModule):
         if self._is_logging_step():
             # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
             # Lightning only writes them every `log_every_n_steps`: compute them only then.
-            self.log("train/mse", losses.mse)
-            self.log("train/sparsity_loss", losses.sparsity)
-            self.log("train/aux_loss", losses.aux)
+            for name, term in losses.terms.items():  # mse, sparsity_loss, aux_loss and any variant's own
+                self.log(f"train/{name}", term)
             self.log("train/l0", output.l0().float())
             self.log("train/r2", self.train_r2(x, output.x_hat).float())
             self.log("train/dead_fraction",

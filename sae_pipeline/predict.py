@@ -18,33 +18,12 @@ from typing import Any, Sequence
 import h5py
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
 from feature_extraction.h5cache import CodesWriter, read_attrs
 
 MERGE_CHUNK_ROWS = 1 << 16
-
-
-@torch.no_grad()
-def sparse_codes(codes: Tensor) -> tuple[Tensor, Tensor]:
-    """Dense codes ``[B, d_sae]`` -> ``(indices [B, w] int64, values [B, w])``.
-
-    ``w`` is the largest number of nonzero codes of any token in the batch; each row lists its
-    nonzero codes by decreasing |value|, then index -1 with value 0.
-    """
-    if codes.ndim != 2:
-        raise ValueError(f"codes must be [batch, d_sae], got shape {list(codes.shape)}")
-    nonzero = codes != 0
-    width = int(nonzero.sum(1).max()) if codes.numel() else 0
-    if width == 0:
-        empty = codes.new_zeros(codes.shape[0], 0)
-        return empty.to(torch.int64), empty
-    magnitudes, indices = codes.abs().topk(width, dim=1)
-    values = codes.gather(1, indices)
-    inactive = magnitudes == 0
-    return indices.masked_fill(inactive, -1), values.masked_fill(inactive, 0.0)
 
 
 def part_fpath(fpath: Path, rank: int) -> Path:

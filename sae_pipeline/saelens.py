@@ -58,7 +58,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 import sae_pipeline
-from sae_pipeline.export import ExportError, load_checkpoint, sae_config, sae_from_checkpoint, variant_name
+from sae_pipeline.export import ExportError, load_checkpoint, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -67,6 +67,7 @@ from sae_pipeline.sae import (
     SparseAutoencoder,
     TopKSAE,
 )
+from sae_pipeline.sae.config import sae_config
 
 SAELENS_CFG_FNAME = "cfg.json"
 SAELENS_WEIGHTS_FNAME = "sae_weights.safetensors"
@@ -117,13 +118,12 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any] | None = Non
         config.update(k=sae.k, rescale_acts_by_decoder_norm=False)
     if architecture == "matching_pursuit":
         config.update(residual_threshold=0.0, max_iterations=sae.k, stop_on_duplicate_support=False)
-    variant = variant_name(type(sae))
     config["metadata"] = {
         "sae_lens_version": SAELENS_FORMAT_VERSION,
         "sae_lens_training_version": None,
         "training_library": "sae_pipeline",
         "sae_pipeline_version": sae_pipeline.__version__,
-        "training_architecture": "mpsae" if variant == "mp" else variant,
+        "training_architecture": variant_name(type(sae)),
         "training_architecture_details": sae_config(sae)["init_args"],
         **(metadata or {}),
     }
@@ -152,7 +152,7 @@ def validation_tokens(source: str, val_fraction: float, n_tokens: int | None = N
                       ) -> Tensor:
     """The validation split of ``source`` (any ``--data.source``; the rows training holds out for the same
     ``val_fraction``), or an even sample of ``n_tokens`` of it, float32 ``[n, d]``."""
-    from sae_pipeline.data_sources import open_source, read_sample
+    from sae_pipeline.data.sources import open_source, read_sample
 
     if not 0 < val_fraction < 1:
         raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")

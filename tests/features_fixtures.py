@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from feature_extraction import shards as S
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
-from sae_pipeline.export import CONFIG_FNAME, WEIGHTS_FNAME, sae_config
+from sae_pipeline.export import CONFIG_FNAME, WEIGHTS_FNAME
+from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae import ReLUSAE
 
 N_CLS, N_REGISTERS, GRID, PATCHES_KEPT, D = 1, 2, (4, 4), 6, 12

@@ -55,10 +55,12 @@ def test_gpu_dry_run_reports_every_variant_and_extraction() -> None:
     result = run("gpu.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row[0]: row for row in table_rows(result.stdout)}
-    assert set(rows) == {"topk", "batchtopk", "jumprelu", "relu", "mpsae"}
+    from sae_pipeline.sae import SAE_REGISTRY
+
+    assert set(rows) == set(SAE_REGISTRY)
     for variant, row in rows.items():
         assert float(row[2].replace(",", "")) > 0
-        assert (row[3] == "—") == (variant == "mpsae")
+        assert (row[3] == "—") == SAE_REGISTRY[variant].is_pursuit  # no roofline for a pursuit
     assert "images/s" in result.stdout.splitlines()[-1]
 
 

@@ -12,8 +12,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import sae_pipeline.callbacks as callbacks_module
-from sae_pipeline.callbacks import SAEFigures, default_inference_ks, evaluate_sae
+import sae_pipeline.evaluate.measure as measure_module
+from sae_pipeline.callbacks import SAEFigures
+from sae_pipeline.evaluate.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.demo import format_table, read_final_metrics
 from sae_pipeline.module import SAEModule
@@ -164,7 +165,7 @@ def test_evaluate_sae_matches_references_and_chunking(variant: str, monkeypatch:
     kept = [1, 2, 5, 41] if variant == "mp" else [1, 2, 5]
 
     whole = evaluate_sae(sae, x, r_max=6, ks=ks)
-    monkeypatch.setattr(callbacks_module, "_CHUNK_ELEMENTS", 40 * 70)  # 70-token chunks, the last one short
+    monkeypatch.setattr(measure_module, "_CHUNK_ELEMENTS", 40 * 70)  # 70-token chunks, the last one short
     chunked = evaluate_sae(sae, x, r_max=6, ks=ks)
 
     r_max = max(6, k)

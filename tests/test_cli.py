@@ -16,7 +16,8 @@ from feature_extraction.h5cache import read_attrs, read_codes, write_token_cache
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.export import load_checkpoint, sae_from_checkpoint
-from sae_pipeline.predict import merge_codes, sparse_codes
+from sae_pipeline.predict import merge_codes
+from sae_pipeline.sae.sparse_decode import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")

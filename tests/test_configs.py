@@ -14,10 +14,9 @@ from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
-VARIANTS = ["relu", "jumprelu", "topk", "batchtopk", "mpsae"]
+VARIANTS = list(SAE_REGISTRY)  # each has configs/<key>_<backbone|digits|mnist>.yaml
 BACKBONES = ["dinov2", "siglip", "clip", "vit"]
-CLASS_NAMES = {"relu": "ReLUSAE", "jumprelu": "JumpReLUSAE", "topk": "TopKSAE", "batchtopk": "BatchTopKSAE",
-               "mpsae": "MatchingPursuitSAE"}
+CLASS_NAMES = {key: cls.__name__ for key, cls in SAE_REGISTRY.items()}
 TINY_D = 8
 
 
@@ -63,19 +62,23 @@ def test_configs_do_not_drift() -> None:
             assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
                 (5e-4, 1e-6, 50)
     mnist = {v: load(f"{v}_mnist") for v in VARIANTS}
-    for v in VARIANTS:  # the MNIST configs are the digits ones on mnist_sample, run longer, ReLU's λ recalibrated
+    for v in VARIANTS:  # the MNIST configs are the digits ones on mnist_sample, run longer, a data-dependent
+        # sparsity knob (ReLU's λ) recalibrated
         assert mnist[v]["trainer"] == mnist["mpsae"]["trainer"] and mnist[v]["data"] == mnist["mpsae"]["data"]
         assert mnist[v]["data"]["source"] == "mnist_sample"
         assert {**mnist[v]["data"], "source": "digits"} == digits[v]["data"]
         assert {**mnist[v]["trainer"], "max_epochs": 40, "check_val_every_n_epoch": 10} == digits[v]["trainer"]
         expected = digits[v]["model"]
-        if v == "relu":
+        cls = SAE_REGISTRY[v]
+        if cls.sparsity_init_args(10, "mnist") != cls.sparsity_init_args(10, "digits"):
             expected = {**expected, "sae": {**expected["sae"], "init_args": {**expected["sae"]["init_args"],
-                                                                             "l1_coefficient": 0.012}}}
+                                                                             **cls.sparsity_init_args(10, "mnist")}}}
         assert mnist[v]["model"] == expected
-    for v in ["topk", "batchtopk", "mpsae"]:
-        assert digits[v]["model"]["sae"]["init_args"]["k"] == 10
-        assert load(f"{v}_dinov2")["model"]["sae"]["init_args"]["k"] == 32
+    for v in VARIANTS:  # the sparsity k of the paper's controlled setting (10) and of the backbone runs (32)
+        cls = SAE_REGISTRY[v]
+        if cls.sparsity_init_args(10) == {cls.sparsity_knob: 10}:  # k or a target L0, not a calibrated λ
+            assert digits[v]["model"]["sae"]["init_args"][cls.sparsity_knob] == 10
+            assert load(f"{v}_dinov2")["model"]["sae"]["init_args"][cls.sparsity_knob] == 32
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ def test_digits_config_runs_one_step(variant: str, tmp_path: Path, monkeypatch: 
                        "--trainer.enable_model_summary", "false"])
     assert cli.trainer.global_step == 1
     sae = cli.model.sae
-    assert type(sae) is SAE_REGISTRY["mp" if variant == "mpsae" else variant]
+    assert type(sae) is SAE_REGISTRY[variant]
     assert (sae.d_in, sae.d_sae) == (64, 1000)
     torch.testing.assert_close(sae.W_dec.detach().norm(dim=1), torch.ones(1000), atol=1e-5, rtol=0)
     assert all(torch.isfinite(p).all() for p in sae.parameters())

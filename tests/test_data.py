@@ -12,7 +12,7 @@ from torch import nn
 
 from feature_extraction import shards as S
 from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
-from sae_pipeline.data_stream import ShuffleBuffer
+from sae_pipeline.data.streams import ShuffleBuffer
 
 D, TPI = 8, 5  # tokens per image: 1 prefix token + a 2x2 grid
 COUNTS = [3, 11, 5, 7, 4, 9, 6]  # images per shard: deliberately uneven

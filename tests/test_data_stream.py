@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sae_pipeline.data_stream import BatchRing, batches_already_taken, span_pieces
+from sae_pipeline.data.streams import BatchRing, batches_already_taken, span_pieces
 from test_data import D
 
 

@@ -27,3 +27,15 @@ def test_shard_stage_end_to_end(tmp_path):
     assert [site.relative_to(tmp_path).as_posix() for site in sites] == ["features/demo_shards/index.html"]
     assert len(list((tmp_path / "features" / "demo_shards" / "atoms").glob("*.html"))) == 256  # d_sae of the run
     assert len(list((tmp_path / "features" / "demo_shards" / "thumbs").glob("*.jpg"))) == 14  # each photo once
+
+
+def test_unknown_variant_is_one_argparse_error_naming_the_registered_ones(tmp_path, capsys) -> None:
+    from sae_pipeline.demo import main
+    from sae_pipeline.sae import SAE_REGISTRY
+
+    with pytest.raises(SystemExit) as info:
+        main(["--variants", "mpsae", "gated", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "invalid choice: 'gated'" in message and all(key in message for key in SAE_REGISTRY)
+    assert not (tmp_path / "out").exists()  # nothing written

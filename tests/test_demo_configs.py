@@ -18,7 +18,7 @@ from feature_extraction import shards as S
 from feature_extraction.__main__ import build_parser
 from feature_extraction.__main__ import main as extraction_main
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.data_sources import open_source
+from sae_pipeline.data.sources import open_source
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 

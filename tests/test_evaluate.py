@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sae_pipeline.evaluate.__main__ import main
-from sae_pipeline.evaluate.runs import VARIANTS, is_finished, plan_runs, relu_l1_for_k
+from sae_pipeline.evaluate.runs import LABELS, VARIANTS, is_finished, plan_runs, sparsity_args
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens
 from sae_pipeline.export import load_sae
 
@@ -145,8 +145,26 @@ def test_concepts_cover_all_five_variants(tmp_path) -> None:
     assert results["concepts"]["variants"]["relu"]["sequence"]["order"]  # ReLU's active atoms, by value
 
 
-def test_relu_l1_falls_with_k() -> None:
-    assert relu_l1_for_k(5) > relu_l1_for_k(10) > relu_l1_for_k(40) > 0
+def test_variants_labels_and_sparsity_flags_come_from_the_registry() -> None:
+    from sae_pipeline.sae import SAE_REGISTRY, ReLUSAE
+
+    assert VARIANTS == tuple(SAE_REGISTRY) and {"relu", "jumprelu", "topk", "batchtopk", "mpsae"} <= set(VARIANTS)
+    assert LABELS["mpsae"] == "MP-SAE" and LABELS["authors"] == "MP-SAE (paper authors)"
+    assert sparsity_args("mpsae", 8) == ["--model.sae.init_args.k", "8"]
+    assert sparsity_args("jumprelu", 8) == ["--model.sae.init_args.target_l0", "8"]
+    assert sparsity_args("relu", 10, "mnist_sample") == ["--model.sae.init_args.l1_coefficient", "0.012"]
+    assert sparsity_args("relu", 20) == ["--model.sae.init_args.l1_coefficient", str(ReLUSAE.l1_for_k(20))]
+    with pytest.raises(ValueError, match="unknown variant 'mp'"):  # an alias is no study name: one per variant
+        sparsity_args("mp", 8)
+
+
+def test_parser_stays_light() -> None:
+    """--help and flag errors must not wait for torch: the registry is read only once the flags parsed."""
+    code = ("import sys; from sae_pipeline.evaluate.__main__ import build_parser; "
+            "build_parser().parse_args(['all', '--out', 'x', '--variants', 'mpsae']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_DPATH, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("args, expected", [

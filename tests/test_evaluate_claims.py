@@ -217,3 +217,14 @@ def test_common_r_is_the_largest_r_every_variant_supports_on_enough_tokens():
     assert common_r({"a": small, "b": large}, k=6) == 3   # r = 4 keeps only 20 % of a's tokens
     assert common_r({"b": large}, k=3) == 2               # r <= k - 1
     assert common_r({"a": stats([10, 0]), "b": large}, k=3) is None
+
+
+def test_variant_groups_come_from_the_registry() -> None:
+    """Shallow = not a pursuit; the paper's ℓ0-based methods = shallow with a k or target-L0 knob (not ReLU's L1)."""
+    from sae_pipeline.evaluate import claims
+    from sae_pipeline.sae import SAE_REGISTRY
+
+    assert set(SHALLOW) <= set(claims.SHALLOW) and "mpsae" not in claims.SHALLOW
+    assert {"jumprelu", "topk", "batchtopk"} <= set(claims.L0_BASED) and "relu" not in claims.L0_BASED
+    assert all(not SAE_REGISTRY[v].is_pursuit for v in claims.SHALLOW)
+    assert claims._label("mpsae") == "MP-SAE" and claims._label("authors") == "authors"

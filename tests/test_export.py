@@ -16,19 +16,17 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import sae_pipeline
-from feature_extraction.shards import finalize_manifest, load_manifest, write_shard
+from feature_extraction.shards import finalize_manifest, load_manifest, manifest_sha256, write_shard
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.export import ExportError, export_checkpoint, load_sae, manifest_sha256
+from sae_pipeline.export import ExportError, export_checkpoint, load_sae
 from sae_pipeline.module import SAEModule
-from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, get_sae_class
 
 D_IN, D_SAE, K, BATCH = 12, 48, 4, 32
-KWARGS: dict[str, dict[str, Any]] = {
+# Each variant's test_kwargs, with the penalties of the L1/L0 variants set for 6 steps on large raw inputs.
+KWARGS: dict[str, dict[str, Any]] = {name: cls.test_kwargs for name, cls in SAE_REGISTRY.items()} | {
     "relu": {"l1_coefficient": 1e-2},
     "jumprelu": {"initial_threshold": 0.3, "bandwidth": 0.1},
-    "topk": {"k": K},
-    "batchtopk": {"k": K},
-    "mp": {"k": K},
 }
 
 
@@ -70,7 +68,7 @@ def test_fold_input_scale_equals_running_on_scaled_inputs(name: str) -> None:
         sae.b_pre.normal_(std=0.5)
         if hasattr(sae, "b_enc"):
             sae.b_enc.normal_(std=0.2)
-        if name == "batchtopk":
+        if "threshold" in dict(sae.named_buffers()):  # BatchTopK's inference θ (0 until trained)
             sae.threshold.fill_(0.4)
     scale = 0.37
     folded = copy.deepcopy(sae)
@@ -110,9 +108,9 @@ def test_export_and_load_give_identical_outputs_on_raw_activations(name: str, tm
 
 
 def test_config_json_content(tmp_path: Path) -> None:
-    module, ckpt_fpath = trained_checkpoint("mp", tmp_path)
+    module, ckpt_fpath = trained_checkpoint("mpsae", tmp_path)
     config = json.loads((export_checkpoint(ckpt_fpath, tmp_path / "out") / "config.json").read_text())
-    assert config["variant"] == "mp" and config["class_path"] == "sae_pipeline.sae.MatchingPursuitSAE"
+    assert config["variant"] == "mpsae" and config["class_path"] == "sae_pipeline.sae.MatchingPursuitSAE"
     assert config["init_args"] == {"d_in": D_IN, "d_sae": D_SAE, "k": K, "selection": "auto",
                                    "dead_after_tokens": 10_000_000}
     assert (config["d_in"], config["d_sae"], config["k"]) == (D_IN, D_SAE, K)
@@ -121,6 +119,20 @@ def test_config_json_content(tmp_path: Path) -> None:
                                           "inference_ks": None, "babel_r_max": 64}
     assert config["global_step"] == 6 and config["package_version"] == sae_pipeline.__version__
     assert config["manifest_sha256"] is None  # in-memory data: no manifest
+
+
+def test_export_written_with_the_old_mp_key_still_loads(tmp_path: Path) -> None:
+    """Exports written before the ``mp`` -> ``mpsae`` rename say ``"variant": "mp"``; they load as MP-SAE."""
+    _, ckpt_fpath = trained_checkpoint("mpsae", tmp_path)
+    out_dpath = export_checkpoint(ckpt_fpath, tmp_path / "out")
+    expected = load_sae(out_dpath)
+    config_fpath = out_dpath / "config.json"
+    config_fpath.write_text(json.dumps({**json.loads(config_fpath.read_text()), "variant": "mp"}))
+    sae = load_sae(out_dpath)
+    assert type(sae) is get_sae_class("mp") is get_sae_class("mpsae")
+    x = raw_data(10, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(sae(x).x_hat, expected(x).x_hat, rtol=0, atol=0)
 
 
 def test_checkpoint_loads_weights_only_and_export_has_no_pickle(tmp_path: Path) -> None:

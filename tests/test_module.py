@@ -271,3 +271,30 @@ def test_train_metrics_logged_on_every_logging_step_only(tmp_path: Path) -> None
     assert all(steps == steps_with["train/loss"] for steps in steps_with.values()), steps_with
     l0_values = [float(r.split(",")[header.index("train/l0")]) for r in rows[1:] if r.split(",")[header.index("train/l0")]]
     assert l0_values == [4.0, 4.0]
+
+
+class TopKWithExtraTerm(TopKSAE):
+    """A variant that adds a loss term without touching SAELoss or SAEModule."""
+
+    def loss_terms(self, x: Tensor, output: Any, step: int) -> dict[str, Tensor]:
+        return {**super().loss_terms(x, output, step), "code_energy": 1e-3 * output.codes.square().mean()}
+
+
+def test_every_loss_term_is_logged_under_its_name(tmp_path: Path) -> None:
+    """train/mse, train/sparsity_loss, train/aux_loss (the tags since the first release) and a variant's own
+    term are logged at each logging step, and train/loss is their sum."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    module = SAEModule(TopKWithExtraTerm(D_IN, D_SAE, k=4), warmup_steps=1)
+    logger = CSVLogger(str(tmp_path), name="run", version=0)
+    trainer(tmp_path, max_steps=4, log_every_n_steps=2, logger=logger).fit(module, memory_loader(make_data()))
+    rows = [row.split(",") for row in (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()]
+    header, rows = rows[0], rows[1:]
+    terms = ["train/mse", "train/sparsity_loss", "train/aux_loss", "train/code_energy"]
+    logged = [row for row in rows if row[header.index("train/code_energy")] != ""]
+    assert len(logged) == 2
+    for row in logged:
+        values = [float(row[header.index(tag)]) for tag in terms]
+        assert values[0] > 0 and values[1] == 0 and values[3] > 0  # TopK: no sparsity penalty
+        assert float(row[header.index("train/loss")]) == pytest.approx(sum(values), rel=1e-6)

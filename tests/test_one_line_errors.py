@@ -26,9 +26,10 @@ from PIL import Image
 from feature_extraction import shards as S
 from feature_extraction.__main__ import main as extraction_main
 from feature_extraction.h5cache import FORMAT_ATTR, TOKEN_CACHE_FORMAT
-from sae_pipeline.data_sources import open_source
+from sae_pipeline.data.sources import open_source
 from sae_pipeline.evaluate.__main__ import main as evaluate_main
-from sae_pipeline.export import export_checkpoint, sae_config
+from sae_pipeline.export import export_checkpoint
+from sae_pipeline.sae.config import sae_config
 from sae_pipeline.export import main as export_main
 from sae_pipeline.module import SAEModule
 from sae_pipeline.sae import TopKSAE

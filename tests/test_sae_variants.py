@@ -10,25 +10,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import sae_pipeline.sae as sae_package
 from sae_pipeline.sae import (
+    SAE_ALIASES,
     SAE_REGISTRY,
+    VARIANTS,
     BatchTopKSAE,
     JumpReLUSAE,
     MatchingPursuitSAE,
     ReLUSAE,
     SparseAutoencoder,
     TopKSAE,
+    SAELoss,
     get_sae_class,
+    variant_key,
 )
+from sae_pipeline.sae.base import ShallowSAE
 
-D_IN, D_SAE, K, BATCH = 12, 48, 4, 20
-KWARGS: dict[str, dict] = {
-    "relu": {},
-    "jumprelu": {"initial_threshold": 0.05},
-    "topk": {"k": K},
-    "batchtopk": {"k": K},
-    "mp": {"k": K},
-}
+D_IN, D_SAE, K, BATCH = 12, 48, 4, 20  # the sizes every variant's test_kwargs are meant for
+KWARGS: dict[str, dict] = {key: cls.test_kwargs for key, cls in SAE_REGISTRY.items()}
 
 
 def make(name: str, seed: int = 0, **overrides: object) -> SparseAutoencoder:
@@ -55,7 +55,7 @@ def test_shapes_and_decoding(name: str) -> None:
     x = batch()
     out = sae(x)
     assert out.x_hat.shape == (BATCH, D_IN) and out.codes.shape == (BATCH, D_SAE)
-    if name == "mp":
+    if not isinstance(sae, ShallowSAE):  # MP-SAE: no encoder, no pre-activations
         assert out.pre_acts is None
     else:
         assert out.pre_acts is not None and out.pre_acts.shape == (BATCH, D_SAE)
@@ -63,6 +63,8 @@ def test_shapes_and_decoding(name: str) -> None:
     torch.testing.assert_close(sae.decode(out.codes), out.codes @ sae.W_dec + sae.b_pre)
     losses = sae.loss(x, out, step=3)
     torch.testing.assert_close(losses.mse, F.mse_loss(out.x_hat, x))
+    assert {"mse", "sparsity_loss", "aux_loss"} <= set(losses.terms)
+    torch.testing.assert_close(losses.loss, sum(losses.terms.values()))
     torch.testing.assert_close(losses.loss, losses.mse + losses.sparsity + losses.aux)
     losses.loss.backward()
     assert sae.W_dec.grad is not None and sae.W_dec.grad.abs().sum() > 0
@@ -129,11 +131,71 @@ def test_train_eval_do_not_change_hyper_parameters(name: str) -> None:
 
 
 def test_registry() -> None:
-    assert get_sae_class("mp") is MatchingPursuitSAE and get_sae_class("relu") is ReLUSAE
-    assert set(SAE_REGISTRY) == {"relu", "jumprelu", "topk", "batchtopk", "mp"}
+    assert get_sae_class("mpsae") is MatchingPursuitSAE and get_sae_class("relu") is ReLUSAE
+    assert {"relu", "jumprelu", "topk", "batchtopk", "mpsae"} <= set(SAE_REGISTRY)
+    assert list(SAE_REGISTRY.values()) == list(VARIANTS)
     with pytest.raises(ValueError) as info:
         get_sae_class("gated")
     assert all(name in str(info.value) for name in SAE_REGISTRY)
+    assert variant_key(MatchingPursuitSAE) == "mpsae" and variant_key(BatchTopKSAE) == "batchtopk"
+
+    class MyTopK(TopKSAE):  # inherits key "topk" but is not the registered variant
+        pass
+
+    assert variant_key(MyTopK) is None and variant_key(int) is None
+
+
+def test_mp_alias_still_resolves() -> None:
+    """``mp`` was MP-SAE's key (registry, exported config.json) before ``mpsae``; old names still work."""
+    assert SAE_ALIASES["mp"] == "mpsae"
+    assert get_sae_class("mp") is MatchingPursuitSAE
+    assert "mp" not in SAE_REGISTRY  # listings show one name per variant
+
+
+@pytest.mark.parametrize("name", sorted(SAE_REGISTRY))
+def test_class_metadata(name: str) -> None:
+    """What the rest of the package reads off a variant class: one key, a label, a sparsity knob that
+    is a constructor argument and sets the sparsity for the study planner, the pursuit flag."""
+    cls = SAE_REGISTRY[name]
+    assert cls.key == name and "key" in vars(cls) and cls.label
+    assert getattr(sae_package, cls.__name__) is cls  # configs' class_path: sae_pipeline.sae.<ClassName>
+    args = cls.sparsity_init_args(7, "digits")
+    assert cls.sparsity_knob in args
+    sae = cls(D_IN, D_SAE, **{**cls.test_kwargs, **args})
+    assert getattr(sae, cls.sparsity_knob) == args[cls.sparsity_knob]
+    assert cls.is_pursuit == hasattr(cls, "pursuit")
+    if cls.is_pursuit:
+        indices, coefficients = make(name).pursuit(batch(), 3)
+        assert indices.shape == coefficients.shape == (BATCH, 3)
+
+
+def test_sparsity_init_args() -> None:
+    """k itself, JumpReLU's target L0, ReLU's L1 coefficient calibrated per data set (smaller λ for larger k)."""
+    assert TopKSAE.sparsity_init_args(8) == {"k": 8} == MatchingPursuitSAE.sparsity_init_args(8, "mnist")
+    assert JumpReLUSAE.sparsity_init_args(8) == {"target_l0": 8}
+    relu = [ReLUSAE.sparsity_init_args(k)["l1_coefficient"] for k in (5, 10, 40)]
+    assert relu[0] > relu[1] > relu[2] > 0 and relu[1] == 0.038
+    assert ReLUSAE.sparsity_init_args(10, "mnist_sample") == ReLUSAE.sparsity_init_args(10, "mnist") == \
+        {"l1_coefficient": 0.012}
+    assert ReLUSAE.sparsity_init_args(10, "shards/dinov2") == {"l1_coefficient": 0.038}
+
+
+def test_loss_terms_are_named_and_summed() -> None:
+    """A variant adds a term by extending loss_terms: it enters the loss and SAELoss keeps it by name."""
+
+    class WithExtraTerm(TopKSAE):
+        def loss_terms(self, x: Tensor, output, step: int) -> dict[str, Tensor]:
+            return {**super().loss_terms(x, output, step), "code_energy": 0.5 * output.codes.square().mean()}
+
+    torch.manual_seed(0)
+    sae, x = WithExtraTerm(D_IN, D_SAE, k=K), batch()
+    out = sae(x)
+    losses = sae.loss(x, out)
+    assert list(losses.terms) == ["mse", "sparsity_loss", "aux_loss", "code_energy"]
+    torch.testing.assert_close(losses.loss, F.mse_loss(out.x_hat, x) + 0.5 * out.codes.square().mean())
+    for bad in ({}, {"loss": x.sum()}, {"": x.sum()}):
+        with pytest.raises(ValueError, match="loss terms"):
+            SAELoss(bad)
 
 
 BAD_HYPER_PARAMETERS = [
@@ -156,7 +218,7 @@ BAD_HYPER_PARAMETERS = [
     ("batchtopk", {"k": D_SAE + 1}, "k must"),
     ("batchtopk", {"threshold_momentum": 1.0}, "threshold_momentum"),
     ("batchtopk", {"threshold_momentum": float("nan")}, "threshold_momentum"),
-    ("mp", {"k": 0}, "k must"),
+    ("mpsae", {"k": 0}, "k must"),
 ]
 
 
@@ -178,7 +240,7 @@ def test_bad_inputs_raise(name: str) -> None:
         sae.encode(x)
     with pytest.raises(ValueError, match=f"d_in={D_IN}"):
         sae(torch.randn(4, D_IN + 1))
-    for k in (0, D_SAE + 1) if name != "mp" else (0, -1):  # MP accepts k > d_sae (atoms repeat)
+    for k in (0, D_SAE + 1) if not sae.k_above_d_sae else (0, -1):  # MP accepts k > d_sae (atoms repeat)
         with pytest.raises(ValueError, match="k must"):
             sae.encode(batch(), k)
     with pytest.raises(ValueError, match="mean"):

@@ -21,7 +21,7 @@ import xxhash
 
 from feature_extraction import shards as S
 from feature_extraction.__main__ import main as extraction_main
-from sae_pipeline.data_sources import ShardSource, ShardUnit
+from sae_pipeline.data.sources import ShardSource, ShardUnit
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 EXTRACT = ["--backbone", "vit_tiny", "--images", "samples", "--shard_size", "4", "--batch_size", "4",

@@ -63,8 +63,8 @@ def build_parser() -> OneLineParser:
         sub.add_argument("--data", default="digits", help="digits (bundled), mnist_sample (5000 real MNIST digits, "
                          "extra 'mnist'), mnist, a shard directory or an .h5 token cache")
         sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
-        sub.add_argument("--variants", nargs="+", default=list(runs.VARIANTS), help="subset of "
-                         f"{' '.join(runs.VARIANTS)} (default: all five)")
+        sub.add_argument("--variants", nargs="+", default=None, help="registry keys of the variants to train "
+                         "(relu jumprelu topk batchtopk mpsae ...; default: every registered variant)")
         sub.add_argument("--k", nargs="+", type=_positive, default=[5, 10, 20, 40], help="training sparsities")
         sub.add_argument("--k_main", type=_positive, default=10, help="k of the p sweep, coherence and concepts")
         sub.add_argument("--p", nargs="+", type=_positive, default=[125, 250, 500, 1000, 2000],
@@ -138,10 +138,11 @@ def run_studies(args: argparse.Namespace) -> Path:
 
     start = time.perf_counter()
     chosen = list(runs.STUDIES) if args.command == "all" else [args.command]
-    unknown = [v for v in args.variants if v not in runs.VARIANTS]
+    known = runs.VARIANTS  # the registry: loads torch, now that the flags parsed
+    unknown = [v for v in args.variants or () if v not in known]
     if unknown:
-        raise ValueError(f"unknown variant {unknown[0]!r} in --variants; choose from {', '.join(runs.VARIANTS)}")
-    variants = list(dict.fromkeys(args.variants))
+        raise ValueError(f"unknown variant {unknown[0]!r} in --variants; choose from {', '.join(known)}")
+    variants = list(dict.fromkeys(args.variants or known))
     ks, ps = sorted({*args.k, args.k_main}), sorted({*args.p, args.p_main})
     if min(ps) < 2:
         raise ValueError(f"--p {min(ps)}: a dictionary needs at least 2 atoms")

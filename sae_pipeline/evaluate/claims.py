@@ -28,8 +28,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-SHALLOW = ("relu", "jumprelu", "topk", "batchtopk")
-L0_BASED = ("jumprelu", "topk", "batchtopk")  # the paper's "ℓ0-based methods" (and JumpReLU)
+from sae_pipeline.sae import SAE_REGISTRY
+
+# Read off the registry's class attributes, so a new variant joins the comparisons it belongs to.
+SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder pass
+# The paper's "ℓ0-based methods" (and JumpReLU): shallow SAEs whose sparsity is a k or target L0, not an L1 penalty
+L0_BASED = tuple(key for key in SHALLOW if SAE_REGISTRY[key].sparsity_knob != "l1_coefficient")
 PLATEAU_TOLERANCE = 0.01  # R² change counted as "flat"
 NEGATIVE_ATOM_COSINE = 0.8  # "closely resembles −b_pre"
 EXACT = 1e-6  # "unchanged" for the implementation checks
@@ -100,8 +104,8 @@ def _shallow(mapping: dict) -> list[str]:
 
 
 def _label(variant: str) -> str:
-    return {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK",
-            "mpsae": "MP-SAE"}.get(variant, variant)
+    cls = SAE_REGISTRY.get(variant)
+    return cls.label if cls is not None else variant
 
 
 def r2_at_l0(rows: list[dict], l0: float) -> float | None:

@@ -27,7 +27,7 @@ import torch
 from scipy.stats import rankdata  # scipy comes with scikit-learn
 from torch import Tensor
 
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder
 
 _CHUNK = 2048
 MAX_SHOWN_STEPS = 16
@@ -36,11 +36,12 @@ MAX_SHOWN_STEPS = 16
 def selection_order(sae: SparseAutoencoder, x: Tensor) -> tuple[Tensor, Tensor]:
     """``(indices [B, m], values [B, m])``: atoms in selection order, padded with index −1 / value 0.
 
-    MP-SAE: the pursuit order (an atom picked twice appears twice). Shallow SAEs: the active
-    atoms sorted by activation value, largest first (``m`` = the chunk's largest L0).
+    A pursuit (``is_pursuit``, e.g. MP-SAE): its own order (an atom picked twice appears twice).
+    Shallow SAEs: the active atoms sorted by activation value, largest first (``m`` = the chunk's
+    largest L0).
     """
-    if isinstance(sae, MatchingPursuitSAE):
-        return sae.pursuit(x)
+    if sae.is_pursuit:
+        return sae.pursuit(x)  # type: ignore[attr-defined]
     codes = sae.encode(x)
     m = max(1, int((codes != 0).sum(dim=1).max()))
     values, indices = codes.topk(m, dim=1, sorted=True)

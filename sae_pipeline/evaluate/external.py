@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sae_pipeline.callbacks import evaluate_sae
-from sae_pipeline.evaluate import concepts, plots
-from sae_pipeline.figures import atom_grid_figure, r2_vs_k_figure
+from sae_pipeline.evaluate import concepts
+from sae_pipeline.evaluate.measure import evaluate_sae
+from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, compare, r2_vs_k_figure
 from sae_pipeline.metrics import babel
 from sae_pipeline.sae import MatchingPursuitSAE
 
@@ -93,11 +93,11 @@ def load_data(data: str, data_dpath: str) -> torch.Tensor | None:
     if data == "digits28":
         return digits_as_mnist()
     if data == "mnist_sample":
-        from sae_pipeline.data_sources import load_mnist_sample
+        from sae_pipeline.data.sources import load_mnist_sample
 
         return torch.from_numpy(load_mnist_sample().astype(np.float32) / 255.0)
     if data == "mnist":
-        from sae_pipeline.data_sources import load_mnist
+        from sae_pipeline.data.sources import load_mnist
 
         return torch.from_numpy(load_mnist(data_dpath, allow_download=False).astype(np.float32) / 255.0)
     raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
@@ -132,15 +132,15 @@ def evaluate_dictionary(npz_fpath: str | Path, data: str = "digits28", k: int = 
                        babel_coactive=report["babel_coactive"].tolist(), concepts=stats)
         figures["dictionary_inference_r2_vs_k"] = r2_vs_k_figure(
             report["ks"], {label: report["r2_by_k"]}, trained_k=k, title=f"R² against inference k ({data})")
-        figures["dictionary_frequency_vs_mean"] = plots.frequency_vs_mean_panels({label: stats})
-        figures["dictionary_selection_step_vs_mean"] = plots.selection_step_panels({label: stats})
+        figures["dictionary_frequency_vs_mean"] = compare.frequency_vs_mean_panels({label: stats})
+        figures["dictionary_selection_step_vs_mean"] = compare.selection_step_panels({label: stats})
         if image_shape:
-            figures["dictionary_sequential_reconstruction"] = plots.sequential_reconstruction_figure(
+            figures["dictionary_sequential_reconstruction"] = compare.sequential_reconstruction_figure(
                 {label: stats["sequence"]}, image_shape)
     curves = {"dictionary": results["babel_dict"]}
     if x is not None:
         curves[f"co-active (k = {k}, {data})"] = results["babel_coactive"]
-    figures["dictionary_babel"] = plots.babel_single_figure(curves, f"Babel μ₁(r): {Path(npz_fpath).name}")
+    figures["dictionary_babel"] = babel_curve_figure(curves, f"Babel μ₁(r): {Path(npz_fpath).name}")
     if image_shape:
         W = sae.W_dec.detach()
         orders = {"index": list(range(25))} if x is None else {

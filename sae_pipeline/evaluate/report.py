@@ -15,12 +15,11 @@ from typing import Any
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
-from sae_pipeline.evaluate import plots
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
 from sae_pipeline.evaluate.runs import LABELS
 from sae_pipeline.export import load_sae
-from sae_pipeline.figures import atom_grid_figure, r2_vs_k_figure
+from sae_pipeline.figures import atom_grid_figure, compare, r2_vs_k_figure
 
 RESULTS_FNAME = "results.json"
 REPORT_FNAME = "report.md"
@@ -52,13 +51,13 @@ def study_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]
     figures: dict[str, Figure] = {}
     if "expressivity" in results:
         study = results["expressivity"]
-        figures["expressivity_vs_k"] = plots.expressivity_vs_k_figure(study["vs_k"], study["p_main"])
-        figures["expressivity_vs_p"] = plots.expressivity_vs_p_figure(study["vs_p"], study["k_main"])
+        figures["expressivity_vs_k"] = compare.expressivity_vs_k_figure(study["vs_k"], study["p_main"])
+        figures["expressivity_vs_p"] = compare.expressivity_vs_p_figure(study["vs_p"], study["k_main"])
     if "inference" in results:
-        figures["inference_r2_vs_k"] = plots.inference_by_train_k_figure(results["inference"]["by_train_k"])
+        figures["inference_r2_vs_k"] = compare.inference_by_train_k_figure(results["inference"]["by_train_k"])
     if "coherence" in results:
         study = results["coherence"]
-        figures["babel"] = plots.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])
+        figures["babel"] = compare.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])
     if "concepts" in results:
         figures.update(concept_figures(results["concepts"], out_dpath))
     if "reference" in results and "runs" in results:
@@ -78,7 +77,7 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
         ks, {f"MP-SAE (ours, {reference['same_rows_as']})": at(ours["inference"]),
              "MP-SAE (paper authors)": at(reference["inference"])}, trained_k=reference["k"],
         title="R² against inference k: ours vs the paper's")}
-    figures["reference_babel"] = plots.babel_panels_figure(
+    figures["reference_babel"] = compare.babel_panels_figure(
         {"mpsae": ours["babel_dict"], "authors": reference["babel_dict"]},
         {"mpsae": ours["babel_coactive"], "authors": reference["babel_coactive"]}, reference["k"])
     stats = reference.get("concepts")
@@ -97,13 +96,13 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
 def concept_figures(study: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
     """Atom grids (top 25 by frequency and by mean value), scatters and the sequential reconstruction."""
     variants = study["variants"]
-    figures = {"frequency_vs_mean": plots.frequency_vs_mean_panels(variants),
-               "selection_step_vs_mean": plots.selection_step_panels(variants)}
+    figures = {"frequency_vs_mean": compare.frequency_vs_mean_panels(variants),
+               "selection_step_vs_mean": compare.selection_step_panels(variants)}
     image_shape = study.get("image_shape")
     if not image_shape:
         return figures  # not image-shaped: atoms and reconstructions cannot be drawn as images
     image_shape = tuple(image_shape)
-    figures["sequential_reconstruction"] = plots.sequential_reconstruction_figure(
+    figures["sequential_reconstruction"] = compare.sequential_reconstruction_figure(
         {v: s["sequence"] for v, s in variants.items()}, image_shape)
     for variant, stats in variants.items():
         W_dec = load_sae(Path(out_dpath) / "models" / stats["run"]).W_dec.detach()

@@ -14,9 +14,14 @@ Layout under ``OUT``: ``runs/<name>/version_0`` (TensorBoard), ``runs/<name>/che
 other run is trained from scratch (its old folders are deleted first, so a half-written run
 cannot mix versions or checkpoints).
 
-How k reaches each variant (the paper compares SAEs "at equal sparsity"):
-TopK, BatchTopK and MP-SAE take k itself; JumpReLU its ``target_l0``; ReLU has no k, so its L1
-coefficient is set from k by :func:`relu_l1_for_k` and its measured L0 is reported beside it.
+How k reaches each variant (the paper compares SAEs "at equal sparsity") is the variant class's
+knowledge, ``sparsity_init_args(k, data)``: TopK, BatchTopK and MP-SAE take k itself; JumpReLU its
+``target_l0``; ReLU has no k, so its L1 coefficient is calibrated from k and the data
+(``ReLUSAE.l1_for_k``) and its measured L0 is reported beside it.
+
+The variants are those of the registry (:mod:`sae_pipeline.sae`): ``VARIANTS`` and ``LABELS`` are
+read from it on first use, because importing it loads torch and this module must stay light
+(``python -m sae_pipeline.evaluate --help`` and flag errors answer without torch).
 """
 from __future__ import annotations
 
@@ -35,27 +40,25 @@ from pathlib import Path
 
 import yaml
 
-VARIANTS = ("relu", "jumprelu", "topk", "batchtopk", "mpsae")
-LABELS = {"relu": "ReLU", "jumprelu": "JumpReLU", "topk": "TopK", "batchtopk": "BatchTopK", "mpsae": "MP-SAE",
-          "authors": "MP-SAE (paper authors)"}
+EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
 STUDIES = ("expressivity", "inference", "coherence", "concepts")
 RUN_FNAME = "study_run.json"
-# ReLU's L1 coefficient at k = 10, scaled as (10 / k)^RELU_L1_EXPONENT for other k, so that the
-# measured L0 lands near k; it is the measured L0 that the figures plot and the claims compare at.
-# Digits (configs/relu_digits.yaml, 2000 steps: λ = 0.01, 0.03, 0.1 gave L0 = 46, 13, 3.4, i.e.
-# L0 ∝ λ^-1.14). MNIST (784-d, same input normalisation E‖x‖² = d_in) needs a smaller λ
-# (λ = 0.038 gave L0 = 1 after 250 steps, λ = 0.004 L0 = 50 after 400 steps; 0.012 sits between).
-# Other data (shards) use the digits value; calibrate your own if the measured L0 is far from k.
-RELU_L1_AT_10 = {"digits": 0.038, "mnist": 0.012}
-RELU_L1_EXPONENT = 0.88
 
 
-def relu_l1_for_k(k: int, data: str = "digits") -> float:
-    """The L1 coefficient that makes ReLU's L0 roughly ``k`` on ``data`` (see the constants above)."""
-    at_10 = RELU_L1_AT_10["mnist" if data in MNIST_SOURCES else "digits"]
-    return round(at_10 * (10 / k) ** RELU_L1_EXPONENT, 6)
+def __getattr__(name: str) -> object:
+    """``VARIANTS`` (registry keys, in registry order) and ``LABELS`` (display labels), read from the registry
+    on first use (PEP 562), so that importing this module does not load torch."""
+    if name == "VARIANTS":
+        from sae_pipeline.sae import SAE_REGISTRY
+
+        return tuple(SAE_REGISTRY)
+    if name == "LABELS":
+        from sae_pipeline.sae import SAE_REGISTRY
+
+        return {key: cls.label for key, cls in SAE_REGISTRY.items()} | EXTRA_LABELS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,14 +109,13 @@ class RunSpec:
 
 
 def sparsity_args(variant: str, k: int, data: str = "digits") -> list[str]:
-    """The flags that set sparsity k for ``variant`` (see the module docstring)."""
-    if variant in ("topk", "batchtopk", "mpsae"):
-        return ["--model.sae.init_args.k", str(k)]
-    if variant == "jumprelu":
-        return ["--model.sae.init_args.target_l0", str(k)]
-    if variant == "relu":
-        return ["--model.sae.init_args.l1_coefficient", str(relu_l1_for_k(k, data))]
-    raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(VARIANTS)}")
+    """The flags that set sparsity k for ``variant`` on ``data`` (the class's ``sparsity_init_args``)."""
+    from sae_pipeline.sae import SAE_REGISTRY
+
+    if variant not in SAE_REGISTRY:
+        raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(SAE_REGISTRY)}")
+    init_args = SAE_REGISTRY[variant].sparsity_init_args(k, data)
+    return [item for name, value in init_args.items() for item in (f"--model.sae.init_args.{name}", str(value))]
 
 
 def find_config_dpath(config_dir: str | None) -> Path:
@@ -166,10 +168,12 @@ def config_suffix_for(source: str, suffix: str | None) -> str:
 def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, max_steps: int | None,
               config_dpath: Path, suffix: str, data_dpath: str | None = None) -> list[RunSpec]:
     """One :class:`RunSpec` per variant and (k, p) point, in a stable order, without duplicates."""
+    from sae_pipeline.sae import SAE_REGISTRY
+
     specs: dict[str, RunSpec] = {}
     for variant in variants:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(VARIANTS)}")
+        if variant not in SAE_REGISTRY:
+            raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(SAE_REGISTRY)}")
         config_fpath = config_dpath / f"{variant}_{suffix}.yaml"
         if not config_fpath.is_file():
             raise ValueError(f"{config_fpath}: not found; pass --config_dir / --config_suffix naming existing "

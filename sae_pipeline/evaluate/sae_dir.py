@@ -20,11 +20,10 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from sae_pipeline.callbacks import evaluate_sae
-from sae_pipeline.evaluate import plots
+from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.evaluate.studies import reconstruction_r2
 from sae_pipeline.export import CONFIG_FNAME, load_sae
-from sae_pipeline.figures import atom_grid_figure, r2_vs_k_figure
+from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
 from sae_pipeline.saelens import validation_tokens
 
 
@@ -54,7 +53,7 @@ def evaluate_sae_dir(sae_dpath: Path | str, data: str = "digits", val_fraction: 
     }
     label = f"{name} ({type(sae).__name__})"
     figures: dict[str, Figure] = {
-        f"sae_{name}_babel": plots.babel_single_figure(
+        f"sae_{name}_babel": babel_curve_figure(
             {"dictionary": results["babel_dict"], f"co-active ({data})": results["babel_coactive"]},
             f"Babel μ₁(r): {name}"),
         f"sae_{name}_r2_vs_k": r2_vs_k_figure(report["ks"], {label: report["r2_by_k"]}, trained_k=sae.k,

@@ -5,7 +5,7 @@ Each run is evaluated from its export (``load_sae``: raw units, input scale fold
 ``ActivationDataModule`` with the config's ``data`` settings, so its R² is the ``val/r2``
 that training logged at its last step (R² does not change when inputs and reconstructions
 share a scale; the test checks the agreement to 1e-5). Babel curves, the inference-time sweep
-and the activation statistics come from :func:`sae_pipeline.callbacks.evaluate_sae`.
+and the activation statistics come from :func:`sae_pipeline.evaluate.measure.evaluate_sae`.
 
 Studies (names as in the CLI):
 
@@ -24,15 +24,15 @@ from typing import Any
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sae_pipeline.callbacks import evaluate_sae
+from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.data_sources import read_sample
+from sae_pipeline.data.sources import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
 from sae_pipeline.export import load_sae
 from sae_pipeline.metrics import ReconstructionR2
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder
 
 __all__ = ["STUDIES", "coherence", "evaluate_concepts", "evaluate_run", "expressivity", "inference"]
 _CHUNK = 4096
@@ -84,8 +84,8 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
     """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
-    mp = isinstance(sae, MatchingPursuitSAE)  # MP may pick atoms again: any inference k, also above p
-    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if mp or k <= sae.d_sae)}))
+    any_k = sae.k_above_d_sae  # MP may pick atoms again: any inference k, also above p
+    report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if any_k or k <= sae.d_sae)}))
     record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
     support = coherence_stats(sae, x, len(report["babel_coactive"]))
     return {

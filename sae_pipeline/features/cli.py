@@ -131,7 +131,7 @@ def load_model(args: argparse.Namespace):  # noqa: ANN201 -- SparseAutoencoder; 
 
 def check_inputs(args: argparse.Namespace, sae: Any, datamodule: Any) -> None:
     """Every one-line refusal that can be known before the pass."""
-    from sae_pipeline.data_sources import ShardSource
+    from sae_pipeline.data.sources import ShardSource
     from sae_pipeline.features.images import SourceImages
     from sae_pipeline.features.site import check_out_dir
 

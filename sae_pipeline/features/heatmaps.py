@@ -24,7 +24,7 @@ from torch import Tensor
 
 from feature_extraction.shard_reader import read_shard_samples
 from feature_extraction.shards import shard_fpaths
-from sae_pipeline.data_sources import RowSource, ShardSource
+from sae_pipeline.data.sources import RowSource, ShardSource
 
 ENCODE_TOKENS = 4096  # tokens per encode call in this pass
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from sae_pipeline.features.heatmaps import Layout, collect_images, image_keys, merge_collections
 from sae_pipeline.features.merge import gather_merge
 from sae_pipeline.features.topn import TopNTable
-from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder
 
 
 class FeaturesModule(L.LightningModule):
@@ -54,8 +54,8 @@ class FeaturesModule(L.LightningModule):
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """Dense codes ``[B, d_sae]`` and, for MP-SAE, the selection order ``(indices, steps)``."""
-        if isinstance(self.sae, MatchingPursuitSAE):
+        """Dense codes ``[B, d_sae]`` and, for a pursuit (MP-SAE), the selection order ``(indices, steps)``."""
+        if self.sae.is_pursuit:
             indices, coefficients = self.sae.pursuit(x)
             steps = torch.arange(1, indices.shape[1] + 1, device=indices.device)[None, :]
             return self.sae.codes_from_pursuit(indices, coefficients), (indices, steps)

@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw
 
-from sae_pipeline.data_sources import ShardSource, ShardUnit
+from sae_pipeline.data.sources import ShardSource, ShardUnit
 from sae_pipeline.features.images import SourceImages, pixels_image, view_transform
 from sae_pipeline.features.topn import TopNTable
 

@@ -3,8 +3,11 @@
 Every variant reconstructs ``x_hat = codes @ W_dec + b_pre`` with unit-norm atoms (rows of
 ``W_dec``), as in the paper's SAE definition (Costa et al. 2025, §2 "Sparse Autoencoders":
 ``x_hat = D z + b_pre`` with ``‖D_i‖₂ = 1``). Variants differ only in how codes are inferred
-(``encode``) and in the extra loss terms (``sparsity``, ``aux``), so the training loop treats
-them all alike through :class:`SAEOutput` and :class:`SAELoss`.
+(``encode``) and in their named loss terms (``loss_terms``), so the training loop treats them
+all alike through :class:`SAEOutput` and :class:`SAELoss`. What the rest of the package needs to
+know about a variant (its key, label, sparsity knob, ...) are class attributes of
+:class:`SparseAutoencoder`, so a new variant is its file plus one line in the registry
+(``sae_pipeline/sae/__init__.py``) plus its configs.
 
 The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 :class:`ShallowSAE`; MP-SAE is weight-tied and has none.
@@ -12,8 +15,8 @@ The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -70,13 +73,35 @@ class SAEOutput:
         return (self.x_hat, self.codes, self.pre_acts)[index]
 
 
-class SAELoss(NamedTuple):
-    """Loss terms; ``loss`` is what backward runs on, the others are for logging."""
+class SAELoss:
+    """Named loss terms, each already multiplied by its coefficient, and ``loss``, their sum (what
+    backward runs on).
 
-    loss: Tensor  # scalar: mse + sparsity + aux
-    mse: Tensor  # scalar: F.mse_loss(x_hat, x), mean over elements
-    sparsity: Tensor  # scalar, already multiplied by its coefficient (0 when none)
-    aux: Tensor  # scalar, already multiplied by its coefficient (0 when none)
+    Every variant has ``mse`` (``F.mse_loss(x_hat, x)``, mean over elements), ``sparsity_loss`` and
+    ``aux_loss`` (0 when the variant has none); a variant adds its own terms in
+    :meth:`SparseAutoencoder.loss_terms`. The training module logs each term as ``train/<name>``,
+    so a new term needs no change to this class or to the module.
+    """
+
+    __slots__ = ("terms", "loss")
+
+    def __init__(self, terms: Mapping[str, Tensor]) -> None:
+        if not terms or "loss" in terms or not all(isinstance(name, str) and name for name in terms):
+            raise ValueError(f"loss terms need non-empty names other than 'loss', got {sorted(map(str, terms))}")
+        self.terms: dict[str, Tensor] = dict(terms)
+        self.loss: Tensor = sum(self.terms.values())  # type: ignore[assignment]
+
+    @property
+    def mse(self) -> Tensor:
+        return self.terms["mse"]
+
+    @property
+    def sparsity(self) -> Tensor:
+        return self.terms["sparsity_loss"]
+
+    @property
+    def aux(self) -> Tensor:
+        return self.terms["aux_loss"]
 
 
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -127,7 +152,35 @@ class SparseAutoencoder(nn.Module):
 
     Convention: every constructor argument of every variant is kept as an attribute of the
     same name, so export can rebuild the config from ``inspect.signature`` and ``getattr``.
+
+    A registered variant sets the class attributes below (the registry checks them); everything
+    outside ``sae/`` (configs checks, evaluation, claims, demo, tests, benchmarks) reads them
+    instead of listing variants.
     """
+
+    #: The variant's one name: registry key, ``configs/<key>_<data>.yaml``, ``"variant"`` of an
+    #: exported ``config.json``, evaluation runs and claims, the demo's ``--variants``.
+    key: ClassVar[str] = ""
+    #: Earlier keys still accepted by :func:`sae_pipeline.sae.get_sae_class` (old exports, scripts).
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: Display name in figures, reports and the demo ("MP-SAE").
+    label: ClassVar[str] = ""
+    #: The constructor argument that sets sparsity, for the study planner: ``"k"`` (active latents or
+    #: pursuit steps), ``"target_l0"`` or an L1 coefficient (see :meth:`sparsity_init_args`).
+    sparsity_knob: ClassVar[str] = "k"
+    #: True for a pursuit: codes are built step by step and ``pursuit(x, k)`` returns the selection
+    #: order ``(indices [B, k], coefficients [B, k])`` (the concepts study reads it).
+    is_pursuit: ClassVar[bool] = False
+    #: True when an inference ``k`` may exceed ``d_sae`` (MP picks atoms again); else k <= d_sae.
+    k_above_d_sae: ClassVar[bool] = False
+    #: Constructor keyword arguments (besides d_in=12, d_sae=48) for the shared contract tests.
+    test_kwargs: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def sparsity_init_args(cls, k: int, data: str = "digits") -> dict[str, Any]:
+        """Constructor arguments that make the mean L0 about ``k`` when training on ``data`` (a data
+        source name, for variants whose knob is data dependent). Default: ``{sparsity_knob: k}``."""
+        return {cls.sparsity_knob: k}
 
     k: int | None
 
@@ -155,13 +208,22 @@ class SparseAutoencoder(nn.Module):
     def forward(self, x: Tensor) -> SAEOutput:
         raise NotImplementedError
 
+    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
+        """Dense codes ``[B, d_sae]`` of a pursuit's selection order: coefficients summed per atom (an atom
+        picked twice adds up)."""
+        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
+        return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
+
     # --- loss --------------------------------------------------------------------------
     def loss(self, x: Tensor, output: SAEOutput, step: int = 0) -> SAELoss:
-        """MSE (mean over elements) plus the variant's sparsity and auxiliary terms."""
-        mse = F.mse_loss(output.x_hat, x)
-        sparsity = self.sparsity_penalty(x, output, step)
-        aux = self.auxiliary_loss(x, output)
-        return SAELoss(loss=mse + sparsity + aux, mse=mse, sparsity=sparsity, aux=aux)
+        """The sum of :meth:`loss_terms`, with each term kept by name for logging."""
+        return SAELoss(self.loss_terms(x, output, step))
+
+    def loss_terms(self, x: Tensor, output: SAEOutput, step: int) -> dict[str, Tensor]:
+        """``mse`` (mean over elements), ``sparsity_loss`` and ``aux_loss``; a variant with more terms
+        returns ``{**super().loss_terms(x, output, step), "name": term}`` (each logged as ``train/name``)."""
+        return {"mse": F.mse_loss(output.x_hat, x), "sparsity_loss": self.sparsity_penalty(x, output, step),
+                "aux_loss": self.auxiliary_loss(x, output)}
 
     def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
         """Coefficient-weighted sparsity penalty; zero for variants whose sparsity is structural."""

@@ -36,6 +36,10 @@ class BatchTopKSAE(TopKSAE):
             module docstring); θ is then unitless. False (default): Bussmann et al.'s ranking.
     """
 
+    key = "batchtopk"
+    label = "BatchTopK"
+    test_kwargs = {"k": 4}
+
     def __init__(
         self,
         d_in: int,

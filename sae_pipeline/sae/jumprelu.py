@@ -110,6 +110,11 @@ class JumpReLUSAE(ShallowSAE):
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
+    key = "jumprelu"
+    label = "JumpReLU"
+    sparsity_knob = "target_l0"  # with sparsity_loss: target_l0 in its configs
+    test_kwargs = {"initial_threshold": 0.05}
+
     def __init__(
         self,
         d_in: int,

@@ -32,6 +32,13 @@ class MatchingPursuitSAE(SparseAutoencoder):
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
+    key = "mpsae"
+    aliases = ("mp",)  # its registry key and exported "variant" before the configs' name was adopted
+    label = "MP-SAE"
+    is_pursuit = True
+    k_above_d_sae = True
+    test_kwargs = {"k": 4}
+
     def __init__(
         self,
         d_in: int,
@@ -65,11 +72,6 @@ class MatchingPursuitSAE(SparseAutoencoder):
         assert steps is not None
         indices, coefficients, _ = matching_pursuit(x, self.W_dec, self.b_pre, steps, self.selection, self.workspace)
         return indices, coefficients
-
-    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
-        """Dense codes ``[B, d_sae]``: coefficients summed per atom (atoms may repeat)."""
-        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
-        return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
 
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
         """Codes after ``k`` pursuit steps (the trained k when None); any k ≥ 1, also above d_sae."""

@@ -29,6 +29,10 @@ class TopKSAE(ShallowSAE):
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
+    key = "topk"
+    label = "TopK"
+    test_kwargs = {"k": 4}
+
     def __init__(
         self,
         d_in: int,

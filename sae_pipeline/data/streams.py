@@ -38,7 +38,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from sae_pipeline.data_sources import Chunk, Unit
+from sae_pipeline.data.sources import Chunk, Unit
+
+
+def check_shuffle_buffer(shuffle_buffer_tokens: int, batch_size: int) -> None:
+    """The one check that a shuffle buffer holds at least a batch (it draws whole batches from itself)."""
+    if shuffle_buffer_tokens < batch_size:
+        raise ValueError(f"--data.shuffle_buffer_tokens={shuffle_buffer_tokens} must be >= "
+                         f"--data.batch_size={batch_size}")
 
 
 def deal(n_batches: int, n_parts: int) -> list[int]:
@@ -126,8 +133,7 @@ class ShuffleBuffer:
     """Shuffle tokens across images with a fixed-size buffer; every step is a vectorised numpy op."""
 
     def __init__(self, capacity: int, batch_size: int, rng: np.random.Generator) -> None:
-        if capacity < batch_size:
-            raise ValueError(f"shuffle buffer capacity {capacity} must be >= batch_size {batch_size}")
+        # capacity >= batch_size: the stream checks shuffle_buffer_tokens and sizes the buffer to at least a batch
         self.capacity, self.batch_size, self.rng = capacity, batch_size, rng
         self.tokens: np.ndarray | None = None
         self.units: np.ndarray | None = None
@@ -181,8 +187,6 @@ class TokenStream(IterableDataset):
     ``num_workers`` must equal the DataLoader's (0 = read in the main process).
     """
 
-    ring: BatchRing | None = None  # set by the loader in the main process, before its workers start
-
     def __init__(self, units: Sequence[Unit], batch_size: int, d: int, dtype: np.dtype, rank: int = 0,
                  world_size: int = 1, num_workers: int = 0) -> None:
         super().__init__()
@@ -198,6 +202,17 @@ class TokenStream(IterableDataset):
         self.n_readers = max(1, self.num_workers)  # readers per rank
         self.names = [unit.name for unit in self.units]
         self.n_tokens = sum(unit.n_tokens for unit in self.units)
+        self.ring: BatchRing | None = None
+
+    def open_ring(self, n_slots: int) -> BatchRing | None:
+        """A new ``BatchRing`` for the DataLoader iterator about to start (None without workers).
+
+        Called in the main process before the workers start: they receive the stream, ring
+        included, when the iterator starts them; batches then go through this ring.
+        """
+        self.ring = BatchRing(self.num_workers, n_slots, self.batch_size, self.d, self.dtype) \
+            if self.num_workers > 0 else None
+        return self.ring
 
     def _worker(self) -> int:
         info = get_worker_info()
@@ -249,9 +264,7 @@ class ShuffledTokenStream(TokenStream):
         if self.n_batches == 0:
             raise ValueError(f"the training split has {self.n_tokens} tokens, fewer than ranks x batch_size = "
                              f"{self.world_size} x {self.batch_size}; lower --data.batch_size")
-        if shuffle_buffer_tokens < batch_size:
-            raise ValueError(f"--data.shuffle_buffer_tokens={shuffle_buffer_tokens} must be >= "
-                             f"--data.batch_size={batch_size}")
+        check_shuffle_buffer(shuffle_buffer_tokens, batch_size)
         self.shuffle_buffer_tokens, self.seed = int(shuffle_buffer_tokens), int(seed)
         self.quotas = deal(self.n_batches, self.n_readers)
         self.epoch, self.skip_batches = 0, 0

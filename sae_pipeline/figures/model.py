@@ -1,20 +1,14 @@
-"""Matplotlib figures of an SAE: Babel curves, R² against inference k, atom grids, activation scatter.
+"""Figures of one SAE: Babel curves, R² against inference k, atom grids, activation scatter.
 
 Pure functions: each takes tensors or arrays and returns a ``matplotlib.figure.Figure``. They
-are used by the training callback (:mod:`sae_pipeline.callbacks`, TensorBoard) and can be
-reused by an offline evaluation script (``fig.savefig("babel.png")``).
+are used by the training callback (:mod:`sae_pipeline.callbacks`, TensorBoard) and by the
+evaluation suite for one exported SAE or dictionary (``fig.savefig("babel.png")``).
 
-Design choices:
-
-- Figures are built with ``matplotlib.figure.Figure`` directly, never through ``pyplot``: no
-  GUI backend is selected, nothing is kept in pyplot's global figure registry (a long run
-  logging figures every epoch does not leak them), and the functions work on headless
-  training nodes. ``fig.savefig`` renders with Agg.
-- Each figure reproduces one of the paper's plots (Costa et al. 2025): Babel curves
-  (Fig. "Coherence": μ₁(r) of the whole dictionary and of the co-activated atoms), R²
-  against the inference-time k (Fig. "inference at k", trained k marked), the atom grid
-  (Fig. "Feature Selection vs. Activation Levels") and frequency against mean activation
-  (Fig. "Activation distributions").
+Each reproduces one of the paper's plots (Costa et al. 2025): Babel curves (Fig. "Coherence":
+μ₁(r) of the whole dictionary and of the co-activated atoms), R² against the inference-time k
+(Fig. "inference at k", trained k marked), the atom grid (Fig. "Feature Selection vs. Activation
+Levels") and frequency against mean activation (Fig. "Activation distributions"). Built on
+``matplotlib.figure.Figure``, never pyplot (see :mod:`sae_pipeline.figures`).
 """
 from __future__ import annotations
 
@@ -22,29 +16,10 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
-from torch import Tensor
 
-ArrayLike = Tensor | np.ndarray | Sequence[float]
-
-
-def _to_numpy(values: ArrayLike, name: str) -> np.ndarray:
-    """A float64 numpy copy of a tensor / array / list, for plotting."""
-    if isinstance(values, Tensor):
-        return values.detach().to(device="cpu", dtype=torch.float64).numpy()
-    try:
-        return np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a tensor, array or sequence of numbers, got {type(values).__name__}") from None
-
-
-def _one_dimensional(values: ArrayLike, name: str) -> np.ndarray:
-    array = _to_numpy(values, name)
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D tensor or array, got shape {tuple(array.shape)}")
-    return array
+from sae_pipeline.figures.axes import (
+    ArrayLike, finish, log2_axis, one_dimensional, plot_babel, scatter_frequency_vs_mean, single_axes, to_numpy)
 
 
 def babel_curve_figure(
@@ -58,16 +33,9 @@ def babel_curve_figure(
     """
     if not curves:
         raise ValueError("curves must hold at least one named curve, got an empty mapping")
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for label, values in curves.items():
-        curve = _one_dimensional(values, f"curves[{label!r}]")
-        r = np.arange(1, curve.size + 1)
-        ax.plot(r, curve, marker="o" if curve.size <= 20 else None, markersize=3, label=str(label))
-    ax.set_xlabel("r (number of other atoms)")
-    ax.set_ylabel("μ₁(r)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
+    fig, ax = single_axes()
+    plot_babel(ax, curves)
+    finish(ax, "r (number of other atoms)", "μ₁(r)", title)
     ax.legend()
     return fig
 
@@ -85,29 +53,22 @@ def r2_vs_k_figure(
     marked with a dashed vertical line. The k axis is logarithmic (base 2) when ``ks`` spans
     more than a factor of 4.
     """
-    k_values = _one_dimensional(list(ks), "ks")
+    k_values = one_dimensional(list(ks), "ks")
     if (k_values < 1).any() or (k_values != np.round(k_values)).any():
         raise ValueError(f"ks must be integers >= 1, got {list(ks)}")
     if not r2s:
         raise ValueError("r2s must hold at least one named list of R² values, got an empty mapping")
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = single_axes()
     for label, values in r2s.items():
-        r2 = _one_dimensional(values, f"r2s[{label!r}]")
+        r2 = one_dimensional(values, f"r2s[{label!r}]")
         if r2.size != k_values.size:
             raise ValueError(f"r2s[{label!r}] must have one value per k ({k_values.size}), got {r2.size}")
         ax.plot(k_values, r2, marker="o", markersize=4, label=str(label))
     if trained_k is not None:
         ax.axvline(trained_k, color="grey", linestyle="--", linewidth=1, label=f"trained k = {trained_k}")
     if k_values.max() / k_values.min() > 4:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(np.unique(k_values)))
-        ax.xaxis.set_major_formatter(FormatStrFormatter("%d"))
-        ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("inference k")
-    ax.set_ylabel("R²")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
+        log2_axis(ax, k_values)
+    finish(ax, "inference k", "R²", title)
     ax.legend()
     return fig
 
@@ -128,7 +89,7 @@ def atom_grid_figure(
     unit-norm, so their scales are comparable anyway). ``labels`` (one per shown atom, e.g.
     atom indices) are drawn above the images.
     """
-    atoms = _to_numpy(W_dec, "W_dec")
+    atoms = to_numpy(W_dec, "W_dec")
     if atoms.ndim != 2 or atoms.shape[0] == 0:
         raise ValueError(f"W_dec must be a non-empty 2-D [n_atoms, d] tensor, got shape {tuple(atoms.shape)}")
     if len(image_shape) != 2 or any(int(side) < 1 for side in image_shape):
@@ -175,19 +136,12 @@ def frequency_vs_mean_figure(
     MP-SAE along mean value. Frequency is on a log axis (it spans orders of magnitude); atoms
     that never fired (frequency 0) cannot be placed on it and are counted in the title.
     """
-    frequency = _one_dimensional(freq, "freq")
-    mean_value = _one_dimensional(mean, "mean")
+    frequency = one_dimensional(freq, "freq")
+    mean_value = one_dimensional(mean, "mean")
     if frequency.shape != mean_value.shape:
         raise ValueError(f"freq and mean must have the same length, got {frequency.size} and {mean_value.size}")
-    fired = frequency > 0
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    ax.scatter(frequency[fired], mean_value[fired], s=4, alpha=0.5, linewidths=0)
-    if fired.any():
-        ax.set_xscale("log")
-    n_never = int((~fired).sum())
-    ax.set_title(title if n_never == 0 else f"{title}\n({n_never} of {frequency.size} atoms never fired, not shown)")
-    ax.set_xlabel("activation frequency (fraction of tokens)")
-    ax.set_ylabel("mean activation E[z_j]")
-    ax.grid(True, alpha=0.3)
+    fig, ax = single_axes()
+    n_never = frequency.size - scatter_frequency_vs_mean(ax, frequency, mean_value, size=4)
+    finish(ax, "activation frequency (fraction of tokens)", "mean activation E[z_j]",
+           title if n_never == 0 else f"{title}\n({n_never} of {frequency.size} atoms never fired, not shown)")
     return fig

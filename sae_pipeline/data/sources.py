@@ -3,7 +3,7 @@
 Every source is cut into *units* whose token counts are known before reading: a shard
 (count from the manifest x tokens per image) or a block of rows (digits, MNIST, an HDF5
 cache). A unit reads any token range ``[lo, hi)`` of itself as a stream of chunks. The
-streams in ``data_stream.py`` see only units, so splitting by rank and worker, shuffling
+streams in ``streams.py`` see only units, so splitting by rank and worker, shuffling
 and equal batch counts are one code path for every source.
 
 Design choices:

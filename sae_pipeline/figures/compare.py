@@ -1,8 +1,9 @@
 """Figures of the evaluation suite that compare variants (paper Figs. 2, 4, 5, 8 and the appendix).
 
 Single-model figures (atom grids, one Babel curve, one R²-vs-k line) are in
-:mod:`sae_pipeline.figures`; the ones here put every variant side by side. Like those, they
-are built on ``matplotlib.figure.Figure`` (no pyplot state, headless) and return the figure.
+:mod:`sae_pipeline.figures.model`; the ones here put every variant side by side, on the same
+axes helpers (:mod:`sae_pipeline.figures.axes`). Like those, they are built on
+``matplotlib.figure.Figure`` (no pyplot state, headless) and return the figure.
 """
 from __future__ import annotations
 
@@ -10,37 +11,24 @@ from collections.abc import Mapping
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullLocator
 
 from sae_pipeline.evaluate.runs import LABELS
+from sae_pipeline.figures.axes import finish, log2_axis, plot_babel, scatter_frequency_vs_mean, single_axes
 
 
 def _label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
 
-def _log2_axis(ax, ticks: list[float]) -> None:
-    """A base-2 log x axis labelled with the plotted values as plain numbers (not 2^n)."""
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_locator(FixedLocator(sorted(set(ticks))))
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.xaxis.set_minor_locator(NullLocator())
-
-
 def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[int], xlabel: str,
                     title: str) -> Figure:
     """Validation R² per variant against one quantity of the runs, on a log2 axis."""
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
+    fig, ax = single_axes()
     for variant, rows in series.items():
         ax.plot([row[x_key] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
                 label=_label(variant))
-    _log2_axis(ax, ticks)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation R²")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    log2_axis(ax, ticks)
+    finish(ax, xlabel, "validation R²", title, legend_fontsize=8)
     return fig
 
 
@@ -65,10 +53,8 @@ def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) ->
         for train_k, sweep in by_train_k[variant].items():
             line = ax.plot(sweep["ks"], sweep["r2"], marker="o", markersize=3, label=f"trained k = {train_k}")
             ax.axvline(int(train_k), color=line[0].get_color(), linestyle=":", linewidth=1)
-        _log2_axis(ax, [k for sweep in by_train_k[variant].values() for k in sweep["ks"]])
-        ax.set_title(_label(variant))
-        ax.set_xlabel("inference k")
-        ax.grid(True, alpha=0.3)
+        log2_axis(ax, [k for sweep in by_train_k[variant].values() for k in sweep["ks"]])
+        finish(ax, "inference k", None, _label(variant))
     axes[0].set_ylabel("validation R²")
     axes[0].legend(fontsize=7)
     return fig
@@ -79,17 +65,10 @@ def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping
     """Babel μ₁(r) of the whole dictionary (left) and of the co-activated atoms (right), per variant."""
     fig = Figure(figsize=(9.0, 3.6), layout="constrained")
     left, right = fig.subplots(1, 2)
-    for variant in dictionary:
-        r = np.arange(1, len(dictionary[variant]) + 1)
-        left.plot(r, dictionary[variant], label=_label(variant))
-        right.plot(np.arange(1, len(coactive[variant]) + 1), coactive[variant], label=_label(variant))
-    left.set_title("(a) dictionary")
-    right.set_title(f"(b) co-activated atoms (k = {k})")
-    for ax in (left, right):
-        ax.set_xlabel("r")
-        ax.set_ylabel("μ₁(r)")
-        ax.grid(True, alpha=0.3)
-    left.legend(fontsize=8)
+    plot_babel(left, {_label(variant): curve for variant, curve in dictionary.items()}, markers=False)
+    plot_babel(right, {_label(variant): coactive[variant] for variant in dictionary}, markers=False)
+    finish(left, "r", "μ₁(r)", "(a) dictionary", legend_fontsize=8)
+    finish(right, "r", "μ₁(r)", f"(b) co-activated atoms (k = {k})")
     return fig
 
 
@@ -108,14 +87,10 @@ def frequency_vs_mean_panels(stats: Mapping[str, dict]) -> Figure:
     """Per variant: each atom's activation frequency against its mean value (paper Fig. 4a)."""
     fig, axes = _variant_panels(stats)
     for ax, variant in zip(axes, stats):
-        frequency, mean = _floats(stats[variant]["frequency"]), _floats(stats[variant]["mean_value"])
-        fired = frequency > 0
-        ax.scatter(frequency[fired], mean[fired], s=3, alpha=0.5, linewidths=0)
-        if fired.any():
-            ax.set_xscale("log")
-        ax.set_title(f"{_label(variant)} ({int(fired.sum())} atoms fired)", fontsize=9)
-        ax.set_xlabel("activation frequency")
-        ax.grid(True, alpha=0.3)
+        n_fired = scatter_frequency_vs_mean(ax, _floats(stats[variant]["frequency"]),
+                                            _floats(stats[variant]["mean_value"]), size=3)
+        finish(ax, "activation frequency", None)
+        ax.set_title(f"{_label(variant)} ({n_fired} atoms fired)", fontsize=9)
     axes[0].set_ylabel("mean activation E[z_j]")
     return fig
 
@@ -129,8 +104,7 @@ def selection_step_panels(stats: Mapping[str, dict]) -> Figure:
         ax.scatter(mean[keep], step[keep], s=3, alpha=0.5, linewidths=0)
         rho = stats[variant].get("spearman_mean_vs_step")
         ax.set_title(f"{_label(variant)} (ρ = {rho:.2f})" if rho is not None else _label(variant), fontsize=9)
-        ax.set_xlabel("mean activation E[z_j]")
-        ax.grid(True, alpha=0.3)
+        finish(ax, "mean activation E[z_j]", None)
     axes[0].set_ylabel("mean selection step")
     return fig
 
@@ -161,18 +135,3 @@ def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape:
                           va="center", fontsize=8)
     fig.suptitle("Sequential reconstruction, atom by atom (shallow SAEs: atoms ordered by value)", fontsize=9)
     return fig
-
-
-def babel_single_figure(curves: Mapping[str, list[float]], title: str) -> Figure:
-    """Babel curves of one model (the external-dictionary report)."""
-    fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for label, curve in curves.items():
-        ax.plot(np.arange(1, len(curve) + 1), curve, label=label)
-    ax.set_xlabel("r")
-    ax.set_ylabel("μ₁(r)")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
-

@@ -1,0 +1,19 @@
+"""Token activations for SAE training: sources -> streams -> loaders -> the Lightning DataModule.
+
+- ``sources.py``: where tokens come from (shard directories, HDF5 token caches, digits,
+  MNIST), cut into *units* of known token count.
+- ``streams.py``: split units over ranks and workers, shuffle, equal batch counts.
+- ``loaders.py``: the DataLoaders (shared-memory hand-over, one-line worker errors,
+  mid-epoch resume).
+- ``datamodule.py``: ``ActivationDataModule``, what configs name (``data:`` section).
+"""
+from sae_pipeline.data.datamodule import ActivationDataModule
+from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
+from sae_pipeline.data.sources import (Chunk, RowSource, ShardSource, ShardUnit, load_mnist, load_mnist_sample,
+                                       open_source, read_sample)
+from sae_pipeline.data.streams import (BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream,
+                                       TokenStream)
+
+__all__ = ["ActivationDataModule", "BatchRing", "Chunk", "OrderedTokenStream", "RowSource", "ShardSource",
+           "ShardUnit", "ShuffleBuffer", "ShuffledTokenStream", "TokenLoader", "TokenStream", "TrainTokenLoader",
+           "load_mnist", "load_mnist_sample", "open_source", "read_sample"]

@@ -1,0 +1,270 @@
+"""OMP-SAE: Orthogonal Matching Pursuit unrolled into a weight-tied sparse autoencoder.
+
+Matching Pursuit (MP-SAE, :mod:`sae_pipeline.sae.mp`) leaves the coefficients of earlier atoms as
+they were picked, so the residual is orthogonal only to the atom just picked. OMP (Pati et al.
+1993) re-fits the coefficients of ALL selected atoms by least squares after every pick, so the
+residual is orthogonal to every selected atom and ``x_hat`` is the projection of ``x − b_pre``
+onto their span: the best reconstruction those atoms allow. Per token, with ``y = x − b_pre``::
+
+    S = []
+    for t = 1..k:  j_t = argmax_{j allowed} <r_{t-1}, d_j>;  S += [j_t]
+                   c_S = argmin_c ‖y − Σ_{i∈S} c_i d_i‖²   (least squares);  r_t = y − Σ c_i d_i
+    codes = Σ_{i∈S} c_i e_i;  x_hat = codes @ W_dec + b_pre
+
+The argmax is signed, as MP-SAE's (the paper's Algorithm 1), so OMP with k = 1 is MP with k = 1.
+"Allowed" excludes the atoms already selected and any atom (numerically) in their span, i.e. whose
+squared distance to the span is at most ``RANK_TOLERANCE · eps · ‖d_j‖²``: such an atom cannot
+lower the residual and would make the least-squares system singular. When no atom is allowed the
+token stops early: its residual is then orthogonal to every atom, so no further step could lower
+it. This always happens by step ``d_in`` (``d_in`` independent atoms span the input space and the
+residual is 0), or earlier when the dictionary spans fewer directions. So k is the MOST atoms per
+token: any k in ``[1, d_sae]`` is accepted (as TopK's), and a k above ``d_in`` gives the codes of
+``k = d_in``; the steps not taken appear in :meth:`OMPSAE.pursuit` as index −1 with coefficient 0.
+This is preferred to an error for k > d_in because a config written for one backbone (k = 32)
+stays valid on narrower inputs, and training cannot crash on a token whose residual vanished.
+
+Fast and exact, as MP-SAE:
+
+1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
+   QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
+   Gram–Schmidt with one re-orthogonalisation pass, so ``L`` is the Cholesky factor of the
+   Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs ``O(t·d_in)`` per token. The
+   correlations ``<r, d_j>`` and the squared distances of every atom to the span are updated with
+   ``P_t = q_t @ W_decᵀ``: one matmul per step, the same as MP-SAE's matmul selection.
+2. :class:`LeastSquaresFunction` computes the coefficients from ``(L, z = Q y)`` by one
+   triangular solve (``Lᵀ c = z``) and ``x_hat = D_Sᵀ c + b_pre``, and saves only the inputs,
+   the indices ``[B, k]``, ``L [B, k, k]`` and ``c [B, k]``: no ``[B, d_sae]`` tensor.
+
+Backward: autograd through the plain loop differentiates only the LAST least-squares solve (the
+earlier solves feed only the argmax, which has no gradient), so the Function differentiates
+``c = G⁻¹ D_S y``, ``G = D_S D_Sᵀ``, directly. With upstream ``ḡ`` on ``c`` and ``g`` on ``x_hat``,
+``γ = ḡ + D_S g`` and ``λ = G⁻¹ γ`` (two triangular solves with ``L``), ``r = y − D_Sᵀ c`` and
+``u = g − D_Sᵀ λ``::
+
+    ∂y = D_Sᵀ λ,   ∂b_pre = Σ_batch u,   ∂d_{j_i} = λ_i r + c_i u
+
+(from ``dc = G⁻¹(dD_S y − dD_S D_Sᵀ c − D_S dD_Sᵀ c)``). This is chosen over a hand-written
+reverse scan over the k steps (as MP-SAE's) because it is exact, shorter and touches only
+``[B, k, d_in]`` tensors; the tests check it against autograd through the plain per-token loop.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder, check_int
+from sae_pipeline.sae.mp_autograd import CPU_CHUNK_ROWS, Workspace, argmax_block_size, compute_dtype, first_argmax
+from sae_pipeline.sae.sparse_decode import SparseCodes
+
+#: An atom whose squared distance to the span of the selected atoms is at most
+#: ``RANK_TOLERANCE · eps · ‖d_j‖²`` is not selectable (a few hundred roundings above the
+#: cancellation error of ``‖d_j‖² − Σ <q_i, d_j>²``).
+RANK_TOLERANCE = 100.0
+
+
+@torch.no_grad()
+def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """OMP on ``y [B, d_in]``: ``(indices [B, k], L [B, k, k], z [B, k], r [B, d_in])``, no autograd.
+
+    ``D_S = L Q`` with ``Q`` orthonormal rows, ``z = Q y`` and ``r`` the final residual, all in the
+    compute dtype (float32 for half inputs). In float64 the indices are those of the plain loop. A
+    step a token does not take (no atom left to lower its residual) has index −1, ``z = 0`` and an
+    identity row in ``L``, so the least-squares solve and its backward ignore it.
+    """
+    n_tokens, d_in = y.shape
+    d_sae = W_dec.shape[0]
+    dtype = compute_dtype(y.dtype)
+    device = y.device
+    W = W_dec.detach().to(dtype)
+    workspace = Workspace() if workspace is None else workspace
+    atom_sq = torch.linalg.vecdot(W, W)
+    tolerance = RANK_TOLERANCE * torch.finfo(dtype).eps * atom_sq  # [d_sae]
+    indices = torch.empty(n_tokens, k, dtype=torch.int64, device=device)
+    L = torch.zeros(n_tokens, k, k, dtype=dtype, device=device)
+    z = torch.empty(n_tokens, k, dtype=dtype, device=device)
+    residual = y.detach().to(dtype).clone()
+    on_cpu = device.type == "cpu"
+    chunk = CPU_CHUNK_ROWS if on_cpu else max(n_tokens, 1)
+    block = argmax_block_size(d_sae) if on_cpu else None
+    rows_max = max(min(chunk, n_tokens), 1)
+    corr_buffer = workspace.get("omp_correlations", (rows_max, d_sae), dtype, device)
+    perp_buffer = workspace.get("omp_distances", (rows_max, d_sae), dtype, device)
+    proj_buffer = workspace.get("omp_projections", (rows_max, d_sae), dtype, device)
+    Q = workspace.get("omp_q", (rows_max, k, d_in), dtype, device)
+    for start in range(0, n_tokens, chunk):
+        stop = min(start + chunk, n_tokens)
+        n = stop - start
+        r = residual[start:stop]
+        corr, perp, proj = corr_buffer[:n], perp_buffer[:n], proj_buffer[:n]
+        torch.matmul(r, W.T, out=corr)  # <r_0, d_j>
+        perp.copy_(atom_sq.expand(n, d_sae))  # squared distances of the atoms to the span (empty)
+        for t in range(k):
+            corr.masked_fill_(perp <= tolerance, float("-inf"))  # never unmasked: distances only shrink
+            j, best = first_argmax(corr, block)
+            stopped = torch.isinf(best[:, 0])  # no atom left that could lower the residual
+            q, row = orthonormal_step(W.index_select(0, j), Q[:n, :t])
+            if bool(stopped.any()):  # rare: k > d_in, or a dictionary of lower rank
+                q[stopped] = 0.0
+                row[stopped] = 0.0
+                row[stopped, t] = 1.0
+                j = torch.where(stopped, -1, j)
+            indices[start:stop, t] = j
+            Q[:n, t] = q
+            L[start:stop, t, : t + 1] = row
+            z_t = torch.linalg.vecdot(q, r)
+            z[start:stop, t] = z_t
+            r.addcmul_(q, z_t[:, None], value=-1.0)
+            if t == k - 1:
+                break
+            torch.matmul(q, W.T, out=proj)  # <q_t, d_j>
+            corr.addcmul_(proj, z_t[:, None], value=-1.0)
+            perp.addcmul_(proj, proj, value=-1.0)
+            perp.scatter_(1, j.clamp_min(0)[:, None], 0.0)  # the atom just picked lies in the span exactly
+    return indices, L, z, residual
+
+
+def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+    """Gram–Schmidt of the new atoms ``d [n, d_in]`` against ``Q [n, t, d_in]`` (orthonormal rows),
+    with one re-orthogonalisation pass ("twice is enough", Giraud et al. 2005): ``(q [n, d_in],
+    row [n, t + 1])`` where ``d = Σ_i row_i q_i`` and ``row_t = ‖d − Σ_{i<t} row_i q_i‖``."""
+    t = Q.shape[1]
+    row = d.new_zeros(d.shape[0], t + 1)
+    v = d.clone()
+    if t:
+        for _ in range(2):
+            w = torch.bmm(Q, v[:, :, None])  # [n, t, 1]
+            v -= torch.bmm(w.transpose(1, 2), Q)[:, 0]
+            row[:, :t] += w[:, :, 0]
+    norm = v.norm(dim=1)
+    row[:, t] = norm
+    return v / norm.clamp_min(torch.finfo(v.dtype).tiny)[:, None], row
+
+
+def gather_atoms(W_dec: Tensor, indices: Tensor, dtype: torch.dtype) -> Tensor:
+    """``W_dec[indices]`` as ``[B, k, d_in]`` in ``dtype`` (atom 0 for the −1 of a step not taken,
+    whose coefficient is 0)."""
+    n_tokens, k = indices.shape
+    return W_dec.index_select(0, indices.clamp_min(0).reshape(-1)).view(n_tokens, k, -1).to(dtype)
+
+
+class LeastSquaresFunction(torch.autograd.Function):
+    """``(x, W_dec, b_pre, indices, L, z) -> (coefficients [B, k], x_hat [B, d_in])``: the least-squares
+    fit of ``x − b_pre`` on the atoms ``indices``, given their factor ``L`` and ``z = Q (x − b_pre)``
+    from :func:`select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, W_dec: Tensor, b_pre: Tensor, indices: Tensor, L: Tensor, z: Tensor
+                ) -> tuple[Tensor, Tensor]:
+        dtype = L.dtype
+        c = torch.linalg.solve_triangular(L.mT, z[:, :, None], upper=True)[:, :, 0]  # Lᵀ c = z
+        atoms = gather_atoms(W_dec, indices, dtype)
+        x_hat = torch.bmm(c[:, None, :], atoms)[:, 0] + b_pre.to(dtype)
+        ctx.save_for_backward(x, W_dec, b_pre, indices, L, c)
+        return c.to(x.dtype), x_hat.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_c: Tensor | None, grad_x_hat: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, W_dec, b_pre, indices, L, c = ctx.saved_tensors
+        dtype = L.dtype
+        atoms = gather_atoms(W_dec, indices, dtype)  # D_S [B, k, d_in]
+        g = torch.zeros(x.shape, dtype=dtype, device=x.device) if grad_x_hat is None else grad_x_hat.to(dtype)
+        gamma = torch.bmm(atoms, g[:, :, None])  # D_S g [B, k, 1]
+        if grad_c is not None:
+            gamma += grad_c.to(dtype)[:, :, None]
+        gamma.masked_fill_(indices[:, :, None] < 0, 0.0)  # steps not taken: no atom, no gradient
+        lam = torch.cholesky_solve(gamma, L)  # G⁻¹ γ
+        lifted = torch.bmm(lam.transpose(1, 2), atoms)[:, 0]  # D_Sᵀ λ [B, d_in]
+        u = g - lifted
+        grad_x = lifted.to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_b_pre = u.sum(0).to(b_pre.dtype) if ctx.needs_input_grad[2] else None
+        grad_W = None
+        if ctx.needs_input_grad[1]:
+            r = x.to(dtype) - b_pre.to(dtype) - torch.bmm(c[:, None, :], atoms)[:, 0]
+            grad_atoms = lam * r[:, None, :]  # λ_i r + c_i u
+            grad_atoms.addcmul_(c[:, :, None], u[:, None, :])
+            grad_W = torch.zeros(W_dec.shape, dtype=dtype, device=x.device)
+            grad_W.index_add_(0, indices.clamp_min(0).reshape(-1), grad_atoms.view(-1, W_dec.shape[1]))
+            grad_W = grad_W.to(W_dec.dtype)
+        return grad_x, grad_W, grad_b_pre, None, None, None
+
+
+def orthogonal_matching_pursuit(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None
+                                ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
+    ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop."""
+    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace)
+    coefficients, x_hat = LeastSquaresFunction.apply(x, W_dec, b_pre, indices, L, z)
+    return indices, coefficients, x_hat
+
+
+class OMPSAE(SparseAutoencoder):
+    """Weight-tied OMP-SAE; the loss is the MSE alone (sparsity is the number of steps k).
+
+    Args:
+        d_in: input dimension.
+        d_sae: number of atoms.
+        k: pursuit steps in training, in ``[1, d_sae]``: the most atoms per token (all distinct; at
+            most ``d_in`` are taken, see the module docstring).
+        dead_after_tokens: see :class:`SparseAutoencoder`.
+    """
+
+    key = "ompsae"
+    label = "OMP-SAE"
+    is_pursuit = True
+    test_kwargs = {"k": 4}
+
+    def __init__(self, d_in: int, d_sae: int, k: int, dead_after_tokens: int = 10_000_000) -> None:
+        super().__init__(d_in, d_sae, dead_after_tokens)
+        self.k = check_int("k", k, 1, self.d_sae)
+        self.workspace = Workspace()  # CPU scratch buffers, not state
+
+    def pursuit(self, x: Tensor, k: int | None = None) -> tuple[Tensor, Tensor]:
+        """Selection order and final coefficients: ``(indices [B, k], coefficients [B, k])``.
+
+        Row b lists the atoms in the order OMP picked them (all distinct) with their coefficients
+        after the last least-squares fit, then −1 / 0 for the steps a token did not take (none
+        while k ≤ d_in and the dictionary spans the inputs). Differentiable in the coefficients.
+        """
+        self.check_input(x)
+        steps = self.resolve_k(k)
+        assert steps is not None
+        indices, coefficients, _ = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, steps, self.workspace)
+        return indices, coefficients
+
+    def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
+        """Dense codes ``[B, d_sae]`` (the atoms of a row are distinct; −1 entries carry 0)."""
+        codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
+        return codes.scatter_add_(1, indices.clamp_min(0), coefficients)
+
+    def encode(self, x: Tensor, k: int | None = None) -> Tensor:
+        """Codes after ``k`` OMP steps (the trained k when None), any k in ``[1, d_sae]``."""
+        indices, coefficients = self.pursuit(x, k)
+        return self.codes_from_pursuit(indices, coefficients)
+
+    def forward(self, x: Tensor) -> SAEOutput:
+        """k OMP steps; ``x_hat`` is built from the selected atoms only (equal to ``decode(codes)``);
+        the codes are sparse (dense ``[B, d_sae]`` only if read)."""
+        self.check_input(x)
+        assert self.k is not None
+        indices, coefficients, x_hat = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, self.k, self.workspace)
+        codes = SparseCodes.from_topk(indices.clamp_min(0), self.d_sae).with_values(coefficients.reshape(-1))
+        return SAEOutput(x_hat=x_hat, pre_acts=None, sparse=codes)
+
+    @torch.no_grad()
+    def residual_norms(self, x: Tensor, k: int | None = None) -> Tensor:
+        """``‖r_t‖₂`` for t = 0..k, shape ``[B, k + 1]`` (``r_0 = x − b_pre``); non-increasing in t.
+
+        From the QR factors: ``r_{t-1} = r_t + z_t q_t`` with ``q_t ⊥ r_t``, so
+        ``‖r_{t-1}‖² = ‖r_t‖² + z_t²``, accumulated from the final residual backwards.
+        """
+        self.check_input(x)
+        steps = self.resolve_k(k)
+        assert steps is not None
+        _, _, z, r = select_atoms(x - self.b_pre, self.W_dec, steps, self.workspace)
+        tail = torch.cat([z.square().flip(1).cumsum(1).flip(1), z.new_zeros(z.shape[0], 1)], dim=1)
+        return (tail + r.square().sum(1, keepdim=True)).sqrt().to(x.dtype)
