@@ -53,8 +53,8 @@ def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard:
                    for i in range(count)]
         S.write_shard(dpath, index, samples)
         n_shards += 1
-    S.finalize_manifest(dpath, n_shards=n_shards, spec={"name": "synthetic", "image_size": 224}, layer=0,
-                        tokens_per_image=TPI, n_prefix_tokens=N_PREFIX, grid=GRID)
+    S.write_manifest(dpath, n_shards=n_shards, spec={"name": "synthetic", "image_size": 224}, layer=0,
+                     tokens_per_image=TPI, n_prefix_tokens=N_PREFIX, grid=GRID)
 
 
 def make_sae(d: int, d_sae: int, k: int, seed: int = 0):  # noqa: ANN201

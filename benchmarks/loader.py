@@ -4,7 +4,7 @@
     python benchmarks/loader.py --quick    # tiny sizes; used by tests/test_data.py
 
 Each DataModule row is run twice: with the per-sample checksum verification the training
-stream always does (``feature_extraction/integrity.py``) and without it; the last column is
+stream always does (``feature_extraction/shards/integrity.py``) and without it; the last column is
 their ratio (target >= 0.9: verification may cost at most a tenth of the throughput).
 
 Both read the same shard files of a temporary directory. The reference is the least work
@@ -39,8 +39,9 @@ REPO_DPATH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DPATH))
 
 from feature_extraction import shards as S  # noqa: E402
-from feature_extraction.integrity import load_sample_checksums  # noqa: E402
-from feature_extraction.shard_reader import iter_shard_tokens  # noqa: E402
+from feature_extraction.shards.integrity import load_sample_checksums  # noqa: E402
+from feature_extraction.shards.layout import sidecar_fpath  # noqa: E402
+from feature_extraction.shards.read import iter_shard_tokens  # noqa: E402
 from sae_pipeline.data import ActivationDataModule  # noqa: E402
 from sae_pipeline.data.sources import ShardUnit  # noqa: E402
 
@@ -53,8 +54,8 @@ def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_i
         samples = [(f"img{index:04d}_{i:04d}", rng.standard_normal((tokens_per_image, d), np.float32)
                     .astype(np.float16), {}) for i in range(images_per_shard)]
         S.write_shard(dpath, index, samples)
-    S.finalize_manifest(dpath, n_shards=n_shards, spec={"name": "benchmark"}, layer=0,
-                        tokens_per_image=tokens_per_image, n_prefix_tokens=tokens_per_image - grid * grid,
+    S.write_manifest(dpath, n_shards=n_shards, spec={"name": "benchmark"}, layer=0,
+                     tokens_per_image=tokens_per_image, n_prefix_tokens=tokens_per_image - grid * grid,
                         grid=(grid, grid))
 
 
@@ -88,7 +89,7 @@ def reader_read(fpaths: list[Path], verify: bool) -> int:
     for fpath in fpaths:
         checksums = None
         if verify:
-            checksums = load_sample_checksums(json.loads(fpath.with_suffix(".json").read_text()), fpath)
+            checksums = load_sample_checksums(json.loads(sidecar_fpath(fpath).read_text()), fpath)
         for _, tokens in iter_shard_tokens(fpath, checksums=checksums):
             n_tokens += len(tokens)
     return n_tokens

@@ -17,7 +17,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from feature_extraction.exit_status import run_command
 from feature_extraction.extract import extract
-from feature_extraction.finalize import finalize
+from feature_extraction.shards.finalize import finalize
 
 PROG = "python -m feature_extraction"
 

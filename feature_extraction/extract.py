@@ -1,13 +1,13 @@
 """The extraction command: images -> one backbone layer's tokens -> webdataset shards.
 
 `extract` is what `python -m feature_extraction` runs, once per SLURM array task (or
-torchrun rank, or alone). `finalize` (`finalize.py`) assembles `manifest.json` once every shard exists.
+torchrun rank, or alone). `finalize` (`shards/finalize.py`) assembles `manifest.json` once every shard exists.
 
 Design choices:
 
 - Every task lists the same images and assigns them to shards the same way (sorted keys,
-  fixed `shard_size`, `shards.assign_shards`), then writes only the shards it owns
-  (`shards.shards_for_task`: strided). No coordination is needed beyond the file system.
+  fixed `shard_size`, `shards.layout.assign_shards`), then writes only the shards it owns
+  (`shards.layout.shards_for_task`: strided). No coordination is needed beyond the file system.
 - Batches never span two shards. A shard's batches are then the same whichever shards a
   task skips, so a resumed or differently split run computes every sample from the same
   batch and, on the CPU in float32, produces byte-identical shards.
@@ -35,7 +35,7 @@ Design choices:
   on the device before the copy to the host, so the copy, the shared memory and the
   writers all shrink with it; each sample then also holds `positions.npy`.
 - Image ids may contain '.', which webdataset reads as the start of the extension, so a
-  sample's `__key__` is the id percent-escaped (`image_key`, reversible by
+  sample's `__key__` is the id percent-escaped (`shards.layout.image_key`, reversible by
   `image_id_from_key`); `meta.json` keeps the original id and its source.
 """
 from __future__ import annotations
@@ -49,7 +49,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -60,33 +59,16 @@ from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
 from feature_extraction.output_dirs import prepare_output_dir
-from feature_extraction.finalize import check_or_create_record, finalize_if_last, ids_digest
-from feature_extraction.shard_writers import ShardWriters
 from feature_extraction.shards import (
-    assign_shards, format_indices, shard_is_complete, shard_is_intact, shards_for_task,
+    assign_shards, format_indices, image_id_from_key, image_key, shard_is_complete, shard_is_intact, shards_for_task,
 )
+from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
+from feature_extraction.shards.writers import ShardWriters
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 
 __all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
 
 logger = logging.getLogger(__name__)
-
-
-def image_key(image_id: str) -> str:
-    """The webdataset `__key__` of an image id: '%', '.' in the file name and a leading '_' escaped.
-
-    webdataset cuts a member name at the first '.' of its file name and reserves keys
-    starting with '__'; percent-escaping keeps the key readable ('cls/img%2Epng') and
-    one-to-one with the id.
-    """
-    head, sep, name = image_id.replace("%", "%25").rpartition("/")
-    key = head + sep + name.replace(".", "%2E")
-    return "%5F" + key[1:] if key.startswith("_") else key
-
-
-def image_id_from_key(key: str) -> str:
-    """Inverse of `image_key`."""
-    return unquote(key)
 
 
 def default_task(environ: dict[str, str] | None = None) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Normalisation statistics of token activations, summed while shards are written.
 
-Each shard's sidecar carries float64 running sums, so ``finalize_manifest`` gets the
+Each shard's sidecar carries float64 running sums, so ``write_manifest`` gets the
 per-dimension mean (``b_pre``) and E‖x‖² (the input scale) of 0.5 TB of tokens by merging
 a few hundred small JSON records instead of re-reading the shards.
 """

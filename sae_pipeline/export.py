@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 import sae_pipeline
 from feature_extraction.exit_status import run_command
-from feature_extraction.integrity import file_sha256
+from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SparseAutoencoder, variant_key
 from sae_pipeline.sae.config import ExportError, build_sae, sae_config

@@ -57,6 +57,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from feature_extraction.shards import peek_manifest
 import sae_pipeline
 from sae_pipeline.export import ExportError, load_checkpoint, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
@@ -196,12 +197,8 @@ def data_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
     data = dict(checkpoint.get("data") or {})
     source = data.get("source")
     metadata: dict[str, Any] = {"dataset_path": source, "manifest_sha256": data.get("manifest_sha256")}
-    manifest_fpath = Path(str(source)) / "manifest.json" if source else None
-    if manifest_fpath is not None and manifest_fpath.is_file():
-        try:
-            manifest = json.loads(manifest_fpath.read_text())
-        except (OSError, json.JSONDecodeError):
-            return metadata
+    manifest = peek_manifest(str(source)) if source else None
+    if manifest is not None:
         backbone = manifest.get("backbone") or {}
         name = backbone.get("model_name") or backbone.get("name") if isinstance(backbone, dict) else backbone
         metadata.update(model_name=name, hook_name=f"layer_{manifest.get('layer')}")

@@ -58,8 +58,8 @@ def write_shards(dpath: Path, images_dpath: Path, n_images: int = 14, shard_size
         S.write_shard(dpath, index, samples)
         n_shards += 1
     spec = {"name": "synthetic", "image_size": IMAGE_SIZE, "preprocess": PREPROCESS}
-    S.finalize_manifest(dpath, n_shards=n_shards, spec=spec, layer=0, tokens_per_image=tpi,
-                        n_prefix_tokens=N_PREFIX, grid=GRID, token_selection=selection)
+    S.write_manifest(dpath, n_shards=n_shards, spec=spec, layer=0, tokens_per_image=tpi,
+                     n_prefix_tokens=N_PREFIX, grid=GRID, token_selection=selection)
     return tokens.reshape(-1, D).astype(np.float32), positions.reshape(-1).astype(np.int64)
 
 

@@ -208,19 +208,12 @@ def scalar(run_dpath: Path, tag: str) -> float:
 
 
 @pytest.mark.slow
-def test_ddp_fit_on_uneven_shards_gives_the_single_process_val_r2(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from feature_extraction.shards import finalize_manifest, write_shard
+def test_ddp_fit_on_uneven_shards_gives_the_single_process_val_r2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   token_shards) -> None:
     from sae_pipeline.module import SAEModule
 
-    rng = np.random.default_rng(0)
     shards_dpath = tmp_path / "shards"
-    for index, n_images in enumerate([3, 11, 5, 9, 4, 7, 6]):  # uneven shards: ranks get different token counts
-        samples = [(f"img{index}_{i}", (rng.standard_normal((5, 16)) + 2).astype(np.float16), {})
-                   for i in range(n_images)]
-        write_shard(shards_dpath, index, samples)
-    finalize_manifest(shards_dpath, n_shards=7, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
-                      n_prefix_tokens=1, grid=(2, 2))
+    token_shards(shards_dpath, [3, 11, 5, 9, 4, 7, 6], 16, offset=2)  # uneven shards: ranks get different token counts
     data_args = ["--data.source", str(shards_dpath), "--data.batch_size", "16", "--data.shuffle_buffer_tokens", "64",
                  "--data.val_fraction", "0.3"]
     result = run_cli(["fit", "--config", str(REPO_DPATH / "configs" / "batchtopk_digits.yaml"), *data_args,

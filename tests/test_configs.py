@@ -4,18 +4,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
 
-from feature_extraction.shards import finalize_manifest, write_shard
+from feature_extraction.backbones import BACKBONES as BACKBONE_SPECS
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = list(SAE_REGISTRY)  # each has configs/<key>_<backbone|digits|mnist>.yaml
-BACKBONES = ["dinov2", "siglip", "clip", "vit"]
+BACKBONES = [name for name, spec in BACKBONE_SPECS.items() if spec.has_configs]  # dinov2, siglip, clip, vit
 CLASS_NAMES = {key: cls.__name__ for key, cls in SAE_REGISTRY.items()}
 TINY_D = 8
 
@@ -55,10 +54,12 @@ def test_configs_do_not_drift() -> None:
         for b in BACKBONES:
             config = load(f"{v}_{b}")
             assert config["data"]["source"] == f"shards/{b}"
+            init_args = config["model"]["sae"]["init_args"]
+            assert init_args["d_sae"] == 25 * BACKBONE_SPECS[b].d  # expansion factor 25
             config["data"]["source"] = reference["data"]["source"]
+            init_args["d_sae"] = reference["model"]["sae"]["init_args"]["d_sae"]
             assert config == reference, f"{v}_{b}.yaml drifted from {v}_dinov2.yaml"
             assert config["trainer"] == load("mpsae_dinov2")["trainer"]
-            assert config["model"]["sae"]["init_args"]["d_sae"] == 25 * 768  # expansion factor 25
             assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
                 (5e-4, 1e-6, 50)
     mnist = {v: load(f"{v}_mnist") for v in VARIANTS}
@@ -82,16 +83,10 @@ def test_configs_do_not_drift() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_shards(tmp_path_factory: pytest.TempPathFactory, token_shards) -> Path:
     """Three shards of d = 8 tokens, so linking d_in from the manifest is visible (8 != 768)."""
     dpath = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    for index in range(3):
-        samples = [(f"img{index}_{i}", rng.standard_normal((5, TINY_D)).astype(np.float16), {"label": i})
-                   for i in range(4)]
-        write_shard(dpath, index, samples)
-    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5,
-                      n_prefix_tokens=1, grid=(2, 2))
+    token_shards(dpath, [4, 4, 4], TINY_D)
     return dpath
 
 
@@ -104,7 +99,7 @@ def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, t
                            "--data.source", str(tiny_shards)], run=False)
         sae = cli.model.sae
         assert type(sae).__name__ == CLASS_NAMES[variant]
-        assert (sae.d_in, sae.d_sae) == (TINY_D, 19200)
+        assert (sae.d_in, sae.d_sae) == (TINY_D, 25 * BACKBONE_SPECS[backbone].d)
         assert cli.datamodule.d_in == TINY_D
         assert cli.trainer.max_epochs == 50 and cli.model.hparams.lr == 5e-4
         assert cli.model.hparams.sae["init_args"]["d_in"] == TINY_D

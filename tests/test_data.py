@@ -25,24 +25,13 @@ def key_of(row: np.ndarray | torch.Tensor) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def shard_dir(tmp_path_factory) -> tuple[Path, dict, list[set]]:
+def shard_dir(tmp_path_factory, token_shards) -> tuple[Path, dict, list[set]]:
     """7 shards; returns the dir, token key -> (image id, position, shard index), and each shard's token keys."""
     dpath = tmp_path_factory.mktemp("shards")
-    rng = np.random.default_rng(0)
-    where, per_shard, n_images = {}, [], 0
-    for index, count in enumerate(COUNTS):
-        samples = []
-        for _ in range(count):
-            key = f"img{n_images:04d}"
-            tokens = rng.standard_normal((TPI, D)).astype(np.float16)
-            samples.append((key, tokens, {"label": 0}))
-            for pos, row in enumerate(tokens):
-                where[key_of(row)] = (key, pos, index)
-            n_images += 1
-        S.write_shard(dpath, index, samples)
-        per_shard.append({key_of(row) for _, tokens, _ in samples for row in tokens})
-    S.finalize_manifest(dpath, n_shards=len(COUNTS), spec={"name": "fake"}, layer=0, tokens_per_image=TPI,
-                        n_prefix_tokens=1, grid=(2, 2))
+    samples_per_shard = token_shards(dpath, COUNTS, D)
+    where = {key_of(row): (key, pos, index) for index, samples in enumerate(samples_per_shard)
+             for key, tokens, _ in samples for pos, row in enumerate(tokens)}
+    per_shard = [{key_of(row) for _, tokens, _ in samples for row in tokens} for samples in samples_per_shard]
     assert len(where) == sum(COUNTS) * TPI  # the keys are unique
     return dpath, where, per_shard
 
@@ -244,13 +233,12 @@ def test_short_shard_raises_shard_format_error(shard_dir, tmp_path):
         list(dm.predict_dataset(0, 1))
 
 
-def test_bad_settings_are_one_line_errors(shard_dir, tmp_path):
+def test_bad_settings_are_one_line_errors(shard_dir, tmp_path, token_shards):
     with pytest.raises(ValueError, match="--data.batch_size"):
         make_dm(shard_dir[0], batch_size=10_000).train_dataset(0, 1)
     with pytest.raises(ValueError, match="--data.shuffle_buffer_tokens=8 must be >= --data.batch_size=16"):
         make_dm(shard_dir[0], batch_size=16, shuffle_buffer_tokens=8)
-    S.write_shard(tmp_path, 0, [("a", np.zeros((TPI, D), np.float16), {})])
-    S.finalize_manifest(tmp_path, n_shards=1, spec={}, layer=0, tokens_per_image=TPI, n_prefix_tokens=1, grid=(2, 2))
+    token_shards(tmp_path, [1], D)
     with pytest.raises(ValueError, match="--data.val_fraction=0.1 leaves no training shards"):
         ActivationDataModule(str(tmp_path))
 

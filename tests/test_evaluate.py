@@ -130,7 +130,7 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_concepts_cover_all_five_variants(tmp_path) -> None:
+def test_concepts_cover_every_variant(tmp_path) -> None:
     out = tmp_path / "five"
     assert main(["concepts", "--data", "digits", "--out", str(out), "--k", "4", "--k_main", "4", "--p", "32",
                  "--p_main", "32", "--max_steps", "12", "--r_max", "8"]) == 0
@@ -190,16 +190,9 @@ def test_unparsable_k_exits_2_with_one_line(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_study_on_a_shard_directory_with_user_configs(tmp_path) -> None:
-    from feature_extraction.shards import finalize_manifest, write_shard
-
-    rng = np.random.default_rng(0)
+def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) -> None:
     shards = tmp_path / "shards"
-    for index in range(5):
-        samples = [(f"img{index}_{i}", rng.standard_normal((5, 8)).astype(np.float16), {"label": i}) for i in range(4)]
-        write_shard(shards, index, samples)
-    finalize_manifest(shards, n_shards=5, spec={"name": "tiny"}, layer=-1, tokens_per_image=5, n_prefix_tokens=1,
-                      grid=(2, 2))
+    token_shards(shards, [4] * 5, 8)
     configs = tmp_path / "configs"
     configs.mkdir()
     for variant, class_name in (("mpsae", "MatchingPursuitSAE"), ("topk", "TopKSAE")):

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,7 +15,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 import sae_pipeline
-from feature_extraction.shards import finalize_manifest, load_manifest, manifest_sha256, write_shard
+from feature_extraction.shards import load_manifest, manifest_sha256
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.export import ExportError, export_checkpoint, load_sae
 from sae_pipeline.module import SAEModule
@@ -146,15 +145,9 @@ def test_checkpoint_loads_weights_only_and_export_has_no_pickle(tmp_path: Path) 
 
 
 @pytest.fixture()
-def tiny_shards(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(0)
+def tiny_shards(tmp_path: Path, token_shards) -> Path:
     dpath = tmp_path / "shards"
-    for index in range(3):
-        samples = [(f"img{index}_{i}", (30 * rng.standard_normal((5, D_IN))).astype(np.float16), {})
-                   for i in range(20)]
-        write_shard(dpath, index, samples)
-    finalize_manifest(dpath, n_shards=3, spec={"name": "tiny"}, layer=-1, tokens_per_image=5, n_prefix_tokens=1,
-                      grid=(2, 2))
+    token_shards(dpath, [20, 20, 20], D_IN, scale=30)
     return dpath
 
 

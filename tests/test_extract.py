@@ -17,12 +17,13 @@ import skimage.data
 import torch
 from PIL import Image
 
-from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
+from feature_extraction.shards import read as R
+from feature_extraction.shards import write as W
 from feature_extraction.__main__ import build_parser, main
-from feature_extraction.backbones import BACKBONES, load_backbone
-from feature_extraction.extract import default_task, extract, image_id_from_key, image_key
-from feature_extraction.finalize import LOCK_FNAME
+from feature_extraction.backbones import BACKBONES, BackboneSpec, load_backbone
+from feature_extraction.extract import default_task, extract
+from feature_extraction.shards import LOCK_FNAME, image_id_from_key, image_key
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 BACKBONE = "vit_tiny"
@@ -201,14 +202,14 @@ def test_bad_input_one_line_error(images, tmp_path, capsys, args, message) -> No
 
 def test_disk_full_keeps_complete_shards(images, reference, tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "shards"
-    original_write = S._HashingWriter.write
+    original_write = W._HashingWriter.write
 
     def failing_write(self, data: bytes) -> int:
         if self.f.name.endswith("shard-000001.tar.tmp") and self.n_bytes > 5000:  # midway through shard 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return original_write(self, data)
 
-    monkeypatch.setattr(S._HashingWriter, "write", failing_write)
+    monkeypatch.setattr(W._HashingWriter, "write", failing_write)
     argv = ["--backbone", BACKBONE, "--images", str(images), "--out", str(out), "--shard_size", "3",
             "--batch_size", "2", "--num_workers", "0", "--device", "cpu", "--progress", "false"]
     assert main(argv) == 1
@@ -219,7 +220,7 @@ def test_disk_full_keeps_complete_shards(images, reference, tmp_path, capsys, mo
     kept = shard_bytes(out)  # other writer threads may have finished later shards: those are complete too
     assert "shard-000001.tar" not in kept and kept == {name: (reference / name).read_bytes() for name in kept}
     assert all(S.shard_is_complete(out, int(name[6:12])) for name in kept)
-    monkeypatch.setattr(S._HashingWriter, "write", original_write)
+    monkeypatch.setattr(W._HashingWriter, "write", original_write)
     assert main(argv) == 0
     assert shard_bytes(out) == shard_bytes(reference)
 
@@ -241,16 +242,34 @@ def test_finalize_command_and_lock(images, reference, tmp_path, capsys) -> None:
     assert without_time(S.load_manifest(out, verify=True)) == without_time(S.load_manifest(reference))
 
 
+def test_a_new_backbone_is_one_registry_entry(images, tmp_path, monkeypatch) -> None:
+    """An entry for a model nothing else names (DeiT: CLS + distillation token) extracts as it is."""
+    spec = BackboneSpec("deit_tiny", "timm", "deit_tiny_distilled_patch16_224", None, 2, (4, 4), 64, 64, 2,
+                        dict(img_size=64, depth=2, embed_dim=64, num_heads=2))
+    monkeypatch.setitem(BACKBONES, "deit_tiny", spec)
+    out = tmp_path / "shards"
+    assert run(images, out, backbone="deit_tiny")["finalized"]
+    manifest = S.load_manifest(out, verify=True)
+    assert manifest["backbone"] == load_backbone("deit_tiny").to_json()
+    assert (manifest["tokens_per_image"], manifest["n_prefix_tokens"], manifest["grid"]) == (18, 2, [4, 4])
+    _, tokens, _ = next(R.iter_shard_samples(S.shard_fpaths(out, manifest)))
+    assert tokens.shape == (18, 64)
+
+
 def test_configs_parse() -> None:
-    fpaths = sorted((REPO_DPATH / "configs").glob("extract_*.yaml"))
+    """Every registry entry with configs has ``extract_<name>.yaml`` writing ``shards/<name>`` (what its
+    training configs read, tests/test_configs.py); the only other one is the demo's."""
     parser = build_parser()
-    backbones = set()
-    for fpath in fpaths:
+    configs = {}
+    for fpath in sorted((REPO_DPATH / "configs").glob("extract_*.yaml")):
         config = parser.parse_args(["--config", str(fpath)])
         assert config.backbone in BACKBONES, fpath
         assert config.shard_size >= 1 and config.batch_size >= 1
-        backbones.add(config.backbone)
-    assert {"dinov2", "siglip", "clip", "vit"} <= backbones
+        configs[fpath.stem.removeprefix("extract_")] = config
+    with_configs = {name for name, spec in BACKBONES.items() if spec.has_configs}
+    assert set(configs) == with_configs | {"demo"}
+    for name in with_configs:
+        assert (configs[name].backbone, configs[name].out, configs[name].pretrained) == (name, f"shards/{name}", True)
 
 
 def test_help_lists_every_option(capsys) -> None:

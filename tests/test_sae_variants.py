@@ -65,7 +65,9 @@ def test_shapes_and_decoding(name: str) -> None:
     torch.testing.assert_close(losses.mse, F.mse_loss(out.x_hat, x))
     assert {"mse", "sparsity_loss", "aux_loss"} <= set(losses.terms)
     torch.testing.assert_close(losses.loss, sum(losses.terms.values()))
-    torch.testing.assert_close(losses.loss, losses.mse + losses.sparsity + losses.aux)
+    extra = sum((term for name, term in losses.terms.items() if name not in ("mse", "sparsity_loss", "aux_loss")),
+                losses.loss.new_zeros(()))  # a variant's own terms (Matryoshka's prefix MSEs)
+    torch.testing.assert_close(losses.loss, losses.mse + losses.sparsity + losses.aux + extra)
     losses.loss.backward()
     assert sae.W_dec.grad is not None and sae.W_dec.grad.abs().sum() > 0
     assert sae.encode(x).shape == (BATCH, D_SAE)

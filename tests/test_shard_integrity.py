@@ -83,8 +83,8 @@ def test_positions_are_checksummed_and_checked(tmp_path: Path) -> None:
     tar = members(tmp_path / S.shard_fname(0))
     assert sidecar["sample_checksums"]["positions.npy"] == [
         xxhash.xxh3_64_hexdigest(data) for name, data in tar if name.endswith(".positions.npy")]
-    S.finalize_manifest(tmp_path, n_shards=1, spec={"name": "fake"}, layer=0, tokens_per_image=3,
-                        n_prefix_tokens=1, grid=(2, 2),
+    S.write_manifest(tmp_path, n_shards=1, spec={"name": "fake"}, layer=0, tokens_per_image=3,
+                     n_prefix_tokens=1, grid=(2, 2),
                         token_selection={"patches_per_image": 2, "keep_prefix_tokens": True, "seed": 0})
     assert len(read_all(tmp_path, with_ids=True)) == 2
     with tarfile.open(tmp_path / S.shard_fname(0)) as tar_file:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from webdataset.tariterators import base_plus_ext
 
-from feature_extraction import shard_reader as R
+from feature_extraction.shards import read as R
 from feature_extraction import shards as S
 
 

@@ -15,8 +15,9 @@ import pytest
 import webdataset as wds
 
 import feature_extraction
-from feature_extraction import shard_reader as R
 from feature_extraction import shards as S
+from feature_extraction.shards import read as R
+from feature_extraction.shards import write as W
 from feature_extraction.running_stats import RunningStats
 
 D = 8
@@ -40,16 +41,16 @@ def write_dataset(dpath: Path, samples: list, shard_size: int) -> list[list[str]
     return assignment
 
 
-def finalize(dpath: Path, n_shards: int) -> dict:
-    return S.finalize_manifest(dpath, n_shards=n_shards, spec=SPEC, layer=11, tokens_per_image=N_TOKENS,
-                               n_prefix_tokens=1, grid=GRID, skipped=[{"image_id": "bad", "reason": "decode"}])
+def write_test_manifest(dpath: Path, n_shards: int) -> dict:
+    return S.write_manifest(dpath, n_shards=n_shards, spec=SPEC, layer=11, tokens_per_image=N_TOKENS,
+                            n_prefix_tokens=1, grid=GRID, skipped=[{"image_id": "bad", "reason": "decode"}])
 
 
 @pytest.fixture
 def dataset(tmp_path: Path) -> tuple[Path, list, dict]:
     samples = make_samples(11)
     assignment = write_dataset(tmp_path, samples, shard_size=4)
-    return tmp_path, samples, finalize(tmp_path, len(assignment))
+    return tmp_path, samples, write_test_manifest(tmp_path, len(assignment))
 
 
 def test_round_trip_keys_bytes_and_meta_in_order(dataset):
@@ -145,7 +146,7 @@ def test_running_stats_merge_equals_one_pass_numpy():
         merged.merge(RunningStats(D + 1, 1, np.zeros(D + 1), 0.0))
 
 
-def test_finalize_manifest_fields_and_stats(dataset):
+def test_write_manifest_fields_and_stats(dataset):
     dpath, samples, manifest = dataset
     x = np.concatenate([t for _, t, _ in samples]).astype(np.float64)
     assert manifest == S.load_manifest(dpath, verify=True)
@@ -169,7 +170,7 @@ def test_finalize_lists_missing_shards(tmp_path):
     write_dataset(tmp_path, make_samples(9), shard_size=3)
     (tmp_path / "shard-000001.json").unlink()
     with pytest.raises(S.ShardFormatError, match=r"shards 1, 3 of 4"):
-        finalize(tmp_path, 4)
+        write_test_manifest(tmp_path, 4)
     assert not (tmp_path / S.MANIFEST_FNAME).exists()
 
 
@@ -323,7 +324,7 @@ def test_rewrite_crashing_before_its_sidecar_leaves_the_shard_incomplete(tmp_pat
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left")
 
-    monkeypatch.setattr(S, "write_json_atomic", no_space)
+    monkeypatch.setattr(W, "write_json_atomic", no_space)
     with pytest.raises(OSError):
         S.write_shard(tmp_path, 0, samples[2:])  # same size as the old tar, different bytes
     assert not S.shard_is_complete(tmp_path, 0)  # the old sidecar must not vouch for the new tar

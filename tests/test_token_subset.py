@@ -11,10 +11,10 @@ import pytest
 import torch
 import webdataset as wds
 
-from feature_extraction import shard_reader as R
+from feature_extraction.shards import read as R
 from feature_extraction import shards as S
 from feature_extraction.__main__ import main
-from feature_extraction.extract import image_id_from_key
+from feature_extraction.shards import image_id_from_key
 from feature_extraction.token_selection import (
     grid_cell, make_selection, patch_scores, selected_positions, token_kinds,
 )

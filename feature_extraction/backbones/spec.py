@@ -28,6 +28,9 @@ class BackboneSpec:
     image_size: int
     n_blocks: int  # transformer depth; valid layers are 0..n_blocks-1
     model_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # builder overrides
+    # Ships configs/extract_<name>.yaml and one training config per SAE variant (the tests
+    # derive the config lists from this flag); not part of the manifest record.
+    has_configs: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -37,6 +40,7 @@ class BackboneSpec:
     def to_json(self) -> dict:
         """A JSON-ready dict (tuples become lists) for the shard manifest."""
         record = asdict(self)
+        del record["has_configs"]  # which configs the repo ships says nothing about the tokens
         record["grid"] = list(self.grid)
         record["n_tokens"] = self.n_tokens
         return record

@@ -7,7 +7,7 @@ streams in ``streams.py`` see only units, so splitting by rank and worker, shuff
 and equal batch counts are one code path for every source.
 
 Design choices:
-- Shards are read through ``feature_extraction.shard_reader`` (random access, one copy); a unit
+- Shards are read through ``feature_extraction.shards.read`` (random access, one copy); a unit
   checks each sample's shape and the shard's sample count against the manifest, so a
   short or malformed shard raises ``ShardFormatError`` naming it.
 - Train/validation split: by shard for shard directories (``val_fraction`` of the
@@ -31,9 +31,12 @@ from typing import Iterator, NamedTuple, Protocol
 import numpy as np
 
 from feature_extraction.h5cache import TokenCache
-from feature_extraction.integrity import SampleChecksums, load_sample_checksums, repair_command, verify_sha256_once
-from feature_extraction.shard_reader import iter_shard_tokens
-from feature_extraction.shards import ShardFormatError, load_manifest, shard_fpaths
+from feature_extraction.shards import MANIFEST_FNAME, ShardFormatError, load_manifest, shard_fpaths
+from feature_extraction.shards.integrity import (
+    SampleChecksums, load_sample_checksums, repair_command, verify_sha256_once,
+)
+from feature_extraction.shards.layout import sidecar_fpath
+from feature_extraction.shards.read import iter_shard_tokens
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
@@ -112,17 +115,17 @@ class ShardUnit:
     def _sample_checksums(self) -> SampleChecksums | None:
         """The sidecar's per-sample checksums, loaded once per process (None: an old sidecar, sha256 checked)."""
         if self._checksums is False:
-            sidecar_fpath = self.fpath.with_suffix(".json")
+            sidecar_where = sidecar_fpath(self.fpath)
             try:
-                sidecar = json.loads(sidecar_fpath.read_text(encoding="utf-8"))
+                sidecar = json.loads(sidecar_where.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exn:
-                raise ShardFormatError(f"{sidecar_fpath}: unreadable sidecar ({type(exn).__name__}); "
+                raise ShardFormatError(f"{sidecar_where}: unreadable sidecar ({type(exn).__name__}); "
                                        f"{repair_command(self.fpath.parent)}") from None
             if self.sha256 is not None and sidecar.get("sha256") != self.sha256:
-                raise ShardFormatError(f"{sidecar_fpath}: sha256 differs from {self.fpath.parent / 'manifest.json'}: "
+                raise ShardFormatError(f"{sidecar_where}: sha256 differs from {self.fpath.parent / MANIFEST_FNAME}: "
                                        "the shard was rewritten after the manifest; run `python -m feature_extraction "
                                        f"finalize --out {self.fpath.parent}`")
-            self._checksums = load_sample_checksums(sidecar, sidecar_fpath)
+            self._checksums = load_sample_checksums(sidecar, sidecar_where)
             self.sha256 = sidecar.get("sha256")
         if self._checksums is None:
             verify_sha256_once(self.fpath, str(self.sha256))

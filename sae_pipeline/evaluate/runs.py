@@ -40,6 +40,8 @@ from pathlib import Path
 
 import yaml
 
+from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
+
 EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
@@ -139,9 +141,9 @@ def check_source(source: str) -> None:
     fpath = Path(source)
     if fpath.suffix in (".h5", ".hdf5") and fpath.is_file():
         return
-    if fpath.is_dir() and (fpath / "manifest.json").is_file():
+    if fpath.is_dir() and (fpath / MANIFEST_FNAME).is_file():
         return
-    what = "has no manifest.json (finish the extraction first)" if fpath.is_dir() else "not found"
+    what = f"has no {MANIFEST_FNAME} (finish the extraction first)" if fpath.is_dir() else "not found"
     raise ValueError(f"--data {source}: {what}; pass digits, mnist, mnist_sample, a shard directory or an .h5 "
                      "token cache")
 
@@ -155,12 +157,9 @@ def config_suffix_for(source: str, suffix: str | None) -> str:
         return "mnist"
     if source in ROW_SOURCES:
         return "digits"
-    manifest_fpath = Path(source) / "manifest.json"
-    if manifest_fpath.is_file():
-        backbone = json.loads(manifest_fpath.read_text()).get("backbone")
-        name = backbone.get("name") if isinstance(backbone, dict) else backbone
-        if isinstance(name, str) and name:
-            return name
+    manifest = peek_manifest(source)
+    if manifest is not None and (name := backbone_name(manifest)):
+        return name
     raise ValueError(f"--data {source}: cannot tell which configs to use; pass --config_suffix (e.g. dinov2 for "
                      "configs/<variant>_dinov2.yaml)")
 

@@ -149,7 +149,7 @@ def check_inputs(args: argparse.Namespace, sae: Any, datamodule: Any) -> None:
                          f"{sae.d_in}; pass the data it was trained on (or the SAE trained on this data)")
     source = datamodule.data_source
     if isinstance(source, ShardSource):
-        from feature_extraction.shard_reader import read_shard_samples
+        from feature_extraction.shards.read import read_shard_samples
         from feature_extraction.shards import shard_fpaths
 
         fpaths = shard_fpaths(source.name, source.manifest)

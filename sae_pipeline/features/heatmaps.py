@@ -2,7 +2,7 @@
 
 The top-N pass keeps one token per (atom, image); a heatmap needs the atom's code on every
 token of the image. Only the images in some atom's list are read again (at most d_sae · N,
-usually far fewer), sample by sample (:func:`feature_extraction.shard_reader.read_shard_samples`
+usually far fewer), sample by sample (:func:`feature_extraction.shards.read.read_shard_samples`
 reads just those members), and each rank reads the shards ``s`` with ``s mod world_size =
 rank``. A heatmap is laid out over the backbone's *full* token sequence (prefix tokens, then
 the patch grid in row-major order), each stored token at its recorded position
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from feature_extraction.shard_reader import read_shard_samples
+from feature_extraction.shards.read import read_shard_samples
 from feature_extraction.shards import shard_fpaths
 from sae_pipeline.data.sources import RowSource, ShardSource
 

@@ -139,7 +139,7 @@ class TopPatches(L.Callback):
     @staticmethod
     def _shard_image(unit: ShardUnit, token_in_unit: int, source: ShardSource, view, images: SourceImages
                      ) -> Image.Image:  # noqa: ANN001
-        from feature_extraction.shard_reader import read_shard_samples
+        from feature_extraction.shards.read import read_shard_samples
 
         sample = token_in_unit // int(source.manifest["tokens_per_image"])
         for _, _, _, _, meta in read_shard_samples(unit.fpath, [sample]):

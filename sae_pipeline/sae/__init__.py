@@ -15,6 +15,7 @@ import inspect
 from sae_pipeline.sae.base import SAELoss, SAEOutput, ShallowSAE, SparseAutoencoder
 from sae_pipeline.sae.batchtopk import BatchTopKSAE
 from sae_pipeline.sae.jumprelu import JumpReLUSAE
+from sae_pipeline.sae.matryoshka import MatryoshkaBatchTopKSAE
 from sae_pipeline.sae.mp import MatchingPursuitSAE
 from sae_pipeline.sae.omp import OMPSAE
 from sae_pipeline.sae.relu import ReLUSAE
@@ -26,6 +27,7 @@ VARIANTS: tuple[type[SparseAutoencoder], ...] = (
     JumpReLUSAE,
     TopKSAE,
     BatchTopKSAE,
+    MatryoshkaBatchTopKSAE,
     MatchingPursuitSAE,
     OMPSAE,
 )

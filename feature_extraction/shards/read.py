@@ -23,27 +23,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 import xxhash
 
-from feature_extraction import integrity
-from feature_extraction.shards import ShardFormatError
+from feature_extraction.shards import integrity
+from feature_extraction.shards.layout import (
+    META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
+)
 
 __all__ = ["check_tar_end", "decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
-           "member_key"]
+           "read_shard_samples"]
 
-TOKENS_SUFFIX = "tokens.npy"
-POSITIONS_SUFFIX = "positions.npy"  # only in samples of a token subset (feature_extraction.token_selection)
 NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
 ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
 _HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
-
-
-def member_key(name: str) -> tuple[str, str]:
-    """``(key, suffix)`` of a member name, split as webdataset's ``group_by_keys`` splits it."""
-    directory, _, base = name.rpartition("/")
-    stem, dot, suffix = base.partition(".")
-    return (f"{directory}/{stem}" if directory else stem), suffix
 
 
 def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bytes]:  # noqa: ANN001 (binary file)
@@ -237,18 +229,18 @@ def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
     """
     key = sample.get("__key__", "?")
     where = f"sample {key!r}" + (f" in {sample['__url__']}" if "__url__" in sample else "")
-    for field in ("tokens.npy", "meta.json"):
+    for field in (TOKENS_SUFFIX, META_SUFFIX):
         if field not in sample:
             raise ShardFormatError(f"{where}: missing {field!r}; the shard is corrupt, re-extract it")
     try:
-        tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
+        tokens = np.load(io.BytesIO(sample[TOKENS_SUFFIX]), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exn:
         raise ShardFormatError(f"{where}: 'tokens.npy' is not a valid .npy ({exn}); re-extract the shard") from None
     if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16 or tokens.ndim != 2:
         got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else "an .npz archive"
         raise ShardFormatError(f"{where}: 'tokens.npy' is {got}, expected float16 [n_tokens, d]; re-extract the shard")
     try:
-        meta = json.loads(sample["meta.json"])
+        meta = json.loads(sample[META_SUFFIX])
     except (ValueError, UnicodeDecodeError) as exn:
         raise ShardFormatError(f"{where}: 'meta.json' is not valid JSON ({exn}); re-extract the shard") from None
     if not isinstance(meta, dict):
@@ -289,9 +281,11 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             # consumer stops early (its url_opener leaves handles to the garbage collector).
             # A 1 MiB buffer: webdataset reads members in ~10 KB pieces, and unbuffered that
             # made the tar reader most of the training stream's CPU time (BENCHMARKS.md).
+            from webdataset import tariterators  # imported here: it loads torch, which the format does not need
+
             with open(fpath, "rb", buffering=1 << 20) as stream:
-                files = wds.tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
-                for sample in wds.tariterators.group_by_keys(files):
+                files = tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
+                for sample in tariterators.group_by_keys(files):
                     key, tokens, meta = decode_sample(sample)
                     if not with_positions:
                         yield key, tokens, meta
@@ -307,8 +301,6 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             reason = str(exn.args[0]).split(" @ ")[0] if exn.args else type(exn).__name__
             raise ShardFormatError(f"{fpath}: corrupt tar ({reason}); re-extract the shard") from None
 
-
-META_SUFFIX = "meta.json"
 
 
 def read_shard_samples(fpath: Path | str, indices: Sequence[int]) -> Iterator[tuple[int, str, np.ndarray,

@@ -18,14 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from feature_extraction.shards import write_json_atomic, write_shard
+from feature_extraction.atomic_files import write_json_atomic
+from feature_extraction.shards.layout import skipped_fname
+from feature_extraction.shards.write import write_shard
 
-__all__ = ["ShardWriters", "skipped_fname"]
+__all__ = ["ShardWriters"]
 
-
-def skipped_fname(index: int) -> str:
-    """Per-shard list of undecodable images (`skipped-000042.json`), merged by `finalize`."""
-    return f"skipped-{int(index):06d}.json"
 
 def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this writer when the extraction process dies (e.g. SIGKILL).

@@ -1,7 +1,7 @@
 """Shard integrity: per-sample checksums in each sidecar, whole-shard checks, and the repair command.
 
 Why per-sample xxh3-64 (the ``xxhash`` package) and not only the shard's sha256: the training
-stream reads shards at random (a worker reads part of a shard, ``shard_reader``), so a
+stream reads shards at random (a worker reads part of a shard, ``read.py``), so a
 whole-file hash cannot be checked on the way; a per-sample checksum is checked as each
 ``tokens.npy`` / ``positions.npy`` is read, over exactly the bytes read. Measured on the
 2-core dev box (one 261 x 768 float16 sample, 400 KB): xxh3-64 63 GB/s, zlib's crc32
@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import xxhash
+
+from feature_extraction.shards.layout import (
+    EXTRACTION_FNAME, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
+)
 
 __all__ = ["ALGORITHM", "SampleChecksums", "add_sample_checksums", "digest", "file_digests", "load_sample_checksums", "repair_command",
            "shard_is_intact", "verify_sha256_once"]
@@ -102,7 +106,7 @@ def repair_command(shards_dpath: Path) -> str:
     """
     shards_dpath = Path(shards_dpath)
     try:
-        record = json.loads((shards_dpath / "extraction.json").read_text(encoding="utf-8"))
+        record = json.loads((shards_dpath / EXTRACTION_FNAME).read_text(encoding="utf-8"))
         weights = record.get("weights") or {}
         selection = record.get("token_selection")
         flags = ["--backbone", record["backbone"], "--images", str(record["images"]), "--out", str(shards_dpath),
@@ -127,16 +131,14 @@ def repair_command(shards_dpath: Path) -> str:
 
 def load_sample_checksums(sidecar: dict, where: Path) -> SampleChecksums | None:
     """The sidecar's per-sample checksums (None for a sidecar written before them)."""
-    from feature_extraction.shards import ShardFormatError
-
     recorded = sidecar.get("sample_checksums")
     if recorded is None:
         return None
     try:
         if recorded["algorithm"] != ALGORITHM:
             raise ValueError(f"algorithm {recorded['algorithm']!r}")
-        tokens = [int(h, 16) for h in recorded["tokens.npy"]]
-        positions = recorded.get("positions.npy")
+        tokens = [int(h, 16) for h in recorded[TOKENS_SUFFIX]]
+        positions = recorded.get(POSITIONS_SUFFIX)
         positions = None if positions is None else [int(h, 16) for h in positions]
         if len(tokens) != sidecar["count"] or (positions is not None and len(positions) != len(tokens)):
             raise ValueError(f"{len(tokens)} entries for {sidecar['count']} samples")
@@ -148,8 +150,6 @@ def load_sample_checksums(sidecar: dict, where: Path) -> SampleChecksums | None:
 
 def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
     """For shards without per-sample checksums: check the whole file's sha256, once per process."""
-    from feature_extraction.shards import ShardFormatError
-
     stat = tar_fpath.stat()
     key = (str(tar_fpath), sha256, stat.st_size, stat.st_mtime_ns)  # a file changed since is checked again
     if key in _SHA256_VERIFIED:
@@ -170,7 +170,7 @@ def add_sample_checksums(sidecar: dict, tar_fpath: Path) -> dict | None:
     One read for the sha256 and one pass over the members; what ``finalize`` does to shards
     written before the checksums, so the training stream can check them sample by sample.
     """
-    from feature_extraction.shard_reader import POSITIONS_SUFFIX, TOKENS_SUFFIX, _members, member_key
+    from feature_extraction.shards.read import _members
 
     sha256, xxh3 = file_digests(tar_fpath)
     if sha256 != sidecar["sha256"]:

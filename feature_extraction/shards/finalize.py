@@ -17,21 +17,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from feature_extraction.shard_writers import skipped_fname
-from feature_extraction import integrity
-from feature_extraction.shards import (
-    ShardFormatError, finalize_manifest, format_indices, load_manifest, read_sidecar, shard_fname,
-    shard_is_complete, sidecar_fname, write_json_atomic,
+from feature_extraction.atomic_files import write_json_atomic
+from feature_extraction.shards import integrity
+from feature_extraction.shards.layout import (
+    EXTRACTION_FNAME, LOCK_FNAME, SHARD_FILES_GLOB, ShardFormatError, shard_fname, sidecar_fname, skipped_fname,
 )
+from feature_extraction.shards.manifest import format_indices, load_manifest, write_manifest
+from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete
 from feature_extraction.token_selection import token_kinds
 
-__all__ = ["EXTRACTION_FNAME", "LOCK_FNAME", "check_or_create_record", "finalize", "finalize_if_last", "ids_digest",
-           "verify_shards"]
+__all__ = ["check_or_create_record", "finalize", "finalize_if_last", "ids_digest", "verify_shards"]
 
 logger = logging.getLogger(__name__)
 
-EXTRACTION_FNAME = "extraction.json"
-LOCK_FNAME = ".finalize.lock"
 STALE_LOCK_SECONDS = 600  # a finalize takes seconds; an older lock belongs to a dead process
 # What a rerun must agree on with the directory's extraction.json.
 # An extraction.json written before token subsets has no "token_selection": it held all tokens (None).
@@ -47,7 +45,7 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
     """Write `extraction.json`, or refuse a directory that holds another extraction."""
     fpath = out_dpath / EXTRACTION_FNAME
     if not fpath.exists():
-        if any(out_dpath.glob("shard-*")):
+        if any(out_dpath.glob(SHARD_FILES_GLOB)):
             raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
                              "by this command; use an empty --out directory")
         write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
@@ -94,7 +92,7 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
     corrupt = []
     for index in range(n_shards):
         if not shard_is_complete(out_dpath, index):
-            continue  # finalize_manifest lists the missing ones
+            continue  # write_manifest lists the missing ones
         sidecar, tar_fpath = read_sidecar(out_dpath, index), out_dpath / shard_fname(index)
         if "sample_checksums" in sidecar:
             if not integrity.shard_is_intact(sidecar, tar_fpath):
@@ -151,7 +149,7 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
                 skipped += json.loads(fpath.read_text(encoding="utf-8"))
         backbone = record["backbone_record"]
         selection = record.get("token_selection")
-        return finalize_manifest(
+        return write_manifest(
             out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
             tokens_per_image=sum(token_kinds(backbone["n_prefix_tokens"], backbone["grid"], selection).values()),
             n_prefix_tokens=backbone["n_prefix_tokens"], grid=tuple(backbone["grid"]), skipped=skipped,
