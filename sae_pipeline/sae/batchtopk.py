@@ -48,8 +48,8 @@ class BatchTopKSAE(TopKSAE):
         k_aux: int | None = None,
         aux_coefficient: float = 1 / 32,
         threshold_momentum: float = 0.99,
-        token_scaled_threshold: bool = False,
         dead_after_tokens: int = 10_000_000,
+        token_scaled_threshold: bool = False,
     ) -> None:
         super().__init__(d_in, d_sae, k, k_aux, aux_coefficient, dead_after_tokens)
         self.threshold_momentum = check_float("threshold_momentum", threshold_momentum, 0.0, 1.0, strict_maximum=True)

@@ -124,9 +124,9 @@ class JumpReLUSAE(ShallowSAE):
         target_l0: float | None = None,
         bandwidth: float = DEFAULT_BANDWIDTH,
         initial_threshold: float | None = None,
+        dead_after_tokens: int = 10_000_000,
         l0_gradient_to_encoder: bool = False,
         token_scaled_threshold: bool = False,
-        dead_after_tokens: int = 10_000_000,
     ) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
         self.sparsity_coefficient = check_float("sparsity_coefficient", sparsity_coefficient, 0.0)
