@@ -55,18 +55,21 @@ def test_formatter_adds_defaults_only_where_they_say_something() -> None:
 
 
 @pytest.mark.parametrize("module", ["sae_pipeline.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
-                                    "feature_extraction.__main__"])
+                                    "feature_extraction.__main__", "sae_pipeline.features.cli"])
 def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str, capsys) -> None:
-    """export, evaluate, demo and extract: jsonargparse parsers (``--config`` works), and a bad flag is one
-    ``error:`` line naming it and exit 2, through ``exit_status.run_cli``."""
+    """export, evaluate, demo, extract and features: jsonargparse parsers, and a bad flag is one ``error:`` line
+    naming it and exit 2 (``exit_status.run_cli``; features, a multi-rank command, through the dispatcher)."""
     import importlib
 
     import jsonargparse
 
+    from sae_pipeline.__main__ import main as dispatch
+
     command = importlib.import_module(module)
     assert isinstance(command.build_parser(), jsonargparse.ArgumentParser)
     argv = ["inference", "--out", "x", "--no_such_flag", "1"] if "evaluate" in module else ["--no_such_flag", "1"]
-    assert command.main(argv) == 2
+    status = dispatch(["features", *argv]) if "features" in module else command.main(argv)
+    assert status == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip() and " INFO " not in line]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--no_such_flag" in lines[0], err
