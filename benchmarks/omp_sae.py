@@ -9,7 +9,12 @@ A step is forward + backward of the MSE. The three sides run on the same diction
 - ``omp``: :class:`~sae_pipeline.sae.omp.OMPSAE` (batched selection with incremental QR, a
   backward through the final least-squares fit over the selected atoms only);
 - ``mp``: :class:`~sae_pipeline.sae.mp.MatchingPursuitSAE` with the same k (the speed target:
-  OMP does more per step, so the ratio says what the orthogonal re-fit costs);
+  OMP does more per step, so the ratio says what the orthogonal re-fit costs), with its default
+  selection, and ``mp mm`` with ``selection="matmul"``: one correlation matmul per step, as OMP.
+  MP's residual moves along one atom per step, so it can update the correlations with one row of
+  the Gram matrix instead (its default at these shapes); OMP's moves along ``q_t``, a combination
+  of all t selected atoms, so a Gram update would read t rows per step (no cheaper than the matmul
+  for k ≳ 16), and OMP keeps the matmul;
 - ``naive``: OMP as one would first write it, autograd through a dense loop: a correlation
   matmul, an argmax, ``torch.linalg.lstsq`` of all selected atoms and a dense ``codes @ W_dec``
   per step (the per-token loop of the tests would be slower still).
@@ -59,10 +64,12 @@ def bench_shape(d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dty
     torch.manual_seed(0)
     omp = OMPSAE(d_in, d_sae, k).to(device=device, dtype=dtype)
     mp = MatchingPursuitSAE(d_in, d_sae, k).to(device=device, dtype=dtype)
+    mp_mm = MatchingPursuitSAE(d_in, d_sae, k, selection="matmul").to(device=device, dtype=dtype)
     x = torch.randn(batch_size, d_in, device=device, dtype=dtype)
     with torch.no_grad():
         omp.init_b_pre(x.mean(0))
         mp.load_state_dict(omp.state_dict())
+        mp_mm.load_state_dict(omp.state_dict())
     W_ref = omp.W_dec.detach().clone().requires_grad_()
     b_ref = omp.b_pre.detach().clone().requires_grad_()
 
@@ -81,11 +88,13 @@ def bench_shape(d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dty
         mismatch = (omp.pursuit(x)[0] != naive_omp(x, W_ref, b_ref, k)[0]).any(dim=1).float().mean().item()
     omp_s = median_seconds(lambda: step(lambda: loss_of(omp), list(omp.parameters())), device, args.warmup, args.reps)
     mp_s = median_seconds(lambda: step(lambda: loss_of(mp), list(mp.parameters())), device, args.warmup, args.reps)
+    mp_mm_s = median_seconds(lambda: step(lambda: loss_of(mp_mm), list(mp_mm.parameters())), device, args.warmup,
+                             args.reps)
     naive_s = median_seconds(lambda: step(naive_loss, [W_ref, b_ref]), device, args.warmup,
                              args.naive_reps or args.reps)
     return {
-        "omp_s": omp_s, "mp_s": mp_s, "naive_s": naive_s,
-        "omp_over_mp": omp_s / mp_s, "naive_over_omp": naive_s / omp_s,
+        "omp_s": omp_s, "mp_s": mp_s, "mp_mm_s": mp_mm_s, "naive_s": naive_s,
+        "omp_over_mp": omp_s / mp_s, "omp_over_mp_mm": omp_s / mp_mm_s, "naive_over_omp": naive_s / omp_s,
         "omp_mib": saved_bytes(lambda: loss_of(omp)) / 2**20,
         "naive_mib": saved_bytes(naive_loss) / 2**20,
         "other_atoms": mismatch,
@@ -115,14 +124,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--shapes: k={k} exceeds min(d_in, d_sae)={min(args.d_in, args.d_sae)}, OMP's limit")
     torch.set_num_threads(args.threads)
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'omp s':>8} {'mp s':>8} {'naive s':>8} | "
-          f"{'omp/mp':>7} {'naive/omp':>9} | {'omp MiB':>8} {'naive MiB':>9} | other atoms")
+    print(f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'omp s':>8} {'mp s':>8} {'mp mm s':>8} "
+          f"{'naive s':>8} | {'omp/mp':>7} {'omp/mp mm':>9} {'naive/omp':>9} | {'omp MiB':>8} {'naive MiB':>9} | "
+          "other atoms")
     for batch_size, k in args.shapes:
         dtype = getattr(torch, args.dtype)
         r = bench_shape(args.d_in, args.d_sae, batch_size, k, dtype, device, args)
         print(f"{args.d_in:>5} {args.d_sae:>6} {batch_size:>5} {k:>3} {args.dtype:>8} | "
-              f"{r['omp_s']:>8.4f} {r['mp_s']:>8.4f} {r['naive_s']:>8.4f} | "
-              f"{r['omp_over_mp']:>6.2f}x {r['naive_over_omp']:>8.1f}x | "
+              f"{r['omp_s']:>8.4f} {r['mp_s']:>8.4f} {r['mp_mm_s']:>8.4f} {r['naive_s']:>8.4f} | "
+              f"{r['omp_over_mp']:>6.2f}x {r['omp_over_mp_mm']:>8.2f}x {r['naive_over_omp']:>8.1f}x | "
               f"{r['omp_mib']:>8.2f} {r['naive_mib']:>9.2f} | {r['other_atoms']:.4f}", flush=True)
 
 

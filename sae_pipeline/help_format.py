@@ -1,21 +1,32 @@
-"""``--help`` that shows each option's default, for the argparse commands (export, evaluate).
+"""``--help`` that shows each option's default where it says something.
 
-LightningCLI and jsonargparse (``fit``, ``extract``) print defaults already; argparse does
-only with a formatter. ``argparse.ArgumentDefaultsHelpFormatter`` would also print
-``(default: None)`` for required flags and repeat a default the help text already names, so
-this one adds ``(default: X)`` only where it tells the reader something.
+jsonargparse (``fit``, ``extract``, ``export``, ``evaluate``, the demo) appends ``(type: T, default: X)``
+to every option's help, argparse's ``ArgumentDefaultsHelpFormatter`` ``(default: X)``. For a
+required flag, a flag whose default is None (its help says what happens then) or one whose help
+already names its default, that addition only repeats or says ``default: null``; one rule
+(:class:`DefaultsWhereUseful`) leaves those as written, for both parsers.
 """
 from __future__ import annotations
 
 import argparse
 
+from jsonargparse import DefaultHelpFormatter
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Append ``(default: X)`` to an option's help unless it is required, has no default, or says it already."""
+
+class DefaultsWhereUseful:
+    """The help text as written when the option is required, has no default, or names its default already."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (action.required or not action.option_strings or action.default is None
                 or action.default is argparse.SUPPRESS or "default" in text.lower()):
             return text
-        return f"{text} (default: %(default)s)"
+        return super()._get_help_string(action)  # type: ignore[misc]
+
+
+class DefaultsHelpFormatter(DefaultsWhereUseful, DefaultHelpFormatter):
+    """For jsonargparse parsers: ``(type: T, default: X)`` where it says something."""
+
+
+class ArgparseDefaultsHelpFormatter(DefaultsWhereUseful, argparse.ArgumentDefaultsHelpFormatter):
+    """For the one plain argparse parser left (``features``, whose ``--config`` is a training config)."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from jsonargparse import ArgumentParser
 
 from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS, usage
 from sae_pipeline.evaluate.__main__ import build_parser
@@ -42,15 +43,33 @@ def test_every_evaluate_option_shows_its_default(name: str) -> None:
 
 
 def test_formatter_adds_defaults_only_where_they_say_something() -> None:
-    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    parser = ArgumentParser(formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--steps", type=int, default=7, help="steps")
     parser.add_argument("--out", required=True, help="folder")
     parser.add_argument("--cap", default=None, help="cap on tokens")
     parser.add_argument("--data", default="digits", help="source (default: the bundled digits)")
     text = " ".join(parser.format_help().split())
-    assert "steps (default: 7)" in text
-    assert "folder (default" not in text and "cap on tokens (default" not in text
+    assert "steps (type: int, default: 7)" in text
+    assert "folder (" not in text and "cap on tokens (" not in text
     assert text.count("default") == 2  # --data keeps its own wording, once
+
+
+@pytest.mark.parametrize("module", ["sae_pipeline.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
+                                    "feature_extraction.__main__"])
+def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str, capsys) -> None:
+    """export, evaluate, demo and extract: jsonargparse parsers (``--config`` works), and a bad flag is one
+    ``error:`` line naming it and exit 2, through ``exit_status.run_cli``."""
+    import importlib
+
+    import jsonargparse
+
+    command = importlib.import_module(module)
+    assert isinstance(command.build_parser(), jsonargparse.ArgumentParser)
+    argv = ["inference", "--out", "x", "--no_such_flag", "1"] if "evaluate" in module else ["--no_such_flag", "1"]
+    assert command.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and " INFO " not in line]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--no_such_flag" in lines[0], err
 
 
 def test_export_help_shows_the_formats_and_default() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from sae_pipeline.help_format import ArgparseDefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
 DATA_KEYS = ("source", "batch_size", "num_workers", "data_dpath", "allow_download")
@@ -37,7 +37,7 @@ DEFAULTS = {"data.batch_size": 4096, "data.num_workers": 2, "data.data_dpath": "
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=DefaultsHelpFormatter,
+        prog=PROG, formatter_class=ArgparseDefaultsHelpFormatter,
         description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
                     "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
                     "atoms. Opens from disk (OUT/index.html) or through python -m http.server.")

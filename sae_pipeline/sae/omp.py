@@ -92,26 +92,17 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
     block = argmax_block_size(d_sae) if on_cpu else None
     rows_max = max(min(chunk, n_tokens), 1)
     corr_buffer = workspace.get("omp_correlations", (rows_max, d_sae), dtype, device)
-    perp_buffer = workspace.get("omp_distances", (rows_max, d_sae), dtype, device)
     proj_buffer = workspace.get("omp_projections", (rows_max, d_sae), dtype, device)
     Q = workspace.get("omp_q", (rows_max, k, d_in), dtype, device)
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
         n = stop - start
         r = residual[start:stop]
-        corr, perp, proj = corr_buffer[:n], perp_buffer[:n], proj_buffer[:n]
+        corr, proj = corr_buffer[:n], proj_buffer[:n]
         torch.matmul(r, W.T, out=corr)  # <r_0, d_j>
-        perp.copy_(atom_sq.expand(n, d_sae))  # squared distances of the atoms to the span (empty)
+        corr.masked_fill_(atom_sq <= 0, float("-inf"))  # zero atoms never help
         for t in range(k):
-            corr.masked_fill_(perp <= tolerance, float("-inf"))  # never unmasked: distances only shrink
-            j, best = first_argmax(corr, block)
-            stopped = torch.isinf(best[:, 0])  # no atom left that could lower the residual
-            q, row = orthonormal_step(W.index_select(0, j), Q[:n, :t])
-            if bool(stopped.any()):  # rare: k > d_in, or a dictionary of lower rank
-                q[stopped] = 0.0
-                row[stopped] = 0.0
-                row[stopped, t] = 1.0
-                j = torch.where(stopped, -1, j)
+            j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance)
             indices[start:stop, t] = j
             Q[:n, t] = q
             L[start:stop, t, : t + 1] = row
@@ -121,24 +112,56 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
             if t == k - 1:
                 break
             torch.matmul(q, W.T, out=proj)  # <q_t, d_j>
-            corr.addcmul_(proj, z_t[:, None], value=-1.0)
-            perp.addcmul_(proj, proj, value=-1.0)
-            perp.scatter_(1, j.clamp_min(0)[:, None], 0.0)  # the atom just picked lies in the span exactly
+            corr.addcmul_(proj, z_t[:, None], value=-1.0)  # <r_t, d_j>; masked entries stay -inf
+            corr.scatter_(1, j.clamp_min(0)[:, None], float("-inf"))  # selected: never again
     return indices, L, z, residual
+
+
+def next_atom(corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The step's atom per token, ``(j [n], q [n, d_in], row [n, t + 1], stopped [n])``: the largest
+    correlation among atoms not in the span of the selected ones.
+
+    The rank rule is checked lazily, on the winner only: Gram–Schmidt gives its distance to the span
+    (``row_t``); a winner within the tolerance is masked in ``corr`` (for good: distances only shrink)
+    and the argmax retried. That is the argmax over the allowed atoms, at the cost of one Gram–Schmidt
+    per token instead of a distance update of every atom per step; retries are rare (an atom near the
+    span has a correlation near 0). A token with no atom left (all masked) gets ``j = −1``, ``q = 0``
+    and an identity row (``stopped``).
+    """
+    rows = torch.arange(corr.shape[0], device=corr.device)
+    while True:
+        j, best = first_argmax(corr, block)
+        q, row = orthonormal_step(W.index_select(0, j), Q)
+        stopped = torch.isinf(best[:, 0])
+        dependent = (row[:, -1].square() <= tolerance[j]) & ~stopped
+        if not bool(dependent.any()):
+            break
+        corr[rows[dependent], j[dependent]] = float("-inf")
+    if bool(stopped.any()):  # rare: k > d_in, or a dictionary of lower rank
+        q[stopped] = 0.0
+        row[stopped] = 0.0
+        row[stopped, -1] = 1.0
+        j = torch.where(stopped, -1, j)
+    return j, q, row, stopped
 
 
 def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     """Gram–Schmidt of the new atoms ``d [n, d_in]`` against ``Q [n, t, d_in]`` (orthonormal rows),
     with one re-orthogonalisation pass ("twice is enough", Giraud et al. 2005): ``(q [n, d_in],
-    row [n, t + 1])`` where ``d = Σ_i row_i q_i`` and ``row_t = ‖d − Σ_{i<t} row_i q_i‖``."""
+    row [n, t + 1])`` where ``d = Σ_i row_i q_i`` and ``row_t = ‖d − Σ_{i<t} row_i q_i‖``, the
+    distance of ``d`` to the span of ``Q``. Broadcast products, not ``bmm``: on CPU a batch of
+    [t, d_in] × [d_in, 1] products costs ~10x more through ``bmm``.
+    """
     t = Q.shape[1]
-    row = d.new_zeros(d.shape[0], t + 1)
-    v = d.clone()
+    row = d.new_empty(d.shape[0], t + 1)
+    v = d
     if t:
-        for _ in range(2):
-            w = torch.bmm(Q, v[:, :, None])  # [n, t, 1]
-            v -= torch.bmm(w.transpose(1, 2), Q)[:, 0]
-            row[:, :t] += w[:, :, 0]
+        w = (Q * v[:, None, :]).sum(2)  # [n, t]
+        v = v - (w[:, :, None] * Q).sum(1)
+        again = (Q * v[:, None, :]).sum(2)
+        v = v - (again[:, :, None] * Q).sum(1)
+        row[:, :t] = w + again
     norm = v.norm(dim=1)
     row[:, t] = norm
     return v / norm.clamp_min(torch.finfo(v.dtype).tiny)[:, None], row
