@@ -88,3 +88,20 @@ def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
     result = subprocess.run([sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
+
+
+def test_config_file_sets_the_flags_of_export_and_evaluate(tmp_path, capsys) -> None:
+    """The jsonargparse style: ``--config FILE`` sets any flag (here one that names a missing checkpoint)."""
+    from sae_pipeline.export import main as export_main
+
+    config = tmp_path / "export.yaml"
+    config.write_text(f"ckpt_path: {tmp_path / 'missing.ckpt'}\nout: {tmp_path / 'out'}\nformat: saelens\n")
+    assert export_main(["--config", str(config)]) == 2
+    assert f"--ckpt_path {tmp_path / 'missing.ckpt'}: file not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+    study = tmp_path / "study.yaml"
+    study.write_text("out: eval_out\nk: [4, 8]\nvariants: [mpsae]\n")
+    parsed = build_parser().parse_args(["inference", "--config", str(study), "--k_main", "4"])
+    assert (parsed.inference.out, parsed.inference.k, parsed.inference.variants) == ("eval_out", [4, 8], ["mpsae"])
+    assert parsed.inference.k_main == 4 and parsed.inference.p_main == 1000  # flags after it and defaults still apply
