@@ -2,7 +2,7 @@
 
 The flags are `extract`'s (and `finalize`'s) signature, read by jsonargparse, so every
 option is a flag, `--config file.yaml` sets any of them and `--print_config` shows the
-result. Errors are one line on stderr (``exit_status``): exit 2 for bad input (ValueError), 1 for
+result. Errors, a bad flag included, are one line on stderr (``exit_status``): exit 2 for bad input, 1 for
 anything else the command anticipates (disk full, a held finalize lock), 130 / 143 for Ctrl-C /
 SIGTERM (finished shards are kept; a rerun resumes).
 """
@@ -12,10 +12,11 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from feature_extraction.exit_status import run_command
+from feature_extraction.exit_status import run_cli
 from feature_extraction.extract import extract
 from feature_extraction.shards.finalize import finalize
 
@@ -29,7 +30,7 @@ def build_parser(command: str = "extract") -> ArgumentParser:
     description = (function.__doc__ or "").split("\n\n")[0]
     if command == "extract":
         description += f" Subcommand: `{PROG} finalize --out DIR` assembles manifest.json when all shards exist."
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=True)
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below.")
     parser.add_function_arguments(function, as_positional=False)
     return parser
@@ -41,12 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "finalize" if argv[:1] == ["finalize"] else "extract"
     if command == "finalize":
         argv = argv[1:]
-    parser = build_parser(command)
-    config = parser.parse_args(argv).as_dict()
-    config.pop("config", None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def run() -> dict:
+    def run(parsed: Any) -> dict:
+        config = parsed.as_dict()
+        config.pop("config", None)
         if command == "finalize":
             manifest = finalize(**config)
             summary = {k: manifest[k] for k in ("n_images", "n_tokens", "d", "tokens_per_image")}
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kept = ("finished shards are kept; rerun the same command to resume" if command == "extract" else
             "manifest.json was not written; rerun finalize")
-    status, summary = run_command(run, interrupted=kept)
+    status, summary = run_cli(build_parser(command), argv, run, interrupted=kept)
     if status == 0:
         print(json.dumps(summary, default=str))
     return status

@@ -1,4 +1,4 @@
-"""One exit-status convention for the commands that are not Lightning's (extraction, evaluate, export).
+"""One exit-status convention for the commands that are not Lightning's (extraction, evaluate, export, demo).
 
 DESIGN.md: 0 success; 2 bad input, one ``error:`` line on stderr saying what is wrong and how
 to fix it (as argparse does); 1 a runtime failure (disk full, a held lock), also one line;
@@ -10,17 +10,25 @@ every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
 runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
+
+Every such command is a jsonargparse parser (as LightningCLI's ``fit`` is) run by :func:`run_cli`,
+the one wrapper: a flag error is the same one line and exit 2 as a bad value found later
+(jsonargparse's own would print the usage, a tip and the error), then the command runs under
+:func:`run_command`. ``python -m sae_pipeline``'s dispatcher prints its errors with
+:func:`error_line` too.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Terminated", "one_line",
-           "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Terminated", "error_line",
+           "flag_error", "one_line", "run_cli", "run_command"]
 
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
@@ -43,6 +51,48 @@ def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001 (signal 
 def one_line(error: BaseException) -> str:
     """The error's message on one line (whitespace collapsed); its type name when it has none."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def error_line(error: BaseException, error_type: bool = False) -> str:
+    """``error: [Type: ]message`` on one line, as every command prints its one error line."""
+    return f"error: {type(error).__name__ + ': ' if error_type else ''}{one_line(error)}"
+
+
+def flag_error(error: argparse.ArgumentError, subcommands: Sequence[str] = ()) -> str:
+    """A jsonargparse parse error on one line, naming flags as typed (``--k``, not ``Parser key "inference.k"``)."""
+
+    def flag(key: str) -> str:
+        head, _, rest = key.partition(".")
+        return "--" + (rest if head in subcommands and rest else key)
+
+    message = re.sub(r'Parser key "([^"]+)"', lambda m: flag(m.group(1)), one_line(error))
+    required = re.match(r"(the following arguments are required: )(.*)", message)
+    if required:
+        names = [name.strip() for name in required.group(2).split(",")]
+        message = required.group(1) + ", ".join(name if name.startswith("-") else flag(name) for name in names)
+    return message
+
+
+def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
+            interrupted: str | Callable[[Any], str], error_type: bool = False) -> tuple[int, Any]:
+    """Parse ``argv`` with ``parser`` (jsonargparse, ``exit_on_error=False``), then run ``command(config)``.
+
+    A flag error prints one ``error: ... (see PROG --help)`` line and returns exit status 2 before
+    anything runs; ``--help`` and ``--print_config`` exit 0 as usual. The rest is
+    :func:`run_command`'s; ``interrupted`` may be a function of the parsed config (it names what
+    was kept, e.g. the ``--out`` folder).
+    """
+    subcommands = [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                   for name in action.choices]
+    try:
+        config = parser.parse_args(list(argv))
+    except argparse.ArgumentError as error:
+        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
+            raise
+        print(f"error: {flag_error(error, subcommands)} (see {parser.prog} --help)", file=sys.stderr)
+        return EXIT_BAD_INPUT, None
+    kept = interrupted(config) if callable(interrupted) else interrupted
+    return run_command(lambda: command(config), interrupted=kept, error_type=error_type)
 
 
 def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False) -> tuple[int, Any]:
@@ -72,7 +122,7 @@ def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bo
             return EXIT_TERMINATED, None
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
-        print(f"error: {type(error).__name__ + ': ' if error_type else ''}{one_line(error)}", file=sys.stderr)
+        print(error_line(error, error_type), file=sys.stderr)
         return (EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_RUNTIME), None
     finally:
         if previous is not None:

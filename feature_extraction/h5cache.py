@@ -1,18 +1,17 @@
-"""HDF5 files: a small random-access token cache, and the SAE codes that ``predict`` writes.
+"""HDF5 token caches: a small random-access set of tokens, and what every HDF5 file of ours shares.
 
 The webdataset shards are for streaming the full 0.5 TB; HDF5 is the second format
-(DESIGN.md) for what needs random access: a token subset for evaluation or plots, and
-per-token sparse codes (active atom indices and values, with image id and token position).
+(DESIGN.md) for what needs random access: a token subset for evaluation or plots here, and
+the per-token sparse codes that ``predict`` writes (``sae_pipeline/codes.py``, which uses the
+attribute and format-check helpers below).
 
 Design choices:
-- Every file is written under ``NAME.tmp`` and renamed when complete, so an interrupted
-  write leaves no half file under the real name.
+- Every file is written under ``NAME.tmp`` and renamed when complete (``atomic_files``), so an
+  interrupted write leaves no half file under the real name.
 - User attributes are stored one HDF5 attribute per key, each a JSON string, so any JSON
   value (dicts, lists, None) round-trips exactly and ``h5dump`` still shows them.
 - ``TokenCache`` opens its h5py handle lazily and per process: h5py handles are not
   fork-safe, so each DataLoader worker opens its own on first access.
-- Codes are stored padded to a common width (index -1, value 0); the width grows when a
-  later chunk has more active atoms (ReLU/JumpReLU codes have no fixed k).
 """
 from __future__ import annotations
 
@@ -24,12 +23,11 @@ from typing import Any
 import h5py
 import numpy as np
 
+from feature_extraction.atomic_files import atomic_path
+
 FORMAT_ATTR = "sae_pipeline_format"
 TOKEN_CACHE_FORMAT = "token_cache/1"
-CODES_FORMAT = "codes/1"
 _TOKENS_CHUNK_BYTES = 1 << 20
-_CODES_CHUNK_ROWS = 4096
-_CODES_CHUNK_COLS = 32
 
 
 class CacheFormatError(ValueError):
@@ -44,7 +42,7 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
 
 
-def _write_attrs(h5: h5py.File, attrs: dict | None) -> None:
+def write_attrs(h5: h5py.File, attrs: dict | None) -> None:
     for key, value in (attrs or {}).items():
         if not isinstance(key, str) or key == FORMAT_ATTR:
             raise ValueError(f"attrs key {key!r}: must be a string other than {FORMAT_ATTR!r}")
@@ -54,7 +52,7 @@ def _write_attrs(h5: h5py.File, attrs: dict | None) -> None:
             raise ValueError(f"attrs[{key!r}] is not JSON-serialisable ({exn})") from None
 
 
-def _read_attrs(h5: h5py.File) -> dict:
+def read_h5_attrs(h5: h5py.File) -> dict:
     out = {}
     for key, value in h5.attrs.items():
         if key != FORMAT_ATTR:
@@ -62,7 +60,9 @@ def _read_attrs(h5: h5py.File) -> dict:
     return out
 
 
-def _open_checked(fpath: Path, expected_format: str) -> h5py.File:
+def open_checked(fpath: Path, expected_format: str, writer: str = "feature_extraction.h5cache.write_token_cache"
+                 ) -> h5py.File:
+    """Open ``fpath`` for reading; a one-line CacheFormatError unless ``writer`` wrote it in ``expected_format``."""
     if not fpath.is_file():
         raise CacheFormatError(f"{fpath}: file not found; check the path or write it first")
     try:
@@ -73,15 +73,9 @@ def _open_checked(fpath: Path, expected_format: str) -> h5py.File:
     found = found.decode() if isinstance(found, bytes) else found
     if found != expected_format:
         h5.close()
-        writer = "feature_extraction.h5cache.write_token_cache" if expected_format == TOKEN_CACHE_FORMAT else \
-            "python -m sae_pipeline predict"
         raise CacheFormatError(f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}: "
                                f"not a file written by {writer}; write it with that")
     return h5
-
-
-def _tmp_fpath(fpath: Path) -> Path:
-    return fpath.with_name(fpath.name + ".tmp")
 
 
 def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str] | None = None,
@@ -104,21 +98,15 @@ def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str
             raise ValueError(f"token_positions must be integers of shape [{n}], got "
                              f"{token_positions.dtype} {list(token_positions.shape)}")
     fpath.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_fpath(fpath)
     rows_per_chunk = max(1, min(n, _TOKENS_CHUNK_BYTES // (tokens.shape[1] * tokens.dtype.itemsize)))
-    try:
-        with h5py.File(tmp, "w") as h5:
-            h5.attrs[FORMAT_ATTR] = TOKEN_CACHE_FORMAT
-            _write_attrs(h5, attrs)
-            h5.create_dataset("tokens", data=tokens, chunks=(rows_per_chunk, tokens.shape[1]) if n else None)
-            if image_ids is not None:
-                h5.create_dataset("image_ids", data=list(image_ids), dtype=h5py.string_dtype())
-            if token_positions is not None:
-                h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
-        os.replace(tmp, fpath)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(fpath) as tmp, h5py.File(tmp, "w") as h5:
+        h5.attrs[FORMAT_ATTR] = TOKEN_CACHE_FORMAT
+        write_attrs(h5, attrs)
+        h5.create_dataset("tokens", data=tokens, chunks=(rows_per_chunk, tokens.shape[1]) if n else None)
+        if image_ids is not None:
+            h5.create_dataset("image_ids", data=list(image_ids), dtype=h5py.string_dtype())
+        if token_positions is not None:
+            h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
 
 
 class TokenCache:
@@ -131,7 +119,7 @@ class TokenCache:
 
     def __init__(self, fpath: Path | str) -> None:
         self.fpath = Path(fpath)
-        with _open_checked(self.fpath, TOKEN_CACHE_FORMAT) as h5:
+        with open_checked(self.fpath, TOKEN_CACHE_FORMAT) as h5:
             if "tokens" not in h5:
                 raise CacheFormatError(f"{self.fpath}: dataset 'tokens' [N, d] missing; rewrite the cache")
             if h5["tokens"].ndim != 2:
@@ -139,7 +127,7 @@ class TokenCache:
                                        f"{list(h5['tokens'].shape)}, expected [N, d] (one row per token); "
                                        "rewrite it with write_token_cache(fpath, tokens.reshape(-1, d))")
             self._n, self.d = (int(s) for s in h5["tokens"].shape)
-            self.attrs = _read_attrs(h5)
+            self.attrs = read_h5_attrs(h5)
             self.has_image_ids = "image_ids" in h5
             self.has_token_positions = "token_positions" in h5
         self._h5: h5py.File | None = None
@@ -223,102 +211,10 @@ class TokenCache:
         self.close()
 
 
-class CodesWriter:
-    """Append sparse codes chunk by chunk to an HDF5 file (gzip-compressed, resizable).
-
-    Use as a context manager: the file appears under its name only when the block exits
-    without an exception; on an exception the temporary file is removed.
-    ``d_sae`` (argument or ``attrs["d_sae"]``) enables the index range check.
-    """
-
-    def __init__(self, fpath: Path | str, attrs: dict | None = None, *, d_sae: int | None = None) -> None:
-        self.fpath = Path(fpath)
-        self.attrs = dict(attrs or {})
-        if d_sae is not None:
-            self.attrs.setdefault("d_sae", int(d_sae))
-        self.d_sae = self.attrs.get("d_sae")
-        if self.d_sae is not None and (not isinstance(self.d_sae, (int, np.integer)) or self.d_sae < 1):
-            raise ValueError(f"d_sae must be an integer >= 1, got {self.d_sae!r}")
-        self.n_rows = 0
-        self._h5: h5py.File | None = None
-
-    def __enter__(self) -> CodesWriter:
-        self.fpath.parent.mkdir(parents=True, exist_ok=True)
-        self._h5 = h5py.File(_tmp_fpath(self.fpath), "w")
-        self._h5.attrs[FORMAT_ATTR] = CODES_FORMAT
-        _write_attrs(self._h5, self.attrs)
-        rows, cols = _CODES_CHUNK_ROWS, _CODES_CHUNK_COLS
-        opts = {"compression": "gzip", "compression_opts": 4}
-        h5 = self._h5
-        h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
-        h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
-        h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1, **opts)
-        h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols), fillvalue=0.0,
-                          **opts)
-        return self
-
-    def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray,
-              values: np.ndarray) -> None:
-        """Append ``n`` tokens: ids ``[n]``, positions ``[n]`` int, indices ``[n, k]`` int (-1 pads),
-        values ``[n, k]`` float."""
-        if self._h5 is None:
-            raise ValueError(f"{self.fpath}: CodesWriter.write outside `with CodesWriter(...) as writer:`")
-        indices, values = np.asarray(indices), np.asarray(values)
-        token_positions = np.asarray(token_positions)
-        n = len(image_ids)
-        if indices.ndim != 2 or indices.shape[0] != n or not np.issubdtype(indices.dtype, np.integer):
-            raise ValueError(f"indices must be integers [n={n}, k], got {indices.dtype} {list(indices.shape)}")
-        if values.shape != indices.shape or not np.issubdtype(values.dtype, np.floating):
-            raise ValueError(f"values must be floats of the indices' shape {list(indices.shape)}, "
-                             f"got {values.dtype} {list(values.shape)}")
-        if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
-            raise ValueError(f"token_positions must be integers [n={n}], got {token_positions.dtype} "
-                             f"{list(token_positions.shape)}")
-        if indices.size and (indices.min() < -1 or (self.d_sae is not None and indices.max() >= self.d_sae)):
-            raise ValueError(f"indices must be in [-1, d_sae={self.d_sae}), got [{indices.min()}, {indices.max()}]")
-        h5 = self._h5
-        start, k = self.n_rows, indices.shape[1]
-        width = max(h5["indices"].shape[1], k)
-        for name in ("image_ids", "token_positions"):
-            h5[name].resize((start + n,))
-        for name in ("indices", "values"):
-            h5[name].resize((start + n, width))  # new columns/rows take the fill value (-1 / 0)
-        h5["image_ids"][start:] = list(image_ids)
-        h5["token_positions"][start:] = token_positions.astype(np.int32)
-        if n and k:
-            h5["indices"][start:, :k] = indices.astype(np.int32)
-            h5["values"][start:, :k] = values.astype(np.float32)
-        self.n_rows += n
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        h5, self._h5 = self._h5, None
-        tmp = _tmp_fpath(self.fpath)
-        try:
-            if h5 is not None:
-                h5.close()
-            if exc_type is None:
-                os.replace(tmp, self.fpath)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-
-
-def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
-    """Read a codes file: ``image_ids`` (str), ``token_positions``, ``indices`` (-1 pads), ``values``."""
-    fpath = Path(fpath)
-    with _open_checked(fpath, CODES_FORMAT) as h5:
-        return {
-            "image_ids": np.asarray(h5["image_ids"].asstr()[()], dtype=str),
-            "token_positions": h5["token_positions"][()],
-            "indices": h5["indices"][()],
-            "values": h5["values"][()],
-        }
-
-
 def read_attrs(fpath: Path | str) -> dict:
     """The user attributes of a token cache or codes file (e.g. ``d_sae``, ``variant``)."""
     fpath = Path(fpath)
     if not fpath.is_file():
         raise CacheFormatError(f"{fpath}: file not found; check the path or write it first")
     with h5py.File(fpath, "r") as h5:
-        return _read_attrs(h5)
+        return read_h5_attrs(h5)

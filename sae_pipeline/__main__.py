@@ -7,8 +7,9 @@
 Exit codes, the same for every command (DESIGN.md): 0 success, 2 bad input (one ``error:``
 line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
 SIGTERM) after saving, 1 anything unexpected. Errors the product raises for bad input are
-``ValueError`` s naming the file, field or flag and the fix; set ``SAE_PIPELINE_TRACEBACK=1``
-to see the traceback instead.
+``ValueError`` s naming the file, field or flag and the fix, printed by
+``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
+``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead.
 
 In a multi-process job (``srun``, torchrun) every rank usually hits the same bad input at the
 same moment. Ranks other than 0 wait a few seconds before printing theirs: rank 0's exit
@@ -22,10 +23,10 @@ import os
 import sys
 import time
 
+from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
+
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
-EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 LIGHTNING_COMMANDS = {
     "fit": "train an SAE (--config configs/<variant>_<data>.yaml)",
     "validate": "R², L0, dead fraction of a trained SAE on the validation split (--ckpt_path)",
@@ -84,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
-        message = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
         if _rank() > 0:
             time.sleep(PEER_ERROR_DELAY_S)
-        print(f"error: {type(exn).__name__}: {message}", file=sys.stderr)
+        print(error_line(exn, error_type=True), file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -31,15 +31,18 @@ two-threaded ones in turn (start-up, Python and Lightning overheads overlap too)
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from feature_extraction.exit_status import run_cli
+from sae_pipeline.help_format import DefaultsHelpFormatter
 
 SHARDS_LABEL = "TopK (photo shards)"
 SHARD_SIZE = 2  # images per shard: 7 shards of the 14 photos
@@ -210,9 +213,15 @@ def format_table(rows: list[tuple[str, dict[str, tuple[int, float]]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Extract the bundled photos into shards and train an SAE on them, "
-                                     "train SAEs on the bundled digits, all through the CLIs, and compare them.")
+def build_parser() -> Any:
+    """The demo's flags (jsonargparse, as every command: ``--config FILE`` sets any of them)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="python -m sae_pipeline.demo", formatter_class=DefaultsHelpFormatter,
+                            exit_on_error=False,
+                            description="Extract the bundled photos into shards and train an SAE on them, "
+                                        "train SAEs on the bundled digits, all through the CLIs, and compare them.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below")
     parser.add_argument("--variants", nargs="+", default=["mpsae", "topk"],
                         help="registry keys of the variants to train on digits, each from configs/<key>_digits.yaml "
                              "(relu jumprelu topk batchtopk mpsae ...; default: mpsae topk)")
@@ -220,12 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential", action="store_true", help="train one variant after the other")
     parser.add_argument("--skip_shards", action="store_true", help="skip the photo extraction and its SAE")
     parser.add_argument("--skip_features", action="store_true", help="do not build the feature browser sites")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sae_pipeline.demo``; returns the exit status (``feature_extraction.exit_status``)."""
+    status, result = run_cli(build_parser(), sys.argv[1:] if argv is None else argv, run,
+                             interrupted=lambda args: f"the runs so far are in {args.out}; rerun the demo to start "
+                                                      "them again")
+    return status if status != 0 else int(result)
+
+
+def run(args: Any) -> int:
+    """The demo itself; 1 when a stage failed (its log's end is printed), else 0."""
     from sae_pipeline.sae import SAE_REGISTRY  # loads torch: only once the flags parsed
 
     unknown = [v for v in args.variants if v not in SAE_REGISTRY]
     if unknown:
-        parser.error(f"argument --variants: invalid choice: {unknown[0]!r} (choose from {', '.join(SAE_REGISTRY)})")
+        raise ValueError(f"argument --variants: invalid choice: {unknown[0]!r} (choose from {', '.join(SAE_REGISTRY)})")
     labels = {key: cls.label for key, cls in SAE_REGISTRY.items()}
 
     out_dpath = Path(args.out)

@@ -17,10 +17,10 @@ Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--form
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sae_pipeline
-from feature_extraction.exit_status import run_command
+from feature_extraction.atomic_files import atomic_path
+from feature_extraction.exit_status import run_cli
 from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SparseAutoencoder, variant_key
@@ -132,23 +133,16 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     out_dpath = prepare_output_dir(out_dpath, "--out")
     weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
     config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
-    try:
-        save_file(tensors, str(weights_tmp), metadata=weights_metadata)
-        if record_sha256:
-            config = {**config, "weights_sha256": file_sha256(weights_tmp)}
-        with open(config_tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(config, indent=2, sort_keys=False) + "\n")
-        for fpath in (weights_tmp, config_tmp):
-            with open(fpath, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(weights_tmp, out_dpath / weights_fname)
-        os.replace(config_tmp, out_dpath / config_fname)
+    try:  # the inner (weights) is renamed first, the config last
+        with atomic_path(out_dpath / config_fname, config_tmp) as config_tmp, \
+                atomic_path(out_dpath / weights_fname, weights_tmp) as weights_tmp:
+            save_file(tensors, str(weights_tmp), metadata=weights_metadata)
+            if record_sha256:
+                config = {**config, "weights_sha256": file_sha256(weights_tmp)}
+            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     except OSError as exn:
         raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
                       "choose another --out (the previous export there, if any, is unchanged)") from None
-    finally:
-        weights_tmp.unlink(missing_ok=True)
-        config_tmp.unlink(missing_ok=True)
     return out_dpath
 
 
@@ -219,12 +213,15 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
     return sae.to(map_location).eval()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sae_pipeline export --ckpt_path FILE --out DIR``; returns the exit status (``exit_status``)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter,
+def build_parser() -> Any:
+    """The flags of ``python -m sae_pipeline export`` (jsonargparse: ``--config FILE`` sets any of them)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter, exit_on_error=False,
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
                     "with the input normalisation folded in so it runs on raw activations.")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below")
     parser.add_argument("--ckpt_path", required=True,
                         help="checkpoint written by `fit`, e.g. runs/NAME/version_N/checkpoints/last.ckpt "
                              "(fit prints its path; each fit run has its own version_N)")
@@ -235,18 +232,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", default=None,
                         help="saelens format, MP-SAE only: data whose validation split checks that SAELens computes "
                              "the same codes (default: the data the run was trained on)")
-    args = parser.parse_args(argv)
+    return parser
 
-    def run() -> None:
-        if args.format == "saelens":
-            from sae_pipeline import saelens
 
-            out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
-            files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
-        else:
-            out_dpath = export_checkpoint(args.ckpt_path, args.out)
-            files = (WEIGHTS_FNAME, CONFIG_FNAME)
-        print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+def run(args: Any) -> None:
+    """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are."""
+    if args.format == "saelens":
+        from sae_pipeline import saelens
 
-    return run_command(run, interrupted=f"nothing was written to {args.out} (exports are written whole or not at "
-                                        "all); rerun the command", error_type=True)[0]
+        out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
+        files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+    else:
+        out_dpath = export_checkpoint(args.ckpt_path, args.out)
+        files = (WEIGHTS_FNAME, CONFIG_FNAME)
+    print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sae_pipeline export --ckpt_path FILE --out DIR``; returns the exit status (``exit_status``)."""
+    return run_cli(build_parser(), sys.argv[1:] if argv is None else argv, run, error_type=True,
+                   interrupted=lambda args: f"nothing was written to {args.out} (exports are written whole or not "
+                                            "at all); rerun the command")[0]

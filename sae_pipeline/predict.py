@@ -1,4 +1,4 @@
-"""``predict``: write the SAE codes of a whole dataset to HDF5 (feature_extraction.h5cache format).
+"""``predict``: write the SAE codes of a whole dataset to HDF5 (the format in ``codes.py``).
 
 Per token: the active atoms' indices and values (largest |value| first, padded with index
 -1 / value 0 to the widest token), the image id and the token position. The values are in
@@ -15,40 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-import h5py
 import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
-from feature_extraction.h5cache import CodesWriter, read_attrs
-
-MERGE_CHUNK_ROWS = 1 << 16
+from sae_pipeline.codes import CodesWriter, count_codes, merge_codes
 
 
 def part_fpath(fpath: Path, rank: int) -> Path:
     """Where rank ``rank`` writes its part of ``fpath``."""
     return fpath.with_name(f"{fpath.name}.rank{rank}")
-
-
-def merge_codes(part_fpaths: Sequence[Path], out_fpath: Path) -> int:
-    """Concatenate codes files in order into ``out_fpath`` (chunked; widths may differ).
-
-    Returns the number of tokens. The attributes are the first part's.
-    """
-    attrs = read_attrs(part_fpaths[0]) if part_fpaths else {}
-    n_rows = 0
-    with CodesWriter(out_fpath, attrs) as writer:
-        for fpath in part_fpaths:
-            read_attrs(fpath)  # a one-line CacheFormatError for a missing part
-            with h5py.File(fpath, "r") as h5:
-                n = h5["token_positions"].shape[0]
-                for start in range(0, n, MERGE_CHUNK_ROWS):
-                    stop = min(start + MERGE_CHUNK_ROWS, n)
-                    writer.write(list(h5["image_ids"].asstr()[start:stop]), h5["token_positions"][start:stop],
-                                 h5["indices"][start:stop], h5["values"][start:stop])
-                n_rows += n
-    return n_rows
 
 
 class CodesPredictionWriter(BasePredictionWriter):
@@ -92,9 +69,7 @@ class CodesPredictionWriter(BasePredictionWriter):
                 for part in parts:
                     part.unlink()
         if trainer.is_global_zero:
-            with h5py.File(self.fpath, "r") as h5:
-                n_tokens = h5["token_positions"].shape[0]
-            print(f"Wrote the codes of {n_tokens} tokens to {self.fpath}", flush=True)
+            print(f"Wrote the codes of {count_codes(self.fpath)} tokens to {self.fpath}", flush=True)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         writer, self._writer = self._writer, None

@@ -17,7 +17,8 @@ import torch
 
 import system_tools
 
-from feature_extraction.h5cache import read_codes, write_token_cache
+from feature_extraction.h5cache import write_token_cache
+from sae_pipeline.codes import read_codes
 from sae_pipeline.__main__ import main
 from sae_pipeline.checkpointing import AtomicCheckpointIO, newest_checkpoint
 from sae_pipeline.data import ActivationDataModule

@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from feature_extraction.h5cache import read_attrs, read_codes, write_token_cache
+from feature_extraction.h5cache import read_attrs, write_token_cache
 from sae_pipeline.cli import SAECLI
+from sae_pipeline.codes import merge_codes, read_codes
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.export import load_checkpoint, sae_from_checkpoint
-from sae_pipeline.predict import merge_codes
 from sae_pipeline.sae.sparse_decode import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_sparse_codes_matches_a_plain_loop() -> None:
 
 
 def test_merge_codes_concatenates_parts_of_different_widths(tmp_path: Path) -> None:
-    from feature_extraction.h5cache import CodesWriter
+    from sae_pipeline.codes import CodesWriter
 
     parts = []
     for rank, width in enumerate([2, 4]):

@@ -152,7 +152,7 @@ def test_variants_labels_and_sparsity_flags_come_from_the_registry() -> None:
     assert LABELS["mpsae"] == "MP-SAE" and LABELS["authors"] == "MP-SAE (paper authors)"
     assert sparsity_args("mpsae", 8) == ["--model.sae.init_args.k", "8"]
     assert sparsity_args("jumprelu", 8) == ["--model.sae.init_args.target_l0", "8"]
-    assert sparsity_args("relu", 10, "mnist_sample") == ["--model.sae.init_args.l1_coefficient", "0.012"]
+    assert sparsity_args("relu", 10, "mnist_sample") == ["--model.sae.init_args.l1_coefficient", "0.0085"]
     assert sparsity_args("relu", 20) == ["--model.sae.init_args.l1_coefficient", str(ReLUSAE.l1_for_k(20))]
     with pytest.raises(ValueError, match="unknown variant 'mp'"):  # an alias is no study name: one per variant
         sparsity_args("mp", 8)

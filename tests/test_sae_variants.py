@@ -178,7 +178,7 @@ def test_sparsity_init_args() -> None:
     relu = [ReLUSAE.sparsity_init_args(k)["l1_coefficient"] for k in (5, 10, 40)]
     assert relu[0] > relu[1] > relu[2] > 0 and relu[1] == 0.038
     assert ReLUSAE.sparsity_init_args(10, "mnist_sample") == ReLUSAE.sparsity_init_args(10, "mnist") == \
-        {"l1_coefficient": 0.012}
+        {"l1_coefficient": 0.0085}
     assert ReLUSAE.sparsity_init_args(10, "shards/dinov2") == {"l1_coefficient": 0.038}
 
 

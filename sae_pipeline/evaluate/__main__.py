@@ -16,7 +16,6 @@ kept and reused by a rerun). The convention is ``feature_extraction.exit_status`
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from feature_extraction.exit_status import run_command
+from feature_extraction.exit_status import run_cli
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
 from sae_pipeline.help_format import DefaultsHelpFormatter
@@ -32,77 +31,75 @@ from sae_pipeline.help_format import DefaultsHelpFormatter
 PROG = "python -m sae_pipeline.evaluate"
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Parse errors as one line naming the flag (not the whole usage block); ``--help`` shows the defaults."""
+def _parser(**kwargs: Any) -> Any:
+    """A jsonargparse parser whose ``--help`` shows the defaults; errors are left to ``run_cli`` (one line)."""
+    from jsonargparse import ArgumentParser
 
-    def __init__(self, *args: Any, formatter_class: type[argparse.HelpFormatter] = DefaultsHelpFormatter,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, formatter_class=formatter_class, **kwargs)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+    return ArgumentParser(formatter_class=DefaultsHelpFormatter, exit_on_error=False, **kwargs)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+def build_parser() -> Any:
+    """The flags of every subcommand (jsonargparse: ``--config FILE`` sets any of a subcommand's flags)."""
+    from jsonargparse import ActionConfigFile
+    from jsonargparse.typing import PositiveInt
 
+    # allow_abbrev: else the top level would read a study's --p as an abbreviation of its own --print_shtab.
+    parser = _parser(prog=PROG, allow_abbrev=False, description="Reproduce the paper's controlled experiment (expressivity, "
+                     "inference-time k, coherence, learned concepts) over the SAE variants, training each "
+                     "model through `python -m sae_pipeline fit`.")
+    commands = parser.add_subcommands(dest="command", required=True)
 
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog=PROG, description="Reproduce the paper's controlled experiment (expressivity, "
-                           "inference-time k, coherence, learned concepts) over the SAE variants, training each "
-                           "model through `python -m sae_pipeline fit`.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    def add(name: str, help: str) -> Any:  # noqa: A002 (argparse's word)
+        sub = _parser(description=help[0].upper() + help[1:] + ".")
+        sub.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below")
+        commands.add_subcommand(name, sub, help=help)
+        return sub
+
     for name in (*runs.STUDIES, "all"):
-        sub = commands.add_parser(name, help="run every study" if name == "all" else f"run the {name} study")
+        sub = add(name, "run every study" if name == "all" else f"run the {name} study")
         sub.add_argument("--data", default="digits", help="digits (bundled), mnist_sample (5000 real MNIST digits, "
                          "extra 'mnist'), mnist, a shard directory or an .h5 token cache")
         sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
         sub.add_argument("--variants", nargs="+", default=None, help="registry keys of the variants to train "
                          "(relu jumprelu topk batchtopk mpsae ...; default: every registered variant)")
-        sub.add_argument("--k", nargs="+", type=_positive, default=[5, 10, 20, 40], help="training sparsities")
-        sub.add_argument("--k_main", type=_positive, default=10, help="k of the p sweep, coherence and concepts")
-        sub.add_argument("--p", nargs="+", type=_positive, default=[125, 250, 500, 1000, 2000],
+        sub.add_argument("--k", nargs="+", type=PositiveInt, default=[5, 10, 20, 40], help="training sparsities")
+        sub.add_argument("--k_main", type=PositiveInt, default=10, help="k of the p sweep, coherence and concepts")
+        sub.add_argument("--p", nargs="+", type=PositiveInt, default=[125, 250, 500, 1000, 2000],
                          help="dictionary sizes of the p sweep")
-        sub.add_argument("--p_main", type=_positive, default=1000, help="p of the k sweep, coherence and concepts")
-        sub.add_argument("--max_steps", type=_positive, default=None,
+        sub.add_argument("--p_main", type=PositiveInt, default=1000, help="p of the k sweep, coherence and concepts")
+        sub.add_argument("--max_steps", type=PositiveInt, default=None,
                          help="optimiser steps per run (default: the config's own epochs)")
-        sub.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80, 160],
+        sub.add_argument("--k_infer", nargs="+", type=PositiveInt, default=[1, 2, 5, 10, 20, 40, 80, 160],
                          help="inference-time k values of the inference sweep")
-        sub.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
-        sub.add_argument("--jobs", type=_positive, default=1, help="training runs side by side (subprocesses when "
+        sub.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
+        sub.add_argument("--jobs", type=PositiveInt, default=1, help="training runs side by side (subprocesses when "
                          "> 1; default 1: in-process)")
         sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
         sub.add_argument("--config_suffix", default=None, help="config suffix (default: digits for digits, mnist for "
                          "mnist/mnist_sample, "
                          "else the shard manifest's backbone)")
         sub.add_argument("--data_dpath", default=None, help="folder holding MNIST/raw for --data mnist")
-        sub.add_argument("--eval_tokens", type=_positive, default=None, help="cap on validation tokens evaluated "
+        sub.add_argument("--eval_tokens", type=PositiveInt, default=None, help="cap on validation tokens evaluated "
                          "(default: the whole split, as val/r2 in training)")
-        sub.add_argument("--concept_tokens", type=_positive, default=65536, help="inputs for concept statistics")
+        sub.add_argument("--concept_tokens", type=PositiveInt, default=65536, help="inputs for concept statistics")
         sub.add_argument("--example_index", type=int, default=0, help="validation input of the sequential "
                          "reconstruction")
-    report = commands.add_parser("report", help="rebuild OUT/report.md from OUT/results.json")
+    report = add("report", "rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True, help="a study's output folder")
-    dictionary = commands.add_parser("dictionary", help="concept figures and Babel of an external MP-SAE (.npz)")
+    dictionary = add("dictionary", "concept figures and Babel of an external MP-SAE (.npz)")
     dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)")
     dictionary.add_argument("--out", required=True, help="output folder: figures, results.json, report.md")
     dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
                             "to 28x28, a stand-in, not MNIST), mnist_sample (5000 real MNIST digits, extra 'mnist'), "
                             "mnist (MNIST/raw under --data_dpath) or none")
-    dictionary.add_argument("--k", type=_positive, default=10, help="MP steps (the authors trained at k = 10)")
-    dictionary.add_argument("--k_infer", nargs="+", type=_positive, default=[1, 2, 5, 10, 20, 40, 80],
+    dictionary.add_argument("--k", type=PositiveInt, default=10, help="MP steps (the authors trained at k = 10)")
+    dictionary.add_argument("--k_infer", nargs="+", type=PositiveInt, default=[1, 2, 5, 10, 20, 40, 80],
                             help="inference-time k values")
-    dictionary.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
-    dictionary.add_argument("--max_tokens", type=_positive, default=None, help="cap on inputs (default: all)")
+    dictionary.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
+    dictionary.add_argument("--max_tokens", type=PositiveInt, default=None, help="cap on inputs (default: all)")
     dictionary.add_argument("--example_index", type=int, default=0, help="input of the sequential reconstruction")
     dictionary.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
-    one = commands.add_parser("sae", help="R², L0, Babel of one SAE directory: an export or a SAELens SAE")
+    one = add("sae", "R², L0, Babel of one SAE directory: an export or a SAELens SAE")
     one.add_argument("--sae", required=True, help="export (config.json + sae.safetensors) or SAELens directory "
                      "(cfg.json + sae_weights.safetensors)")
     one.add_argument("--out", required=True, help="output folder: results.json (saes.<DIR name>), figures")
@@ -111,10 +108,10 @@ def build_parser() -> OneLineParser:
                      "token cache; evaluated on its validation split")
     one.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's "
                      "--data.val_fraction (the same rows)")
-    one.add_argument("--k_infer", nargs="+", type=_positive, default=None,
+    one.add_argument("--k_infer", nargs="+", type=PositiveInt, default=None,
                      help="inference-time k values (default: powers of two around the trained k)")
-    one.add_argument("--r_max", type=_positive, default=64, help="largest r of the Babel curves")
-    one.add_argument("--max_tokens", type=_positive, default=None, help="cap on validation tokens "
+    one.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
+    one.add_argument("--max_tokens", type=PositiveInt, default=None, help="cap on validation tokens "
                      "(default: the whole split)")
     one.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
     return parser
@@ -129,7 +126,7 @@ def study_points(study: str, ks: list[int], ps: list[int], k_main: int, p_main: 
     return [(k_main, p_main)]
 
 
-def run_studies(args: argparse.Namespace) -> Path:
+def run_studies(args: Any) -> Path:
     from tqdm import tqdm
 
     from sae_pipeline.evaluate import studies
@@ -207,7 +204,7 @@ def run_studies(args: argparse.Namespace) -> Path:
     return out_dpath
 
 
-def run_dictionary(args: argparse.Namespace) -> Path:
+def run_dictionary(args: Any) -> Path:
     from sae_pipeline.evaluate.external import evaluate_dictionary
     from sae_pipeline.evaluate.report import read_results, save_figures, write_report, write_results
 
@@ -222,7 +219,7 @@ def run_dictionary(args: argparse.Namespace) -> Path:
     return out_dpath
 
 
-def run_sae(args: argparse.Namespace) -> Path:
+def run_sae(args: Any) -> Path:
     from sae_pipeline.evaluate.report import read_results, save_figures, write_results
     from sae_pipeline.evaluate.sae_dir import evaluate_sae_dir, summary_line
 
@@ -240,10 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (``feature_extraction.exit_status``: 2 bad input, 1 runtime failure,
     130 / 143 interrupted)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
 
-    def run() -> Path:
+    def flags(config: Any) -> Any:
+        """The chosen subcommand's flags, plus ``command`` and the command line (recorded in results.json)."""
+        args = config[config.command]
+        args.command, args.argv = config.command, argv
+        return args
+
+    def run(config: Any) -> Path:
+        args = flags(config)
         check_output_path(args.out, "--out")  # before any work: nothing is created until the input is valid
         if args.command == "report":
             from sae_pipeline.evaluate.report import read_results, write_report, write_results
@@ -264,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_dictionary(args) / "report.md"
         return run_studies(args) / "report.md"
 
-    status, out_fpath = run_command(run, interrupted=f"finished runs in {args.out} are kept (trained and exported "
-                                                     "runs are reused); rerun the same command to resume")
+    status, out_fpath = run_cli(build_parser(), argv, run,
+                                interrupted=lambda config: f"finished runs in {flags(config).out} are kept (trained "
+                                                           "and exported runs are reused); rerun the same command to "
+                                                           "resume")
     if status == 0:
         print(f"wrote {out_fpath}")
     return status

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, keep_top_k
-from sae_pipeline.sae.sparse_decode import SparseCodes
+from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_encode
+from sae_pipeline.sae.token_scale import token_scale
 
 DEFAULT_BANDWIDTH = 0.05  # ε for O(1) pre-activations (inputs normalised to E‖x‖² = d_in), see JumpReLUSAE
 UNCALIBRATED_THRESHOLD = 0.1  # θ₀ before calibration, and θ₀ without a target L0
@@ -38,7 +39,7 @@ class JumpReLUFunction(torch.autograd.Function):
     """``pre · H(pre − θ)``; d/dpre = ``H(pre − θ)``, d/dθ = ``−(θ/ε)·K((pre − θ)/ε)``."""
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float | Tensor) -> Tensor:
         ctx.save_for_backward(pre, threshold)
         ctx.bandwidth = bandwidth
         return pre * (at_least_float32(pre) > at_least_float32(threshold)).to(pre.dtype)
@@ -55,21 +56,23 @@ class JumpReLUFunction(torch.autograd.Function):
 
 
 class StepFunction(torch.autograd.Function):
-    """``H(pre − θ)``; d/dpre = 0, d/dθ = ``−(1/ε)·K((pre − θ)/ε)`` (used for the L0 penalty)."""
+    """``H(pre − θ)``; d/dθ = ``−(1/ε)·K((pre − θ)/ε)`` (used for the L0 penalty); d/dpre = 0 (the
+    JumpReLU paper), or with ``to_pre`` its mirror image ``+(1/ε)·K((pre − θ)/ε)`` (Anthropic's 2025 recipe)."""
 
     @staticmethod
-    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float | Tensor, to_pre: bool = False) -> Tensor:
         ctx.save_for_backward(pre, threshold)
-        ctx.bandwidth = bandwidth
+        ctx.bandwidth, ctx.to_pre = bandwidth, to_pre
         return (at_least_float32(pre) > at_least_float32(threshold)).to(pre.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor, None, None]:
         pre, threshold = ctx.saved_tensors
         bandwidth = ctx.bandwidth
         kernel = rectangle((at_least_float32(pre) - at_least_float32(threshold)) / bandwidth)
-        grad_threshold = (-(1.0 / bandwidth) * kernel * at_least_float32(grad_out)).sum_to_size(threshold.shape)
-        return torch.zeros_like(pre), grad_threshold.to(threshold.dtype), None
+        grad_step = (1.0 / bandwidth) * kernel * at_least_float32(grad_out)
+        grad_pre = grad_step.to(pre.dtype) if ctx.to_pre else torch.zeros_like(pre)
+        return grad_pre, (-grad_step).sum_to_size(threshold.shape).to(threshold.dtype), None, None
 
 
 class JumpReLUSAE(ShallowSAE):
@@ -94,6 +97,16 @@ class JumpReLUSAE(ShallowSAE):
             ``target_l0`` (one value for all latents, averaged over ranks), because log θ moves
             by about the learning rate per step, so a far-off θ₀ (the JumpReLU paper's 1e-3)
             needs ~10⁴ steps to reach O(1); without a target, θ₀ = 0.1. A number: that θ₀.
+        l0_gradient_to_encoder: the L0 penalty's straight-through gradient also reaches the
+            pre-activations (``∂H(pre − θ)/∂pre := (1/ε)·K``, mirror of θ's), so the encoder, which every
+            token trains, learns the sparsity too (Anthropic, "Circuits Updates", January 2025; SAELens
+            6.11). False (default): θ alone, as in the JumpReLU paper, which moves log θ by at most ~lr per
+            step and only on steps where a latent has an entry within ε/2 of θ; on 5000 MNIST digits
+            (p = 1000, target 10, 1000 steps) the encoder outgrew it and L0 settled at 15.
+        token_scaled_threshold: compare ``pre / s(x)`` with θ, ``s(x) = ‖x − b_pre‖ / √d_in``, i.e.
+            ``codes = pre · H(pre − θ·s(x))`` (kernel width ε·s(x) likewise), so that tokens of very
+            different norms (ViT register/CLS tokens) get comparable supports; see
+            :mod:`sae_pipeline.sae.token_scale`. False (default): the paper's per-latent θ.
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
 
@@ -112,6 +125,8 @@ class JumpReLUSAE(ShallowSAE):
         bandwidth: float = DEFAULT_BANDWIDTH,
         initial_threshold: float | None = None,
         dead_after_tokens: int = 10_000_000,
+        l0_gradient_to_encoder: bool = False,
+        token_scaled_threshold: bool = False,
     ) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
         self.sparsity_coefficient = check_float("sparsity_coefficient", sparsity_coefficient, 0.0)
@@ -126,6 +141,13 @@ class JumpReLUSAE(ShallowSAE):
         self.bandwidth = check_float("bandwidth", bandwidth, 0.0, strict_minimum=True)
         self.initial_threshold = (None if initial_threshold is None else
                                   check_float("initial_threshold", initial_threshold, 0.0, strict_minimum=True))
+        for name, flag in (("l0_gradient_to_encoder", l0_gradient_to_encoder),
+                           ("token_scaled_threshold", token_scaled_threshold)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        self.l0_gradient_to_encoder = l0_gradient_to_encoder
+        self.token_scaled_threshold = token_scaled_threshold
+        self._token_scale: Tensor | None = None  # s(x) of the batch pre_activations saw last, [B, 1]
         start = UNCALIBRATED_THRESHOLD if self.initial_threshold is None else self.initial_threshold
         self.log_threshold = nn.Parameter(torch.full((d_sae,), math.log(start)))
         # Calibrate on the first training batch only if θ is still at its placeholder then (a resumed
@@ -139,24 +161,40 @@ class JumpReLUSAE(ShallowSAE):
 
     @torch.no_grad()
     def fold_input_scale(self, scale: float) -> None:
-        """Biases and θ divided by ``scale`` (``log θ`` shifted by ``−log scale``)."""
+        """Biases and θ divided by ``scale`` (``log θ`` shifted by ``−log scale``); a token-scaled θ is
+        unitless (``pre`` and ``s(x)`` scale alike) and stays."""
         super().fold_input_scale(scale)
-        self.log_threshold.sub_(math.log(scale))
+        if not self.token_scaled_threshold:
+            self.log_threshold.sub_(math.log(scale))
 
     def pre_activations(self, x: Tensor) -> Tensor:
         """``(x - b_pre) @ W_enc + b_enc`` in float32 even under bf16 autocast: bf16 spaces values near 1 by
         ~0.004, coarser than the kernel window ε, so θ's straight-through gradient would be rounding noise."""
         with torch.autocast(device_type=x.device.type, enabled=False):
             pre = super().pre_activations(at_least_float32(x))
+        # activate / select_support / sparse_activate of this forward (or encode) read it
+        self._token_scale = token_scale(x, self.b_pre).to(pre.dtype) if self.token_scaled_threshold else None
         if self._calibration_pending and self.training:
             self._calibration_pending = False
             if bool((self.log_threshold == math.log(UNCALIBRATED_THRESHOLD)).all()):
-                self.calibrate_threshold(pre)
+                self.calibrate_threshold(pre if self._token_scale is None else pre / self._token_scale)
         return pre
+
+    def gate(self, rows: Tensor | None = None, latents: Tensor | None = None) -> tuple[Tensor, float | Tensor]:
+        """θ and ε as compared with ``pre``: ``θ [d_sae]`` and ε, or with a token-scaled threshold
+        ``θ·s [B, d_sae]`` and ``ε·s [B, 1]``; for the sparse entries at (``rows``, ``latents``), ``[nnz]``."""
+        threshold = self.threshold if latents is None else self.threshold[latents]
+        scale = self._token_scale
+        if scale is None:
+            return threshold, self.bandwidth
+        if rows is not None:
+            scale = scale[rows, 0]
+        return threshold * scale, self.bandwidth * scale
 
     @torch.no_grad()
     def calibrate_threshold(self, pre: Tensor) -> None:
-        """θ = the ``1 − target_l0/d_sae`` quantile of ``pre`` (all latents pooled), averaged over ranks."""
+        """θ = the ``1 − target_l0/d_sae`` quantile of ``pre`` (all latents pooled; ``pre / s(x)`` with a
+        token-scaled threshold), averaged over ranks."""
         assert self.target_l0 is not None
         flat = pre.detach().float().flatten()
         flat = flat[:: max(1, math.ceil(flat.numel() / QUANTILE_MAX_ELEMENTS))]  # torch.quantile's size limit
@@ -169,30 +207,34 @@ class JumpReLUSAE(ShallowSAE):
     def activate(self, pre: Tensor, k: int | None) -> Tensor:
         """``pre · H(pre − θ)``; with ``k`` given, the ``k`` largest of those codes per token
         (JumpReLU can only shrink its support at inference, like ReLU)."""
-        codes = JumpReLUFunction.apply(pre, self.threshold, self.bandwidth)
+        codes = JumpReLUFunction.apply(pre, *self.gate())
         return codes if k is None else keep_top_k(codes, k)
 
     def select_support(self, pre: Tensor) -> SparseCodes | None:
         """The active latents and those within ε/2 below θ (``(pre − θ)/ε > −½``): the rectangle
         kernel gives the latter a straight-through θ gradient although their code is 0."""
-        mask = (pre - self.threshold.detach()).div_(self.bandwidth) > -0.5
+        threshold, bandwidth = self.gate()
+        mask = (pre - threshold.detach()).div_(bandwidth) > -0.5
         return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None
 
     def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
-        return JumpReLUFunction.apply(pre_values, self.threshold[support.indices], self.bandwidth)
+        return JumpReLUFunction.apply(pre_values, *self.gate(support.rows, support.indices))
 
     def l0(self, pre: Tensor) -> Tensor:
         """Mean number of active latents per token, differentiable in θ through the STE."""
-        return StepFunction.apply(pre, self.threshold, self.bandwidth).sum(dim=-1).mean()
+        return StepFunction.apply(pre, *self.gate(), self.l0_gradient_to_encoder).sum(dim=-1).mean()
 
     def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
         """``λ·L0`` or ``λ·(L0/target_l0 − 1)²`` (L0 averaged over the batch first)."""
         if output.pre_acts is None:
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this JumpReLUSAE's forward")
+        if self.token_scaled_threshold:  # s(x) of this x, whatever ran since its forward
+            self._token_scale = token_scale(x, self.b_pre).to(output.pre_acts.dtype)
         if output.sparse is not None:  # every entry with a nonzero step or kernel is in the support
             support = output.sparse
-            steps = StepFunction.apply(support.gather(output.pre_acts),
-                                       self.threshold[support.indices], self.bandwidth)
+            pre_values = (sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support)
+                          if self.l0_gradient_to_encoder else support.gather(output.pre_acts))  # pre_acts is detached
+            steps = StepFunction.apply(pre_values, *self.gate(support.rows, support.indices), self.l0_gradient_to_encoder)
             l0 = steps.sum() / output.x_hat.shape[0]
         else:
             l0 = self.l0(output.pre_acts)
@@ -204,5 +246,6 @@ class JumpReLUSAE(ShallowSAE):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, sparsity_coefficient={self.sparsity_coefficient}, "
-            f"sparsity_loss={self.sparsity_loss!r}, target_l0={self.target_l0}, bandwidth={self.bandwidth}"
+            f"sparsity_loss={self.sparsity_loss!r}, target_l0={self.target_l0}, bandwidth={self.bandwidth}, "
+            f"l0_gradient_to_encoder={self.l0_gradient_to_encoder}, token_scaled_threshold={self.token_scaled_threshold}"
         )

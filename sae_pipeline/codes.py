@@ -1,0 +1,148 @@
+"""The SAE codes file that ``predict`` writes (HDF5, format ``codes/1``): per token, its active atoms.
+
+Per token: the active atoms' indices (int32) and values (float32), padded with index -1 /
+value 0 to the widest token, the image id and the token position (int32); gzip-compressed,
+resizable datasets ``image_ids``, ``token_positions``, ``indices``, ``values``. User attributes
+(``d_sae``, ``variant``, ...) and the format attribute as in every HDF5 file of ours
+(``feature_extraction.h5cache``). Design choices:
+- Written under ``NAME.tmp`` and renamed when complete (``atomic_files.atomic_path``), so an
+  interrupted ``predict`` leaves no half file under the real name.
+- Padded to a common width that grows when a later chunk has more active atoms (ReLU/JumpReLU
+  codes have no fixed k); chunks of 4096 x 32 keep a few tokens' codes cheap to read.
+- ``merge_codes`` joins the per-rank parts of a DDP ``predict`` in rank order, chunk by chunk.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Sequence
+
+import h5py
+import numpy as np
+
+from feature_extraction.atomic_files import atomic_path
+from feature_extraction.h5cache import FORMAT_ATTR, open_checked, read_attrs, write_attrs
+
+__all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
+
+CODES_FORMAT = "codes/1"
+WRITER = "python -m sae_pipeline predict"
+MERGE_CHUNK_ROWS = 1 << 16
+_CODES_CHUNK_ROWS = 4096
+_CODES_CHUNK_COLS = 32
+
+
+class CodesWriter:
+    """Append sparse codes chunk by chunk to an HDF5 file (gzip-compressed, resizable).
+
+    Use as a context manager: the file appears under its name only when the block exits
+    without an exception; on an exception the temporary file is removed.
+    ``d_sae`` (argument or ``attrs["d_sae"]``) enables the index range check.
+    """
+
+    def __init__(self, fpath: Path | str, attrs: dict | None = None, *, d_sae: int | None = None) -> None:
+        self.fpath = Path(fpath)
+        self.attrs = dict(attrs or {})
+        if d_sae is not None:
+            self.attrs.setdefault("d_sae", int(d_sae))
+        self.d_sae = self.attrs.get("d_sae")
+        if self.d_sae is not None and (not isinstance(self.d_sae, (int, np.integer)) or self.d_sae < 1):
+            raise ValueError(f"d_sae must be an integer >= 1, got {self.d_sae!r}")
+        self.n_rows = 0
+        self._h5: h5py.File | None = None
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> CodesWriter:
+        self.fpath.parent.mkdir(parents=True, exist_ok=True)
+        with ExitStack() as stack:  # unwound here (temporary file removed) only if setting up the file fails
+            tmp = stack.enter_context(atomic_path(self.fpath))
+            h5 = stack.enter_context(h5py.File(tmp, "w"))
+            h5.attrs[FORMAT_ATTR] = CODES_FORMAT
+            write_attrs(h5, self.attrs)
+            rows, cols = _CODES_CHUNK_ROWS, _CODES_CHUNK_COLS
+            opts = {"compression": "gzip", "compression_opts": 4}
+            h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
+            h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
+            h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1,
+                              **opts)
+            h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols),
+                              fillvalue=0.0, **opts)
+            self._h5, self._stack = h5, stack.pop_all()
+        return self
+
+    def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray,
+              values: np.ndarray) -> None:
+        """Append ``n`` tokens: ids ``[n]``, positions ``[n]`` int, indices ``[n, k]`` int (-1 pads),
+        values ``[n, k]`` float."""
+        if self._h5 is None:
+            raise ValueError(f"{self.fpath}: CodesWriter.write outside `with CodesWriter(...) as writer:`")
+        indices, values = np.asarray(indices), np.asarray(values)
+        token_positions = np.asarray(token_positions)
+        n = len(image_ids)
+        if indices.ndim != 2 or indices.shape[0] != n or not np.issubdtype(indices.dtype, np.integer):
+            raise ValueError(f"indices must be integers [n={n}, k], got {indices.dtype} {list(indices.shape)}")
+        if values.shape != indices.shape or not np.issubdtype(values.dtype, np.floating):
+            raise ValueError(f"values must be floats of the indices' shape {list(indices.shape)}, "
+                             f"got {values.dtype} {list(values.shape)}")
+        if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
+            raise ValueError(f"token_positions must be integers [n={n}], got {token_positions.dtype} "
+                             f"{list(token_positions.shape)}")
+        if indices.size and (indices.min() < -1 or (self.d_sae is not None and indices.max() >= self.d_sae)):
+            raise ValueError(f"indices must be in [-1, d_sae={self.d_sae}), got [{indices.min()}, {indices.max()}]")
+        h5 = self._h5
+        start, k = self.n_rows, indices.shape[1]
+        width = max(h5["indices"].shape[1], k)
+        for name in ("image_ids", "token_positions"):
+            h5[name].resize((start + n,))
+        for name in ("indices", "values"):
+            h5[name].resize((start + n, width))  # new columns/rows take the fill value (-1 / 0)
+        h5["image_ids"][start:] = list(image_ids)
+        h5["token_positions"][start:] = token_positions.astype(np.int32)
+        if n and k:
+            h5["indices"][start:, :k] = indices.astype(np.int32)
+            h5["values"][start:, :k] = values.astype(np.float32)
+        self.n_rows += n
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Close the file; rename it into place if no exception, else remove it (``atomic_path``)."""
+        stack, self._stack, self._h5 = self._stack, None, None
+        if stack is not None:
+            stack.__exit__(exc_type, exc, tb)
+
+
+def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
+    """Read a codes file: ``image_ids`` (str), ``token_positions``, ``indices`` (-1 pads), ``values``."""
+    fpath = Path(fpath)
+    with open_checked(fpath, CODES_FORMAT, WRITER) as h5:
+        return {
+            "image_ids": np.asarray(h5["image_ids"].asstr()[()], dtype=str),
+            "token_positions": h5["token_positions"][()],
+            "indices": h5["indices"][()],
+            "values": h5["values"][()],
+        }
+
+
+def count_codes(fpath: Path | str) -> int:
+    """How many tokens a codes file holds (reads no codes)."""
+    with open_checked(Path(fpath), CODES_FORMAT, WRITER) as h5:
+        return int(h5["token_positions"].shape[0])
+
+
+def merge_codes(part_fpaths: Sequence[Path], out_fpath: Path) -> int:
+    """Concatenate codes files in order into ``out_fpath`` (chunked; widths may differ).
+
+    Returns the number of tokens. The attributes are the first part's.
+    """
+    attrs = read_attrs(part_fpaths[0]) if part_fpaths else {}
+    n_rows = 0
+    with CodesWriter(out_fpath, attrs) as writer:
+        for fpath in part_fpaths:
+            read_attrs(fpath)  # a one-line CacheFormatError for a missing part
+            with h5py.File(fpath, "r") as h5:
+                n = h5["token_positions"].shape[0]
+                for start in range(0, n, MERGE_CHUNK_ROWS):
+                    stop = min(start + MERGE_CHUNK_ROWS, n)
+                    writer.write(list(h5["image_ids"].asstr()[start:stop]), h5["token_positions"][start:stop],
+                                 h5["indices"][start:stop], h5["values"][start:stop])
+                n_rows += n
+    return n_rows
