@@ -28,9 +28,13 @@ Fast and exact, as MP-SAE:
 1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
    QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
    Gram–Schmidt with one re-orthogonalisation pass, so ``L`` is the Cholesky factor of the
-   Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs ``O(t·d_in)`` per token. The
-   correlations ``<r, d_j>`` and the squared distances of every atom to the span are updated with
-   ``P_t = q_t @ W_decᵀ``: one matmul per step, the same as MP-SAE's matmul selection.
+   Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs ``O(t·d_in)`` per token, and
+   its Gram–Schmidt remainder is its distance to the span, so the rank rule is checked on the
+   winner only (:func:`next_atom`). The correlations ``<r, d_j>`` are updated with
+   ``P_t = q_t @ W_decᵀ``: one matmul per step, as MP-SAE's matmul selection. (MP-SAE can instead
+   update them with one row of the Gram matrix ``W_dec W_decᵀ``, because its residual moves along
+   one atom per step; OMP's moves along ``q_t``, a combination of all t selected atoms, which would
+   cost t Gram rows per step, no cheaper than the matmul for k ≳ 16.)
 2. :class:`LeastSquaresFunction` computes the coefficients from ``(L, z = Q y)`` by one
    triangular solve (``Lᵀ c = z``) and ``x_hat = D_Sᵀ c + b_pre``, and saves only the inputs,
    the indices ``[B, k]``, ``L [B, k, k]`` and ``c [B, k]``: no ``[B, d_sae]`` tensor.
@@ -66,8 +70,8 @@ from sae_pipeline.sae.sparse_decode import SparseCodes
 CPU_CHUNK_ROWS = 1024
 
 #: An atom whose squared distance to the span of the selected atoms is at most
-#: ``RANK_TOLERANCE · eps · ‖d_j‖²`` is not selectable (a few hundred roundings above the
-#: cancellation error of ``‖d_j‖² − Σ <q_i, d_j>²``).
+#: ``RANK_TOLERANCE · eps · ‖d_j‖²`` is not selectable (well above the rounding of a Gram–Schmidt
+#: remainder, well below any atom that could usefully lower the residual).
 RANK_TOLERANCE = 100.0
 
 
