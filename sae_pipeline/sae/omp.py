@@ -27,10 +27,10 @@ Fast and exact, as MP-SAE:
 
 1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
    QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
-   Gram–Schmidt with one re-orthogonalisation pass, so ``L`` is the Cholesky factor of the
-   Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs ``O(t·d_in)`` per token, and
-   its Gram–Schmidt remainder is its distance to the span, so the rank rule is checked on the
-   winner only (:func:`next_atom`). The correlations ``<r, d_j>`` are updated with
+   Gram–Schmidt (re-orthogonalised when an atom lies mostly in the span), so ``L`` is the
+   Cholesky factor of the Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs
+   ``O(t·d_in)`` per token, and its Gram–Schmidt remainder is its distance to the span, so the rank
+   rule is checked on the winner only (:func:`next_atom`). The correlations ``<r, d_j>`` are updated with
    ``P_t = q_t @ W_decᵀ``: one matmul per step, as MP-SAE's matmul selection. (MP-SAE can instead
    update them with one row of the Gram matrix ``W_dec W_decᵀ``, because its residual moves along
    one atom per step; OMP's moves along ``q_t``, a combination of all t selected atoms, which would
