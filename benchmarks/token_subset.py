@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from feature_extraction.shards import write_shard  # noqa: E402
+from feature_extraction.shards import shard_fname, write_shard  # noqa: E402
 from feature_extraction.token_selection import make_selection, selected_positions  # noqa: E402
 
 N_PREFIX, GRID, D = 5, (16, 16), 768  # DINOv2 ViT-B/14 with registers at 224 px
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             all_s.append(write_all(all_dpath, tokens, ids))
             subset_s.append(write_subset(subset_dpath, tokens, ids, args.batch_size, selection))
-        all_bytes = (all_dpath / "shard-000000.tar").stat().st_size
-        subset_bytes = (subset_dpath / "shard-000000.tar").stat().st_size
+        all_bytes = (all_dpath / shard_fname(0)).stat().st_size
+        subset_bytes = (subset_dpath / shard_fname(0)).stat().st_size
     n_stored = N_PREFIX + args.n_patches
     all_rate, subset_rate = args.n_images / min(all_s), args.n_images / min(subset_s)
     print(f"token subset: DINOv2 layout ({N_PREFIX} + {GRID[0]}x{GRID[1]} tokens, d={D}, float16), "

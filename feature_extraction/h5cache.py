@@ -6,8 +6,8 @@ the per-token sparse codes that ``predict`` writes (``sae_pipeline/codes.py``, w
 attribute and format-check helpers below).
 
 Design choices:
-- Every file is written under ``NAME.tmp`` and renamed when complete, so an interrupted
-  write leaves no half file under the real name.
+- Every file is written under ``NAME.tmp`` and renamed when complete (``atomic_files``), so an
+  interrupted write leaves no half file under the real name.
 - User attributes are stored one HDF5 attribute per key, each a JSON string, so any JSON
   value (dicts, lists, None) round-trips exactly and ``h5dump`` still shows them.
 - ``TokenCache`` opens its h5py handle lazily and per process: h5py handles are not
@@ -22,6 +22,8 @@ from typing import Any
 
 import h5py
 import numpy as np
+
+from feature_extraction.atomic_files import atomic_path
 
 FORMAT_ATTR = "sae_pipeline_format"
 TOKEN_CACHE_FORMAT = "token_cache/1"
@@ -96,21 +98,15 @@ def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str
             raise ValueError(f"token_positions must be integers of shape [{n}], got "
                              f"{token_positions.dtype} {list(token_positions.shape)}")
     fpath.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fpath.with_name(fpath.name + ".tmp")
     rows_per_chunk = max(1, min(n, _TOKENS_CHUNK_BYTES // (tokens.shape[1] * tokens.dtype.itemsize)))
-    try:
-        with h5py.File(tmp, "w") as h5:
-            h5.attrs[FORMAT_ATTR] = TOKEN_CACHE_FORMAT
-            write_attrs(h5, attrs)
-            h5.create_dataset("tokens", data=tokens, chunks=(rows_per_chunk, tokens.shape[1]) if n else None)
-            if image_ids is not None:
-                h5.create_dataset("image_ids", data=list(image_ids), dtype=h5py.string_dtype())
-            if token_positions is not None:
-                h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
-        os.replace(tmp, fpath)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(fpath) as tmp, h5py.File(tmp, "w") as h5:
+        h5.attrs[FORMAT_ATTR] = TOKEN_CACHE_FORMAT
+        write_attrs(h5, attrs)
+        h5.create_dataset("tokens", data=tokens, chunks=(rows_per_chunk, tokens.shape[1]) if n else None)
+        if image_ids is not None:
+            h5.create_dataset("image_ids", data=list(image_ids), dtype=h5py.string_dtype())
+        if token_positions is not None:
+            h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
 
 
 class TokenCache:

@@ -5,7 +5,9 @@ finds that `--out` is a file or read-only wastes the compute and ends in `[Errno
 exists` or a traceback. `prepare_output_dir` creates the directory (and its parents) and
 writes and removes a probe file, so every way of being unwritable (permissions, a read-only
 mount, a path through a file) is found before anything runs. Used by the extraction,
-`evaluate` and `export`.
+`evaluate` and `export`; the training CLI checks its run folder, `--checkpoint.dirpath` and
+`--codes.fpath` with `dir_problem`, `check_writable_dir` and `check_writable_file`, which create
+nothing (Lightning creates the folders later). Writing the files themselves is `atomic_files`'.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_output_path", "prepare_output_dir"]
+__all__ = ["check_output_path", "check_writable_dir", "check_writable_file", "dir_problem", "prepare_output_dir"]
 
 
 def _reason(exn: OSError) -> str:
@@ -77,3 +79,39 @@ def prepare_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     os.close(fd)
     os.unlink(probe)
     return dpath
+
+
+def dir_problem(dpath: Path) -> str | None:
+    """Why ``dpath`` cannot be (created as) a writable directory, or None; creates nothing.
+
+    A probe file is made and removed in the nearest existing folder: ``os.access`` says yes
+    to root on a read-only tree.
+    """
+    existing = dpath
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return "is a file" if existing == dpath else f"cannot be created: {existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".write-probe-"):
+            pass
+    except OSError as exn:
+        return f"cannot be written: {existing} is not writable ({exn.strerror or type(exn).__name__})"
+    return None
+
+
+def check_writable_dir(dpath: str | Path, option: str) -> None:
+    """``dpath`` is, or can be created as, a writable directory; else a ``ValueError`` naming ``option``."""
+    problem = dir_problem(Path(dpath))
+    if problem:
+        raise ValueError(f"{option} {dpath} {problem}; choose a writable directory for {option}")
+
+
+def check_writable_file(fpath: str | Path, option: str) -> None:
+    """``fpath`` can be written as a file: not a directory, its folder writable."""
+    fpath = Path(fpath)
+    if fpath.is_dir():
+        raise ValueError(f"{option} {fpath} is a directory; give a file path, e.g. {fpath / 'codes.h5'}")
+    problem = dir_problem(fpath.parent)
+    if problem:
+        raise ValueError(f"{option} {fpath}: its folder {fpath.parent} {problem}; choose another {option}")

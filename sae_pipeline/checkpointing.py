@@ -15,9 +15,9 @@ is the newest (by modification time) ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` over 
 runs: the run that trained most recently, which a resumed run then continues in a new
 ``version_N``.
 
-Writes are atomic: the bytes go to a hidden ``.<name>.partial`` file in the same folder, are
-fsynced, and the file is renamed over the target (``os.replace``), so a ``kill -9`` at any
-moment leaves the previous checkpoint whole. ``--ckpt_path`` problems (missing, not a
+Writes are atomic (``feature_extraction.atomic_files.atomic_path``): the bytes go to a hidden
+``.<name>.partial`` file in the same folder, are fsynced, and the file is renamed over the
+target, so a ``kill -9`` at any moment leaves the previous checkpoint whole. ``--ckpt_path`` problems (missing, not a
 checkpoint, truncated, no training state) are one-line :class:`CheckpointError` s that never
 print torch's advice to load with ``weights_only=False`` (which would run code from the file).
 """
@@ -34,7 +34,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from feature_extraction.atomic_files import fsync_dir
+from feature_extraction.atomic_files import atomic_path
 from sae_pipeline import lightning_compat
 
 LAST_FNAME = "last.ckpt"
@@ -113,17 +113,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
-        with open(partial, "wb") as f:
+        with atomic_path(target, target.with_name(f".{target.name}{PARTIAL_SUFFIX}")) as partial, \
+                open(partial, "wb") as f:
             marker = _pause_marker(checkpoint, target)
             if marker is None:
                 torch.save(checkpoint, f)
             else:
                 _save_with_pause(checkpoint, f, marker)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, target)
-        fsync_dir(target.parent)
         return None
 
 

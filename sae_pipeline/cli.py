@@ -39,6 +39,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
 from sae_pipeline import lightning_compat
 from sae_pipeline.callbacks import SAEFigures
 from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
@@ -50,7 +51,6 @@ from sae_pipeline.module import SAEModule
 from sae_pipeline.predict import CodesPredictionWriter
 from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
-from sae_pipeline.writable import check_writable_dir, check_writable_file, dir_problem
 
 DEFAULT_RUNS_DPATH = "runs"
 DEFAULT_RUN_NAME = "sae"

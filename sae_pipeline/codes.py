@@ -5,21 +5,22 @@ value 0 to the widest token, the image id and the token position (int32); gzip-c
 resizable datasets ``image_ids``, ``token_positions``, ``indices``, ``values``. User attributes
 (``d_sae``, ``variant``, ...) and the format attribute as in every HDF5 file of ours
 (``feature_extraction.h5cache``). Design choices:
-- Written under ``NAME.tmp`` and renamed when complete, so an interrupted ``predict`` leaves no
-  half file under the real name.
+- Written under ``NAME.tmp`` and renamed when complete (``atomic_files.atomic_path``), so an
+  interrupted ``predict`` leaves no half file under the real name.
 - Padded to a common width that grows when a later chunk has more active atoms (ReLU/JumpReLU
   codes have no fixed k); chunks of 4096 x 32 keep a few tokens' codes cheap to read.
 - ``merge_codes`` joins the per-rank parts of a DDP ``predict`` in rank order, chunk by chunk.
 """
 from __future__ import annotations
 
-import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
 import h5py
 import numpy as np
 
+from feature_extraction.atomic_files import atomic_path
 from feature_extraction.h5cache import FORMAT_ATTR, open_checked, read_attrs, write_attrs
 
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
@@ -29,10 +30,6 @@ WRITER = "python -m sae_pipeline predict"
 MERGE_CHUNK_ROWS = 1 << 16
 _CODES_CHUNK_ROWS = 4096
 _CODES_CHUNK_COLS = 32
-
-
-def _tmp_fpath(fpath: Path) -> Path:
-    return fpath.with_name(fpath.name + ".tmp")
 
 
 class CodesWriter:
@@ -53,20 +50,24 @@ class CodesWriter:
             raise ValueError(f"d_sae must be an integer >= 1, got {self.d_sae!r}")
         self.n_rows = 0
         self._h5: h5py.File | None = None
+        self._stack: ExitStack | None = None
 
     def __enter__(self) -> CodesWriter:
         self.fpath.parent.mkdir(parents=True, exist_ok=True)
-        self._h5 = h5py.File(_tmp_fpath(self.fpath), "w")
-        self._h5.attrs[FORMAT_ATTR] = CODES_FORMAT
-        write_attrs(self._h5, self.attrs)
-        rows, cols = _CODES_CHUNK_ROWS, _CODES_CHUNK_COLS
-        opts = {"compression": "gzip", "compression_opts": 4}
-        h5 = self._h5
-        h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
-        h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
-        h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1, **opts)
-        h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols), fillvalue=0.0,
-                          **opts)
+        with ExitStack() as stack:  # unwound here (temporary file removed) only if setting up the file fails
+            tmp = stack.enter_context(atomic_path(self.fpath))
+            h5 = stack.enter_context(h5py.File(tmp, "w"))
+            h5.attrs[FORMAT_ATTR] = CODES_FORMAT
+            write_attrs(h5, self.attrs)
+            rows, cols = _CODES_CHUNK_ROWS, _CODES_CHUNK_COLS
+            opts = {"compression": "gzip", "compression_opts": 4}
+            h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
+            h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
+            h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1,
+                              **opts)
+            h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols),
+                              fillvalue=0.0, **opts)
+            self._h5, self._stack = h5, stack.pop_all()
         return self
 
     def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray,
@@ -103,16 +104,10 @@ class CodesWriter:
         self.n_rows += n
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        h5, self._h5 = self._h5, None
-        tmp = _tmp_fpath(self.fpath)
-        try:
-            if h5 is not None:
-                h5.close()
-            if exc_type is None:
-                os.replace(tmp, self.fpath)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        """Close the file; rename it into place if no exception, else remove it (``atomic_path``)."""
+        stack, self._stack, self._h5 = self._stack, None, None
+        if stack is not None:
+            stack.__exit__(exc_type, exc, tb)
 
 
 def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:

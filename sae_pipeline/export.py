@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sae_pipeline
+from feature_extraction.atomic_files import atomic_path
 from feature_extraction.exit_status import run_cli
 from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
@@ -132,23 +133,16 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     out_dpath = prepare_output_dir(out_dpath, "--out")
     weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
     config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
-    try:
-        save_file(tensors, str(weights_tmp), metadata=weights_metadata)
-        if record_sha256:
-            config = {**config, "weights_sha256": file_sha256(weights_tmp)}
-        with open(config_tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(config, indent=2, sort_keys=False) + "\n")
-        for fpath in (weights_tmp, config_tmp):
-            with open(fpath, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(weights_tmp, out_dpath / weights_fname)
-        os.replace(config_tmp, out_dpath / config_fname)
+    try:  # the inner (weights) is renamed first, the config last
+        with atomic_path(out_dpath / config_fname, config_tmp) as config_tmp, \
+                atomic_path(out_dpath / weights_fname, weights_tmp) as weights_tmp:
+            save_file(tensors, str(weights_tmp), metadata=weights_metadata)
+            if record_sha256:
+                config = {**config, "weights_sha256": file_sha256(weights_tmp)}
+            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     except OSError as exn:
         raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
                       "choose another --out (the previous export there, if any, is unchanged)") from None
-    finally:
-        weights_tmp.unlink(missing_ok=True)
-        config_tmp.unlink(missing_ok=True)
     return out_dpath
 
 

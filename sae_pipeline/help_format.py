@@ -1,9 +1,9 @@
 """``--help`` that shows each option's default where it says something, for our jsonargparse commands.
 
-jsonargparse (``fit``, ``extract``, ``export``, ``evaluate``, the demo) appends ``(type: T, default: X)``
-to every option's help. For a required flag, a flag whose default is None (its help says what
-happens then) or one whose help already names its default, that addition only repeats or says
-``default: null``; this formatter leaves those as written and keeps jsonargparse's text elsewhere.
+jsonargparse (``fit``, ``extract``, ``export``, ``evaluate``, ``features``, the demo) appends
+``(type: T, default: X)`` to every option's help. For a required flag, a flag whose default is None
+(its help says what happens then) or one whose help already names its default, that addition only
+repeats or says ``default: null``; this formatter leaves those as written.
 """
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def test_help_shows_every_default() -> None:
     from sae_pipeline.features.cli import build_parser
 
     text = " ".join(build_parser().format_help().split())
-    assert "--top TOP top images kept per atom (default: 16)" in text
+    assert "--top TOP top images kept per atom (type: int, default: 16)" in text
     for option in ("--data.source", "--data.batch_size", "--trainer.devices", "--trainer.precision"):
         assert f"as `fit {option}` (default: the config's, else" in text
 

@@ -55,18 +55,21 @@ def test_formatter_adds_defaults_only_where_they_say_something() -> None:
 
 
 @pytest.mark.parametrize("module", ["sae_pipeline.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
-                                    "feature_extraction.__main__"])
+                                    "feature_extraction.__main__", "sae_pipeline.features.cli"])
 def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str, capsys) -> None:
-    """export, evaluate, demo and extract: jsonargparse parsers (``--config`` works), and a bad flag is one
-    ``error:`` line naming it and exit 2, through ``exit_status.run_cli``."""
+    """export, evaluate, demo, extract and features: jsonargparse parsers, and a bad flag is one ``error:`` line
+    naming it and exit 2 (``exit_status.run_cli``; features, a multi-rank command, through the dispatcher)."""
     import importlib
 
     import jsonargparse
 
+    from sae_pipeline.__main__ import main as dispatch
+
     command = importlib.import_module(module)
     assert isinstance(command.build_parser(), jsonargparse.ArgumentParser)
     argv = ["inference", "--out", "x", "--no_such_flag", "1"] if "evaluate" in module else ["--no_such_flag", "1"]
-    assert command.main(argv) == 2
+    status = dispatch(["features", *argv]) if "features" in module else command.main(argv)
+    assert status == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip() and " INFO " not in line]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--no_such_flag" in lines[0], err
@@ -85,3 +88,20 @@ def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
     result = subprocess.run([sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
+
+
+def test_config_file_sets_the_flags_of_export_and_evaluate(tmp_path, capsys) -> None:
+    """The jsonargparse style: ``--config FILE`` sets any flag (here one that names a missing checkpoint)."""
+    from sae_pipeline.export import main as export_main
+
+    config = tmp_path / "export.yaml"
+    config.write_text(f"ckpt_path: {tmp_path / 'missing.ckpt'}\nout: {tmp_path / 'out'}\nformat: saelens\n")
+    assert export_main(["--config", str(config)]) == 2
+    assert f"--ckpt_path {tmp_path / 'missing.ckpt'}: file not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+    study = tmp_path / "study.yaml"
+    study.write_text("out: eval_out\nk: [4, 8]\nvariants: [mpsae]\n")
+    parsed = build_parser().parse_args(["inference", "--config", str(study), "--k_main", "4"])
+    assert (parsed.inference.out, parsed.inference.k, parsed.inference.variants) == ("eval_out", [4, 8], ["mpsae"])
+    assert parsed.inference.k_main == 4 and parsed.inference.p_main == 1000  # flags after it and defaults still apply

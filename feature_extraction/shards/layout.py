@@ -26,6 +26,8 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from feature_extraction.atomic_files import TMP_SUFFIX  # a file being written; a rerun overwrites it
+
 __all__ = [
     "DTYPE", "EXTRACTION_FNAME", "LOCK_FNAME", "MANIFEST_FNAME", "META_SUFFIX", "POSITIONS_SUFFIX", "SCHEMA_VERSION",
     "SHARD_FILES_GLOB", "SIDECAR_GLOB", "TAR_MTIME", "TMP_SUFFIX", "TOKENS_SUFFIX", "ShardFormatError", "assign_shards",
@@ -40,7 +42,6 @@ TAR_MTIME = 0  # fixed header fields make two writes of the same samples byte-id
 MANIFEST_FNAME = "manifest.json"
 EXTRACTION_FNAME = "extraction.json"
 LOCK_FNAME = ".finalize.lock"
-TMP_SUFFIX = ".tmp"  # a file being written (a shard tar, a JSON file); a rerun overwrites it
 SHARD_FILES_GLOB = "shard-*"  # tars, sidecars and temporaries
 SIDECAR_GLOB = "shard-*.json"
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
 import numpy as np
 import xxhash
 
-from feature_extraction.atomic_files import fsync_dir, write_json_atomic
+from feature_extraction.atomic_files import atomic_path, write_json_atomic
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
@@ -105,19 +104,18 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
     A sample of a token subset is ``(key, tokens, meta, positions)``: ``positions.npy``
     (``token_selection.selected_positions``) is stored beside its tokens.
 
-    Streams to ``shard-NNNNNN.tar.tmp`` while hashing, fsyncs, renames, then writes the
-    sidecar atomically. On any exception the ``.tmp`` is removed (and the sidecar is not
+    Streams to ``shard-NNNNNN.tar.tmp`` while hashing, then ``atomic_path`` fsyncs and renames
+    it; then the sidecar is written atomically. On any exception the ``.tmp`` is removed (and the sidecar is not
     written), so other shards and a later rerun are unaffected. Returns the sidecar dict.
     """
     shards_dpath = Path(shards_dpath)
     shards_dpath.mkdir(parents=True, exist_ok=True)
     tar_fpath = shards_dpath / shard_fname(index)
-    tmp = tmp_fpath(tar_fpath)
     stats = RunningStats(0)
     seen: set[str] = set()
     d = n_tokens = None
     checksums: dict[str, list[str]] = {TOKENS_SUFFIX: [], POSITIONS_SUFFIX: []}
-    try:
+    with atomic_path(tar_fpath, tmp_fpath(tar_fpath)) as tmp:
         with open(tmp, "wb") as f:
             hashing = _HashingWriter(f)
             # PAX is tarfile's default (TarWriter does not forward `format`): long and non-ASCII ids fit.
@@ -139,15 +137,8 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
                         if member in sample:
                             checksums[member].append(integrity.digest(sample[member]))
                     writer.write(sample)
-            f.flush()
-            os.fsync(f.fileno())
-        # A stale sidecar must not vouch for the new tar, even for a moment.
+        # A stale sidecar must not vouch for the new tar, even for a moment (the tar is renamed after this).
         (shards_dpath / sidecar_fname(index)).unlink(missing_ok=True)
-        os.replace(tmp, tar_fpath)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(shards_dpath)
     if len(checksums[POSITIONS_SUFFIX]) != len(seen):  # all-token extraction: no positions.npy
         del checksums[POSITIONS_SUFFIX]
     sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,

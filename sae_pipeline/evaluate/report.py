@@ -15,6 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
+from feature_extraction.atomic_files import write_text_atomic
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
 from sae_pipeline.evaluate.runs import LABELS
@@ -40,9 +41,7 @@ def read_results(out_dpath: Path) -> dict[str, Any]:
 def write_results(results: dict[str, Any], out_dpath: Path) -> Path:
     """Write ``results.json`` whole or not at all (temporary file, then rename)."""
     fpath = Path(out_dpath) / RESULTS_FNAME
-    tmp = fpath.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    tmp.replace(fpath)
+    write_text_atomic(fpath, json.dumps(results, indent=1, allow_nan=False) + "\n")
     return fpath
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import yaml
 
+from feature_extraction.atomic_files import write_text_atomic
 from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
 
 EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
@@ -268,9 +269,7 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
     export_checkpoint(ckpt_fpath, model_dpath)
     record = {"settings": spec.settings(), "command": "python -m sae_pipeline " + " ".join(args),
               "log_dpath": str(log_dpath(spec, out_dpath))}
-    tmp = model_dpath / (RUN_FNAME + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(model_dpath / RUN_FNAME)  # the marker appears whole, last
+    write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")  # the marker appears whole, last
     return model_dpath
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
+from feature_extraction.exit_status import flag_error
 from sae_pipeline.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
@@ -35,9 +36,12 @@ DEFAULTS = {"data.batch_size": 4096, "data.num_workers": 2, "data.data_dpath": "
             "trainer.strategy": "auto", "trainer.precision": "32-true"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=DefaultsHelpFormatter,
+def build_parser() -> Any:
+    """The flags (jsonargparse, as every command; ``--config`` here is a training config, read below)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(
+        prog=PROG, formatter_class=DefaultsHelpFormatter, exit_on_error=False,
         description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
                     "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
                     "atoms. Opens from disk (OUT/index.html) or through python -m http.server.")
@@ -54,26 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--atoms", type=int, nargs="+", help="only these atom ids get pages (default: every atom)")
     parser.add_argument("--neighbours", type=int, default=8, help="nearest atoms (by cosine) listed per atom")
     for key in DATA_KEYS:
-        kind = {"batch_size": int, "num_workers": int, "allow_download": _bool}.get(key, str)
+        kind = {"batch_size": Optional[int], "num_workers": Optional[int],
+                "allow_download": Optional[bool]}.get(key, Optional[str])
         parser.add_argument(f"--data.{key}", type=kind, default=None,
                             help=f"as `fit --data.{key}` (default: the config's, else {DEFAULTS.get('data.' + key)})")
     for key in TRAINER_KEYS:
-        kind = int if key == "num_nodes" else str
+        kind = Optional[int] if key == "num_nodes" else Optional[str]
         parser.add_argument(f"--trainer.{key}", type=kind, default=None,
                             help=f"as `fit --trainer.{key}` (default: the config's, else "
                                  f"{DEFAULTS.get('trainer.' + key)})")
     return parser
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+def resolve_settings(args: Any) -> dict[str, Any]:
     """Flags over the config file over the defaults, as ``{"data.source": ..., "trainer.devices": ...}``."""
     settings = dict(DEFAULTS)
     if args.config:
@@ -86,9 +83,9 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
             for key in keys:
                 if isinstance(config.get(section), dict) and key in config[section]:
                     settings[f"{section}.{key}"] = config[section][key]
-    for name, value in vars(args).items():
-        if "." in name and value is not None:
-            settings[name] = value
+    for name in (*(f"data.{key}" for key in DATA_KEYS), *(f"trainer.{key}" for key in TRAINER_KEYS)):
+        if args.get(name) is not None:
+            settings[name] = args.get(name)
     if not settings.get("data.source"):
         raise ValueError("no data: pass --data.source (a shard directory, an .h5 token cache, digits or mnist) or "
                          "--config with a data section")
@@ -98,7 +95,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def load_model(args: argparse.Namespace):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
+def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
     """The SAE on raw activations, from ``--ckpt_path`` (input scale folded) or ``--sae``."""
     from sae_pipeline.export import load_checkpoint, load_sae, sae_from_checkpoint
 
@@ -129,7 +126,7 @@ def load_model(args: argparse.Namespace):  # noqa: ANN201 -- SparseAutoencoder; 
     return sae.eval()
 
 
-def check_inputs(args: argparse.Namespace, sae: Any, datamodule: Any) -> None:
+def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     """Every one-line refusal that can be known before the pass."""
     from sae_pipeline.data.sources import ShardSource
     from sae_pipeline.features.images import SourceImages
@@ -160,7 +157,12 @@ def check_inputs(args: argparse.Namespace, sae: Any, datamodule: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Errors are ValueErrors, printed by ``python -m sae_pipeline`` (one line, exit 2; ranks > 0 a little later)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except argparse.ArgumentError as error:
+        raise ValueError(f"{flag_error(error)} (see {PROG} --help)") from None
     settings = resolve_settings(args)
     start = time.perf_counter()
 
