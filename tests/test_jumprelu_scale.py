@@ -147,3 +147,11 @@ def test_l0_gradient_reaches_the_encoder_only_when_asked() -> None:
         grads[flag] = (sae.W_enc.grad, sae.log_threshold.grad)
     assert (grads[False][0] is None or not grads[False][0].any()) and grads[True][0].abs().sum() > 0
     torch.testing.assert_close(grads[False][1], grads[True][1])  # θ's own gradient is unchanged
+
+
+def test_saelens_export_refuses_a_token_scaled_threshold() -> None:
+    from sae_pipeline.saelens import ExportError, saelens_architecture
+
+    assert saelens_architecture(BatchTopKSAE(8, 16, k=2)) == "jumprelu"
+    with pytest.raises(ExportError, match="token_scaled_threshold"):
+        saelens_architecture(BatchTopKSAE(8, 16, k=2, token_scaled_threshold=True))
