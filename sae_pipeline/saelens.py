@@ -92,6 +92,9 @@ def saelens_architecture(sae: SparseAutoencoder) -> str:
     if architecture is None:
         raise ExportError(f"{type(sae).__name__} has no SAELens architecture (SAELens 6 represents ReLU, JumpReLU, "
                           "TopK, BatchTopK and MP-SAE); export it with --format native")
+    if getattr(sae, "token_scaled_threshold", False):  # SAELens compares pre with θ itself, not pre / ‖x − b‖
+        raise ExportError(f"{type(sae).__name__} was trained with token_scaled_threshold, which SAELens cannot "
+                          "represent; export it with --format native")
     return architecture
 
 

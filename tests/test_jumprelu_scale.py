@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from sae_pipeline.sae import JumpReLUSAE, MatchingPursuitSAE
+from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE
 from sae_pipeline.sae.jumprelu import DEFAULT_BANDWIDTH, UNCALIBRATED_THRESHOLD
 from vit_like_tokens import vit_like_tokens
 
@@ -91,3 +92,66 @@ def test_mp_sae_accepts_an_inference_k_above_d_sae() -> None:
             torch.testing.assert_close(norms[:, -1], residual.norm(dim=1), rtol=1e-4, atol=1e-5)
     assert all(b <= a + 1e-4 for a, b in zip(errors, errors[1:]))  # Proposition 2 beyond d_sae steps
     assert errors[-1] < errors[1]  # steps 9..40 still reduce the residual
+
+
+def scaled_pair(cls: type, **kwargs: object) -> tuple:
+    """Two float64 copies of one SAE with a token-scaled threshold: the dense and the sparse path."""
+    torch.manual_seed(0)
+    dense = cls(16, 64, token_scaled_threshold=True, **kwargs).double()
+    sparse = cls(16, 64, token_scaled_threshold=True, **kwargs).double()
+    sparse.load_state_dict(dense.state_dict())
+    dense.sparse_max_density, sparse.sparse_max_density = 0.0, 1.0
+    return dense, sparse
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (JumpReLUSAE, {"sparsity_loss": "target_l0", "target_l0": 8, "initial_threshold": 0.5, "bandwidth": 0.5,
+                   "l0_gradient_to_encoder": True}),
+    (BatchTopKSAE, {"k": 8}),
+])
+def test_token_scaled_threshold_ignores_a_tokens_norm_and_matches_the_plain_reference(cls: type, kwargs: dict) -> None:
+    dense, sparse = scaled_pair(cls, **kwargs)
+    x = torch.randn(32, 16, dtype=torch.float64) * torch.logspace(-1, 2, 32, dtype=torch.float64)[:, None]
+    for sae in (dense, sparse):
+        output = sae(x)
+        sae.loss(x, output).loss.backward()
+    assert sparse(x).sparse is not None
+    torch.testing.assert_close(dense(x).x_hat, sparse(x).x_hat)
+    for (name, a), b in zip(dense.named_parameters(), sparse.parameters()):
+        if a.grad is not None or b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=name)
+    sae = dense.eval()
+    with torch.no_grad():
+        sae.b_enc.zero_()
+        codes = sae.encode(x)
+        scale = (x - sae.b_pre).norm(dim=1, keepdim=True) / 4.0  # ‖x − b_pre‖/√d_in, plain
+        pre = (x - sae.b_pre) @ sae.W_enc
+        theta = sae.threshold if cls is JumpReLUSAE else sae.threshold.clamp_min(0)
+        reference = pre * (pre > theta * scale) if cls is JumpReLUSAE else pre.clamp_min(0) * (pre / scale > theta)
+        torch.testing.assert_close(codes, reference)
+        # b_enc = 0: a token scaled about b_pre by 1000 keeps its support (a per-latent θ would open it wide)
+        far = sae.b_pre + 1000 * (x - sae.b_pre)
+        assert torch.equal(sae.encode(far) != 0, codes != 0)
+        before = sae.encode(x)
+        sae.fold_input_scale(3.0)  # θ is unitless: folding a normalisation leaves it
+        torch.testing.assert_close(sae.encode(x / 3.0) * 3.0, before)
+
+
+def test_l0_gradient_reaches_the_encoder_only_when_asked() -> None:
+    x = normalised_tokens(256)
+    grads = {}
+    for flag in (False, True):
+        sae = jumprelu(initial_threshold=0.5, l0_gradient_to_encoder=flag)
+        output = sae(x)
+        sae.sparsity_penalty(x, output, step=0).backward()
+        grads[flag] = (sae.W_enc.grad, sae.log_threshold.grad)
+    assert (grads[False][0] is None or not grads[False][0].any()) and grads[True][0].abs().sum() > 0
+    torch.testing.assert_close(grads[False][1], grads[True][1])  # θ's own gradient is unchanged
+
+
+def test_saelens_export_refuses_a_token_scaled_threshold() -> None:
+    from sae_pipeline.saelens import ExportError, saelens_architecture
+
+    assert saelens_architecture(BatchTopKSAE(8, 16, k=2)) == "jumprelu"
+    with pytest.raises(ExportError, match="token_scaled_threshold"):
+        saelens_architecture(BatchTopKSAE(8, 16, k=2, token_scaled_threshold=True))

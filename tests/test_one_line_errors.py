@@ -258,6 +258,11 @@ def test_exit_status_convention_with_real_signals(raise_it, status, line, capsys
         raise AssertionError("not interrupted")
 
     previous = signal.getsignal(signal.SIGTERM)
-    assert run_command(work, interrupted="runs kept") == (status, None)
+    # A shell starts background jobs with SIGINT ignored (nohup, `cmd &`): give it Python's handler.
+    original_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run_command(work, interrupted="runs kept") == (status, None)
+    finally:
+        signal.signal(signal.SIGINT, original_sigint)
     assert [x for x in capsys.readouterr().err.splitlines() if x.strip()] == [line]
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is put back

@@ -5,6 +5,11 @@ latent as ``exp(log_threshold)``. ``H`` has zero derivative almost everywhere, s
 with the paper's straight-through estimator: the pseudo-derivative of ``H(z − θ)`` with
 respect to θ is ``−(1/ε)·K((z − θ)/ε)``, ``K`` the rectangle kernel ``1{|u| < ½}`` of
 bandwidth ε (their Eq. 11–12); no pseudo-gradient flows to ``z`` through ``H``.
+
+Two options, off by default so the definitions stay the paper's: ``l0_gradient_to_encoder`` (the L0
+penalty's pseudo-gradient also reaches ``z``, so the encoder learns the sparsity: the MNIST configs
+need it to reach their target L0 within ~1000 steps) and ``token_scaled_threshold`` (θ compared with
+``z / s(x)``, the token's own scale, for ViT register/CLS tokens: the backbone configs set it).
 """
 from __future__ import annotations
 

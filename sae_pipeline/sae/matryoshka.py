@@ -41,8 +41,8 @@ class MatryoshkaBatchTopKSAE(BatchTopKSAE):
     """BatchTopK SAE whose nested dictionary prefixes each reconstruct the input.
 
     Args:
-        d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens: as
-            :class:`BatchTopKSAE`.
+        d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens,
+            token_scaled_threshold: as :class:`BatchTopKSAE`.
         n_prefixes: number of nested prefixes, the whole dictionary included (1: BatchTopK's loss).
         prefix_ratio: each prefix's width over the previous one's, > 1. With the defaults (4, 4.0)
             the widths are d_sae/64, d_sae/16, d_sae/4, d_sae: 16, 62, 250, 1000 at d_sae = 1000.
@@ -63,8 +63,10 @@ class MatryoshkaBatchTopKSAE(BatchTopKSAE):
         aux_coefficient: float = 1 / 32,
         threshold_momentum: float = 0.99,
         dead_after_tokens: int = 10_000_000,
+        token_scaled_threshold: bool = False,
     ) -> None:
-        super().__init__(d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens)
+        super().__init__(d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens,
+                         token_scaled_threshold)
         self.n_prefixes = check_int("n_prefixes", n_prefixes, 1)
         self.prefix_ratio = check_float("prefix_ratio", prefix_ratio, 1.0, strict_minimum=True)
         self.prefix_widths = prefix_widths(self.d_sae, self.n_prefixes, self.prefix_ratio)
