@@ -27,10 +27,10 @@ Fast and exact, as MP-SAE:
 
 1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
    QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
-   Gram–Schmidt with one re-orthogonalisation pass, so ``L`` is the Cholesky factor of the
-   Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs ``O(t·d_in)`` per token, and
-   its Gram–Schmidt remainder is its distance to the span, so the rank rule is checked on the
-   winner only (:func:`next_atom`). The correlations ``<r, d_j>`` are updated with
+   Gram–Schmidt (re-orthogonalised when an atom lies mostly in the span), so ``L`` is the
+   Cholesky factor of the Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs
+   ``O(t·d_in)`` per token, and its Gram–Schmidt remainder is its distance to the span, so the rank
+   rule is checked on the winner only (:func:`next_atom`). The correlations ``<r, d_j>`` are updated with
    ``P_t = q_t @ W_decᵀ``: one matmul per step, as MP-SAE's matmul selection. (MP-SAE can instead
    update them with one row of the Gram matrix ``W_dec W_decᵀ``, because its residual moves along
    one atom per step; OMP's moves along ``q_t``, a combination of all t selected atoms, which would
@@ -68,6 +68,10 @@ from sae_pipeline.sae.sparse_decode import SparseCodes
 #: busy 2-core box can cost milliseconds; 4x fewer chunks measured 1.5-2x faster with 2 threads
 #: there (B=1024, d_sae=4096, k=16), and the same with 1 thread.
 CPU_CHUNK_ROWS = 1024
+
+#: Gram–Schmidt runs a second pass when a new atom keeps less than this fraction of its squared
+#: norm after the first (see :func:`orthonormal_step`).
+REORTHOGONALIZE = 0.25
 
 #: An atom whose squared distance to the span of the selected atoms is at most
 #: ``RANK_TOLERANCE · eps · ‖d_j‖²`` is not selectable (well above the rounding of a Gram–Schmidt
@@ -158,7 +162,9 @@ def next_atom(corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: 
 
 def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     """Gram–Schmidt of the new atoms ``d [n, d_in]`` against ``Q [n, t, d_in]`` (orthonormal rows),
-    with one re-orthogonalisation pass ("twice is enough", Giraud et al. 2005): ``(q [n, d_in],
+    re-orthogonalised once ("twice is enough", Giraud et al. 2005) when some token's atom lost more
+    than 3/4 of its squared norm to the projection (below that, one pass keeps ``q`` orthogonal to
+    ``Q`` to within a few roundings; the DGKS criterion): ``(q [n, d_in],
     row [n, t + 1])`` where ``d = Σ_i row_i q_i`` and ``row_t = ‖d − Σ_{i<t} row_i q_i‖``, the
     distance of ``d`` to the span of ``Q``. Broadcast products, not ``bmm``: on CPU a batch of
     [t, d_in] × [d_in, 1] products costs ~10x more through ``bmm``.
@@ -169,9 +175,11 @@ def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     if t:
         w = torch.linalg.vecdot(Q, v[:, None, :])  # [n, t]
         v = v - (w[:, :, None] * Q).sum(1)
-        again = torch.linalg.vecdot(Q, v[:, None, :])
-        v = v - (again[:, :, None] * Q).sum(1)
-        row[:, :t] = w + again
+        if bool((v.square().sum(1) < REORTHOGONALIZE * d.square().sum(1)).any()):
+            again = torch.linalg.vecdot(Q, v[:, None, :])
+            v = v - (again[:, :, None] * Q).sum(1)
+            w = w + again
+        row[:, :t] = w
     norm = v.norm(dim=1)
     row[:, t] = norm
     return v / norm.clamp_min(torch.finfo(v.dtype).tiny)[:, None], row
