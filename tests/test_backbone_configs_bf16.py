@@ -17,7 +17,7 @@ case is a strict xfail, so it fails once the limit is gone and the entry must be
 
 Cost (slow, and too high for the suite's budget: a candidate for a nightly job or a smaller run):
 measured 13.4 min wall, 8.2 min CPU for the 7 configs on a 2-core box loaded by parallel work; OMP-SAE
-6.7 min and MP-SAE 2.1 min of it (k = 32 pursuit steps), TopK 13 s.
+6.7 min of it (59 s after sae/omp.py's later speed-up, measured alone), MP-SAE 2.1 min, TopK 13 s.
 """
 from __future__ import annotations
 
