@@ -155,14 +155,31 @@ class ShardWriters:
             raise RuntimeError(f"shard writer processes {dead} failed; rerun to redo their shards")
 
     def abort(self) -> None:
-        for q in self.queues:
-            for item in (("abort",), None):
-                try:
-                    q.put(item, timeout=5.0)
-                except queue.Full:
-                    break
-        for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        """Have every writer drop its open shard (its ``.tmp``) and stop; kill one that does not.
+
+        Under a SIGTERM to the whole group (scancel) the DataLoader worker dies too, and torch's
+        SIGCHLD handler then raises in whatever this is blocked on, which cut the abort short and
+        left writers (they ignore SIGTERM) alive with their ``.tmp`` files, hanging interpreter
+        exit. A worker's death no longer matters once aborting, so SIGCHLD is left at its default
+        meanwhile, and whatever still interrupts, the kill is in a ``finally``.
+        """
+        try:
+            previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except ValueError:  # not the main thread
+            previous = None
+        try:
+            for q in self.queues:
+                for item in (("abort",), None):
+                    try:
+                        q.put(item, timeout=5.0)
+                    except queue.Full:
+                        break
+            for process in self.processes:
+                process.join(timeout=30)
+        finally:
+            for process in self.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+            if previous is not None:
+                signal.signal(signal.SIGCHLD, previous)
