@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from terminal import default_sigint
 import torch
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -30,7 +31,8 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 def start(cwd: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *extra], cwd=cwd, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as under a terminal
+                            start_new_session=True,  # its own process group, as under a terminal
+                            preexec_fn=default_sigint)
 
 
 def wait_for_training(cwd: Path, process: subprocess.Popen, timeout: float = 240) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from terminal import default_sigint
 import torch
 from PIL import Image
 
@@ -227,7 +228,8 @@ def test_interrupted_extraction_is_one_line_and_keeps_finished_shards(many_image
                "--out", str(out), "--num_workers", "1", "--device", "cpu", "--shard_size", "8", "--batch_size", "2",
                "--progress", "false"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_DPATH)})
+                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_DPATH)},
+                               preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while not (out / S.sidecar_fname(1)).exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
