@@ -135,8 +135,11 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch_size, k
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def pursuit_args(argv: list[str] | None, description: str | None, reference: str,
+                 reference_help: str) -> tuple[argparse.Namespace, torch.device]:
+    """The flags every pursuit benchmark shares (this one and ``omp_sae.py``); ``--<reference>_reps`` sets
+    how often the slow reference side runs. Sets the torch threads."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d_in", type=int, default=256)
     parser.add_argument("--d_sae", type=int, default=4096)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[(1024, 16), (4096, 32)], help="BATCH:K pairs")
@@ -145,15 +148,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--plain_reps", type=int, default=3, help="reps of the (slow) plain loop; 0 = --reps")
+    parser.add_argument(f"--{reference}_reps", type=int, default=3, help=f"reps of the (slow) {reference_help}; 0 = --reps")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one rep (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.d_in, args.d_sae, args.shapes, args.warmup, args.reps, args.plain_reps = 16, 128, [(64, 4)], 0, 1, 1
+        args.d_in, args.d_sae, args.shapes, args.warmup, args.reps = 16, 128, [(64, 4)], 0, 1
+        setattr(args, f"{reference}_reps", 1)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda given but torch.cuda.is_available() is False; use --device cpu")
     torch.set_num_threads(args.threads)
+    return args, device
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, device = pursuit_args(argv, __doc__, "plain", "plain loop")
 
     rows = [(args.d_in, args.d_sae, b, k, getattr(torch, args.dtype)) for b, k in args.shapes]
     if device.type == "cuda" and not args.quick:

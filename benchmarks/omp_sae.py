@@ -36,7 +36,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mp_sae import median_seconds, parse_shape, saved_bytes  # noqa: E402
+from mp_sae import median_seconds, pursuit_args, saved_bytes  # noqa: E402
 
 from sae_pipeline.sae.mp import MatchingPursuitSAE  # noqa: E402
 from sae_pipeline.sae.omp import OMPSAE  # noqa: E402
@@ -102,27 +102,12 @@ def bench_shape(d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dty
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d_in", type=int, default=256)
-    parser.add_argument("--d_sae", type=int, default=4096)
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[(1024, 16), (4096, 32)], help="BATCH:K pairs")
-    parser.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--naive_reps", type=int, default=3, help="reps of the (slow) naive OMP; 0 = --reps")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, one rep (smoke test)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.d_in, args.d_sae, args.shapes, args.warmup, args.reps, args.naive_reps = 16, 128, [(64, 4)], 0, 1, 1
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda given but torch.cuda.is_available() is False; use --device cpu")
+    args, device = pursuit_args(argv, __doc__, "naive", "naive OMP")
     for _, k in args.shapes:
         if k > min(args.d_in, args.d_sae):
-            parser.error(f"--shapes: k={k} exceeds min(d_in, d_sae)={min(args.d_in, args.d_sae)}, OMP's limit")
-    torch.set_num_threads(args.threads)
+            print(f"error: --shapes: k={k} exceeds min(d_in, d_sae)={min(args.d_in, args.d_sae)}, OMP's limit",
+                  file=sys.stderr)
+            sys.exit(2)
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
     print(f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'omp s':>8} {'mp s':>8} {'mp mm s':>8} "
           f"{'naive s':>8} | {'omp/mp':>7} {'omp/mp mm':>9} {'naive/omp':>9} | {'omp MiB':>8} {'naive MiB':>9} | "
