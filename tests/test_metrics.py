@@ -18,9 +18,10 @@ from sae_pipeline.metrics import (
     dead_fraction,
     l0,
 )
+from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
-REFERENCE_FPATH = REPO_DPATH.parent / "shared" / "reference" / "mpsae_mnist_p1000_k10.npz"
+REFERENCE_FPATH = REFERENCE_NPZ_FPATH  # the paper authors' MNIST MP-SAE, shipped in the package
 
 
 # ---------------------------------------------------------------- plain references
@@ -230,7 +231,7 @@ def test_babel_float32_and_bad_input() -> None:
 
 
 def test_babel_of_reference_dictionary() -> None:
-    assert REFERENCE_FPATH.exists(), f"missing {REFERENCE_FPATH}: shared/reference must sit beside the repo"
+    assert REFERENCE_FPATH.exists(), f"missing {REFERENCE_FPATH}: part of the package"
     with np.load(REFERENCE_FPATH, allow_pickle=False) as archive:
         W_dec = archive["W_dec"]
     assert W_dec.shape == (1000, 784)
