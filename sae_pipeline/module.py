@@ -5,7 +5,8 @@ owns everything a training run adds to it:
 
 - Optimiser: the paper's vision recipe (Costa et al. 2025, §4 "Setup"): Adam, lr 5e-4,
   linear warm-up then cosine decay to 1e-6, stepped per optimiser step over
-  ``trainer.estimated_stepping_batches``.
+  ``trainer.estimated_stepping_batches``; a parameter the SAE names in ``lr_scales`` (JumpReLU's
+  threshold) trains at that multiple of the schedule.
 - Dictionary constraint: unit-norm atoms after every optimiser step, with the gradient
   component parallel to each atom removed before it (DESIGN.md, "SAE variants").
 - Input normalisation (optional): ``x · input_scale`` with ``input_scale = sqrt(d_in / E‖x‖²)``
@@ -68,6 +69,19 @@ def adam_implementation(module: torch.nn.Module) -> dict[str, bool]:
     supported = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32,
                                                                      torch.float64) for p in params)
     return {"fused": True} if params and supported else {}
+
+
+def param_groups(sae: SparseAutoencoder, lr: float) -> list[dict[str, Any]]:
+    """Adam's parameter groups: everything at ``lr``, plus one group per parameter that the SAE trains at
+    a multiple of it (:meth:`SparseAutoencoder.lr_scales`). Without such a parameter there is exactly one
+    group, as in checkpoints written before the option, so they resume."""
+    named = dict(sae.named_parameters())
+    scales = {name: scale for name, scale in sae.lr_scales().items() if scale != 1.0}
+    unknown = sorted(set(scales) - set(named))
+    if unknown:
+        raise ValueError(f"{type(sae).__name__}.lr_scales names {unknown}, which are not its parameters")
+    groups = [{"params": [p for name, p in named.items() if name not in scales], "lr": lr}]
+    return groups + [{"params": [named[name]], "lr": lr * scale} for name, scale in scales.items()]
 
 
 def _sources(batch: dict[str, Any], shown: int = 3) -> str:
@@ -273,7 +287,7 @@ class SAEModule(L.LightningModule):
             raise ValueError(f"the run's number of optimiser steps is {total_steps}; set --trainer.max_steps or "
                              "--trainer.max_epochs so the cosine schedule has an end")
         total_steps = int(total_steps)
-        optimizer = torch.optim.Adam(self.sae.parameters(), lr=self.hparams.lr, **adam_implementation(self.sae))
+        optimizer = torch.optim.Adam(param_groups(self.sae, self.hparams.lr), **adam_implementation(self.sae))
         factor = partial(warmup_cosine_factor, warmup_steps=min(self.hparams.warmup_steps, total_steps),
                          total_steps=total_steps, min_ratio=self.hparams.min_lr / self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -233,6 +233,12 @@ class SparseAutoencoder(nn.Module):
         """Coefficient-weighted auxiliary loss (AuxK for TopK variants); zero by default."""
         return output.x_hat.new_zeros(())
 
+    def lr_scales(self) -> dict[str, float]:
+        """Learning-rate multipliers by parameter name (as in ``named_parameters``) for the parameters
+        that must move at another pace than the rest (JumpReLU's threshold); every other parameter
+        trains at the module's ``lr``. Default: none."""
+        return {}
+
     # --- dictionary maintenance (called by the training loop) ---------------------------
     @torch.no_grad()
     def init_b_pre(self, mean: Tensor) -> None:

@@ -14,11 +14,11 @@ the codes kept are still ``relu(pre)``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from sae_pipeline.sae.base import SAEOutput, check_float, keep_top_k
+from sae_pipeline.sae.calibration import mean_over_ranks
 from sae_pipeline.sae.sparse_decode import SparseCodes
 from sae_pipeline.sae.token_scale import token_scale
 from sae_pipeline.sae.topk import TopKSAE
@@ -133,10 +133,7 @@ class BatchTopKSAE(TopKSAE):
         batch_min = (positive.amin() if positive.numel() else positive.new_full((), float("inf"))).to(self.threshold.dtype)
         valid = torch.isfinite(batch_min)
         batch_min = torch.where(valid, batch_min, self.threshold)
-        if dist.is_available() and dist.is_initialized():
-            # Every rank runs forward each step under DDP, so this collective cannot hang.
-            dist.all_reduce(batch_min, op=dist.ReduceOp.SUM)
-            batch_min /= dist.get_world_size()
+        mean_over_ranks(batch_min)  # every rank runs forward each step under DDP, so this collective cannot hang
         m = self.threshold_momentum
         ema = m * self.threshold + (1.0 - m) * batch_min
         first = self.n_threshold_updates == 0
