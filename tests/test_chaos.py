@@ -5,7 +5,9 @@ One kill lands inside a save of ``last.ckpt``: the test hook ``SAE_PIPELINE_TEST
 the save write half of its bytes and sleep, and the process is killed there; the previous checkpoint
 must still load and be the one ``last`` picks. The data order is checked step by step through the
 TensorBoard ``train/loss`` of every process (read back from the event files): each logged step's
-loss equals the uninterrupted run's at that step, and together they cover every step.
+loss equals the uninterrupted run's at that step, and together they cover every step but, at most,
+the last step before each checkpoint a kill resumed from: Lightning saves a step's checkpoint before it
+logs that step (and flushes the logger after each log), so a kill in between loses that one point.
 The moments are drawn from a seed printed in any failure message.
 """
 from __future__ import annotations
@@ -88,6 +90,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     wait_until(lambda: newest_step(chaos_dpath) >= target, process, f"{context}, first run")
     time.sleep(rng.uniform(0, 0.2))
     kill9(process)
+    resumed_from = [newest_step(chaos_dpath)]
 
     # 2. resumed, killed while it writes a checkpoint (half the bytes on disk)
     before = newest_step(chaos_dpath)
@@ -99,6 +102,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     partial = list(chaos_dpath.glob("runs/mpsae_digits/version_*/checkpoints/.last.ckpt.partial"))
     assert partial, context  # the killed save of last.ckpt left only its hidden partial file...
     assert pause_step - 1 <= newest_step(chaos_dpath) < pause_step, context  # ...and last is the previous save
+    resumed_from.append(newest_step(chaos_dpath))
 
     # 3. resumed, killed a random moment after a random number of further steps
     process = launch(chaos_dpath, resume=True)
@@ -106,6 +110,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     wait_until(lambda: newest_step(chaos_dpath) >= target, process, f"{context}, third run")
     time.sleep(rng.uniform(0, 0.2))
     kill9(process)
+    resumed_from.append(newest_step(chaos_dpath))
 
     # 4. resumed to the end
     final = subprocess.run([sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"], cwd=chaos_dpath,
@@ -124,6 +129,8 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     reference_losses = {step: values[0] for step, values in logged_losses(reference_dpath).items()}
     chaos_losses = logged_losses(chaos_dpath)
     assert sorted(reference_losses) == list(range(MAX_STEPS))
-    assert sorted(chaos_losses) == list(range(MAX_STEPS)), context
+    missing = set(range(MAX_STEPS)) - set(chaos_losses)
+    assert missing <= {step - 1 for step in resumed_from}, f"{context}: {sorted(missing)} not logged ({resumed_from})"
+    assert set(chaos_losses) <= set(range(MAX_STEPS)), context
     for step, values in chaos_losses.items():
         assert values == [reference_losses[step]] * len(values), f"{context}: step {step}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -126,8 +125,8 @@ def own_cut(name: str, sae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return per_latent_cut(pre, L0) if name == "relu" else pooled_cut(pre, L0)
 
 
-def test_calibration_is_the_mean_over_two_gloo_ranks(tmp_path: Path) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def test_calibration_is_the_mean_over_two_gloo_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # for the two children only: later tests' jobs inherit os.environ
     mp.start_processes(calibrate_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, start_method="spawn")
     for name, value_of in (("relu", lambda s: -s["b_enc"]), ("jumprelu", lambda s: s["log_threshold"].exp())):
         ranks = [torch.load(tmp_path / f"{name}_{r}.pt", weights_only=True) for r in range(2)]
