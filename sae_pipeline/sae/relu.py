@@ -61,8 +61,8 @@ class ReLUSAE(ShallowSAE):
             ``initial_l0``, no latent starts dead; averaged over ranks), the data-dependent start that
             JumpReLU's θ has too; λ then decides where the L0 settles. On synthetic ViT-like tokens
             (d 64, p 512, bf16, ``configs/relu_dinov2.yaml``'s recipe, λ = 1e-2) 300 steps end at L0 197
-            without it and 23.4 with ``initial_l0 = 32`` (R² −0.02 and 0.65); 3000 steps at 26.8 and 26.7:
-            it changes how soon the L0 is reached, not where it settles. A loaded or resumed model
+            without it and 23.4 with ``initial_l0 = 32`` (R² −0.02 and 0.65), 3000 steps at 61.2 (still
+            coming down from ~256) and 26.7 (``benchmarks/short_run_sparsity.py``). A loaded or resumed model
             (``b_enc`` not all 0) is kept as it is.
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
