@@ -99,9 +99,11 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         shards = write_vit_like_shards(Path(tmp) / "shards")
-        for index, (stem, setting, extra) in enumerate(RUNS):
-            results.append((stem, setting, run(stem, extra, shards, Path(tmp) / f"run{index}", args.steps)))
-        os.chdir(cwd)
+        try:
+            for index, (stem, setting, extra) in enumerate(RUNS):
+                results.append((stem, setting, run(stem, extra, shards, Path(tmp) / f"run{index}", args.steps)))
+        finally:
+            os.chdir(cwd)  # out of the temporary directory before it is removed, also after a failed run
     print(f"{args.steps} steps, d 64, p 512, bf16 autocast, {args.threads} threads (tests/backbone_recipe.py)\n")
     print("| config | setting | val L0 | target | L0 / target | val R² | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -1,5 +1,5 @@
 """benchmarks/short_run_sparsity.py in a tiny run (12 steps): a table row per run, the figure drawn, and
-ReLU's calibrated start visible already (about 30 s, four CLI runs: slow)."""
+ReLU's calibrated start visible already (14 s on a quiet 2-core box, four CLI runs: slow)."""
 from __future__ import annotations
 
 import subprocess
