@@ -10,6 +10,9 @@ every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
 runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
+The Lightning commands stop with :class:`Interrupted` instead (``sae_pipeline.interrupts``: a
+``SystemExit``, because Lightning turns a ``KeyboardInterrupt`` into exit 1); :func:`run_command`
+treats it as the interruption it is.
 
 Every such command is a jsonargparse parser (as LightningCLI's ``fit`` is) run by :func:`run_cli`,
 the one wrapper: a flag error is the same one line and exit 2 as a bad value found later
@@ -27,8 +30,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Terminated", "error_line",
-           "flag_error", "one_line", "run_cli", "run_command"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Interrupted", "Terminated",
+           "error_line", "flag_error", "interrupted_head", "one_line", "run_cli", "run_command"]
 
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
@@ -38,6 +41,28 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM received; a KeyboardInterrupt so that every Ctrl-C cleanup path runs for it too."""
+
+
+class Interrupted(SystemExit):
+    """A command stopped by SIGINT / SIGTERM: exits ``128 + signum``.
+
+    A ``SystemExit`` so that Lightning runs its exception hooks (temporary files removed) and then
+    lets it through, and so that ``except Exception`` cleanup code does not swallow it.
+    ``detail`` says what was kept and how to rerun (set by whoever knows: the command catching it
+    fills it in when empty); ``announce`` is False on the DDP ranks that must not print it too.
+    """
+
+    def __init__(self, signum: int, detail: str = "", announce: bool = True) -> None:
+        super().__init__(128 + int(signum))
+        self.signum, self.detail, self.announce = int(signum), detail, announce
+
+    def line(self, default: str = "") -> str:
+        """The one line printed for it: ``interrupted (Ctrl-C): ...`` or ``terminated (SIGTERM): ...``."""
+        return f"{interrupted_head(self.signum)}: {self.detail or default}"
+
+
+def interrupted_head(signum: int) -> str:
+    return "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted (Ctrl-C)"
 
 
 _TERMINATED: list[int] = []  # SIGTERM seen by this process
@@ -110,6 +135,10 @@ def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bo
         pass
     try:
         return 0, function()
+    except Interrupted as stop:  # a Lightning stage inside the command (evaluate's training runs)
+        if stop.announce:
+            print(f"{interrupted_head(stop.signum)}: {interrupted}", file=sys.stderr)
+        return int(stop.code), None
     except Terminated:
         print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr)
         return EXIT_TERMINATED, None

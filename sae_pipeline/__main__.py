@@ -4,9 +4,10 @@
 (LightningCLI); the other commands are listed in :data:`COMMANDS` (name -> module whose
 ``main(argv)`` runs it, and its one-line help), so adding a command is one line here.
 
-Exit codes, the same for every command (DESIGN.md): 0 success, 2 bad input (one ``error:``
+Exit codes, the same for every command: 0 success, 2 bad input (one ``error:``
 line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
-SIGTERM) after saving, 1 anything unexpected. Errors the product raises for bad input are
+SIGTERM; one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line saying what was
+kept and how to rerun, :mod:`sae_pipeline.interrupts`), 1 anything unexpected. Errors the product raises for bad input are
 ``ValueError`` s naming the file, field or flag and the fix, printed by
 ``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
 ``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead.
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 import time
 
-from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
+from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Interrupted, error_line
 
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
@@ -33,6 +36,16 @@ LIGHTNING_COMMANDS = {
     "test": "the same metrics on the test split (--ckpt_path)",
     "predict": "write the sparse codes of a trained SAE to HDF5 (--ckpt_path)",
 }
+# What an interruption of a Lightning command leaves, when nothing more precise was said (fit's
+# checkpoint line, predict's codes file: sae_pipeline.interrupts, sae_pipeline.predict).
+INTERRUPTED = {
+    "fit": "stopped before training began, nothing was saved; rerun the same command",
+    "validate": "stopped before the metrics were complete, nothing was written; rerun the same command",
+    "test": "stopped before the metrics were complete, nothing was written; rerun the same command",
+    "predict": "no codes file was written; rerun the same command",
+}
+# Commands that handle SIGTERM / Ctrl-C themselves (feature_extraction.exit_status.run_cli).
+OWN_SIGNALS = ("export", "extract", "evaluate")
 # name -> (module with main(argv) -> int | None, help)
 COMMANDS = {
     "export": ("sae_pipeline.export", "export a checkpoint to sae.safetensors + config.json"),
@@ -55,7 +68,7 @@ def usage() -> str:
 
 def _rank() -> int:
     """This process's global rank in a multi-process launch (0 when alone)."""
-    for name in ("RANK", "SLURM_PROCID"):
+    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):  # LOCAL_RANK: the ranks Lightning's launcher starts
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)
@@ -66,13 +79,42 @@ def _run(args: list[str], argv: list[str] | None) -> int:
     if args[:1] in ([], ["-h"], ["--help"]):
         print(usage())
         return 0 if args else EXIT_BAD_INPUT
-    if args[0] in COMMANDS:
+    if not args[0].startswith("-") and args[0] not in COMMANDS and args[0] not in LIGHTNING_COMMANDS:
+        raise ValueError(f"unknown command {args[0]!r}; choose from {', '.join([*LIGHTNING_COMMANDS, *COMMANDS])} "
+                         f"(see {PROG} --help)")
+    if args[0] in OWN_SIGNALS:
         status = importlib.import_module(COMMANDS[args[0]][0]).main(args[1:])
         return status if isinstance(status, int) else 0
-    from sae_pipeline.cli import cli_main
+    _stop_early()
+    try:
+        from sae_pipeline.interrupts import stop_signals  # loads torch and Lightning: seconds
+        from sae_pipeline.lightning_noise import quiet_lightning
 
-    cli_main(argv)  # None: LightningCLI reads sys.argv itself
-    return 0
+        quiet_lightning()
+        with stop_signals():
+            if args[0] in COMMANDS:
+                status = importlib.import_module(COMMANDS[args[0]][0]).main(args[1:])
+                return status if isinstance(status, int) else 0
+            from sae_pipeline.cli import cli_main
+
+            cli_main(argv)  # None: LightningCLI reads sys.argv itself
+            return 0
+    except Interrupted as stop:
+        if stop.announce and _rank() == 0:
+            print(stop.line(INTERRUPTED.get(args[0], "rerun the same command")), file=sys.stderr, flush=True)
+        return int(stop.code)
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def _stop_early() -> None:
+    """SIGTERM / Ctrl-C stop with 143 / 130 while the modules load (sae_pipeline.interrupts then takes over)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
+                signal.signal(signum, _raise_interrupted)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args, argv)
     except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
-        print("interrupted (Ctrl-C)", file=sys.stderr)
+        print("interrupted (Ctrl-C): rerun the same command", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):

@@ -17,6 +17,8 @@ What this subclass adds to LightningCLI:
   in ``version_N/checkpoints/`` (:mod:`sae_pipeline.checkpointing`). ``--ckpt_path last`` is the
   newest checkpoint over the config's runs; ``fit`` ends by printing its final checkpoint and
   TensorBoard directory.
+- ``validate``, ``test`` and ``predict`` write no TensorBoard run (no ``version_N`` folder beside the
+  training runs, no ``config.yaml``): their metrics are printed, their codes go to ``--codes.fpath``.
 - ``validate``, ``test`` and ``predict`` need ``--ckpt_path``; every ``--ckpt_path`` is checked
   (exists, is a checkpoint of this package, fits the data's ``d_in``) before anything runs, and
   output folders are checked writable: one-line errors, exit 2.
@@ -36,7 +38,7 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
@@ -70,6 +72,14 @@ class SAEArgumentParser(LightningArgumentParser):
         print(f"usage: {self.prog.replace(' [options]', '')} [options]", file=file)
 
 
+class FitConfigSaver(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` beside a training run; ``validate``/``test``/``predict`` have no run folder."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            super().setup(trainer, pl_module, stage)
+
+
 class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     """LightningCLI for :class:`SAEModule` + :class:`ActivationDataModule` (see the module docstring)."""
 
@@ -77,6 +87,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self.run_dpath: Path | None = None
         self._prepared = False
         self._ckpt_d_in: int | None = None
+        kwargs.setdefault("save_config_callback", FitConfigSaver)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
@@ -134,6 +145,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         job = slurm_job_tag()
         if tensorboard and job is not None:
             self._follow_slurm_job(config, logger, job, subcommand)
+        if tensorboard and subcommand in EVALUATING:
+            config.trainer.logger = False  # nothing to plot: no version_N folder beside the training runs
 
     def _follow_slurm_job(self, config: Namespace, logger: Namespace, job: str, subcommand: str | None) -> None:
         """One SLURM job, one TensorBoard run: ``runs/<name>/slurm-<job>``, also Lightning's hpc
@@ -213,8 +226,13 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             return
         callback = trainer.checkpoint_callback
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
+        resumed = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
+        done = already_done(trainer)
         if ckpt:
             print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
+        elif resumed and done:
+            print(f"Nothing to train: {resumed} is already at global step {trainer.global_step}, epoch "
+                  f"{trainer.current_epoch} ({done}); raise it to train further", flush=True)
         else:
             print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
                   flush=True)
@@ -222,6 +240,15 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         log_dir = getattr(trainer.logger, "log_dir", None)
         if log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+
+
+def already_done(trainer: Any) -> str | None:
+    """The stopping setting a resumed run had already reached (``--trainer.max_steps N``), or None."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return f"--trainer.max_steps {trainer.max_steps}"
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
+        return f"--trainer.max_epochs {trainer.max_epochs}"
+    return None
 
 
 def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:

@@ -1,81 +1,136 @@
-"""SIGTERM and Ctrl-C during ``fit``: save a resumable checkpoint at a step boundary, then exit 143 / 130.
+"""SIGTERM and Ctrl-C, one way for every command: stop within seconds, exit 143 / 130, say how to rerun.
 
-``docker stop``, ``timeout``, a cluster's kill and Kubernetes send SIGTERM and wait a grace period
-before SIGKILL; Ctrl-C sends SIGINT. Lightning's own SIGTERM handling exits with status 0 and no
-checkpoint, and its handler runs a collective inside the signal handler (see
-:func:`sae_pipeline.lightning_compat.mute_sigterm_notifier`); Python's SIGINT raises
-``KeyboardInterrupt`` wherever the interpreter is, which Lightning turns into exit 1, again
-without a checkpoint.
+``docker stop``, ``timeout``, a cluster's kill (SLURM pre-emption) and Kubernetes send SIGTERM and
+wait a grace period before SIGKILL; Ctrl-C sends SIGINT. Left to themselves, Lightning's SIGTERM
+handling lets ``validate``/``test``/``predict`` run to the end with exit 0 (and runs a collective
+inside the signal handler, see :func:`sae_pipeline.lightning_compat.mute_sigterm_notifier`), and
+Lightning turns Python's ``KeyboardInterrupt`` into "Detected KeyboardInterrupt" and exit 1.
 
-:class:`Interrupts` replaces both for the duration of ``fit``: the handler only records the
-signal. After each training batch (and each validation pass) the ranks all-reduce what they
-received (one small all-reduce per step under DDP, none in a single process), so a signal that
-reached one rank stops every rank at the same step. Then they save ``last.ckpt`` together
-(:func:`sae_pipeline.checkpointing.save_final_checkpoint`: atomic, with the optimiser, schedule,
-dead-latent clock and data position), rank 0 prints where, and every rank exits with
-``128 + signal`` (143 for SIGTERM, 130 for SIGINT), the shell convention. ``fit --ckpt_path last``
-continues from it. A second Ctrl-C while waiting for the step boundary stops at once, without
-saving (``KeyboardInterrupt``). DataLoader workers are forked with this handler, so a terminal's Ctrl-C
-(sent to the whole process group) does not end their loop with ``KeyboardInterrupt`` (the next
-batch would then fail before the checkpoint is saved); there the handler does nothing at all.
+One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python -m sae_pipeline``
+(:func:`stop_signals`) and by the :class:`Interrupts` callback of any Trainer started elsewhere:
 
+- **Anything but training** (``predict`` writing codes, ``validate``/``test``, the ``features`` pass
+  and its site writing, loading and set-up): the handler raises :class:`Interrupted`, a
+  ``SystemExit`` with code ``128 + signal``, where the program is. Cleanup runs on the way out
+  (the codes file is written under a temporary name and removed, the site is built in a staging
+  folder and removed, the previous codes file or site stays as it was), and the command prints one
+  line, ``interrupted (Ctrl-C): ...`` or ``terminated (SIGTERM): ...``, saying what was kept and
+  to rerun the same command. Under a DDP launch rank 0 forwards the signal to the ranks it started.
+- **During ``fit``**: the handler only records the signal. After each training batch (and each
+  validation pass) the ranks all-reduce what they received (one small all-reduce per step under
+  DDP, none in a single process), so a signal that reached one rank stops every rank at the same
+  step. They save ``last.ckpt`` together (:func:`sae_pipeline.checkpointing.save_final_checkpoint`:
+  atomic, with the optimiser, schedule, dead-latent clock and data position), and exit 143 / 130
+  with ``... saved FILE at global step N; continue with the same command and --ckpt_path last``.
+  A second Ctrl-C while waiting for (or during) that save stops at once with one line; the save in
+  progress is abandoned (its hidden partial file removed) and the previous checkpoint stays intact.
+
+DataLoader workers are forked with this handler, so a terminal's Ctrl-C (sent to the whole process
+group) does not end their loop; there the handler does nothing and the main process stops the run.
 SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.requeue`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
 from torch.utils.data import get_worker_info
 
+from feature_extraction.exit_status import Interrupted
 from sae_pipeline import lightning_compat
 from sae_pipeline.checkpointing import save_final_checkpoint
 from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
 
+__all__ = ["HANDLED", "HANDLER", "Interrupted", "Interrupts", "stop_signals"]
+
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+RESUME_HINT = "continue with the same command and --ckpt_path last"
+
+
+class _Handler:
+    """The one SIGTERM / SIGINT handler of the process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.users = 0  # stop_signals() and armed Interrupts callbacks; installed while > 0
+        self.previous: dict[int, Any] = {}
+        self.training: Interrupts | None = None  # the callback of a fit in progress: stop at a step boundary
+        self.launcher: Any = None  # rank 0 of a Lightning DDP launch: forwards the signal to the other ranks
+        self.rank = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if get_worker_info() is not None:
+            return  # a DataLoader worker (forked with this handler): the main process stops the run
+        if self.users == 0:  # reinstated after we let go (Lightning's teardown restores what it found)
+            _call_previous(self.previous.get(signum, signal.SIG_DFL), signum, frame)
+            return
+        if self.training is not None:
+            self.training.record(signum)
+            return
+        launcher, self.launcher = self.launcher, None
+        if launcher is not None and hasattr(launcher, "kill"):
+            launcher.kill(signum)
+        raise Interrupted(signum, announce=self.rank == 0)
+
+    def acquire(self) -> bool:
+        """Install the handler (main thread only); False where signals cannot be handled here."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if self.users == 0:
+            for signum in HANDLED:
+                previous = signal.signal(signum, self)
+                if previous is not self:
+                    self.previous[signum] = previous
+        self.users += 1
+        return True
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.training, self.launcher, self.rank = None, None, 0
+            for signum in HANDLED:
+                signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+
+
+HANDLER = _Handler()
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM / Ctrl-C raise :class:`Interrupted` in this block (fit defers it to a step boundary)."""
+    installed = HANDLER.acquire()
+    try:
+        yield
+    finally:
+        if installed:
+            HANDLER.release()
 
 
 class Interrupts(StepBoundaryCallback):
-    """Turn SIGTERM / SIGINT during ``fit`` into "checkpoint at the next step boundary, exit 128 + signal"."""
+    """SIGTERM / SIGINT in any Trainer stage: ``fit`` saves at the next step boundary and exits 128 + signal;
+    the other stages stop at once (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.received = 0  # the signal number recorded by the handler, 0 for none
+        self.received = 0  # the signal number recorded during fit, 0 for none
         self._armed = False
-        self._previous: dict[int, Any] = {}
         self._rank = 0
-
-    # --- the handler --------------------------------------------------------------------------
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if get_worker_info() is not None:
-            return  # a DataLoader worker (forked with this handler): the main process stops the run
-        if not self._armed:  # outside fit (Lightning's teardown may reinstate us): behave as before
-            _call_previous(self._previous.get(signum, signal.SIG_DFL), signum, frame)
-            return
-        if self.received and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without the checkpoint
-        if not self.received:
-            self.received = signum
-            if self._rank == 0:  # os.write: print() is not safe inside a signal handler
-                name = signal.Signals(signum).name
-                again = " (Ctrl-C again stops without saving)" if signum == signal.SIGINT else ""
-                os.write(2, f"\n{name} received: saving a checkpoint after this training step, then exiting"
-                            f"{again}\n".encode())
 
     # --- Lightning hooks -----------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit" or threading.current_thread() is not threading.main_thread():
+        if self._armed or not HANDLER.acquire():
             return
+        self._armed = True
         self.received, self._rank = 0, trainer.global_rank
         lightning_compat.mute_sigterm_notifier(trainer)
-        for signum in HANDLED:
-            previous = signal.signal(signum, self._on_signal)
-            if previous is not self._on_signal and getattr(previous, "__self__", None) is not self:
-                self._previous[signum] = previous
-        self._armed = True
+        HANDLER.rank = trainer.global_rank
+        if stage == "fit":
+            HANDLER.training = self
+        else:
+            HANDLER.launcher = trainer.strategy.launcher if trainer.global_rank == 0 else None
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._disarm()
@@ -83,17 +138,31 @@ class Interrupts(StepBoundaryCallback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._disarm()
 
-    # --- the stop ------------------------------------------------------------------------------
     def _disarm(self) -> None:
         if not self._armed:
             return
         self._armed = False
-        if threading.current_thread() is threading.main_thread():
-            for signum in HANDLED:
-                signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if HANDLER.training is self:
+            HANDLER.training = None
+        HANDLER.launcher = None
+        HANDLER.release()
+
+    # --- fit: record, then stop at the step boundary ---------------------------------------------
+    def record(self, signum: int) -> None:
+        """Called by the handler during fit (signal-handler context: no printing but ``os.write``)."""
+        if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
+            raise Interrupted(signum, "Ctrl-C again: stopped without saving; the previous checkpoint is kept; "
+                                      f"{RESUME_HINT}", announce=self._rank == 0)
+        if not self.received:
+            self.received = signum
+            if self._rank == 0:
+                name = signal.Signals(signum).name
+                again = " (Ctrl-C again stops without saving)" if signum == signal.SIGINT else ""
+                os.write(2, f"\n{name} received: saving a checkpoint after this training step, then exiting"
+                            f"{again}\n".encode())
 
     def _check(self, trainer: L.Trainer) -> None:
-        if not self._armed:
+        if not self._armed or HANDLER.training is not self:
             return
         signum = max_over_ranks(trainer, self.received)  # SIGTERM (15) wins over SIGINT (2); 0 for none
         if not signum:
@@ -101,10 +170,8 @@ class Interrupts(StepBoundaryCallback):
         for logger in trainer.loggers:
             logger.save()  # flush the metrics logged so far
         fpath = save_final_checkpoint(trainer)
-        if trainer.is_global_zero:
-            print(f"{signal.Signals(signum).name}: saved {fpath} at global step {trainer.global_step}; continue "
-                  "with the same command and --ckpt_path last", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
+        raise Interrupted(signum, f"saved {fpath} at global step {trainer.global_step}; {RESUME_HINT}",
+                          announce=trainer.is_global_zero)
 
 
 def _call_previous(previous: Any, signum: int, frame: Any) -> None:
@@ -116,3 +183,4 @@ def _call_previous(previous: Any, signum: int, frame: Any) -> None:
             raise KeyboardInterrupt
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+

@@ -9,6 +9,11 @@ Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --cod
 (``codes.h5.rank{R}``) while predicting; at the end rank 0 merges the parts in rank order
 into the one file and deletes them. Predictions are not also kept in memory
 (``trainer.predict`` returns None): a dataset's codes can exceed RAM.
+
+Ctrl-C or SIGTERM (:mod:`sae_pipeline.interrupts`) stops it within seconds, exit 130 / 143: the
+codes being written (under ``NAME.tmp``) and the rank parts are removed, so nothing half-written
+carries the codes file's name and a previous file of that name is left as it was; the one line
+says so and to rerun the same command.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
+from feature_extraction.exit_status import Interrupted
 from sae_pipeline.codes import CodesWriter, count_codes, merge_codes
 
 
@@ -75,6 +81,11 @@ class CodesPredictionWriter(BasePredictionWriter):
         writer, self._writer = self._writer, None
         if writer is not None:  # removes the temporary file: no half-written codes under the real name
             writer.__exit__(type(exception), exception, None)
+        if trainer.world_size > 1:  # this rank's finished part (rank 0 may have been merging them)
+            part_fpath(self.fpath, trainer.global_rank).unlink(missing_ok=True)
+        if isinstance(exception, Interrupted) and not exception.detail:
+            kept = "left as it was" if self.fpath.exists() else "not created"
+            exception.detail = f"no codes written, {self.fpath} {kept}; rerun the same command"
 
 
 def _numpy(value: Any) -> np.ndarray:

@@ -13,6 +13,11 @@ Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose wi
 the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else)
 is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
 the pass starts and before anything is written.
+
+Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
+130 / 143 (:mod:`sae_pipeline.interrupts`): the site is built in a staging folder beside ``--out``
+and swapped in whole at the end, so an interruption leaves the previous site (or nothing) in
+``--out``; the one line says so and to rerun the same command.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Any, Optional
 
 import yaml
 
-from feature_extraction.exit_status import flag_error
+from feature_extraction.exit_status import Interrupted, flag_error
 from sae_pipeline.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
@@ -172,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from sae_pipeline.features.heatmaps import layout_of
     from sae_pipeline.features.pass_module import FeaturesModule
     from sae_pipeline.features.site import build_site
+    from sae_pipeline.interrupts import Interrupts
 
     sae = load_model(args)
     batch_size = int(settings["data.batch_size"])
@@ -185,17 +191,35 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(accelerator=settings["trainer.accelerator"], devices=settings["trainer.devices"],
                         num_nodes=int(settings["trainer.num_nodes"]), strategy=settings["trainer.strategy"],
                         precision=settings["trainer.precision"], logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, inference_mode=True)
-    trainer.predict(module, datamodule=datamodule)
-    if trainer.global_rank != 0:
-        return 0
-    assert module.state is not None and module.collection is not None
-    out = build_site(Path(args.out), sae.cpu(), module.state, module.collection, layout, datamodule,
-                     images_dpath=args.images, atoms=args.atoms, n_neighbours=args.neighbours)
+                        enable_model_summary=False, inference_mode=True,
+                        callbacks=[Interrupts(), pass_progress_bar()])
+    try:
+        trainer.predict(module, datamodule=datamodule)
+        if trainer.global_rank != 0:
+            return 0
+        assert module.state is not None and module.collection is not None
+        out = build_site(Path(args.out), sae.cpu(), module.state, module.collection, layout, datamodule,
+                         images_dpath=args.images, atoms=args.atoms, n_neighbours=args.neighbours)
+    except Interrupted as stop:
+        kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
+        stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
+        raise
     print(f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
           f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
           f"(or: python -m http.server --directory {out}, then http://localhost:8000)", flush=True)
     return 0
+
+
+def pass_progress_bar() -> Any:
+    """Lightning's progress bar (Rich where installed), labelled for this pass rather than "Predicting"."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    try:
+        import rich  # noqa: F401
+        base = RichProgressBar
+    except ImportError:
+        base = TQDMProgressBar
+    return type("FeaturesPassBar", (base,), {"predict_description": property(lambda self: "Features pass")})()
 
 
 if __name__ == "__main__":

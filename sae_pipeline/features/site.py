@@ -24,6 +24,7 @@ import html
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,11 +126,17 @@ def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[s
 
 
 def _swap_in(staging: Path, out: Path) -> None:
+    """Replace ``out`` by ``staging``; SIGINT / SIGTERM wait for the two renames (never no site at ``out``)."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    staging.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    held = {signal.SIGINT, signal.SIGTERM}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        if out.exists():
+            out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def write_thumbnails(root: Path, collection: dict[str, Any], layout: Layout, datamodule: Any,
