@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 
-from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, Interrupted, error_line
+from feature_extraction import exit_status
+from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
 
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
@@ -87,7 +88,8 @@ def _run(args: list[str], argv: list[str] | None) -> int:
         return status if isinstance(status, int) else 0
     _stop_early()
     try:
-        from sae_pipeline.interrupts import stop_signals  # loads torch and Lightning: seconds
+        # these load torch and Lightning (seconds)
+        from sae_pipeline.interrupts import stop_signals
         from sae_pipeline.lightning_noise import quiet_lightning
 
         quiet_lightning()
@@ -99,14 +101,14 @@ def _run(args: list[str], argv: list[str] | None) -> int:
 
             cli_main(argv)  # None: LightningCLI reads sys.argv itself
             return 0
-    except Interrupted as stop:
+    except exit_status.Interrupted as stop:
         if stop.announce and _rank() == 0:
             print(stop.line(INTERRUPTED.get(args[0], "rerun the same command")), file=sys.stderr, flush=True)
         return int(stop.code)
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(signum)
+    raise exit_status.Interrupted(signum)
 
 
 def _stop_early() -> None:

@@ -16,6 +16,9 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   folder and removed, the previous codes file or site stays as it was), and the command prints one
   line, ``interrupted (Ctrl-C): ...`` or ``terminated (SIGTERM): ...``, saying what was kept and
   to rerun the same command. Under a DDP launch rank 0 forwards the signal to the ranks it started.
+  An exception raised by a signal handler is lost when it lands in a ``__del__`` or weakref
+  callback ("Exception ignored in ..."), so the stop is also sticky: every later batch of a
+  stage, and each page of the features site, raises it again (:func:`raise_if_interrupted`).
 - **During ``fit``**: the handler only records the signal. After each training batch (and each
   validation pass) the ranks all-reduce what they received (one small all-reduce per step under
   DDP, none in a single process), so a signal that reached one rank stops every rank at the same
@@ -34,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -46,7 +50,7 @@ from sae_pipeline import lightning_compat
 from sae_pipeline.checkpointing import save_final_checkpoint
 from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
 
-__all__ = ["HANDLED", "HANDLER", "Interrupted", "Interrupts", "stop_signals"]
+__all__ = ["HANDLED", "HANDLER", "Interrupted", "Interrupts", "raise_if_interrupted", "stop_signals"]
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 RESUME_HINT = "continue with the same command and --ckpt_path last"
@@ -61,6 +65,8 @@ class _Handler:
         self.training: Interrupts | None = None  # the callback of a fit in progress: stop at a step boundary
         self.launcher: Any = None  # rank 0 of a Lightning DDP launch: forwards the signal to the other ranks
         self.rank = 0
+        self.previous_unraisable_hook = sys.unraisablehook
+        self.pending = 0  # the signal of a stop already raised (raised again at the next check)
 
     def __call__(self, signum: int, frame: Any) -> None:
         if get_worker_info() is not None:
@@ -74,6 +80,7 @@ class _Handler:
         launcher, self.launcher = self.launcher, None
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)
+        self.pending = self.pending or signum
         raise Interrupted(signum, announce=self.rank == 0)
 
     def acquire(self) -> bool:
@@ -81,6 +88,8 @@ class _Handler:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self.users == 0:
+            self.pending = 0
+            self.previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             for signum in HANDLED:
                 previous = signal.signal(signum, self)
                 if previous is not self:
@@ -92,11 +101,23 @@ class _Handler:
         self.users -= 1
         if self.users == 0:
             self.training, self.launcher, self.rank = None, None, 0
+            sys.unraisablehook = self.previous_unraisable_hook
             for signum in HANDLED:
                 signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
 
+    def _unraisable(self, unraisable: Any) -> None:
+        """Our stop, lost in a ``__del__``: no "Exception ignored" traceback (the next check raises it again)."""
+        if not isinstance(unraisable.exc_value, Interrupted):
+            self.previous_unraisable_hook(unraisable)
+
 
 HANDLER = _Handler()
+
+
+def raise_if_interrupted() -> None:
+    """Raise the stop a signal asked for, if the handler's own raise was lost (see the module docstring)."""
+    if HANDLER.pending and HANDLER.users:
+        raise Interrupted(HANDLER.pending, announce=HANDLER.rank == 0)
 
 
 @contextlib.contextmanager
@@ -137,6 +158,15 @@ class Interrupts(StepBoundaryCallback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._disarm()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        raise_if_interrupted()
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        raise_if_interrupted()
+
+    def on_predict_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        raise_if_interrupted()
 
     def _disarm(self) -> None:
         if not self._armed:

@@ -11,8 +11,9 @@ Studies share their runs (``OUT/runs``, ``OUT/models``): a run already trained a
 the same settings is reused, never retrained, so studies resume and add up; ``results.json``
 keeps the results of earlier studies in the same ``OUT``. Bad input ends with one ``error:``
 line and exit status 2 before anything is written; a runtime failure (a training run that
-failed, a full disk) with one line and 1; Ctrl-C with 130, SIGTERM with 143 (finished runs are
-kept and reused by a rerun). The convention is ``feature_extraction.exit_status``'s.
+failed, a full disk) with one line and 1; Ctrl-C with 130, SIGTERM with 143: finished runs are
+kept, and the run being trained saves its checkpoint; rerunning the same command reuses the
+finished runs and continues the interrupted one from its checkpoint (:mod:`.runs`). The convention is ``feature_extraction.exit_status``'s.
 """
 from __future__ import annotations
 
@@ -267,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_studies(args) / "report.md"
 
     status, out_fpath = run_cli(build_parser(), argv, run,
-                                interrupted=lambda config: f"finished runs in {flags(config).out} are kept (trained "
-                                                           "and exported runs are reused); rerun the same command to "
-                                                           "resume")
+                                interrupted=lambda config: f"finished runs in {flags(config).out} are kept; rerun the "
+                                                           "same command: it reuses them and continues the "
+                                                           "interrupted run from its last checkpoint")
     if status == 0:
         print(f"wrote {out_fpath}")
     return status

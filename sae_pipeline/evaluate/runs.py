@@ -10,9 +10,12 @@ runs that many ``python -m sae_pipeline fit`` subprocesses side by side.
 Layout under ``OUT``: ``runs/<name>/version_0`` (TensorBoard), ``runs/<name>/checkpoints``,
 ``models/<name>`` (the export: ``sae.safetensors`` + ``config.json``) and
 ``models/<name>/study_run.json`` (the run's settings, written last). Resume rule: a run whose
-``study_run.json`` exists and equals the planned settings is finished and never retrained; any
-other run is trained from scratch (its old folders are deleted first, so a half-written run
-cannot mix versions or checkpoints).
+``study_run.json`` exists and equals the planned settings is finished and never retrained. A run
+that was interrupted (Ctrl-C or SIGTERM make ``fit`` save ``last.ckpt`` before it exits) continues
+from that checkpoint, in the same TensorBoard folder, when ``runs/<name>/study_plan.json`` (its
+settings, written when it started) equals the planned settings; any other run is trained from
+scratch (its old folders are deleted first, so a half-written run cannot mix versions or
+checkpoints).
 
 How k reaches each variant (the paper compares SAEs "at equal sparsity") is the variant class's
 knowledge, ``sparsity_init_args(k, data)``: TopK, BatchTopK and MP-SAE take k itself; JumpReLU its
@@ -31,8 +34,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +53,7 @@ ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
 STUDIES = ("expressivity", "inference", "coherence", "concepts")
 RUN_FNAME = "study_run.json"
+PLAN_FNAME = "study_plan.json"  # runs/<name>/: the settings a run was started with (to resume it)
 
 
 def __getattr__(name: str) -> object:
@@ -248,15 +254,42 @@ def ensure_runs(specs: list[RunSpec], out_dpath: Path, jobs: int = 1,
     if jobs == 1:
         return [one(spec) for spec in todo]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, todo))
+        try:
+            return list(pool.map(one, todo))
+        except BaseException:  # Ctrl-C / SIGTERM (or a failed run): the other runs save and stop too
+            pool.shutdown(wait=False, cancel_futures=True)
+            _stop_live_runs()
+            raise
+
+
+_LIVE: set[subprocess.Popen] = set()  # the `fit` subprocesses running now (jobs > 1)
+_LIVE_LOCK = threading.Lock()
+
+
+def _stop_live_runs() -> None:
+    """SIGTERM to every running ``fit`` subprocess: each saves its ``last.ckpt`` and exits (a rerun resumes it)."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for process in live:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in live:
+        process.wait()
 
 
 def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, threads: int = 1) -> Path:
     """Train one run from scratch through the CLI, export it, then write its ``study_run.json``."""
     run_dpath, model_dpath = out_dpath / "runs" / spec.name, out_dpath / "models" / spec.name
-    shutil.rmtree(run_dpath, ignore_errors=True)
+    resume = interrupted_run(spec, out_dpath)
     shutil.rmtree(model_dpath, ignore_errors=True)
     args = spec.fit_args(out_dpath)
+    if resume is None:
+        shutil.rmtree(run_dpath, ignore_errors=True)
+        run_dpath.mkdir(parents=True)
+        write_text_atomic(run_dpath / PLAN_FNAME, json.dumps(spec.settings(), indent=2) + "\n")
+    else:
+        ckpt_fpath, version = resume
+        args += ["--ckpt_path", str(ckpt_fpath), "--trainer.logger.init_args.version", version]
     if in_process:
         _fit_in_process(args)
     else:
@@ -271,6 +304,24 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
               "log_dpath": str(log_dpath(spec, out_dpath))}
     write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")  # the marker appears whole, last
     return model_dpath
+
+
+def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
+    """``(last.ckpt, its TensorBoard version folder name)`` of an interrupted run of these settings, else None."""
+    from sae_pipeline.checkpointing import CheckpointError, read_checkpoint
+
+    run_dpath = Path(out_dpath) / "runs" / spec.name
+    ckpt_fpath, plan_fpath = run_dpath / "checkpoints" / "last.ckpt", run_dpath / PLAN_FNAME
+    if not (ckpt_fpath.is_file() and plan_fpath.is_file()):
+        return None
+    try:
+        if json.loads(plan_fpath.read_text()) != spec.settings():
+            return None
+        read_checkpoint(ckpt_fpath, for_fit=True)
+    except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, OSError):
+        return None
+    versions = [d.name for d in run_dpath.iterdir() if d.is_dir() and any(d.glob("events.out.tfevents*"))]
+    return (ckpt_fpath, versions[0]) if len(versions) == 1 else None
 
 
 def _fit_in_process(args: list[str]) -> None:
@@ -299,7 +350,14 @@ def _fit_subprocess(args: list[str], log_fpath: Path, threads: int) -> None:
     with log_fpath.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=environment).returncode
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
+        with _LIVE_LOCK:
+            _LIVE.add(process)
+        try:
+            code = process.wait()
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(process)
     if code != 0:
         tail = log_fpath.read_text(errors="replace").strip().splitlines()[-1:]
         raise RuntimeError(f"training exited with code {code} ({' '.join(tail)}); see {log_fpath}")

@@ -38,6 +38,7 @@ from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import (SourceImages, atom_image, describe, pixels_image, save_thumbnail,
                                           view_transform)
+from sae_pipeline.interrupts import raise_if_interrupted
 
 MARKER_FNAME = "features.json"
 LEVEL_MAX, NOT_STORED = 250, 255
@@ -110,6 +111,7 @@ def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[s
         (staging / "assets" / "site.css").write_text(CSS)
         (staging / "assets" / "site.js").write_text(JS)
         thumbs = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
+        raise_if_interrupted()
         _write_pages(staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours)
         np.savez(staging / "features.npz", **{name: value.numpy() for name, value in state.items()})
         summary = {"format": "sae_pipeline.features/1", "package_version": sae_pipeline.__version__,
@@ -118,6 +120,7 @@ def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[s
                    "data_source": str(datamodule.source), "layout": layout.kind, "n_images_shown": len(thumbs),
                    "build_seconds": round(time.perf_counter() - start, 3)}
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
+        raise_if_interrupted()
         _swap_in(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -185,6 +188,7 @@ def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dic
             atom_image(W[atom], layout.image_shape).save(root / "atoms" / "img" / f"{atom}.png")
     layout_json = json.dumps({"grid": list(layout.grid), "n_prefix": layout.n_prefix, "kind": layout.kind})
     for i, atom in enumerate(chosen):
+        raise_if_interrupted()  # Ctrl-C / SIGTERM: a long loop on big dictionaries (sae_pipeline.interrupts)
         prev_atom, next_atom = chosen[i - 1] if i > 0 else None, chosen[i + 1] if i + 1 < len(chosen) else None
         page = _atom_page(atom, state, collection, layout, thumbs, heat_row, width, with_page, prev_atom, next_atom,
                           frequency[atom], fire[atom], n_tokens, mean_value[atom], mean_step[atom] if has_steps else None,
