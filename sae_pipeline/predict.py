@@ -81,6 +81,8 @@ class CodesPredictionWriter(BasePredictionWriter):
         writer, self._writer = self._writer, None
         if writer is not None:  # removes the temporary file: no half-written codes under the real name
             writer.__exit__(type(exception), exception, None)
+        if not trainer.predicting:  # this callback is on every command's Trainer
+            return
         if trainer.world_size > 1:  # this rank's finished part (rank 0 may have been merging them)
             part_fpath(self.fpath, trainer.global_rank).unlink(missing_ok=True)
         if isinstance(exception, Interrupted) and not exception.detail:

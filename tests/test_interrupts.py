@@ -53,9 +53,15 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
+HEADS = {"SIGTERM": "terminated (SIGTERM)", "SIGINT": "interrupted (Ctrl-C)"}
+
+
 def saved_step(err: str, signame: str, last_fpath: str) -> int:
-    line, = [line for line in err.splitlines() if line.startswith(f"{signame}: saved")]
-    assert f"{signame}: saved {last_fpath} at global step " in line, line
+    """The step of the one line saying where the checkpoint is and how to continue (printed once, by rank 0)."""
+    head = HEADS[signame]
+    line, = [line for line in err.splitlines() if line.startswith(f"{head}: ")]
+    assert f"{head}: saved {last_fpath} at global step " in line, line
+    assert line.endswith("; continue with the same command and --ckpt_path last"), line
     return int(line.split("at global step ")[1].split(";")[0])
 
 
