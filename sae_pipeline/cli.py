@@ -231,8 +231,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         if ckpt:
             print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
         elif resumed and done:
-            print(f"Nothing to train: {resumed} is already at global step {trainer.global_step}, epoch "
-                  f"{trainer.current_epoch} ({done}); raise it to train further", flush=True)
+            print(f"Nothing to train: {resumed} is already at {done}; raise it to train further", flush=True)
         else:
             print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
                   flush=True)
@@ -243,11 +242,12 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
 
 
 def already_done(trainer: Any) -> str | None:
-    """The stopping setting a resumed run had already reached (``--trainer.max_steps N``), or None."""
+    """Where a resumed run already was that its stopping setting had reached (``global step N
+    (--trainer.max_steps N)``), or None."""
     if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return f"--trainer.max_steps {trainer.max_steps}"
+        return f"global step {trainer.global_step} (--trainer.max_steps {trainer.max_steps})"
     if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
-        return f"--trainer.max_epochs {trainer.max_epochs}"
+        return f"epoch {trainer.current_epoch} (--trainer.max_epochs {trainer.max_epochs})"
     return None
 
 
