@@ -256,3 +256,22 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
     assert f"--ckpt_path {run_dpath / 'checkpoints' / 'last.ckpt'}" in record  # resumed, not retrained
     assert torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == steps
     assert sorted(p.name for p in run_dpath.iterdir() if p.name.startswith("version")) == ["version_0"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_path: Path) -> None:
+    """``docker stop`` / ``timeout`` signal only the launcher (rank 0): it forwards to the rank it started."""
+    codes = tmp_path / "codes.h5"
+    command = Command(trained, "predict", *SLOW, "--codes.fpath", str(codes), "--trainer.enable_progress_bar", "false",
+                      "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    command.wait_for(lambda: len(list(tmp_path.glob("codes.h5.rank*.tmp"))) == 2, "both ranks writing their part")
+    rank1, = [int(pid) for pid in Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text()
+              .split()]
+    command.signal(signal.SIGTERM)
+    assert command.finish() == 143, command.text()[-3000:]
+    assert "no codes written" in the_line(command, signal.SIGTERM)  # printed once, by rank 0
+    assert list(tmp_path.iterdir()) == []  # no part, no temporary file, no codes file
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{rank1}").exists() and "zombie" not in Path(f"/proc/{rank1}/status").read_text():
+        assert time.monotonic() < deadline, "rank 1 still running"
+        time.sleep(0.1)
