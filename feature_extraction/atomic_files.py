@@ -51,7 +51,10 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file: the user's umask decides who may read
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # torch's and HDF5's messages for a failed write: they keep errno only as text (or in __context__)
-_OUT_OF_SPACE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|(errno = |os error )(28|122)\b")
+_OUT_OF_SPACE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|(errno = |os error )(28|122)\b",
+                                re.IGNORECASE)
+# where the failed write went: HDF5's message, or our own line relayed by a parent process
+_WRITTEN_TEXT = re.compile(r"filename = '([^']+)'|no space left on device writing (\S+?)(?: \(|;|$)")
 
 
 class DiskFullError(OSError):
@@ -90,9 +93,9 @@ def _written_path(error: BaseException) -> str | None:
         path = getattr(error, "path", None) if isinstance(error, DiskFullError) else getattr(error, "filename", None)
         if path:
             return str(path)
-        match = re.search(r"filename = '([^']+)'", str(error))  # HDF5's message
+        match = _WRITTEN_TEXT.search(str(error))
         if match:
-            return match.group(1)
+            return match.group(1) or match.group(2)
         error = error.__cause__ or error.__context__
     return None
 

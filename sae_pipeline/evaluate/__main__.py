@@ -269,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     status, out_fpath = run_cli(build_parser(), argv, run,
                                 interrupted=lambda config: f"finished runs in {flags(config).out} are kept (trained "
                                                            "and exported runs are reused); rerun the same command to "
-                                                           "resume")
+                                                           "resume",
+                                kept=lambda config: f"the finished runs in {flags(config).out}")
     if status == 0:
         print(f"wrote {out_fpath}")
     return status
