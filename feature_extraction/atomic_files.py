@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DiskFullError", "atomic_path", "check_free_space", "disk_full_line", "free_bytes", "fsync_dir", "fsync_file", "out_of_space",
+           "quiet_thread_disk_full", "writing",
            "write_json_atomic", "write_text_atomic"]
 
 TMP_SUFFIX = ".tmp"
@@ -113,6 +114,25 @@ def disk_full_line(error: BaseException, kept: str | None = None) -> str | None:
     """The one ``error:`` line for a full disk (``kept``: the command's own words when the error has none),
     or None when ``error`` is something else."""
     return f"error: {disk_full_message(error, kept)}" if out_of_space(error) else None
+
+
+@contextmanager
+def writing(path: Path | str, kept: str | None = None) -> Iterator[None]:
+    """Name ``path`` (a file or folder being written) in the :class:`DiskFullError` of a full disk inside the
+    block, for writers whose own errors do not say where they were writing (TensorBoard, matplotlib)."""
+    try:
+        yield
+    except Exception as exn:
+        if out_of_space(exn) and not isinstance(exn, DiskFullError):
+            raise DiskFullError(path, kept) from exn
+        raise
+
+
+def quiet_thread_disk_full(args: Any) -> None:
+    """``threading.excepthook`` that leaves a full disk in a helper thread (TensorBoard's event writer) to the
+    main thread, which meets the same error and prints the one line; other errors print as usual."""
+    if not out_of_space(args.exc_value):
+        threading.__excepthook__(args)
 
 
 def free_bytes(dpath: Path | str) -> int:

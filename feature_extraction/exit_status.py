@@ -26,10 +26,11 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from feature_extraction.atomic_files import disk_full_line
+from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Terminated", "error_line",
            "flag_error", "one_line", "run_cli", "run_command"]
@@ -114,6 +115,7 @@ def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bo
     """
     previous = None
     _TERMINATED.clear()
+    threading.excepthook = quiet_thread_disk_full
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread: leave SIGTERM alone

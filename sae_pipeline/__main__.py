@@ -23,9 +23,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import time
 
-from feature_extraction.atomic_files import disk_full_line
+from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
 from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, error_line
 
 PROG = "python -m sae_pipeline"
@@ -80,6 +81,7 @@ def _run(args: list[str], argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    threading.excepthook = quiet_thread_disk_full  # the main thread prints a full disk's one line
     try:
         return _run(args, argv)
     except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
