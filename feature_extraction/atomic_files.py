@@ -12,9 +12,9 @@ the temporary file and leaves the previous file, if any, as it was.
 - ``write_text_atomic`` / ``write_json_atomic``: the common case in one call.
 
 The file gets the mode a plain ``open()`` would give it (0666 less the user's umask), whatever
-mode the writing library chose for its temporary file. The temporary name is ``NAME.tmp`` by default: a file has one writer, so a rerun after a
-kill overwrites what the killed run left instead of adding to it. Callers whose readers
-must not see the temporary file (checkpoints: ``.NAME.partial``) or whose writers may race
+mode the writing library chose for its temporary file (safetensors: 0600). The temporary name is
+``NAME.tmp`` by default: a file has one writer, so a rerun after a kill overwrites what the
+killed run left instead of adding to it. Callers whose readers must not see the temporary file (checkpoints: ``.NAME.partial``) or whose writers may race
 (``exclusive``) pass their own.
 
 A full disk (``ENOSPC``, or ``EDQUOT`` a full quota) is one error for every command:
@@ -23,8 +23,10 @@ removed, and the command prints ``error: no space left on device writing PATH; k
 space and rerun the same command`` and exits 1 (``exit_status.run_command``, and
 ``python -m sae_pipeline`` for the Lightning commands). :func:`out_of_space` also recognises the
 wrappings of that error by torch (a ``RuntimeError`` whose context is the ``OSError``) and HDF5
-(``errno = 28`` in the message). HDF5 cannot be told in time: once a write fails, h5py may crash
-the interpreter, so HDF5 writers call :func:`check_free_space` before each write instead.
+(``errno = 28`` in the message) and safetensors (``os error 28``). Writers whose errors do not
+name their file (TensorBoard, matplotlib) run inside :func:`writing`. HDF5 cannot be told in time:
+once a write fails, h5py may crash the interpreter, so HDF5 writers call :func:`check_free_space`
+before each write instead.
 """
 from __future__ import annotations
 
@@ -38,9 +40,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DiskFullError", "atomic_path", "check_free_space", "disk_full_line", "free_bytes", "fsync_dir", "fsync_file", "out_of_space",
-           "quiet_thread_disk_full", "writing",
-           "write_json_atomic", "write_text_atomic"]
+__all__ = ["DiskFullError", "atomic_path", "check_free_space", "disk_full_line", "free_bytes", "fsync_dir",
+           "fsync_file", "out_of_space", "quiet_thread_disk_full", "write_json_atomic", "write_text_atomic", "writing"]
 
 TMP_SUFFIX = ".tmp"
 def _umask() -> int:

@@ -5,9 +5,9 @@ to fix it (as argparse does); 1 a runtime failure (disk full, a held lock), also
 130 Ctrl-C and 143 SIGTERM (``docker stop``, ``timeout``, a cluster's kill), one line saying
 what was kept. A full disk (or quota), wherever it happens and however a library wraps it, is one
 line too: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
-command``, exit 1 (``atomic_files.disk_full_line``). Errors the product raises for bad input are ``ValueError`` s whose message names
-the file or flag and the fix; runtime failures are ``OSError`` / ``RuntimeError``. Anything
-else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
+command``, exit 1 (``atomic_files.disk_full_line``). Errors the product raises for bad input are
+``ValueError`` s whose message names the file or flag and the fix; runtime failures are
+``OSError`` / ``RuntimeError``. Anything else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
 every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
