@@ -225,6 +225,7 @@ except DiskFullError as exn:
 
 
 # --- item 4: features' --out checked before the pass ------------------------------------------------------------
+@pytest.mark.slow
 def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_path: Path, features_data) -> None:
     with tmpfs(tmp_path / "ro", "64k", read_only=True) as read_only:
         result = sae_pipeline("features", "--sae", str(features_data["sae"]), "--data.source",
@@ -235,6 +236,7 @@ def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_p
     assert "GPU available" not in result.stderr + result.stdout  # the Trainer of the pass was never built
 
 
+@pytest.mark.slow
 def test_features_out_on_a_mount_point_is_exit_2_before_the_pass(disk: Path, features_data) -> None:
     result = sae_pipeline("features", "--sae", str(features_data["sae"]), "--data.source",
                           str(features_data["shards"]), *FEATURES, "--out", str(disk))
@@ -245,6 +247,7 @@ def test_features_out_on_a_mount_point_is_exit_2_before_the_pass(disk: Path, fea
     assert list(disk.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_killed_features_partial_folder_is_removed_by_the_rerun(tmp_path: Path, features_data) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -267,8 +270,7 @@ def test_bad_layer_leaves_no_output_folder(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
-@pytest.mark.parametrize("export_format", ["native", "saelens"])
+@pytest.mark.parametrize(("umask", "mode", "export_format"), [(0o022, 0o644, "native"), (0o077, 0o600, "saelens")])
 def test_exported_files_follow_the_umask(tmp_path: Path, umask: int, mode: int, export_format: str) -> None:
     ckpt = write_checkpoint(tmp_path / "model.ckpt", 128)
     result = sae_pipeline("export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "export"), "--format",
