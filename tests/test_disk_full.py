@@ -278,3 +278,19 @@ def test_exported_files_follow_the_umask(tmp_path: Path, umask: int, mode: int, 
     assert result.returncode == 0, result.stderr[-3000:]
     files = sorted((tmp_path / "export").iterdir())
     assert len(files) == 2 and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(mode)}
+
+
+def test_stale_folders_of_dead_runs_are_removed_and_a_swapped_out_site_put_back(tmp_path: Path) -> None:
+    from sae_pipeline.features.site import MARKER_FNAME, remove_stale_partials
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = tmp_path / f".site.old-{dead.pid}"  # killed between moving the old site away and moving the new one in
+    old.mkdir()
+    (old / MARKER_FNAME).write_text("{}")
+    (tmp_path / f".site.partial-{dead.pid}").mkdir()
+    running = tmp_path / f".site.partial-{os.getppid()}"  # a build still running (our parent is alive)
+    running.mkdir()
+    assert remove_stale_partials(tmp_path / "site") == [tmp_path / f".site.partial-{dead.pid}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "site"]
+    assert (tmp_path / "site" / MARKER_FNAME).read_text() == "{}"

@@ -64,12 +64,16 @@ def check_out_dir(out: Path) -> None:
 
 def remove_stale_partials(out: Path) -> list[Path]:
     """Remove the staging (``.OUT.partial-PID``) and swapped-out (``.OUT.old-PID``) folders of runs whose
-    process is gone (killed before they could clean up); returns what was removed."""
+    process is gone (killed before they could clean up); returns what was removed. A swapped-out site
+    with no site in its place (killed between the two renames) is put back instead."""
     removed = []
     parent = out.parent if out.parent.is_dir() else None
-    for path in parent.iterdir() if parent else ():
+    for path in sorted(parent.iterdir()) if parent else ():
         head, _, pid = path.name.rpartition("-")
         if head not in (f".{out.name}.partial", f".{out.name}.old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if head == f".{out.name}.old" and not out.exists():
+            path.rename(out)
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
