@@ -140,7 +140,8 @@ def _kept(target: Path) -> str:
     names = sorted(fpath.name for fpath in target.parent.glob("*.ckpt"))
     if not names:
         return f"no checkpoint in {target.parent} yet"
-    return f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged"
+    return (f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
+            "resumes from the newest)")
 
 
 def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:
