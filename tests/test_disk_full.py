@@ -136,6 +136,13 @@ def _fit_resumed(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]
     return [*args, "--ckpt_path", "last", "--trainer.max_steps", "4"], leave
 
 
+def _fit_over_last(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
+    (disk / "ckpts").mkdir()
+    (disk / "ckpts" / "last.ckpt").write_bytes(trained.read_bytes())
+    return ["fit", *SMALL_FIT, "--checkpoint.dirpath", str(disk / "ckpts"), "--trainer.default_root_dir",
+            str(data["root"])], 100_000
+
+
 def _predict(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
     return ["predict", *SMALL_FIT, "--ckpt_path", str(trained), "--codes.fpath", str(disk / "codes" / "codes.h5"),
             "--trainer.default_root_dir", str(data["root"])], 60_000
@@ -172,6 +179,8 @@ def _evaluate(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
 CASES: dict[str, tuple[Callable, str]] = {  # command -> (set-up, what the line must say was kept)
     "fit": (_fit, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
     "fit --ckpt_path last": (_fit_resumed, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
+    "fit over a previous last.ckpt": (_fit_over_last, "kept: the checkpoints already in {disk}/ckpts (last.ckpt), "
+                                                      "unchanged (fit --ckpt_path last resumes from the newest)"),
     "predict": (_predict, "kept: no codes file (the partial codes.h5.tmp was removed)"),
     "export over a previous export": (_export, "kept: the previous export in {disk}/export, unchanged"),
     "features over a previous site": (_features, "kept: the previous site in {disk}/site, unchanged"),
