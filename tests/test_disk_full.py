@@ -176,6 +176,11 @@ def _evaluate(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
             str(disk / "eval")], 4_000
 
 
+def _evaluate_study(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
+    return ["evaluate", "inference", "--variants", "topk", "--k", "5", "--p", "128", "--p_main", "128", "--k_main",
+            "5", "--max_steps", "2", "--out", str(disk / "eval")], 150_000  # fits the run's logs, not its checkpoint
+
+
 CASES: dict[str, tuple[Callable, str]] = {  # command -> (set-up, what the line must say was kept)
     "fit": (_fit, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
     "fit --ckpt_path last": (_fit_resumed, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
@@ -186,6 +191,7 @@ CASES: dict[str, tuple[Callable, str]] = {  # command -> (set-up, what the line 
     "features over a previous site": (_features, "kept: the previous site in {disk}/site, unchanged"),
     "extract": (_extract, "kept: the complete shards in {disk}/shards"),
     "evaluate": (_evaluate, "kept: the finished runs in {disk}/eval"),
+    "evaluate study": (_evaluate_study, "kept: no checkpoint in {disk}/eval/runs/topk_p128_k5/checkpoints yet"),
 }
 
 
