@@ -58,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     kept = ("finished shards are kept; rerun the same command to resume" if command == "extract" else
             "manifest.json was not written; rerun finalize")
-    status, summary = run_cli(build_parser(command), argv, run, interrupted=kept)
+    status, summary = run_cli(build_parser(command), argv, run, interrupted=kept,
+                              kept=lambda parsed: f"the complete shards in {parsed.out}")
     if status == 0:
         print(json.dumps(summary, default=str))
     return status

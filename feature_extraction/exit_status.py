@@ -3,9 +3,11 @@
 DESIGN.md: 0 success; 2 bad input, one ``error:`` line on stderr saying what is wrong and how
 to fix it (as argparse does); 1 a runtime failure (disk full, a held lock), also one line;
 130 Ctrl-C and 143 SIGTERM (``docker stop``, ``timeout``, a cluster's kill), one line saying
-what was kept. Errors the product raises for bad input are ``ValueError`` s whose message names
-the file or flag and the fix; runtime failures are ``OSError`` / ``RuntimeError``. Anything
-else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
+what was kept. A full disk (or quota), wherever it happens and however a library wraps it, is one
+line too: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
+command``, exit 1 (``atomic_files.disk_full_line``). Errors the product raises for bad input are
+``ValueError`` s whose message names the file or flag and the fix; runtime failures are
+``OSError`` / ``RuntimeError``. Anything else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
 every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
@@ -27,8 +29,11 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Interrupted", "Terminated",
            "error_line", "flag_error", "interrupted_head", "one_line", "run_cli", "run_command"]
@@ -99,13 +104,14 @@ def flag_error(error: argparse.ArgumentError, subcommands: Sequence[str] = ()) -
 
 
 def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
-            interrupted: str | Callable[[Any], str], error_type: bool = False) -> tuple[int, Any]:
+            interrupted: str | Callable[[Any], str], error_type: bool = False,
+            kept: str | Callable[[Any], str] | None = None) -> tuple[int, Any]:
     """Parse ``argv`` with ``parser`` (jsonargparse, ``exit_on_error=False``), then run ``command(config)``.
 
     A flag error prints one ``error: ... (see PROG --help)`` line and returns exit status 2 before
     anything runs; ``--help`` and ``--print_config`` exit 0 as usual. The rest is
-    :func:`run_command`'s; ``interrupted`` may be a function of the parsed config (it names what
-    was kept, e.g. the ``--out`` folder).
+    :func:`run_command`'s; ``interrupted`` and ``kept`` may be functions of the parsed config (they
+    name what was kept, e.g. the ``--out`` folder).
     """
     subcommands = [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
                    for name in action.choices]
@@ -116,19 +122,25 @@ def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
             raise
         print(f"error: {flag_error(error, subcommands)} (see {parser.prog} --help)", file=sys.stderr)
         return EXIT_BAD_INPUT, None
-    kept = interrupted(config) if callable(interrupted) else interrupted
-    return run_command(lambda: command(config), interrupted=kept, error_type=error_type)
+    kept_interrupted = interrupted(config) if callable(interrupted) else interrupted
+    kept_disk_full = kept(config) if callable(kept) else kept
+    return run_command(lambda: command(config), interrupted=kept_interrupted, error_type=error_type,
+                       kept=kept_disk_full)
 
 
-def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False) -> tuple[int, Any]:
+def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False,
+                kept: str | None = None) -> tuple[int, Any]:
     """Run ``function()`` under the convention; returns ``(exit status, result or None)``.
 
     ``interrupted`` says what an interruption leaves (e.g. "finished shards are kept; rerun
     the same command to resume"), printed after ``interrupted (Ctrl-C):``. ``error_type``:
     lines read ``error: ExportError: ...``, as ``python -m sae_pipeline``'s own commands print them.
+    ``kept``: what a full disk leaves, for the ``kept:`` part of its line when the error itself does
+    not say (``atomic_files.DiskFullError.kept``).
     """
     previous = None
     _TERMINATED.clear()
+    threading.excepthook = quiet_thread_disk_full
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:  # not the main thread: leave SIGTERM alone
@@ -151,6 +163,10 @@ def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bo
             return EXIT_TERMINATED, None
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
+        disk_full = disk_full_line(error, kept)
+        if disk_full:
+            print(disk_full, file=sys.stderr)
+            return EXIT_RUNTIME, None
         print(error_line(error, error_type), file=sys.stderr)
         return (EXIT_BAD_INPUT if isinstance(error, ValueError) else EXIT_RUNTIME), None
     finally:

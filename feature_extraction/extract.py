@@ -58,7 +58,7 @@ from tqdm import tqdm
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
-from feature_extraction.output_dirs import prepare_output_dir
+from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from feature_extraction.shards import (
     assign_shards, format_indices, image_id_from_key, image_key, shard_is_complete, shard_is_intact, shards_for_task,
 )
@@ -275,13 +275,14 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     keys = [image_key(r.image_id) for r in records]
     by_key = {key: i for i, key in enumerate(keys)}
     shards = assign_shards(keys, shard_size)
-    out_dpath = prepare_output_dir(out, "--out")  # before the backbone loads: a bad --out costs nothing
+    check_output_path(out, "--out")  # before the backbone loads: a bad --out costs nothing (and creates nothing)
     if checkpoint_path is not None:
         checkpoint_path = os.path.abspath(os.path.expanduser(checkpoint_path))
     random_weights = not pretrained and checkpoint_path is None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = load_backbone(backbone, pretrained=pretrained, checkpoint_path=checkpoint_path, layer=layer)
+    out_dpath = prepare_output_dir(out, "--out")  # after the backbone's checks: a bad --layer leaves no folder
     model.to(torch_device)
 
     record = {

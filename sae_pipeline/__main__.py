@@ -10,7 +10,9 @@ SIGTERM; one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line 
 kept and how to rerun, :mod:`sae_pipeline.interrupts`), 1 anything unexpected. Errors the product raises for bad input are
 ``ValueError`` s naming the file, field or flag and the fix, printed by
 ``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
-``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead.
+``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead. A full disk is one line and exit 1 in every
+command: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
+command`` (``feature_extraction.atomic_files.DiskFullError``).
 
 In a multi-process job (``srun``, torchrun) every rank usually hits the same bad input at the
 same moment. Ranks other than 0 wait a few seconds before printing theirs: rank 0's exit
@@ -27,7 +29,8 @@ import threading
 import time
 
 from feature_extraction import exit_status
-from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, error_line
+from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
+from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, error_line
 
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
@@ -121,6 +124,7 @@ def _stop_early() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    threading.excepthook = quiet_thread_disk_full  # the main thread prints a full disk's one line
     try:
         return _run(args, argv)
     except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
@@ -133,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(PEER_ERROR_DELAY_S)
         print(error_line(exn, error_type=True), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except (OSError, RuntimeError) as exn:  # a full disk in fit, predict or features; anything else is a bug
+        line = disk_full_line(exn)
+        if line is None or os.environ.get("SAE_PIPELINE_TRACEBACK"):
+            raise
+        print(line, file=sys.stderr)
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(target, target.with_name(f".{target.name}{PARTIAL_SUFFIX}")) as partial, \
-                open(partial, "wb") as f:
+        partial_fpath = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+        with atomic_path(target, partial_fpath, kept=_kept(target)) as partial, open(partial, "wb") as f:
             marker = _pause_marker(checkpoint, target)
             if marker is None:
                 torch.save(checkpoint, f)
@@ -133,6 +133,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         off from the environment (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)."""
         kwargs = {} if map_location is None else {"map_location": map_location}  # else Lightning's default
         return super().load_checkpoint(path, weights_only=True, **kwargs)
+
+
+def _kept(target: Path) -> str:
+    """What a failed save leaves: the checkpoints already in its folder, which it does not touch."""
+    names = sorted(fpath.name for fpath in target.parent.glob("*.ckpt"))
+    if not names:
+        return f"no checkpoint in {target.parent} yet"
+    return (f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
+            "resumes from the newest)")
 
 
 def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:

@@ -9,6 +9,10 @@ resizable datasets ``image_ids``, ``token_positions``, ``indices``, ``values``. 
   interrupted ``predict`` leaves no half file under the real name.
 - Padded to a common width that grows when a later chunk has more active atoms (ReLU/JumpReLU
   codes have no fixed k); chunks of 4096 x 32 keep a few tokens' codes cheap to read.
+- A full disk is checked before each chunk is handed to HDF5 (room for the chunk's raw bytes plus
+  ``H5_RESERVE_BYTES`` for HDF5's chunk caches and metadata): HDF5 cannot recover from a failed
+  write (h5py then crashes the interpreter), so ``predict`` stops with one ``no space left on
+  device`` line first, and the temporary file is removed.
 - ``merge_codes`` joins the per-rank parts of a DDP ``predict`` in rank order, chunk by chunk.
 """
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-from feature_extraction.atomic_files import atomic_path
+from feature_extraction.atomic_files import atomic_path, check_free_space
 from feature_extraction.h5cache import FORMAT_ATTR, open_checked, read_attrs, write_attrs
 
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
@@ -30,6 +34,8 @@ WRITER = "python -m sae_pipeline predict"
 MERGE_CHUNK_ROWS = 1 << 16
 _CODES_CHUNK_ROWS = 4096
 _CODES_CHUNK_COLS = 32
+# what HDF5 may still write beyond a chunk's raw bytes: up to 1 MiB of chunk cache per dataset, and metadata
+H5_RESERVE_BYTES = 5 << 20
 
 
 class CodesWriter:
@@ -51,11 +57,15 @@ class CodesWriter:
         self.n_rows = 0
         self._h5: h5py.File | None = None
         self._stack: ExitStack | None = None
+        self._kept = ""
 
     def __enter__(self) -> CodesWriter:
         self.fpath.parent.mkdir(parents=True, exist_ok=True)
+        self._kept = (f"the previous {self.fpath}, unchanged" if self.fpath.exists() else
+                      f"no codes file (the partial {self.fpath.name}.tmp was removed)")
+        check_free_space(self.fpath, H5_RESERVE_BYTES, self._kept)
         with ExitStack() as stack:  # unwound here (temporary file removed) only if setting up the file fails
-            tmp = stack.enter_context(atomic_path(self.fpath))
+            tmp = stack.enter_context(atomic_path(self.fpath, kept=self._kept))
             h5 = stack.enter_context(h5py.File(tmp, "w"))
             h5.attrs[FORMAT_ATTR] = CODES_FORMAT
             write_attrs(h5, self.attrs)
@@ -89,6 +99,8 @@ class CodesWriter:
                              f"{list(token_positions.shape)}")
         if indices.size and (indices.min() < -1 or (self.d_sae is not None and indices.max() >= self.d_sae)):
             raise ValueError(f"indices must be in [-1, d_sae={self.d_sae}), got [{indices.min()}, {indices.max()}]")
+        n_bytes = indices.nbytes + values.nbytes + token_positions.nbytes + sum(len(str(i)) + 16 for i in image_ids)
+        check_free_space(self.fpath, n_bytes + H5_RESERVE_BYTES, self._kept)  # before HDF5 can fail
         h5 = self._h5
         start, k = self.n_rows, indices.shape[1]
         width = max(h5["indices"].shape[1], k)

@@ -13,7 +13,9 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 :mod:`sae_pipeline.sae.config`, which the training module uses too.
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
-(SAELens's format: :mod:`sae_pipeline.saelens`).
+(SAELens's format: :mod:`sae_pipeline.saelens`). Both files are replaced together or not at all:
+a full disk ends with one ``no space left on device`` line (exit 1) and leaves a previous export
+in ``--out`` whole. The files get the user's umask (e.g. 0644 under umask 022).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import sae_pipeline
-from feature_extraction.atomic_files import atomic_path
+from feature_extraction.atomic_files import DiskFullError, atomic_path
 from feature_extraction.exit_status import run_cli
 from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
@@ -135,13 +137,17 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     out_dpath = prepare_output_dir(out_dpath, "--out")
     weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
     config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
+    previous = (out_dpath / config_fname).exists() or (out_dpath / weights_fname).exists()
+    kept = f"the previous export in {out_dpath}, unchanged" if previous else f"no export in {out_dpath}"
     try:  # the inner (weights) is renamed first, the config last
-        with atomic_path(out_dpath / config_fname, config_tmp) as config_tmp, \
-                atomic_path(out_dpath / weights_fname, weights_tmp) as weights_tmp:
+        with atomic_path(out_dpath / config_fname, config_tmp, kept=kept) as config_tmp, \
+                atomic_path(out_dpath / weights_fname, weights_tmp, kept=kept) as weights_tmp:
             save_file(tensors, str(weights_tmp), metadata=weights_metadata)
             if record_sha256:
                 config = {**config, "weights_sha256": file_sha256(weights_tmp)}
             config_tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    except DiskFullError:
+        raise
     except OSError as exn:
         raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
                       "choose another --out (the previous export there, if any, is unchanged)") from None

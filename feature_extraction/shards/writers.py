@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from feature_extraction.atomic_files import write_json_atomic
-from feature_extraction.shards.layout import skipped_fname
+from feature_extraction.atomic_files import OUT_OF_SPACE_ERRNOS, DiskFullError, write_json_atomic
+from feature_extraction.shards.layout import shard_fname, skipped_fname
 from feature_extraction.shards.write import write_shard
 
 __all__ = ["ShardWriters"]
@@ -138,6 +138,9 @@ class ShardWriters:
         if not self.errors:
             return
         index, kind, errno_, reason = min(self.errors, key=lambda e: e[0])
+        if kind == "OSError" and errno_ in OUT_OF_SPACE_ERRNOS:
+            raise DiskFullError(self.out_dpath / shard_fname(index), f"the complete shards in {self.out_dpath} "
+                                "(a rerun resumes after them; the partial shard was removed)")
         if kind == "OSError":
             raise OSError(errno_, f"could not write shard {index} in {self.out_dpath}: {reason}; free space or fix "
                                   "the output directory and rerun (complete shards are kept)")

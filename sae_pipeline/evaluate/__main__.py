@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     status, out_fpath = run_cli(build_parser(), argv, run,
                                 interrupted=lambda config: f"finished runs in {flags(config).out} are kept; rerun the "
                                                            "same command: it reuses them and continues the "
-                                                           "interrupted run from its last checkpoint")
+                                                           "interrupted run from its last checkpoint",
+                                kept=lambda config: f"the finished runs in {flags(config).out}")
     if status == 0:
         print(f"wrote {out_fpath}")
     return status

@@ -15,7 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
-from feature_extraction.atomic_files import write_text_atomic
+from feature_extraction.atomic_files import write_text_atomic, writing
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
 from sae_pipeline.evaluate.runs import LABELS
@@ -118,15 +118,19 @@ def save_figures(figures: dict[str, Figure], out_dpath: Path, tag_prefix: str = 
     figures_dpath = Path(out_dpath) / "figures"
     figures_dpath.mkdir(parents=True, exist_ok=True)
     written = []
-    writer = SummaryWriter(str(Path(out_dpath) / "tensorboard"))
+    with writing(Path(out_dpath) / "tensorboard"):
+        writer = SummaryWriter(str(Path(out_dpath) / "tensorboard"))
     try:
         for name, figure in figures.items():
             fpath = figures_dpath / f"{name}.png"
-            figure.savefig(fpath, dpi=DPI)
+            with writing(fpath):
+                figure.savefig(fpath, dpi=DPI)
             written.append(fpath)
-            writer.add_figure(f"{tag_prefix}/{name}", figure, global_step=0, close=False)
+            with writing(Path(out_dpath) / "tensorboard"):
+                writer.add_figure(f"{tag_prefix}/{name}", figure, global_step=0, close=False)
     finally:
-        writer.close()
+        with writing(Path(out_dpath) / "tensorboard"):
+            writer.close()
     return written
 
 

@@ -10,8 +10,8 @@ is ignored; flags override them. Every rank runs this same command (Lightning st
 other processes, or ``srun`` does); rank 0 writes the site.
 
 Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose width is not
-the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else)
-is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
+the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else, on a
+read-only file system or a mount point) is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
 the pass starts and before anything is written.
 
 Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
@@ -135,7 +135,7 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     """Every one-line refusal that can be known before the pass."""
     from sae_pipeline.data.sources import ShardSource
     from sae_pipeline.features.images import SourceImages
-    from sae_pipeline.features.site import check_out_dir
+    from sae_pipeline.features.site import check_out_dir, remove_stale_partials
 
     if args.top < 1:
         raise ValueError(f"--top must be >= 1 (images kept per atom), got {args.top}")
@@ -159,6 +159,7 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
             for _, _, _, _, meta in read_shard_samples(fpaths[0], [0]):
                 SourceImages(args.images).check(meta)
     check_out_dir(Path(args.out))
+    remove_stale_partials(Path(args.out))
 
 
 def main(argv: list[str] | None = None) -> int:
