@@ -28,7 +28,10 @@ The conversions, by PIL mode:
 - Anything else (e.g. ``La``): :class:`UnsupportedImageMode`. The extraction counts such an
   image as skipped and lists it, with the reason, in the manifest's ``skipped``.
 
-A multi-frame file (a TIFF stack, an animated GIF) gives its first frame.
+A multi-frame file (a TIFF stack, an animated GIF) gives its first frame. A 16-bit colour
+file (48-bit RGB PNG or TIFF) reaches these rules already reduced to 8 bits per channel by
+PIL's decoder (the high byte of each value); a float colour TIFF cannot be decoded by PIL and
+is skipped.
 """
 from __future__ import annotations
 
