@@ -132,6 +132,7 @@ def _list_folder(root: Path) -> list[ImageRecord]:
             for label, class_dir in enumerate(class_dirs) for p in _files_under(class_dir)]
 
 
+_ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
 # webdataset's key/extension split: the key is the path up to the first dot of the basename.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -204,7 +205,8 @@ class ImageDataset(torch.utils.data.Dataset):
         try:
             image, digest = self._decode(record)
         except Exception as error:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ...
-            why = f"{type(error).__name__}: {error}"
+            # Without object addresses ("<_io.BytesIO object at 0x...>"): reruns and task splits list the same reason.
+            why = f"{type(error).__name__}: {_ADDRESS.sub('', str(error))}".strip()
             logger.warning("skipping unreadable image %s (%s)", record.image_id, why)
             return i, None, why
         return i, self.preprocess(image), digest
