@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from features_fixtures import identity_sae, write_export, write_shards
 from PIL import Image
 
 from feature_extraction.extract import extract
-from features_fixtures import identity_sae, write_export, write_shards
 from sae_pipeline.__main__ import main
 
 N_IMAGES = 6
@@ -78,6 +78,6 @@ def test_shards_without_hashes_are_drawn_unchecked_and_said_once(tmp_path: Path,
     shown = summary["n_images_shown"]
     assert shown > 0 and summary["images_unchecked"] == shown and summary["images_changed"] == []
     warnings = [line for line in err.splitlines() if "drawn unchecked" in line]
-    assert warnings == [f"warning: {shown} images drawn unchecked: their shards predate content hashes "
-                        "(re-extract to check them)"]
+    expected = f"warning: {shown} images drawn unchecked: their shards predate content hashes (re-extract to check them)"
+    assert warnings == [expected]
     assert f"{shown} images drawn unchecked" in (tmp_path / "site" / "index.html").read_text()
