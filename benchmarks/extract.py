@@ -42,7 +42,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "
 
 
 class PreDecoded(torch.utils.data.Dataset):
-    """Item i is `(i, pixels)`, like ImageDataset, but the pixels were decoded beforehand."""
+    """Item i is `(i, pixels, content hash)`, like ImageDataset, but the pixels were decoded beforehand."""
 
     def __init__(self, pixels: list[torch.Tensor]) -> None:
         self.pixels = pixels
@@ -50,8 +50,8 @@ class PreDecoded(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.pixels)
 
-    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
-        return i, self.pixels[i]
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, str]:
+        return i, self.pixels[i], f"{i:016x}"
 
 
 def decoded_photos(backbone, n_images: int) -> tuple[list[ImageRecord], list[torch.Tensor]]:  # noqa: ANN001

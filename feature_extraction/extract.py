@@ -17,7 +17,8 @@ Design choices:
   `write_shard` streams to a `.tmp` file and renames, so a job killed at any point leaves
   complete shards and a few partial `.tmp` files that the rerun overwrites (the writer
   processes die with the main process, so none outlives it to race the rerun).
-- Undecodable images are skipped and counted; each shard's skipped images go to
+- Undecodable images, and images whose mode has no conversion to RGB (`image_modes`), are
+  skipped and counted, with the reason; each shard's skipped images go to
   `skipped-NNNNNN.json`, written before its sidecar, and `finalize` merges them into
   the manifest's `skipped`. A skipped image changes its shard's count, not the assignment.
 - `extraction.json` (written first, compared on every rerun and by every task) records
@@ -36,7 +37,9 @@ Design choices:
   writers all shrink with it; each sample then also holds `positions.npy`.
 - Image ids may contain '.', which webdataset reads as the start of the extension, so a
   sample's `__key__` is the id percent-escaped (`shards.layout.image_key`, reversible by
-  `image_id_from_key`); `meta.json` keeps the original id and its source.
+  `image_id_from_key`); `meta.json` keeps the original id, its source and `image_xxh3_64`,
+  the xxh3-64 of the image's bytes as decoded (`images.content_hash`): the feature browser
+  draws an image only while its bytes still hash to that.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ from tqdm import tqdm
 
 from feature_extraction import __version__
 from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
-from feature_extraction.images import ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.images import CONTENT_HASH_KEY, ImageDataset, ImageRecord, collate_images, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from feature_extraction.shards import (
     assign_shards, format_indices, image_id_from_key, image_key, shard_is_complete, shard_is_intact, shards_for_task,
@@ -131,8 +134,8 @@ def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device,
     return host, event
 
 
-def _record_meta(record: ImageRecord) -> dict:
-    """`meta.json` of a sample: the original id, its label and where the image came from."""
+def _record_meta(record: ImageRecord, digest: str | None = None) -> dict:
+    """`meta.json` of a sample: the original id, its label, where the image came from and its content hash."""
     meta: dict[str, Any] = {"image_id": record.image_id, "label": record.label}
     if record.class_name is not None:
         meta["class_name"] = record.class_name
@@ -142,6 +145,8 @@ def _record_meta(record: ImageRecord) -> dict:
         meta["source"] = os.path.abspath(record.source)
         if record.kind == "tar":
             meta["member"] = record.member
+    if digest is not None:
+        meta[CONTENT_HASH_KEY] = digest
     return meta
 
 
@@ -152,7 +157,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     """Run the backbone over each shard's records and write the shards; the command's hot loop.
 
     `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
-    `(i, pixels or None)` for record `i`. `positions_of(image_ids)`, when given, says which
+    `(i, pixels, content hash)` for record `i`, or `(i, None, why)` when it cannot be read. `positions_of(image_ids)`, when given, says which
     tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
     """
     if not shards:
@@ -178,7 +183,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     skipped: list[dict] = []
 
     def flush(batch_no: int, ok: list[int], tokens: Tensor | None, event: Any, failed: list[int],
-              positions: np.ndarray | None) -> None:
+              positions: np.ndarray | None, hashes: list[str], reasons: list[str]) -> None:
         nonlocal skipped
         position = batch_shard[batch_no]
         index = shards[position][0]
@@ -188,9 +193,9 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
             if event is not None:
                 event.synchronize()
             writer.send_samples(position, tokens, [image_key(records[i].image_id) for i in ok],
-                                [_record_meta(records[i]) for i in ok], positions)
-        skipped += [{"image_id": records[i].image_id, "source": _record_meta(records[i])["source"], "shard": index}
-                    for i in failed]
+                                [_record_meta(records[i], digest) for i, digest in zip(ok, hashes)], positions)
+        skipped += [{"image_id": records[i].image_id, "source": _record_meta(records[i])["source"], "shard": index,
+                     "reason": why} for i, why in zip(failed, reasons)]
         if last_batch_of[position] == batch_no:
             writer.send(position, "end", skipped)
             skipped = []
@@ -200,7 +205,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
 
     try:
         pending = None
-        for batch_no, (ok, pixels, failed) in enumerate(batch_iter):
+        for batch_no, (ok, pixels, failed, hashes, reasons) in enumerate(batch_iter):
             positions = None
             if positions_of is not None and pixels is not None:
                 positions = positions_of([records[i].image_id for i in ok])
@@ -208,7 +213,7 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
                                             torch.from_numpy(positions)) if pixels is not None else (None, None))
             if pending is not None:
                 flush(*pending)
-            pending = (batch_no, ok, tokens, event, failed, positions)
+            pending = (batch_no, ok, tokens, event, failed, positions, hashes, reasons)
         if pending is not None:
             flush(*pending)
         writer.close()

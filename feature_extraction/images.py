@@ -3,9 +3,16 @@
 `list_images` turns a source into a sorted list of `ImageRecord`s with stable ids (the
 shard assignment depends on that order, so a rerun or another SLURM task sees the same
 list). `ImageDataset` decodes one record per item inside DataLoader workers; an image
-that cannot be decoded yields `None` instead of raising, so one bad file among 1.28 M
-never stops an extraction, and `collate_images` hands the failures to the caller to
-count and list in the manifest.
+that cannot be decoded, or whose mode has no conversion to RGB (`image_modes`, which says
+how each mode becomes 8-bit RGB), yields `None` and the reason instead of raising, so one
+bad file among 1.28 M never stops an extraction, and `collate_images` hands the failures to
+the caller to count and list in the manifest's `skipped`.
+
+Each decoded image also yields `content_hash` of the bytes it was decoded from (xxh3-64 of
+the file or tar member as read; of the pixel array for the bundled samples), which the
+extraction stores in the sample's `meta.json` as `image_xxh3_64`: the feature browser
+re-reads the image and draws it only when the hash still matches, so an image replaced
+after extraction is never shown with another image's activations.
 
 Tar members are indexed once here (data offset and size via `tarfile`); workers then
 read a member with one positioned read (`os.pread`) on a per-process file descriptor,
@@ -27,13 +34,19 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import xxhash
 from PIL import Image
 from torch import Tensor
 
-__all__ = ["IMAGE_EXTENSIONS", "SAMPLE_NAMES", "ImageDataset", "ImageRecord", "collate_images",
-           "list_images"]
+from feature_extraction.image_modes import to_rgb
+
+__all__ = ["CONTENT_HASH_KEY", "IMAGE_EXTENSIONS", "SAMPLE_NAMES", "ImageDataset", "ImageRecord", "collate_images",
+           "content_hash", "list_images", "sample_array"]
 
 logger = logging.getLogger(__name__)
+
+# The `meta.json` key of an image's content hash (`content_hash` of the bytes it was decoded from).
+CONTENT_HASH_KEY = "image_xxh3_64"
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm",
                     ".pgm")
@@ -119,6 +132,7 @@ def _list_folder(root: Path) -> list[ImageRecord]:
             for label, class_dir in enumerate(class_dirs) for p in _files_under(class_dir)]
 
 
+_ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
 # webdataset's key/extension split: the key is the path up to the first dot of the basename.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 
@@ -158,8 +172,23 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, tar_path: Path) -
                          f"integer class label, got {text[:20]!r}") from None
 
 
+def content_hash(data: bytes) -> str:
+    """xxh3-64 of an image's bytes as 16 hex digits (fast: the hash costs nothing beside the decode)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def sample_array(name: str) -> np.ndarray:
+    """One of scikit-image's bundled photos (`SAMPLE_NAMES`) as a C-contiguous array."""
+    import skimage.data
+
+    return np.ascontiguousarray(getattr(skimage.data, name)())
+
+
 class ImageDataset(torch.utils.data.Dataset):
-    """Map-style dataset over records; item i is `(i, pixels)` or `(i, None)` if undecodable."""
+    """Map-style dataset over records.
+
+    Item i is `(i, pixels, content hash)`, or `(i, None, why)` when the image cannot be read.
+    """
 
     def __init__(self, records: list[ImageRecord], preprocess: Callable[[Image.Image], Tensor]
                  ) -> None:
@@ -171,29 +200,28 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
-    def __getitem__(self, i: int) -> tuple[int, Tensor | None]:
+    def __getitem__(self, i: int) -> tuple[int, Tensor | None, str]:
         record = self.records[i]
         try:
-            image = self._decode(record)
+            image, digest = self._decode(record)
         except Exception as error:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ...
-            logger.warning("skipping undecodable image %s (%s: %s)", record.image_id,
-                           type(error).__name__, error)
-            return i, None
-        return i, self.preprocess(image)
+            # Without object addresses ("<_io.BytesIO object at 0x...>"): reruns and task splits list the same reason.
+            why = f"{type(error).__name__}: {_ADDRESS.sub('', str(error))}".strip()
+            logger.warning("skipping unreadable image %s (%s)", record.image_id, why)
+            return i, None, why
+        return i, self.preprocess(image), digest
 
-    def _decode(self, record: ImageRecord) -> Image.Image:
+    def _decode(self, record: ImageRecord) -> tuple[Image.Image, str]:
         if record.kind == "samples":
-            import skimage.data
-
-            array = np.asarray(getattr(skimage.data, record.member)())
-            return Image.fromarray(array).convert("RGB")
+            array = sample_array(record.member)
+            return to_rgb(Image.fromarray(array)), content_hash(array.tobytes())
         if record.kind == "tar":
             data = self._read_member(record)
         else:
             data = Path(record.source).read_bytes()
         with Image.open(io.BytesIO(data)) as image:
             image.load()  # decode now: truncated data raises here, not later in a transform
-            return image.convert("RGB")
+            return to_rgb(image), content_hash(data)
 
     def _read_member(self, record: ImageRecord) -> bytes:
         if self._fds_pid != os.getpid():  # a forked worker: open its own descriptors
@@ -218,10 +246,12 @@ class ImageDataset(torch.utils.data.Dataset):
             pass
 
 
-def collate_images(batch: list[tuple[int, Tensor | None]]
-                   ) -> tuple[list[int], Tensor | None, list[int]]:
-    """Split a batch into decoded indices with their stacked pixels, and failed indices."""
-    ok = [i for i, pixels in batch if pixels is not None]
-    failed = [i for i, pixels in batch if pixels is None]
-    pixels = torch.stack([p for _, p in batch if p is not None]) if ok else None
-    return ok, pixels, failed
+def collate_images(batch: list[tuple[int, Tensor | None, str]]
+                   ) -> tuple[list[int], Tensor | None, list[int], list[str], list[str]]:
+    """Split a batch: decoded indices, their stacked pixels, failed indices, hashes of `ok`, reasons of `failed`."""
+    ok = [i for i, pixels, _ in batch if pixels is not None]
+    failed = [i for i, pixels, _ in batch if pixels is None]
+    pixels = torch.stack([p for _, p, _ in batch if p is not None]) if ok else None
+    hashes = [note for _, p, note in batch if p is not None]
+    reasons = [note for _, p, note in batch if p is None]
+    return ok, pixels, failed, hashes, reasons

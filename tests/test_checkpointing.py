@@ -252,9 +252,8 @@ def test_read_only_working_directory_is_one_line(tmp_path: Path) -> None:
 
 def _fit_in_read_only_folder(readonly: Path) -> None:
     command = [sys.executable, "-m", "sae_pipeline", "fit", "--config", TOPK_DIGITS, *SMALL]
-    if os.geteuid() == 0:  # root writes anywhere: drop to `nobody` for the run
-        system_tools.require(["setpriv"], "apt-get install -y util-linux")
-        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    if os.geteuid() == 0:
+        command = [*_without_root_privileges(), *command]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(readonly),
            "MPLCONFIGDIR": str(readonly)}
     result = subprocess.run(command, cwd=readonly, env=env, capture_output=True, text=True, timeout=300)
@@ -262,6 +261,23 @@ def _fit_in_read_only_folder(readonly: Path) -> None:
     line, = error_lines(result.stderr)
     assert "runs/topk_digits cannot be written" in line and "--trainer.default_root_dir" in line, line
     assert list(readonly.iterdir()) == []
+
+
+def _without_root_privileges() -> list[str]:
+    """A ``setpriv`` prefix that takes root's power to write anywhere, wherever this clone lives.
+
+    Root writes into a 0555 folder through its capabilities (CAP_DAC_OVERRIDE), so the child
+    runs with every capability dropped, as the user that owns the clone: root for a clone
+    under root's home (a 0700 folder that `nobody` could not enter, so could not import the
+    package from), its owner for a clone in someone's home. Either can read the clone and
+    neither can write into the root-owned 0555 folder.
+    """
+    import sae_pipeline
+
+    system_tools.require(["setpriv"], "apt-get install -y util-linux")
+    owner = Path(sae_pipeline.__file__).resolve().parent.stat()
+    return ["setpriv", f"--reuid={owner.st_uid}", f"--regid={owner.st_gid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all"]
 
 
 def test_atomic_checkpoint_io_replaces_the_file_whole(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
+import xxhash
 from PIL import Image
 
 from feature_extraction import shards as S
@@ -126,6 +127,7 @@ def test_tokens_match_plain_forward(images, reference) -> None:
             bad.append(fpath)
     assert len(bad) == 1
     assert [s["image_id"] for s in manifest["skipped"]] == [bad[0].relative_to(images).as_posix()]
+    assert "cannot identify image file" in manifest["skipped"][0]["reason"]  # counted and listed with why
     samples = list(R.iter_shard_samples(S.shard_fpaths(reference, manifest)))
     assert manifest["n_images"] == len(samples) == len(good)
     by_id = {meta["image_id"]: (key, tokens, meta) for key, tokens, meta in samples}
@@ -136,6 +138,7 @@ def test_tokens_match_plain_forward(images, reference) -> None:
         assert image_id_from_key(key) == image_id
         assert meta["label"] == ["cat.v1", "dog"].index(image_id.split("/")[0])
         assert meta["source"] == os.path.abspath(fpath)
+        assert meta["image_xxh3_64"] == xxhash.xxh3_64_hexdigest(fpath.read_bytes())  # the file's bytes, as read
         with torch.no_grad():
             expected = model(model.preprocess(image)[None])[0].numpy()
         assert tokens.dtype == np.float16 and tokens.shape == (17, 192)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
+import xxhash
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -94,13 +95,14 @@ def test_folder_decoding_and_failures(folder) -> None:
     dataset = ImageDataset(records, preprocess)
     bad = {"zebra/broken.jpg", "apple/truncated.jpg", "apple/empty.png"}
     for i, record in enumerate(records):
-        index, pixels = dataset[i]
+        index, pixels, note = dataset[i]
         assert index == i
         if record.image_id in bad:
-            assert pixels is None
+            assert pixels is None and "Error" in note  # the reason, for the manifest's skipped list
         else:
             torch.testing.assert_close(pixels, reference_pixels(files[record.image_id]),
                                        rtol=0, atol=0)
+            assert note == xxhash.xxh3_64_hexdigest(files[record.image_id])  # the file's bytes
 
 
 def test_workers_match_main_process(folder) -> None:
@@ -110,7 +112,8 @@ def test_workers_match_main_process(folder) -> None:
     def run(n_workers: int):
         loader = DataLoader(dataset, batch_size=3, num_workers=n_workers, collate_fn=collate_images)
         ok, pixels, failed = [], [], []
-        for batch_ok, batch_pixels, batch_failed in loader:
+        for batch_ok, batch_pixels, batch_failed, hashes, reasons in loader:
+            assert len(hashes) == len(batch_ok) and len(reasons) == len(batch_failed)
             ok += batch_ok
             failed += batch_failed
             if batch_pixels is not None:
@@ -164,18 +167,19 @@ def test_tar_records_and_decoding(tar_dir) -> None:
     assert [r.label for r in records] == [1, None, 3, 7]
     dataset = ImageDataset(records, preprocess)
     for i, record in enumerate(records):
-        _, pixels = dataset[i]
+        _, pixels, note = dataset[i]
         if record.image_id.endswith("bad"):
             assert pixels is None
         else:
             data = contents[f"{record.image_id.split('/')[0]}.tar"][record.member]
             torch.testing.assert_close(pixels, reference_pixels(data), rtol=0, atol=0)
+            assert note == xxhash.xxh3_64_hexdigest(data)  # the member's bytes
     # One tar file works as a source too, and workers read the same bytes.
     assert [r.image_id for r in list_images(str(shards / "train-000001.tar"))] == ids[2:]
     loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=collate_images)
     batches = list(loader)
-    assert [i for ok, _, _ in batches for i in ok] == [1, 2, 3]
-    assert [i for _, _, failed in batches for i in failed] == [0]
+    assert [i for ok, *_ in batches for i in ok] == [1, 2, 3]
+    assert [i for _, _, failed, *_ in batches for i in failed] == [0]
 
 
 def test_tar_bad_label_and_unreadable_tar(tmp_path) -> None:
@@ -193,10 +197,11 @@ def test_samples() -> None:
     assert len(records) >= 10
     dataset = ImageDataset(records, preprocess)
     for i, record in enumerate(records):
-        _, pixels = dataset[i]
+        _, pixels, note = dataset[i]
         array = getattr(skimage.data, record.image_id)()
         expected = preprocess(Image.fromarray(array).convert("RGB"))  # grey photos become RGB
         torch.testing.assert_close(pixels, expected, rtol=0, atol=0)
+        assert note == xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).tobytes())
 
 
 def test_bad_sources(tmp_path) -> None:
@@ -208,7 +213,9 @@ def test_bad_sources(tmp_path) -> None:
 
 
 def test_collate_all_failed() -> None:
-    ok, pixels, failed = collate_images([(4, None), (5, None)])
-    assert ok == [] and pixels is None and failed == [4, 5]
+    ok, pixels, failed, hashes, reasons = collate_images([(4, None, "OSError: a"), (5, None, "OSError: b")])
+    assert ok == [] and pixels is None and failed == [4, 5] and hashes == []
+    assert reasons == ["OSError: a", "OSError: b"]
     record = ImageRecord("x", "/nonexistent.png", None)
-    assert ImageDataset([record], preprocess)[0] == (0, None)
+    index, pixels, why = ImageDataset([record], preprocess)[0]
+    assert (index, pixels) == (0, None) and why.startswith("FileNotFoundError")

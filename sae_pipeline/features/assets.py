@@ -31,6 +31,7 @@ figure.card { margin: 0; background: #fff; border: 1px solid var(--line); border
 .frame img.pixels, img.pixels { image-rendering: pixelated; }
 .frame canvas { position: absolute; inset: 0; width: 100%; height: 100%; }
 body.no-heat .frame canvas { display: none; }
+.frame.changed p { margin: 0; padding: 8px; }
 .prefix { display: flex; gap: 4px; margin-top: 6px; min-height: 20px; }
 .prefix .tok { font-size: 11px; padding: 1px 5px; border: 1px solid var(--line); border-radius: 3px; }
 .prefix .tok.top { outline: 2px solid var(--accent); }

@@ -9,6 +9,10 @@
 is ignored; flags override them. Every rank runs this same command (Lightning starts the
 other processes, or ``srun`` does); rank 0 writes the site.
 
+An image replaced or edited since extraction (its content hash no longer matches) is not
+drawn: the command names it on stderr and the index page lists it. Images of shards written
+before content hashes were recorded are drawn unchecked, and the command says so once.
+
 Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose width is not
 the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else, on a
 read-only file system or a mount point) is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
         stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
         raise
+    report_image_checks(out)
     print(f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
           f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
           f"(or: python -m http.server --directory {out}, then http://localhost:8000)", flush=True)
@@ -221,6 +226,24 @@ def pass_progress_bar() -> Any:
     except ImportError:
         base = TQDMProgressBar
     return type("FeaturesPassBar", (base,), {"predict_description": property(lambda self: "Features pass")})()
+
+
+def report_image_checks(out: Path) -> None:
+    """On stderr: the images not drawn because they changed since extraction, and how many went unchecked."""
+    import json
+
+    from sae_pipeline.features.site import MARKER_FNAME
+
+    summary = json.loads((out / MARKER_FNAME).read_text())
+    changed = summary.get("images_changed") or []
+    if changed:
+        names = "; ".join(f"{c['image_id']} ({c['where']})" for c in changed[:10])
+        more = f"; and {len(changed) - 10} more" if len(changed) > 10 else ""
+        print(f"warning: {len(changed)} images changed since extraction, not drawn (listed on the index page): "
+              f"{names}{more}", file=sys.stderr, flush=True)
+    if summary.get("images_unchecked"):
+        print(f"warning: {summary['images_unchecked']} images drawn unchecked: their shards predate content hashes "
+              "(re-extract to check them)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,15 @@ then exactly cell (row, col) of the thumbnail.
 When the images have moved since extraction, ``--images DIR`` names their new place: a
 file is looked up as ``DIR/<image_id>`` (ids are paths relative to the extracted folder), a
 tar as ``DIR/<tar file name>``.
+
+An image is drawn only if it is the one that was extracted: the extraction stores the
+xxh3-64 of each image's bytes in ``meta.json`` (``image_xxh3_64``), and :meth:`SourceImages.open`
+hashes the bytes it reads and raises :class:`ImageChangedError` on a mismatch (a file replaced
+or edited after extraction would otherwise get the old image's heatmaps, silently); the site
+lists such images instead of drawing them. Shards written before the hash was recorded carry
+none: their images are drawn unchecked and counted (``unchecked``), and the command says so.
+Images are converted to RGB by ``feature_extraction.image_modes`` (16-bit, float, alpha,
+CMYK, ...), as the extraction converted them for the backbone.
 """
 from __future__ import annotations
 
@@ -21,11 +30,23 @@ from typing import Any, Callable
 import numpy as np
 from PIL import Image
 
+from feature_extraction.image_modes import to_rgb
+from feature_extraction.images import CONTENT_HASH_KEY, content_hash, sample_array
+
 SAMPLES_PREFIX = "skimage.data."
 
 
 class ImagesMovedError(ValueError):
     """An image is not where the extraction recorded it; the message names the path and ``--images DIR``."""
+
+
+class ImageChangedError(ValueError):
+    """An image's bytes no longer hash to what the extraction recorded: it was replaced or edited since."""
+
+    def __init__(self, image_id: str, where: str) -> None:
+        super().__init__(f"image {image_id!r}: {where} changed since extraction (its bytes no longer match the "
+                         f"recorded {CONTENT_HASH_KEY}); not drawn: restore it, or re-extract and retrain")
+        self.image_id, self.where = image_id, where
 
 
 def view_transform(preprocess: dict | None, image_size: int) -> Callable[[Image.Image], Image.Image]:
@@ -58,11 +79,14 @@ class SourceImages:
 
     Args:
         images_dpath: where the images are now (None: where the extraction found them).
+
+    ``unchecked`` counts the images opened without a recorded content hash (older shards).
     """
 
     def __init__(self, images_dpath: str | Path | None = None) -> None:
         self.images_dpath = Path(images_dpath) if images_dpath is not None else None
         self._tar_index: dict[Path, dict[str, tuple[int, int]]] = {}
+        self.unchecked = 0
 
     def path_of(self, meta: dict) -> Path | None:
         """Where ``meta``'s image is read from (None for scikit-image's bundled samples)."""
@@ -88,22 +112,32 @@ class SourceImages:
                                    f"pass --images DIR, {hint}")
 
     def open(self, meta: dict) -> Image.Image:
-        """The image of ``meta`` as RGB."""
+        """The image of ``meta`` as RGB; :class:`ImageChangedError` if it is not the one extracted."""
         source = str(meta.get("source") or "")
         if source.startswith(SAMPLES_PREFIX):
-            import skimage.data
-
-            return Image.fromarray(np.asarray(getattr(skimage.data, source[len(SAMPLES_PREFIX):])())).convert("RGB")
+            array = sample_array(source[len(SAMPLES_PREFIX):])
+            self._verify(meta, array.tobytes(), source)
+            return to_rgb(Image.fromarray(array))
         self.check(meta)
         path = self.path_of(meta)
         assert path is not None
         if meta.get("member"):
             data = self._read_member(path, str(meta["member"]))
+            where = f"{path} member {meta['member']}"
         else:
             data = path.read_bytes()
+            where = str(path)
+        self._verify(meta, data, where)
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            return image.convert("RGB")
+            return to_rgb(image)
+
+    def _verify(self, meta: dict, data: bytes, where: str) -> None:
+        expected = meta.get(CONTENT_HASH_KEY)
+        if expected is None:
+            self.unchecked += 1
+        elif content_hash(data) != expected:
+            raise ImageChangedError(str(meta.get("image_id")), where)
 
     def _read_member(self, tar_fpath: Path, member: str) -> bytes:
         index = self._tar_index.get(tar_fpath)

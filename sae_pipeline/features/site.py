@@ -20,6 +20,11 @@ is checked before the pass: its folder must be writable and ``--out`` must not b
 (pass a folder inside it); either is one line, exit 2. A run killed before the swap leaves its
 staging folder behind; the next run removes those whose process is gone. A full disk removes the
 staging folder and ends with one ``no space left on device`` line (exit 1), the previous site whole.
+
+An image whose bytes changed since extraction (its content hash no longer matches, see
+``images``) is not drawn: its cards say so, the index page lists it under "Images changed
+since extraction", and ``features.json`` records it in ``images_changed``
+(``images_unchecked`` counts the images of older shards, drawn without a hash to check).
 """
 from __future__ import annotations
 
@@ -42,8 +47,8 @@ from feature_extraction.atomic_files import DiskFullError, out_of_space
 from feature_extraction.output_dirs import dir_problem
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
-from sae_pipeline.features.images import (SourceImages, atom_image, describe, pixels_image, save_thumbnail,
-                                          view_transform)
+from sae_pipeline.features.images import (ImageChangedError, SourceImages, atom_image, describe, pixels_image,
+                                          save_thumbnail, view_transform)
 from sae_pipeline.interrupts import raise_if_interrupted
 
 MARKER_FNAME = "features.json"
@@ -155,15 +160,18 @@ def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[s
         (staging / "assets").mkdir()
         (staging / "assets" / "site.css").write_text(CSS)
         (staging / "assets" / "site.js").write_text(JS)
-        thumbs = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
+        thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
-        _write_pages(staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours)
+        _write_pages(staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed,
+                     unchecked)
         np.savez(staging / "features.npz", **{name: value.numpy() for name, value in state.items()})
         summary = {"format": "sae_pipeline.features/1", "package_version": sae_pipeline.__version__,
                    "sae_class": type(sae).__name__, "d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k,
                    "top": int(state["value"].shape[1]), "n_tokens": int(state["n_tokens"]),
                    "data_source": str(datamodule.source), "layout": layout.kind, "n_images_shown": len(thumbs),
-                   "build_seconds": round(time.perf_counter() - start, 3)}
+                   "images_changed": [{"image_id": error.image_id, "where": error.where}
+                                      for _, error in sorted(changed.items())],
+                   "images_unchecked": unchecked, "build_seconds": round(time.perf_counter() - start, 3)}
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
         raise_if_interrupted()
         _swap_in(staging, out)
@@ -191,29 +199,41 @@ def _swap_in(staging: Path, out: Path) -> None:
 
 
 def write_thumbnails(root: Path, collection: dict[str, Any], layout: Layout, datamodule: Any,
-                     images_dpath: str | None) -> dict[int, str]:
-    """One thumbnail per shown image (``thumbs/<key>.jpg|png``); returns key -> relative path."""
+                     images_dpath: str | None) -> tuple[dict[int, str], dict[int, ImageChangedError], int]:
+    """One thumbnail per shown image (``thumbs/<key>.jpg|png``).
+
+    Returns key -> relative path, key -> why for the images changed since extraction (not
+    drawn), and how many images were drawn without a recorded hash to check.
+    """
     paths: dict[int, str] = {}
+    changed: dict[int, ImageChangedError] = {}
     if layout.kind == "tokens":
-        return paths
+        return paths, changed, 0
     if layout.kind == "pixels":
         for key, meta in collection["images"].items():
             rel = f"thumbs/{key}.png"
             save_thumbnail(pixels_image(meta["pixels"], layout.image_shape, 0.0, 1.0), root / rel)
             paths[key] = rel
-        return paths
+        return paths, changed, 0
     backbone = datamodule.manifest.get("backbone") or {}
     view = view_transform(backbone.get("preprocess"), int(backbone.get("image_size") or 224))
     images = SourceImages(images_dpath)
     for key, meta in sorted(collection["images"].items()):
         rel = f"thumbs/{key}.jpg"
-        save_thumbnail(view(images.open(meta)), root / rel)
+        try:
+            image = images.open(meta)
+        except ImageChangedError as error:
+            changed[key] = error
+            continue
+        save_thumbnail(view(image), root / rel)
         paths[key] = rel
-    return paths
+    return paths, changed, images.unchecked
 
 
 def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dict[str, Any], layout: Layout,
-                 datamodule: Any, thumbs: dict[int, str], atoms: Sequence[int] | None, n_neighbours: int) -> None:
+                 datamodule: Any, thumbs: dict[int, str], atoms: Sequence[int] | None, n_neighbours: int,
+                 changed: dict[int, ImageChangedError] | None = None, unchecked: int = 0) -> None:
+    changed = changed or {}
     d_sae, n = state["value"].shape
     width = len(str(d_sae - 1))
     chosen = sorted(set(atoms)) if atoms else list(range(d_sae))
@@ -240,7 +260,8 @@ def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dic
         prev_atom, next_atom = chosen[i - 1] if i > 0 else None, chosen[i + 1] if i + 1 < len(chosen) else None
         page = _atom_page(atom, state, collection, layout, thumbs, heat_row, width, with_page, prev_atom, next_atom,
                           frequency[atom], fire[atom], n_tokens, mean_value[atom], mean_step[atom] if has_steps else None,
-                          near_index[atom][:n_neighbours], near_cos[atom][:n_neighbours], pixel_atoms, layout_json)
+                          near_index[atom][:n_neighbours], near_cos[atom][:n_neighbours], pixel_atoms, layout_json,
+                          changed)
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
     rows = []
     for atom in chosen:
@@ -254,14 +275,31 @@ def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dic
                         "mean_step"],
             "rows": rows, "has_steps": has_steps, "atom_images": "atoms/img/" if pixel_atoms else None,
             "thumb_class": "pixels" if pixel_atoms else ""}
-    (root / "index.html").write_text(_index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout))
+    (root / "index.html").write_text(_index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout,
+                                                 _image_checks(changed, unchecked)))
+
+
+def _image_checks(changed: dict[int, ImageChangedError], unchecked: int) -> str:
+    """The index page's list of images changed since extraction, and the count of unchecked ones."""
+    esc = html.escape
+    parts = []
+    if changed:
+        items = "".join(f"<li>{esc(error.image_id)} <span class=\"muted\">{esc(error.where)}</span></li>"
+                        for _, error in sorted(changed.items()))
+        parts.append(f'<section class="changed"><h2>Images changed since extraction ({len(changed)}): not drawn</h2>'
+                     f"<p class=\"muted\">Their bytes no longer match the hash recorded at extraction; restore them, "
+                     f"or re-extract and retrain.</p><ul>{items}</ul></section>")
+    if unchecked:
+        parts.append(f'<p class="muted unchecked">{unchecked} images drawn unchecked: their shards predate content '
+                     "hashes (re-extract to check them).</p>")
+    return "".join(parts)
 
 
 def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], layout: Layout,
                thumbs: dict[int, str], heat_row: dict, width: int, with_page: set, prev_atom: int | None,
                next_atom: int | None, frequency: float, fire: float, n_tokens: int, mean_value: float,
                mean_step: float | None, near_index: np.ndarray, near_cos: np.ndarray, pixel_atoms: bool,
-               layout_json: str) -> str:
+               layout_json: str, changed: dict[int, ImageChangedError]) -> str:
     esc = html.escape
     values, tokens = state["value"][atom].numpy(), state["token"][atom].numpy()
     images, positions = state["image"][atom].numpy(), state["position"][atom].numpy()
@@ -276,7 +314,7 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
         meta = collection["images"].get(key, {})
         image_id, label = meta.get("image_id", str(key)), describe(meta)
         heat_attr = ""
-        if (atom, r) in heat_row:
+        if (atom, r) in heat_row and key not in changed:
             heat = collection["heat"][heat_row[(atom, r)]].astype(np.float32)
             heat_attr = f' data-heat="{_levels(heat, scale)}" data-top="{position}"'
         frame = ""
@@ -284,6 +322,8 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
             cls = ' class="pixels"' if pixel_atoms else ""
             canvas = '<canvas class="heat"></canvas>' if layout.kind == "patches" else ""
             frame = (f'<div class="frame"><img{cls} alt="{esc(image_id)}" src="../{thumbs[key]}">{canvas}</div>')
+        elif key in changed:
+            frame = '<div class="frame changed"><p class="muted">changed since extraction: not drawn</p></div>'
         prefix = ""
         if layout.kind == "patches" and layout.n_prefix:
             chips = ['<span class="tok" data-i="0">CLS</span>'] if layout.n_cls else []
@@ -332,7 +372,7 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
 
 
 def _index_page(sae: Any, datamodule: Any, state: dict[str, Tensor], data: dict, has_steps: bool,
-                pixel_atoms: bool, layout: Layout) -> str:
+                pixel_atoms: bool, layout: Layout, image_checks: str = "") -> str:
     esc = html.escape
     n_fired = int((state["fire_count"] > 0).sum())
     headers = ['<th class="id" data-key="id">atom</th>']
@@ -352,7 +392,7 @@ def _index_page(sae: Any, datamodule: Any, state: dict[str, Tensor], data: dict,
 <span class="muted">{esc(str(datamodule.source))}: {int(state["n_tokens"])} tokens ({esc(layout.kind)}); top {state["value"].shape[1]} images per atom; {n_fired} atoms fired</span></header>
 <div class="controls"><input id="search" type="search" placeholder="atom id" aria-label="search atom id">
 <span id="count"></span><span class="muted">click a column to sort</span></div>
-<table id="atoms"><thead><tr>{"".join(headers)}</tr></thead><tbody></tbody></table>
+{image_checks}<table id="atoms"><thead><tr>{"".join(headers)}</tr></thead><tbody></tbody></table>
 <script type="application/json" id="atom-data">{payload}</script>
 <script src="assets/site.js"></script></body></html>
 """

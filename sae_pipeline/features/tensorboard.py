@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw
 
 from sae_pipeline.data.sources import ShardSource, ShardUnit
-from sae_pipeline.features.images import SourceImages, pixels_image, view_transform
+from sae_pipeline.features.images import ImageChangedError, SourceImages, pixels_image, view_transform
 from sae_pipeline.features.topn import TopNTable
 
 TAG = "features/top_patches"
@@ -143,7 +143,11 @@ class TopPatches(L.Callback):
 
         sample = token_in_unit // int(source.manifest["tokens_per_image"])
         for _, _, _, _, meta in read_shard_samples(unit.fpath, [sample]):
-            return view(images.open(meta))
+            try:
+                return view(images.open(meta))
+            except ImageChangedError as error:  # not the image extracted: a blank tile, never another image
+                rank_zero_warn(f"TopPatches: {error}")
+                return Image.new("RGB", (8, 8), (200, 200, 200))
         raise ValueError(f"{unit.fpath}: sample {sample} not found; re-extract the shard")
 
 
