@@ -16,9 +16,9 @@ and for ``validate``, ``test`` and ``predict`` alike:
   ``model.warmup_steps``, ... that differs from the checkpoint's, is refused with one ``error:``
   line naming both and the fix: pass the config the run was trained with (its
   ``version_N/config.yaml``), or start a new run without ``--ckpt_path``. Nothing is written.
-- A config that sets ``model.sae`` with its class is compared on all its ``init_args``, the
-  class's defaults included (a default that differs from the checkpoint's value would change the
-  model too); ``--model.sae.init_args.X`` without a class is compared on the arguments given.
+- Only what the user wrote is compared: the SAE's class (where given) and the ``init_args`` given;
+  an argument left out, or given as ``null`` (the constructors' "derive it", e.g. ``k_aux``), is
+  the checkpoint's, as is every hyper-parameter left out (whatever the parser's default).
 - A config that leaves the SAE's class unset (``fit --ckpt_path FILE --data.source digits``) takes
   the checkpoint's SAE, and one line says which (``--ckpt_path FILE: resuming its
   MatchingPursuitSAE(d_sae=1000, k=10) ...``).
@@ -89,13 +89,10 @@ def check_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: 
     ckpt_args = dict(ckpt_sae.get("init_args") or {})
     user_sae = _get(explicit_model, "sae")
     if user_sae is not None:
-        if sets_sae_class(explicit_model):
-            user_class = str(_get(_get(model, "sae"), "class_path"))
-            user_args = _as_dict(_get(_get(model, "sae"), "init_args"))
-        else:
-            user_class, user_args = ckpt_class, _as_dict(_get(user_sae, "init_args"))
+        user_class = str(_get(_get(model, "sae"), "class_path")) if sets_sae_class(explicit_model) else ckpt_class
+        user_args = _as_dict(_get(user_sae, "init_args"))
         differing = [key for key in user_args if key in ckpt_args and key not in LINKED_ARGS
-                     and user_args[key] != ckpt_args[key]]
+                     and user_args[key] is not None and user_args[key] != ckpt_args[key]]
         if _class_name(user_class) != _class_name(ckpt_class) or differing:
             raise CheckpointError(f"--ckpt_path {ckpt_path} holds {sae_label(ckpt_class, ckpt_args, differing)} but "
                                   f"the config asks for {sae_label(user_class, user_args, differing)}; {FIX}")
