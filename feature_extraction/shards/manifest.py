@@ -6,8 +6,8 @@ Design choices:
   ``token_kinds``) and the normalisation statistics merged from the sidecars' float64
   running sums (no re-read of the tokens). It is written atomically.
 - ``load_manifest`` checks fields, each listed shard's existence and size (sha256 on
-  request) and the statistics against the sidecars (``manifest_stats``); ``peek_manifest`` only parses it, for commands that just want to know which
-  backbone a directory holds.
+  request) and the statistics against the sidecars (``manifest_stats``); ``peek_manifest``
+  only parses it, for commands that just want to know which backbone a directory holds.
 - ``manifest_sha256`` names the data (``created_at`` left out), so exports and checkpoints
   record which manifest they were trained on.
 """
@@ -110,7 +110,8 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     """Read and check ``manifest.json`` and the shard files it lists.
 
     Always checks fields, schema version, dtype, each shard's existence and size and the
-    statistics against the sidecars (:mod:`~feature_extraction.shards.manifest_stats`); ``verify=True`` also recomputes every sha256 (reads all the data).
+    statistics against the sidecars (:mod:`~feature_extraction.shards.manifest_stats`);
+    ``verify=True`` also recomputes every sha256 (reads all the data).
     """
     shards_dpath = Path(shards_dpath)
     if not shards_dpath.is_dir():
