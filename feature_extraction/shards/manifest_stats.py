@@ -73,7 +73,7 @@ def check_manifest_stats(shards_dpath: Path | str, manifest: dict) -> None:
     off[~np.isfinite(off)] = np.inf
     if off.max() > scale:
         worst = int(np.argmax(off))
-        values = (f"[{worst}] = {written_mean[worst]!r}", f"{expected_mean[worst]!r}")
+        values = (f"[{worst}] = {float(written_mean[worst])!r}", f"{float(expected_mean[worst])!r}")
         raise ShardFormatError(f"{where % ('mean', *values)}; {_fix(shards_dpath)}")
 
 
