@@ -82,11 +82,12 @@ def test_the_command_refuses_the_other_format(ckpt: Path, tmp_path: Path) -> Non
     out = tmp_path / "sae"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "sae_pipeline", "export", "--ckpt_path", str(ckpt), "--out", str(out)]
-    assert subprocess.run(command, env=env, capture_output=True, timeout=300).returncode == 0
+    assert subprocess.run(command, env=env, capture_output=True, timeout=300, check=False).returncode == 0
     before = contents(out)
-    result = subprocess.run([*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: ExportError: --out {out} holds a native export (sae.safetensors, config.json) and one folder holds "
-        f"one SAE; pass another --out, or remove {out} first to replace it"]
+        (f"error: ExportError: --out {out} holds a native export (sae.safetensors, config.json) and one folder holds "
+        f"one SAE; pass another --out, or remove {out} first to replace it")]
     assert contents(out) == before

@@ -56,15 +56,15 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CKPT = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"
 REFUSED = {
-    "another SAE class": (["fit", "--config", TOPK], "holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
-                                                     "for TopKSAE(d_sae=1000, k=10)"),
-    "the config's d_sae": (["fit", "--config", MPSAE], "holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
-                                                       "for MatchingPursuitSAE(d_sae=1000, k=10)"),
+    "another SAE class": (["fit", "--config", TOPK], ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
+                                                     "for TopKSAE(d_sae=1000, k=10)")),
+    "the config's d_sae": (["fit", "--config", MPSAE], ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
+                                                       "for MatchingPursuitSAE(d_sae=1000, k=10)")),
     "an explicit d_sae flag": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", "500"],
                                "but the config asks for MatchingPursuitSAE(d_sae=500, k=10)"),
     "d_sae without a class": (["fit", "--data.source", "digits", "--model.sae.init_args.d_sae", "500"],
-                              "holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for "
-                              "MatchingPursuitSAE(d_sae=500)"),
+                              ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for "
+                              "MatchingPursuitSAE(d_sae=500)")),
     "k of the same class": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE,
                              "--model.sae.init_args.k", "5"], "asks for MatchingPursuitSAE(d_sae=64, k=5)"),
     "an explicit lr": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--model.lr", "0.01"],
@@ -82,7 +82,7 @@ def test_a_checkpoint_unlike_the_config_is_refused_in_one_line(case: str, mp_run
     before = sorted(str(p.relative_to(mp_run)) for p in mp_run.rglob("*"))
     trained_config = (mp_run / "runs/mpsae_digits/version_0/config.yaml").read_bytes()
     args, expected = REFUSED[case]
-    status, out, err = run([*args, *QUIET, "--ckpt_path", CKPT], capsys)
+    status, _out, err = run([*args, *QUIET, "--ckpt_path", CKPT], capsys)
     assert status == 2, err[-3000:]
     lines = error_lines(err)
     assert len(lines) == 1, err
@@ -99,7 +99,7 @@ def test_the_config_the_run_was_trained_with_resumes_it(mp_run: Path, tmp_path: 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     ckpt = mp_run / CKPT
-    status, out, err = run(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET,
+    status, _out, err = run(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET,
                             "--trainer.max_steps", "3", "--ckpt_path", str(ckpt)], capsys)
     assert status == 0, err[-3000:]
     resumed = torch.load(tmp_path / "runs/mpsae_digits/version_0/checkpoints/last.ckpt", weights_only=True)
@@ -114,11 +114,11 @@ def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Pat
     result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--data.source", "digits",
                              "--data.batch_size", "256", "--data.num_workers", "0", *QUIET,
                              "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--ckpt_path", str(ckpt)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if "resuming its" in line]
-    assert said == [f"--ckpt_path {ckpt}: resuming its MatchingPursuitSAE(d_sae=64, k=10) (the config names no "
-                    "model.sae)"], result.stderr[-3000:]
+    assert said == [(f"--ckpt_path {ckpt}: resuming its MatchingPursuitSAE(d_sae=64, k=10) (the config names no "
+                    "model.sae)")], result.stderr[-3000:]
     written = yaml.safe_load((tmp_path / "runs/sae/version_0/config.yaml").read_text())
     assert written["model"]["sae"]["class_path"] == "sae_pipeline.sae.MatchingPursuitSAE"
     assert written["model"]["sae"]["init_args"]["d_sae"] == 64
@@ -130,7 +130,7 @@ def test_a_config_without_sae_or_data_names_what_is_missing(mp_run: Path, tmp_pa
                                                             capsys: pytest.CaptureFixture[str],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    status, out, err = run(["fit", *QUIET, "--ckpt_path", str(mp_run / CKPT)], capsys)
+    status, _out, err = run(["fit", *QUIET, "--ckpt_path", str(mp_run / CKPT)], capsys)
     assert status == 2
     assert error_lines(err) == ["error: the following arguments are required: fit.data.source"], err
     assert not (tmp_path / "runs").exists()
