@@ -66,10 +66,9 @@ def sets_sae_class(explicit_model: Any) -> bool:
 
 
 def sae_namespace(sae_config: dict[str, Any]) -> Namespace:
-    """The checkpoint's ``{"class_path", "init_args"}`` as the parser holds ``model.sae`` (``d_in`` left
-    to the data link)."""
-    init_args = {key: value for key, value in dict(sae_config.get("init_args") or {}).items()
-                 if key not in LINKED_ARGS}
+    """The checkpoint's ``{"class_path", "init_args"}`` as the parser holds ``model.sae`` (``d_in`` included:
+    the data's is linked over it, and checked against it, when the classes are instantiated)."""
+    init_args = dict(sae_config.get("init_args") or {})
     return Namespace(class_path=str(sae_config["class_path"]), init_args=Namespace(**init_args))
 
 

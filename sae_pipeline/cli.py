@@ -124,6 +124,16 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._name_run(config, subcommand)
         self._check_outputs(config, subcommand)
         self._check_ckpt_path(config, subcommand)
+        requeued = hpc_checkpoints(config.trainer.default_root_dir) if config.trainer.get("default_root_dir") else []
+        if subcommand and config.get("model.sae") is None and not config.get("ckpt_path") and requeued:
+            # A requeued SLURM job that was started with --ckpt_path and no model.sae: _follow_slurm_job dropped
+            # --ckpt_path for the job's own hpc checkpoint, which holds the same model; Lightning merges the
+            # hyper-parameters of --ckpt_path only, so they are taken here.
+            checkpoint = read_checkpoint(requeued[-1], for_fit=True)
+            self._check_model_config(config, subcommand, str(requeued[-1]), checkpoint)
+            for key, value in (checkpoint.get("hyper_parameters") or {}).items():
+                if key != "sae" and not key.startswith("_") and key in config.model:
+                    config.model[key] = value
 
     def before_instantiate_classes(self) -> None:
         self.prepare_ckpt_path()  # already done unless this Lightning has no _parse_ckpt_path

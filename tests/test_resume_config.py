@@ -108,6 +108,7 @@ def test_the_config_the_run_was_trained_with_resumes_it(mp_run: Path, tmp_path: 
     assert "resuming its" not in err  # the config named the SAE: nothing to announce
 
 
+@pytest.mark.slow
 def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Path, tmp_path: Path) -> None:
     ckpt = mp_run / CKPT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
@@ -124,6 +125,30 @@ def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Pat
     assert written["model"]["sae"]["init_args"]["d_sae"] == 64
     resumed = torch.load(tmp_path / "runs/sae/version_0/checkpoints/last.ckpt", weights_only=True)
     assert resumed["global_step"] == 3
+
+
+@pytest.mark.slow
+def test_a_requeued_slurm_job_without_sae_takes_its_hpc_checkpoints_model(mp_run: Path, tmp_path: Path) -> None:
+    """The job's hpc checkpoint replaces --ckpt_path (sae_pipeline/requeue.py) and Lightning merges no
+    hyper-parameters from it: the SAE, lr and warm-up still come from the checkpoint, not the defaults."""
+    job = tmp_path / "runs/sae/slurm-77"
+    job.mkdir(parents=True)
+    (job / "hpc_ckpt_1.ckpt").write_bytes((mp_run / CKPT).read_bytes())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")]),
+           "SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
+           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--data.source", "digits",
+                             "--data.batch_size", "256", "--data.num_workers", "0", *QUIET,
+                             "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
+                             "--ckpt_path", str(mp_run / CKPT)],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--ckpt_path runs/sae/slurm-77/hpc_ckpt_1.ckpt: resuming its MatchingPursuitSAE(d_sae=64, k=10)" \
+        in result.stderr
+    written = yaml.safe_load((job / "config.yaml").read_text())
+    assert written["model"]["sae"]["init_args"]["d_sae"] == 64
+    assert (written["model"]["lr"], written["model"]["warmup_steps"]) == (1e-3, 20)  # mpsae_digits.yaml's
+    assert torch.load(job / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
 
 
 def test_a_config_without_sae_or_data_names_what_is_missing(mp_run: Path, tmp_path: Path,
