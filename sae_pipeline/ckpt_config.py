@@ -21,9 +21,14 @@ and for ``validate``, ``test`` and ``predict`` alike:
   the checkpoint's, as is every hyper-parameter left out (whatever the parser's default).
 - A config that leaves the SAE's class unset (``fit --ckpt_path FILE --data.source digits``) takes
   the checkpoint's SAE, and one line says which (``--ckpt_path FILE: resuming its
-  MatchingPursuitSAE(d_sae=1000, k=10) ...``).
+  MatchingPursuitSAE(d_sae=1000, k=10) ...``). A requeued SLURM job started that way, whose
+  ``--ckpt_path`` gives way to the job's own hpc checkpoint, takes that checkpoint's SAE and
+  hyper-parameters the same way (Lightning merges those of ``--ckpt_path`` only).
 
-"Explicit" is what :func:`explicit_config` reads: the same arguments parsed without defaults.
+"Explicit" is what :func:`explicit_config` reads: the same arguments parsed again without
+defaults (jsonargparse's ``parse_args(defaults=False)``, with its private ``_skip_validation``,
+which also lets the parse of a config without ``model.sae`` wait for the checkpoint's). Arguments
+given to the CLI as a dict rather than a list are not compared.
 """
 from __future__ import annotations
 
