@@ -44,6 +44,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
 from sae_pipeline import lightning_compat
 from sae_pipeline.callbacks import SAEFigures
+from sae_pipeline.ckpt_config import check_against_checkpoint, explicit_config, sae_label, sae_namespace, \
+    sets_sae_class
 from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
     newest_checkpoint, read_checkpoint
 from sae_pipeline.cli_args import check_config_files, normalize_args
@@ -88,6 +90,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._prepared = False
         self._ckpt_d_in: int | None = None
         kwargs.setdefault("save_config_callback", FitConfigSaver)
+        self._explicit: Namespace | None = None  # what config files and flags set (ckpt_config)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
@@ -109,6 +112,19 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         })
 
     # --- before instantiation: names, outputs, --ckpt_path ---------------------------------------
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.ckpt_config`). With ``--ckpt_path``
+        and no ``model.sae`` the SAE is the checkpoint's: the check of required arguments waits until
+        :meth:`_check_ckpt_path` has filled it in."""
+        self._explicit = explicit_config(parser, args)
+        subcommand = self._explicit.get("subcommand") if self._explicit is not None else None
+        explicit = self._explicit.get(subcommand) if subcommand else None
+        if explicit is not None and explicit.get("ckpt_path") and explicit.get("model.sae") is None \
+                and not isinstance(args, (dict, Namespace)):
+            self.config = parser.parse_args(args, _skip_validation=True)
+            return
+        super().parse_arguments(parser, args)
+
     def prepare_ckpt_path(self) -> None:
         """Called by LightningCLI before it reads ``--ckpt_path`` (:class:`lightning_compat.CkptPathHook`)."""
         if self._prepared:
@@ -119,6 +135,16 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._name_run(config, subcommand)
         self._check_outputs(config, subcommand)
         self._check_ckpt_path(config, subcommand)
+        requeued = hpc_checkpoints(config.trainer.default_root_dir) if config.trainer.get("default_root_dir") else []
+        if subcommand and config.get("model.sae") is None and not config.get("ckpt_path") and requeued:
+            # A requeued SLURM job that was started with --ckpt_path and no model.sae: _follow_slurm_job dropped
+            # --ckpt_path for the job's own hpc checkpoint, which holds the same model; Lightning merges the
+            # hyper-parameters of --ckpt_path only, so they are taken here.
+            checkpoint = read_checkpoint(requeued[-1], for_fit=True)
+            self._check_model_config(config, subcommand, str(requeued[-1]), checkpoint)
+            for key, value in (checkpoint.get("hyper_parameters") or {}).items():
+                if key != "sae" and not key.startswith("_") and key in config.model:
+                    config.model[key] = value
 
     def before_instantiate_classes(self) -> None:
         self.prepare_ckpt_path()  # already done unless this Lightning has no _parse_ckpt_path
@@ -189,9 +215,30 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             rank_zero_info(f"--ckpt_path last: {found}")
             config.ckpt_path = ckpt_path = str(found)
         checkpoint = read_checkpoint(ckpt_path, for_fit=subcommand == "fit")
+        self._check_model_config(config, subcommand, str(ckpt_path), checkpoint)
         self._ckpt_d_in = checkpoint_d_in(checkpoint)
         self._ckpt_source = (checkpoint.get("data") or {}).get("source")
         del checkpoint
+
+    def _check_model_config(self, config: Namespace, subcommand: str | None, ckpt_path: str,
+                            checkpoint: dict[str, Any]) -> None:
+        """The user's explicit model settings agree with the checkpoint's; an SAE left unset is the
+        checkpoint's, said in one line (:mod:`sae_pipeline.ckpt_config`)."""
+        explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
+        explicit_model = explicit.get("model") if explicit is not None else None
+        check_against_checkpoint(ckpt_path, checkpoint, config.get("model"), explicit_model)
+        if explicit is None or sets_sae_class(explicit_model):
+            return
+        sae = checkpoint["sae_config"]
+        if config.get("model.sae") is None:
+            config.model.sae = sae_namespace(sae)
+            try:
+                self.parser.validate(self.config)  # the check parse_arguments held back
+            except (TypeError, KeyError, ValueError) as exn:
+                self.parser.error(str(exn), exn)  # what the parse would have said: usage, tip, error line
+        doing = "resuming" if subcommand == "fit" else "using"
+        label = sae_label(sae["class_path"], sae.get("init_args") or {})
+        rank_zero_info(f"--ckpt_path {ckpt_path}: {doing} its {label} (the config names no model.sae)")
 
     # --- instantiation --------------------------------------------------------------------------
     def after_instantiate_classes(self) -> None:

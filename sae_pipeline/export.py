@@ -16,6 +16,13 @@ Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--form
 (SAELens's format: :mod:`sae_pipeline.saelens`). Both files are replaced together or not at all:
 a full disk ends with one ``no space left on device`` line (exit 1) and leaves a previous export
 in ``--out`` whole. The files get the user's umask (e.g. 0644 under umask 022).
+
+One export folder holds one SAE. Exporting again in the same format replaces that export whole
+(:func:`write_export_files`); exporting into a folder that holds the *other* format's files is
+refused before anything is written (exit 2, one line naming the files and the fix: another
+``--out``, or remove the folder first). Replacing would leave a reader of the folder, or a
+``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting a user's
+files is not the exporter's call.
 """
 from __future__ import annotations
 
@@ -134,6 +141,7 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     """
     from feature_extraction.output_dirs import prepare_output_dir
 
+    refuse_other_export(out_dpath, (weights_fname, config_fname))
     out_dpath = prepare_output_dir(out_dpath, "--out")
     weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
     config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
@@ -152,6 +160,20 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
         raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
                       "choose another --out (the previous export there, if any, is unchanged)") from None
     return out_dpath
+
+
+def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
+    """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
+    (see the module docstring: an export folder holds one SAE)."""
+    from sae_pipeline.saelens import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME  # imports this module
+
+    formats = {"native": (WEIGHTS_FNAME, CONFIG_FNAME), "SAELens": (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME)}
+    out_dpath = Path(out_dpath)
+    for name, files in formats.items():
+        found = [fname for fname in files if fname not in own_files and (out_dpath / fname).exists()]
+        if found:
+            raise ExportError(f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
+                              f"SAE; pass another --out, or remove {out_dpath} first to replace it")
 
 
 def check_export(dpath: Path | str) -> None:

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from feature_extraction.shards import peek_manifest
 import sae_pipeline
-from sae_pipeline.export import ExportError, load_checkpoint, sae_from_checkpoint, variant_name
+from sae_pipeline.export import ExportError, load_checkpoint, refuse_other_export, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -223,6 +223,7 @@ def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, pro
 
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
     """
+    refuse_other_export(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
     checkpoint = load_checkpoint(ckpt_fpath)
     sae = sae_from_checkpoint(checkpoint).eval()
     sae.fold_input_scale(float(checkpoint["input_scale"]))

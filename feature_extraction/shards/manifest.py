@@ -5,9 +5,9 @@ Design choices:
   the token layout (``tokens_per_image``, prefix tokens, grid, ``token_selection`` and
   ``token_kinds``) and the normalisation statistics merged from the sidecars' float64
   running sums (no re-read of the tokens). It is written atomically.
-- ``load_manifest`` checks fields and each listed shard's existence and size (sha256 on
-  request); ``peek_manifest`` only parses it, for commands that just want to know which
-  backbone a directory holds.
+- ``load_manifest`` checks fields, each listed shard's existence and size (sha256 on
+  request) and the statistics against the sidecars (``manifest_stats``); ``peek_manifest``
+  only parses it, for commands that just want to know which backbone a directory holds.
 - ``manifest_sha256`` names the data (``created_at`` left out), so exports and checkpoints
   record which manifest they were trained on.
 """
@@ -25,6 +25,7 @@ from feature_extraction.shards.layout import (
     DTYPE, EXTRACTION_FNAME, MANIFEST_FNAME, SCHEMA_VERSION, SIDECAR_GLOB, ShardFormatError, shard_fname,
     sidecar_fname, sidecar_index,
 )
+from feature_extraction.shards.manifest_stats import check_manifest_stats
 from feature_extraction.shards.sidecar import read_json_object, read_sidecar, shard_is_complete
 from feature_extraction.token_selection import full_token_count, token_kinds
 
@@ -108,7 +109,8 @@ def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int,
 def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     """Read and check ``manifest.json`` and the shard files it lists.
 
-    Always checks fields, schema version, dtype and each shard's existence and size;
+    Always checks fields, schema version, dtype, each shard's existence and size and the
+    statistics against the sidecars (:mod:`~feature_extraction.shards.manifest_stats`);
     ``verify=True`` also recomputes every sha256 (reads all the data).
     """
     shards_dpath = Path(shards_dpath)
@@ -159,6 +161,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         if verify and integrity.file_sha256(shard_fpath) != entry["sha256"]:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
+    check_manifest_stats(shards_dpath, manifest)  # a hand-edited 'stats' would train on the wrong scale
     return manifest
 
 

@@ -1,0 +1,93 @@
+"""An export folder never holds two SAEs (reliability issue, item 7): exporting the other format into
+a folder that holds an export is refused before anything is written; the same format replaces it.
+``python -m sae_pipeline export`` through ``main`` in-process, one case in a real subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sae_pipeline.__main__ import main
+from sae_pipeline.export import load_sae
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+TOPK = str(REPO_DPATH / "configs" / "topk_digits.yaml")
+FILES = {"native": ["sae.safetensors", "config.json"], "saelens": ["sae_weights.safetensors", "cfg.json"]}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TopK SAE (d_sae 32) trained 2 steps on digits."""
+    cwd = tmp_path_factory.mktemp("export_run")
+    previous = os.getcwd()
+    os.chdir(cwd)
+    try:
+        assert main(["fit", "--config", TOPK, "--model.sae.init_args.d_sae", "32", "--trainer.max_steps", "2",
+                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                     "--figures.every_n_val_epochs", "1000"]) == 0
+    finally:
+        os.chdir(previous)
+    return cwd / "runs/topk_digits/version_0/checkpoints/last.ckpt"
+
+
+def export(ckpt: Path, out: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    status = main(["export", "--ckpt_path", str(ckpt), "--out", str(out), "--format", fmt])
+    return status, capsys.readouterr().err
+
+
+def contents(dpath: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dpath.iterdir())}
+
+
+CASES = {  # name: (what --out holds, the format exported into it, refused)
+    "native over SAELens": (FILES["saelens"], "native", True),
+    "SAELens over native": (FILES["native"], "saelens", True),
+    "native over a SAELens cfg.json alone": (["cfg.json"], "native", True),
+    "SAELens over a native sae.safetensors alone": (["sae.safetensors"], "saelens", True),
+    "native over native": (FILES["native"], "native", False),
+    "SAELens over SAELens": (FILES["saelens"], "saelens", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_export_folder_holds_one_sae(case: str, ckpt: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    held, fmt, refused = CASES[case]
+    out = tmp_path / "sae"
+    first = "native" if held[0] in FILES["native"] else "saelens"
+    assert export(ckpt, out, first, capsys)[0] == 0
+    for fname in set(FILES[first]) - set(held):
+        (out / fname).unlink()
+    (out / "notes.txt").write_text("the user's own file\n")
+    before = contents(out)
+    status, err = export(ckpt, out, fmt, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    if refused:
+        assert status == 2, err
+        other = "SAELens" if first == "saelens" else "native"
+        assert len(lines) == 1, err
+        assert f"--out {out} holds a {other} export ({', '.join(f for f in FILES[first] if f in held)})" in lines[0]
+        assert f"pass another --out, or remove {out} first to replace it" in lines[0]
+        assert contents(out) == before  # nothing written, nothing removed
+    else:
+        assert status == 0 and not lines, err
+        assert sorted(contents(out)) == sorted([*FILES[fmt], "notes.txt"])
+        assert load_sae(out).d_sae == 32
+
+
+def test_the_command_refuses_the_other_format(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sae"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "sae_pipeline", "export", "--ckpt_path", str(ckpt), "--out", str(out)]
+    assert subprocess.run(command, env=env, capture_output=True, timeout=300, check=False).returncode == 0
+    before = contents(out)
+    result = subprocess.run([*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 2, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        (f"error: ExportError: --out {out} holds a native export (sae.safetensors, config.json) and one folder holds "
+        f"one SAE; pass another --out, or remove {out} first to replace it")]
+    assert contents(out) == before
