@@ -29,13 +29,14 @@ def normalize_args(args: list[str]) -> list[str]:
     return out
 
 
-def config_files(args: list[str]) -> list[str]:
-    """The values of ``--config FILE``, ``--config=FILE`` and ``-c FILE``."""
+def config_files(args: list[str], option: str = "--config") -> list[str]:
+    """The values of ``--config FILE``, ``--config=FILE`` and ``-c FILE`` (or of another ``option``)."""
+    names = ("--config", "-c") if option == "--config" else (option,)
     found = []
     for index, arg in enumerate(args):
-        if arg in ("--config", "-c") and index + 1 < len(args):
+        if arg in names and index + 1 < len(args):
             found.append(args[index + 1])
-        elif arg.startswith("--config="):
+        elif arg.startswith(f"{option}="):
             found.append(arg.split("=", 1)[1])
     return found
 

@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from feature_extraction.exit_status import flag_error
+from sae_pipeline.config_files import load_config
 from sae_pipeline.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
@@ -78,7 +77,7 @@ def resolve_settings(args: Any) -> dict[str, Any]:
         if not fpath.is_file():
             raise ValueError(f"--config {fpath}: file not found; pass a training config such as "
                              "configs/mpsae_digits.yaml")
-        config = yaml.safe_load(fpath.read_text()) or {}
+        config = load_config(fpath)  # its includes resolved
         for section, keys in (("data", DATA_KEYS), ("trainer", TRAINER_KEYS)):
             for key in keys:
                 if isinstance(config.get(section), dict) and key in config[section]:
