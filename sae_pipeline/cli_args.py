@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from sae_pipeline.config_files import check_includes
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
 
 
@@ -42,13 +43,14 @@ def config_files(args: list[str], option: str = "--config") -> list[str]:
 
 
 def check_config_files(args: list[str]) -> None:
-    """A one-line ``ValueError`` for a ``--config`` file with a YAML syntax error (others: the parser's)."""
+    """A one-line ``ValueError`` for a ``--config`` file, or a piece it includes, with a YAML syntax error or
+    (a piece) missing; other problems: the parser's."""
     for name in config_files(args):
         fpath = Path(name)
         if not fpath.is_file():
             continue  # jsonargparse names a missing file itself
         try:
-            yaml.safe_load(fpath.read_text())
+            loaded = yaml.safe_load(fpath.read_text())
         except yaml.YAMLError as exn:
             mark = getattr(exn, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -56,3 +58,5 @@ def check_config_files(args: list[str]) -> None:
             raise ValueError(f"config file {name}: YAML syntax error{where}: {problem}; fix the file") from None
         except UnicodeDecodeError:
             raise ValueError(f"config file {name}: not a text (YAML) file; pass a .yaml config") from None
+        if isinstance(loaded, dict):
+            check_includes(fpath)  # the pieces it names (configs/vision/, configs/data/)

@@ -35,7 +35,15 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 def _read(fpath: Path) -> dict:
-    config = yaml.safe_load(fpath.read_text()) or {}
+    if not fpath.is_file():
+        raise ValueError(f"config file {fpath}: not found; fix the reference to it")
+    try:
+        config = yaml.safe_load(fpath.read_text()) or {}
+    except yaml.YAMLError as exn:
+        mark = getattr(exn, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exn, "problem", None) or str(exn).splitlines()[0]
+        raise ValueError(f"config file {fpath}: YAML syntax error{where}: {problem}; fix the file") from None
     if not isinstance(config, dict):
         raise ValueError(f"config file {fpath}: not a mapping of settings; fix the file")
     return config
@@ -80,6 +88,17 @@ def _settings(fpath: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, Any, 
         else:
             own.append((key, value, fpath))
     return included + own
+
+
+def check_includes(fpath: str | Path) -> None:
+    """A one-line ValueError for a file the config includes that is missing or not valid YAML."""
+    fpath = Path(fpath)
+    raw = _read(fpath)
+    for key, value in raw.items():
+        if key == INCLUDE_KEY and isinstance(value, str):
+            check_includes(fpath.parent / value)
+        elif _is_file_ref(value):
+            _read(fpath.parent / value)
 
 
 def setting_sources(fpath: str | Path) -> dict[str, list[Path]]:

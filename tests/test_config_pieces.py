@@ -160,3 +160,21 @@ def test_fingerprint_covers_every_piece(tmp_path: Path) -> None:
     before = config_sha256(tmp_path / "run.yaml")
     (tmp_path / "data" / "x.yaml").write_text("source: b\n")
     assert config_sha256(tmp_path / "run.yaml") != before
+
+
+def test_a_broken_piece_is_one_line_naming_it(tmp_path: Path) -> None:
+    """``python -m sae_pipeline fit --config`` with a piece that is not YAML, or not there: one line, exit 2."""
+    import subprocess
+
+    (tmp_path / "vision").mkdir()
+    (tmp_path / "vision" / "v.yaml").write_text("model:\n  lr: [1\n")
+    (tmp_path / "run.yaml").write_text("config: vision/v.yaml\n")
+    (tmp_path / "gone.yaml").write_text("data: data/nowhere.yaml\n")
+    repo = Path(__file__).resolve().parents[1]
+    for name, expected in (("run.yaml", "v.yaml: YAML syntax error at line 3"), ("gone.yaml", "nowhere.yaml: not found")):
+        done = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--config", str(tmp_path / name)],
+                              capture_output=True, text=True, cwd=tmp_path, check=False,
+                              env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ValueError: config file ") and expected in lines[0], done.stderr
