@@ -259,9 +259,8 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     env_index, env_count = default_task()
     task_index = env_index if task_index is None else task_index
     num_tasks = env_count if num_tasks is None else num_tasks
-    if num_tasks < 1 or not 0 <= task_index < num_tasks:
-        raise ValueError(f"--task_index must be in [0, {num_tasks - 1}] for --num_tasks {num_tasks} (>= 1), "
-                         f"got {task_index}")
+    check_int("--num_tasks", num_tasks, 1)
+    check_int("--task_index", task_index, 0, num_tasks - 1, note=f" for --num_tasks {num_tasks}")
     spec = get_backbone_spec(backbone)
     selection = make_selection(tokens_per_image, keep_prefix_tokens, seed, spec.n_prefix_tokens, spec.grid, spec.name)
     torch_device = _resolve_device(device)

@@ -146,10 +146,7 @@ def shards_for_task(n_shards: int, task_index: int, num_tasks: int) -> list[int]
     Strided rather than contiguous so that the smaller last shard and any slow region of
     the sorted ids spread over tasks; every shard belongs to exactly one task.
     """
-    if n_shards < 0:
-        raise ValueError(f"n_shards must be >= 0, got {n_shards}")
-    if num_tasks < 1:
-        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
-    if not 0 <= task_index < num_tasks:
-        raise ValueError(f"task_index must be in [0, {num_tasks - 1}] for num_tasks={num_tasks}, got {task_index}")
+    check_int("n_shards", n_shards, 0)
+    check_int("num_tasks", num_tasks, 1)
+    check_int("task_index", task_index, 0, num_tasks - 1, note=f" for num_tasks={num_tasks}")
     return list(range(task_index, n_shards, num_tasks))
