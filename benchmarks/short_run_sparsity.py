@@ -23,7 +23,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_DPATH), str(REPO_DPATH / "tests")]
@@ -34,6 +33,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from backbone_recipe import CONFIGS_DPATH, fit_args, target_l0, write_vit_like_shards  # noqa: E402
 from sae_pipeline.cli import SAECLI  # noqa: E402
+from sae_pipeline.config_files import load_config  # noqa: E402
 
 # (config, setting, extra flags): the configs as they are, then the same run without the setting
 RUNS = [
@@ -53,7 +53,7 @@ def train_l0_curve(log_dpath: str) -> tuple[list[int], list[float]]:
 
 def run(stem: str, extra: list[str], shards: Path, work_dpath: Path, steps: int) -> dict:
     config_fpath = CONFIGS_DPATH / f"{stem}.yaml"
-    config = yaml.safe_load(config_fpath.read_text())
+    config = load_config(config_fpath)  # the shortcut with its pieces
     work_dpath.mkdir(parents=True)
     os.chdir(work_dpath)
     started = time.perf_counter()

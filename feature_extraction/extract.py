@@ -68,6 +68,7 @@ from feature_extraction.shards import (
 from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shards.writers import ShardWriters
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
+from feature_extraction.validate import check_int
 
 __all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
 
@@ -225,11 +226,6 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     return {**counts, "seconds": time.perf_counter() - start_time}
 
 
-def _check_positive(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"--{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def extract(backbone: str, images: str, out: str, pretrained: bool = False, checkpoint_path: str | None = None,
             layer: int = -1, batch_size: int = 64, shard_size: int = 1000, num_workers: int = 4,
             device: str = "auto", task_index: int | None = None, num_tasks: int | None = None, seed: int = 0,
@@ -264,13 +260,12 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     """
     for name, value, minimum in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
                                  ("num_workers", num_workers, 0), ("num_writers", num_writers, 1)):
-        _check_positive(name, value, minimum)
+        check_int(f"--{name}", value, minimum)
     env_index, env_count = default_task()
     task_index = env_index if task_index is None else task_index
     num_tasks = env_count if num_tasks is None else num_tasks
-    if num_tasks < 1 or not 0 <= task_index < num_tasks:
-        raise ValueError(f"--task_index must be in [0, {num_tasks - 1}] for --num_tasks {num_tasks} (>= 1), "
-                         f"got {task_index}")
+    check_int("--num_tasks", num_tasks, 1)
+    check_int("--task_index", task_index, 0, num_tasks - 1, note=f" for --num_tasks {num_tasks}")
     spec = get_backbone_spec(backbone)
     selection = make_selection(tokens_per_image, keep_prefix_tokens, seed, spec.n_prefix_tokens, spec.grid, spec.name)
     torch_device = _resolve_device(device)

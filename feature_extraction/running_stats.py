@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from feature_extraction.validate import check_int
+
 __all__ = ["RunningStats"]
 
 
@@ -20,8 +22,7 @@ class RunningStats:
     """
 
     def __init__(self, d: int, n_tokens: int = 0, sum: np.ndarray | None = None, sum_sq_norm: float = 0.0) -> None:
-        if d < 0:
-            raise ValueError(f"RunningStats d must be >= 0, got {d}")
+        check_int("RunningStats d", d, 0)
         self.d = int(d)
         self.n_tokens = int(n_tokens)
         self.sum = np.zeros(self.d, np.float64) if sum is None else np.asarray(sum, np.float64).copy()

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from feature_extraction.validate import check_int
+
 __all__ = ["full_token_count", "grid_cell", "make_selection", "patch_scores", "selected_positions",
            "token_kinds"]
 
@@ -52,10 +54,8 @@ def make_selection(tokens_per_image: int | None, keep_prefix_tokens: bool, seed:
     """
     n_patches = int(grid[0]) * int(grid[1])
     if tokens_per_image is not None:
-        if isinstance(tokens_per_image, bool) or not isinstance(tokens_per_image, int) \
-                or not 1 <= tokens_per_image <= n_patches:
-            raise ValueError(f"--tokens_per_image must be an integer in [1, {n_patches}] (the {grid[0]}x{grid[1]} "
-                             f"patches of {backbone}), got {tokens_per_image!r}; omit it to keep every token")
+        check_int("--tokens_per_image", tokens_per_image, 1, n_patches,
+                  note=f" (the {grid[0]}x{grid[1]} patches of {backbone})", fix="; omit it to keep every token")
     if not isinstance(keep_prefix_tokens, bool):
         raise ValueError(f"--keep_prefix_tokens must be true or false, got {keep_prefix_tokens!r}")
     n = n_patches if tokens_per_image is None else tokens_per_image

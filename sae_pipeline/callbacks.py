@@ -39,7 +39,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from sae_pipeline import lightning_compat
-from sae_pipeline.evaluate.measure import check_positive_int, evaluate_sae
+from feature_extraction.validate import check_int
+from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
 from sae_pipeline.sae import SparseAutoencoder
 
@@ -70,12 +71,12 @@ class SAEFigures(L.Callback):
         n_atoms: int = 25,
     ) -> None:
         super().__init__()
-        self.every_n_val_epochs = check_positive_int("every_n_val_epochs", every_n_val_epochs)
-        self.ks = None if ks is None else sorted({check_positive_int("ks[i]", value) for value in ks})
+        self.every_n_val_epochs = check_int("every_n_val_epochs", every_n_val_epochs, 1)
+        self.ks = None if ks is None else sorted({check_int("ks[i]", value, 1) for value in ks})
         if self.ks is not None and not self.ks:
             raise ValueError("ks must hold at least one integer >= 1, or be None to derive it from the trained k")
-        self.r_max = None if r_max is None else check_positive_int("r_max", r_max)
-        self.n_atoms = check_positive_int("n_atoms", n_atoms)
+        self.r_max = None if r_max is None else check_int("r_max", r_max, 1)
+        self.n_atoms = check_int("n_atoms", n_atoms, 1)
         self.n_val_epochs = 0
 
     # --- Lightning hooks ---------------------------------------------------------------
@@ -143,14 +144,14 @@ class SAEFigures(L.Callback):
         """``r_max`` given here, else the module's ``babel_r_max`` hyper-parameter, else 64."""
         if self.r_max is not None:
             return self.r_max
-        return check_positive_int("babel_r_max", _hparam(pl_module, "babel_r_max") or _DEFAULT_R_MAX)
+        return check_int("babel_r_max", _hparam(pl_module, "babel_r_max") or _DEFAULT_R_MAX, 1)
 
     def _ks(self, pl_module: L.LightningModule) -> list[int] | None:
         """``ks`` given here, else the module's ``inference_ks`` hyper-parameter, else None (derived)."""
         if self.ks is not None:
             return self.ks
         ks = _hparam(pl_module, "inference_ks")
-        return None if ks is None else sorted({check_positive_int("inference_ks[i]", value) for value in ks})
+        return None if ks is None else sorted({check_int("inference_ks[i]", value, 1) for value in ks})
 
 
 def _hparam(pl_module: L.LightningModule, name: str) -> Any:

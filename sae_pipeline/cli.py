@@ -12,8 +12,11 @@ What this subclass adds to LightningCLI:
   final step; ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard figures) and
   ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise); SIGTERM / Ctrl-C save
   and exit 143 / 130 (:mod:`sae_pipeline.interrupts`); checkpoints are written atomically.
-- TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (``runs/sae`` without
-  a config; ``--trainer.default_root_dir DIR`` replaces ``runs``), with that run's checkpoints
+- TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (the last ``--config``
+  file's; ``runs/<config stem>_<data file stem>`` when ``--data FILE`` is given too, so that
+  ``--config configs/vision/mpsae.yaml --data configs/data/dinov2.yaml`` trains ``runs/mpsae_dinov2``
+  like ``--config configs/mpsae_dinov2.yaml``; ``runs/sae`` without a config;
+  ``--trainer.default_root_dir DIR`` replaces ``runs``), with that run's checkpoints
   in ``version_N/checkpoints/`` (:mod:`sae_pipeline.checkpointing`). ``--ckpt_path last`` is the
   newest checkpoint over the config's runs; ``fit`` ends by printing its final checkpoint and
   TensorBoard directory.
@@ -48,7 +51,7 @@ from sae_pipeline.ckpt_config import check_against_checkpoint, explicit_config, 
     sets_sae_class
 from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
     newest_checkpoint, read_checkpoint
-from sae_pipeline.cli_args import check_config_files, normalize_args
+from sae_pipeline.cli_args import check_config_files, config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.interrupts import Interrupts
 from sae_pipeline.module import SAEModule
@@ -91,6 +94,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._ckpt_d_in: int | None = None
         kwargs.setdefault("save_config_callback", FitConfigSaver)
         self._explicit: Namespace | None = None  # what config files and flags set (ckpt_config)
+        given = sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else []
+        self._given_args = [str(arg) for arg in given]  # for the run name of --data FILE
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
@@ -155,6 +160,10 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         config_fpaths = config.get("config") or []
         if config_fpaths:
             run_name = Path(str(config_fpaths[-1])).stem
+        data_fpaths = [name for name in config_files(self._given_args, "--data") if Path(name).is_file()]
+        if data_fpaths:  # --config configs/vision/<variant>.yaml --data configs/data/<backbone>.yaml
+            data_name = Path(data_fpaths[-1]).stem
+            run_name = f"{run_name}_{data_name}" if config_fpaths else data_name
         logger = config.trainer.get("logger")
         root = config.trainer.get("default_root_dir")
         tensorboard = isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger")

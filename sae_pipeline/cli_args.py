@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from sae_pipeline.config_files import check_includes
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
 
 
@@ -29,25 +30,27 @@ def normalize_args(args: list[str]) -> list[str]:
     return out
 
 
-def config_files(args: list[str]) -> list[str]:
-    """The values of ``--config FILE``, ``--config=FILE`` and ``-c FILE``."""
+def config_files(args: list[str], option: str = "--config") -> list[str]:
+    """The values of ``--config FILE``, ``--config=FILE`` and ``-c FILE`` (or of another ``option``)."""
+    names = ("--config", "-c") if option == "--config" else (option,)
     found = []
     for index, arg in enumerate(args):
-        if arg in ("--config", "-c") and index + 1 < len(args):
+        if arg in names and index + 1 < len(args):
             found.append(args[index + 1])
-        elif arg.startswith("--config="):
+        elif arg.startswith(f"{option}="):
             found.append(arg.split("=", 1)[1])
     return found
 
 
 def check_config_files(args: list[str]) -> None:
-    """A one-line ``ValueError`` for a ``--config`` file with a YAML syntax error (others: the parser's)."""
+    """A one-line ``ValueError`` for a ``--config`` file, or a piece it includes, with a YAML syntax error or
+    (a piece) missing; other problems: the parser's."""
     for name in config_files(args):
         fpath = Path(name)
         if not fpath.is_file():
             continue  # jsonargparse names a missing file itself
         try:
-            yaml.safe_load(fpath.read_text())
+            loaded = yaml.safe_load(fpath.read_text())
         except yaml.YAMLError as exn:
             mark = getattr(exn, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -55,3 +58,5 @@ def check_config_files(args: list[str]) -> None:
             raise ValueError(f"config file {name}: YAML syntax error{where}: {problem}; fix the file") from None
         except UnicodeDecodeError:
             raise ValueError(f"config file {name}: not a text (YAML) file; pass a .yaml config") from None
+        if isinstance(loaded, dict):
+            check_includes(fpath)  # the pieces it names (configs/vision/, configs/data/)

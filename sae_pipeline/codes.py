@@ -26,6 +26,7 @@ import numpy as np
 
 from feature_extraction.atomic_files import atomic_path, check_free_space
 from feature_extraction.h5cache import FORMAT_ATTR, open_checked, read_attrs, write_attrs
+from feature_extraction.validate import check_int
 
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
 
@@ -52,8 +53,8 @@ class CodesWriter:
         if d_sae is not None:
             self.attrs.setdefault("d_sae", int(d_sae))
         self.d_sae = self.attrs.get("d_sae")
-        if self.d_sae is not None and (not isinstance(self.d_sae, (int, np.integer)) or self.d_sae < 1):
-            raise ValueError(f"d_sae must be an integer >= 1, got {self.d_sae!r}")
+        if self.d_sae is not None:
+            check_int("d_sae", self.d_sae, 1)
         self.n_rows = 0
         self._h5: h5py.File | None = None
         self._stack: ExitStack | None = None

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from feature_extraction.validate import check_int
+
 # Elements (not bytes) one chunk of `babel_coactive` may allocate for its gathered atoms and
 # Gram matrices: 2**23 float32 values = 32 MiB, small next to a batch of activations.
 _COACTIVE_CHUNK_ELEMENTS = 2**23
@@ -29,10 +31,6 @@ def _as_rows(tensor: Tensor, width: int, name: str) -> Tensor:
         raise ValueError(f"{name} must have shape [..., {width}], got {tuple(tensor.shape)}")
     return tensor.reshape(-1, width)
 
-
-def _check_positive_int(value: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 class ReconstructionR2(Metric):
@@ -63,7 +61,7 @@ class ReconstructionR2(Metric):
 
     def __init__(self, d_in: int, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        _check_positive_int(d_in, "d_in")
+        check_int("d_in", d_in, 1)
         self.d_in = d_in
         self.add_state("sum_x", default=torch.zeros(d_in, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("sum_x2", default=torch.zeros(d_in, dtype=torch.float64), dist_reduce_fx="sum")
@@ -112,7 +110,7 @@ class ActivationStats(Metric):
 
     def __init__(self, d_sae: int, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        _check_positive_int(d_sae, "d_sae")
+        check_int("d_sae", d_sae, 1)
         self.d_sae = d_sae
         self.add_state("fire_count", default=torch.zeros(d_sae, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("value_sum", default=torch.zeros(d_sae, dtype=torch.float64), dist_reduce_fx="sum")
@@ -154,7 +152,7 @@ def dead_fraction(tokens_since_fired: Tensor, dead_after_tokens: int) -> Tensor:
     Uses the same rule as ``SparseAutoencoder.dead_mask``: dead iff
     ``tokens_since_fired >= dead_after_tokens``. Returns a float64 scalar.
     """
-    _check_positive_int(dead_after_tokens, "dead_after_tokens")
+    check_int("dead_after_tokens", dead_after_tokens, 1)
     if tokens_since_fired.ndim != 1 or tokens_since_fired.numel() == 0:
         raise ValueError(
             f"tokens_since_fired must be a non-empty 1-D tensor [d_sae], got shape {tuple(tokens_since_fired.shape)}"
@@ -177,8 +175,7 @@ def _unit_atoms(W_dec: Tensor) -> Tensor:
 
 
 def _check_r_max(r_max: int, d_sae: int) -> None:
-    if isinstance(r_max, bool) or not isinstance(r_max, int) or not 1 <= r_max <= d_sae - 1:
-        raise ValueError(f"r_max must be an integer in [1, d_sae - 1] = [1, {d_sae - 1}], got {r_max!r}")
+    check_int("r_max", r_max, 1, d_sae - 1, note=" (d_sae - 1)")
 
 
 @torch.no_grad()
@@ -200,7 +197,7 @@ def babel(W_dec: Tensor, r_max: int, block_size: int = 1024) -> Tensor:
     W = _unit_atoms(W_dec)
     d_sae = W.shape[0]
     _check_r_max(r_max, d_sae)
-    _check_positive_int(block_size, "block_size")
+    check_int("block_size", block_size, 1)
     result = torch.zeros(r_max, dtype=W.dtype, device=W.device)
     # One reused buffer: a fresh block-sized allocation per block costs page faults on CPU.
     buffer = torch.empty(min(block_size, d_sae), d_sae, dtype=W.dtype, device=W.device)

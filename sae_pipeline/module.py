@@ -34,6 +34,7 @@ from torch import Tensor
 import sae_pipeline
 from sae_pipeline import lightning_compat
 from feature_extraction.shards import manifest_sha256
+from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import sae_config
@@ -123,16 +124,12 @@ class SAEModule(L.LightningModule):
         super().__init__()
         if not isinstance(sae, SparseAutoencoder):
             raise ValueError(f"model.sae must be a SparseAutoencoder variant, got {type(sae).__name__}")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ValueError(f"model.lr must be a finite number > 0, got {lr!r}")
-        if not (isinstance(min_lr, (int, float)) and 0 <= min_lr <= lr):
-            raise ValueError(f"model.min_lr must be in [0, model.lr={lr}], got {min_lr!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        check_float("model.lr", lr, 0.0, strict_minimum=True)
+        check_float("model.min_lr", min_lr, 0.0, lr, note=" (model.lr)")
+        check_int("model.warmup_steps", warmup_steps, 0)
         if inference_ks is not None and not all(isinstance(k, int) and 1 <= k <= sae.d_sae for k in inference_ks):
             raise ValueError(f"model.inference_ks must be integers in [1, d_sae={sae.d_sae}], got {inference_ks!r}")
-        if isinstance(babel_r_max, bool) or not isinstance(babel_r_max, int) or babel_r_max < 1:
-            raise ValueError(f"model.babel_r_max must be an integer >= 1, got {babel_r_max!r}")
+        check_int("model.babel_r_max", babel_r_max, 1)
         # The SAE object itself is not a hyper-parameter (it would be pickled into the
         # checkpoint); its plain {"class_path", "init_args"} is, so checkpoints load with
         # torch.load(weights_only=True) and LightningCLI can rebuild the module from them.

@@ -58,6 +58,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from feature_extraction.shards import peek_manifest
+from feature_extraction.validate import check_float
 import sae_pipeline
 from sae_pipeline.export import ExportError, load_checkpoint, refuse_other_export, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
@@ -158,8 +159,7 @@ def validation_tokens(source: str, val_fraction: float, n_tokens: int | None = N
     ``val_fraction``), or an even sample of ``n_tokens`` of it, float32 ``[n, d]``."""
     from sae_pipeline.data.sources import open_source, read_sample
 
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"--val_fraction must be in (0, 1), got {val_fraction}")
+    check_float("--val_fraction", val_fraction, 0.0, 1.0, strict_minimum=True, strict_maximum=True)
     units = open_source(source, data_dpath).units("val", val_fraction)
     total = sum(unit.n_tokens for unit in units)
     return torch.from_numpy(read_sample(units, min(total, n_tokens or total))).float()

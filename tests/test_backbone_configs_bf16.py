@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from backbone_recipe import STEPS, dinov2_configs, fit_args, target_l0, write_vit_like_shards
 from sae_pipeline.cli import SAECLI
+from sae_pipeline.config_files import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def vit_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("config_fpath", dinov2_configs(), ids=lambda p: p.stem)
 def test_dinov2_config_reaches_its_sparsity_and_r2_in_bf16(config_fpath: Path, vit_shards: Path, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    config = yaml.safe_load(config_fpath.read_text())
+    config = load_config(config_fpath)  # the shortcut with its pieces
     assert config["trainer"]["precision"] == "bf16-mixed"  # what this test is about
     monkeypatch.chdir(tmp_path)
     cli = SAECLI(args=fit_args(config_fpath, config, vit_shards))

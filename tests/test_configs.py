@@ -10,6 +10,7 @@ import yaml
 
 from feature_extraction.backbones import BACKBONES as BACKBONE_SPECS
 from sae_pipeline.cli import SAECLI
+from sae_pipeline.config_files import load_config
 from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
@@ -26,13 +27,17 @@ def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def load(name: str) -> dict:
-    return yaml.safe_load((CONFIGS_DPATH / f"{name}.yaml").read_text())
+    """The config with the pieces it includes (configs/vision/, configs/data/) resolved."""
+    return load_config(CONFIGS_DPATH / f"{name}.yaml")
 
 
 def test_every_config_exists_and_no_stray_training_configs() -> None:
     expected = {f"{v}_{b}.yaml" for v in VARIANTS for b in [*BACKBONES, "digits", "mnist"]}
     found = {p.name for p in CONFIGS_DPATH.glob("*.yaml") if not p.name.startswith(("extract_", "demo_"))}
     assert found == expected
+    pieces = {p.relative_to(CONFIGS_DPATH).as_posix() for p in CONFIGS_DPATH.glob("*/*.yaml")}
+    assert pieces == {"vision/recipe.yaml", *(f"vision/{v}.yaml" for v in VARIANTS),
+                      *(f"data/{b}.yaml" for b in BACKBONES)}
 
 
 def training_config_fpaths() -> list[Path]:

@@ -191,7 +191,7 @@ def test_refuses_directory_of_another_extraction(images, reference, tmp_path) ->
     (["--images", "{tmp}/missing"], "--images .*missing: does not exist"),
     (["--images", "{tmp}/empty"], "images source .*empty' holds no images"),
     (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
-    (["--task_index", "3", "--num_tasks", "3"], r"--task_index must be in \[0, 2\]"),
+    (["--task_index", "3", "--num_tasks", "3"], r"--task_index must be an integer in \[0, 2\] for --num_tasks 3, got 3"),
 ])
 def test_bad_input_one_line_error(images, tmp_path, capsys, args, message) -> None:
     (tmp_path / "empty").mkdir()

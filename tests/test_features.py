@@ -111,7 +111,7 @@ def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:
     base = ["--sae", str(data["sae"]), "--data.source", str(data["shards"]), "--data.num_workers", "0",
             "--trainer.accelerator", "cpu"]
     cases = {
-        "--top must be >= 1": [*base, "--out", str(tmp_path / "a"), "--top", "0"],
+        "--top must be an integer >= 1": [*base, "--out", str(tmp_path / "a"), "--top", "0"],
         "--atoms 12: out of range": [*base, "--out", str(tmp_path / "b"), "--atoms", "3", "12"],
         "tokens are 64-d but the SAE takes d_in = 12": ["--sae", str(data["sae"]), "--data.source", "digits",
                                                         "--out", str(tmp_path / "c")],

@@ -189,7 +189,7 @@ def test_k_above_d_in_stops_at_d_in_atoms() -> None:
     norms = sae.residual_norms(x, 6)
     assert norms[:, 4:].max() < 1e-10
     for k in (0, 11, 2.5):
-        with pytest.raises(ValueError, match=r"k must be an integer \[1, 10\]"):
+        with pytest.raises(ValueError, match=r"k must be an integer in \[1, 10\]"):
             sae.encode(x, k)
     with pytest.raises(ValueError, match="k must be"):
         OMPSAE(4, 10, 11)

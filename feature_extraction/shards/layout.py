@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Sequence
 from urllib.parse import unquote
 
-import numpy as np
-
 from feature_extraction.atomic_files import TMP_SUFFIX  # a file being written; a rerun overwrites it
+from feature_extraction.validate import check_int
 
 __all__ = [
     "DTYPE", "EXTRACTION_FNAME", "LOCK_FNAME", "MANIFEST_FNAME", "META_SUFFIX", "POSITIONS_SUFFIX", "SCHEMA_VERSION",
@@ -56,8 +55,7 @@ class ShardFormatError(ValueError):
 
 def shard_fname(index: int) -> str:
     """File name of shard ``index`` (``shard-000042.tar``); zero-padded so names sort by index."""
-    if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
-        raise ValueError(f"shard index must be an integer >= 0, got {index!r}")
+    check_int("shard index", index, 0)
     return f"shard-{int(index):06d}.tar"
 
 
@@ -132,8 +130,7 @@ def assign_shards(image_ids: Sequence[str], shard_size: int) -> list[list[str]]:
     Sorting makes the assignment independent of listing order, so every task and every
     rerun computes the same shards.
     """
-    if isinstance(shard_size, bool) or not isinstance(shard_size, (int, np.integer)) or shard_size < 1:
-        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
+    check_int("shard_size", shard_size, 1)
     ids = sorted(image_ids)
     for key in ids:
         check_key(key)
@@ -149,10 +146,7 @@ def shards_for_task(n_shards: int, task_index: int, num_tasks: int) -> list[int]
     Strided rather than contiguous so that the smaller last shard and any slow region of
     the sorted ids spread over tasks; every shard belongs to exactly one task.
     """
-    if n_shards < 0:
-        raise ValueError(f"n_shards must be >= 0, got {n_shards}")
-    if num_tasks < 1:
-        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
-    if not 0 <= task_index < num_tasks:
-        raise ValueError(f"task_index must be in [0, {num_tasks - 1}] for num_tasks={num_tasks}, got {task_index}")
+    check_int("n_shards", n_shards, 0)
+    check_int("num_tasks", num_tasks, 1)
+    check_int("task_index", task_index, 0, num_tasks - 1, note=f" for num_tasks={num_tasks}")
     return list(range(task_index, n_shards, num_tasks))

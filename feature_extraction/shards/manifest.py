@@ -28,6 +28,7 @@ from feature_extraction.shards.layout import (
 from feature_extraction.shards.manifest_stats import check_manifest_stats
 from feature_extraction.shards.sidecar import read_json_object, read_sidecar, shard_is_complete
 from feature_extraction.token_selection import full_token_count, token_kinds
+from feature_extraction.validate import check_int
 
 __all__ = ["REQUIRED_FIELDS", "SHARD_FIELDS", "backbone_name", "format_indices", "load_manifest", "manifest_sha256",
            "peek_manifest", "shard_fpaths", "write_manifest"]
@@ -58,8 +59,7 @@ def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int,
     from feature_extraction import __version__
 
     shards_dpath = Path(shards_dpath)
-    if n_shards < 1:
-        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
+    check_int("n_shards", n_shards, 1)
     grid = (int(grid[0]), int(grid[1]))
     kinds = token_kinds(n_prefix_tokens, grid, token_selection)
     if n_prefix_tokens < 0 or tokens_per_image != sum(kinds.values()):

@@ -32,6 +32,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from feature_extraction.validate import check_float, check_int
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
 from sae_pipeline.data.sources import RowSource, ShardSource, load_mnist, open_source, read_sample
 from sae_pipeline.data.streams import OrderedTokenStream, ShuffledTokenStream, check_shuffle_buffer
@@ -68,11 +69,9 @@ class ActivationDataModule(L.LightningDataModule):
         super().__init__()
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
                                  ("eval_tokens", eval_tokens, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"--data.{name} must be an integer >= {low}, got {value!r}")
+            check_int(f"--data.{name}", value, low)
         check_shuffle_buffer(shuffle_buffer_tokens, batch_size)
-        if not 0 <= val_fraction < 1:
-            raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
+        check_float("--data.val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True)
         self.save_hyperparameters()
         self.source, self.batch_size, self.num_workers = source, batch_size, num_workers
         self.shuffle_buffer_tokens, self.val_fraction, self.seed = shuffle_buffer_tokens, val_fraction, seed

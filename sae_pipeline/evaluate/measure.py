@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from feature_extraction.validate import check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive
 from sae_pipeline.sae import SparseAutoencoder
 
@@ -24,8 +25,7 @@ _CHUNK_ELEMENTS = 2**24
 def default_inference_ks(k: int, d_sae: int) -> list[int]:
     """Powers of two up to ``4k``, plus ``k`` and ``4k``, capped at ``d_sae``: the sweep of the
     paper's Fig. "inference at k" (below, at and well above the trained sparsity)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    check_int("k", k, 1)
     ks = {k, 4 * k}
     power = 1
     while power <= 4 * k:
@@ -53,7 +53,7 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
         raise ValueError(f"eval sample must have shape [n_tokens >= 1, d_in={sae.d_in}], got {tuple(x.shape)}")
     if sae.d_sae < 2:
         raise ValueError(f"the Babel function needs d_sae >= 2 atoms, got d_sae={sae.d_sae}")
-    check_positive_int("r_max", r_max)
+    check_int("r_max", r_max, 1)
     chunks = x.split(max(1, _CHUNK_ELEMENTS // sae.d_sae))
     stats = ActivationStats(sae.d_sae, sync_on_compute=False).to(x.device)
     # One chunk (the usual case): keep its codes for the co-active pass instead of re-encoding.
@@ -103,8 +103,3 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
         "l0": l0,
     }
 
-
-def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value

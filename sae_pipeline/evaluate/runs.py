@@ -29,7 +29,6 @@ read from it on first use, because importing it loads torch and this module must
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -43,10 +42,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from feature_extraction.atomic_files import write_text_atomic
 from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
+from sae_pipeline.config_files import config_sha256, load_config  # torch-free
 
 EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
@@ -91,7 +89,7 @@ class RunSpec:
         return dataclasses.asdict(self)
 
     def config(self) -> dict:
-        return yaml.safe_load(Path(self.config_fpath).read_text()) or {}
+        return load_config(self.config_fpath)
 
     def fit_args(self, out_dpath: Path) -> list[str]:
         """The ``fit`` command line (without ``python -m sae_pipeline``)."""
@@ -184,7 +182,7 @@ def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, m
         if not config_fpath.is_file():
             raise ValueError(f"{config_fpath}: not found; pass --config_dir / --config_suffix naming existing "
                              f"<variant>_<suffix>.yaml configs")
-        sha = hashlib.sha256(config_fpath.read_bytes()).hexdigest()
+        sha = config_sha256(config_fpath)  # the file and the pieces it includes
         for k, p in points:
             if k > p:
                 raise ValueError(f"--k {k} exceeds the dictionary size p = {p}; choose k <= p")

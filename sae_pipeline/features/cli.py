@@ -26,15 +26,14 @@ and swapped in whole at the end, so an interruption leaves the previous site (or
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from feature_extraction.exit_status import Interrupted, flag_error
+from feature_extraction.validate import check_float, check_int
+from sae_pipeline.config_files import load_config
 from sae_pipeline.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
@@ -87,7 +86,7 @@ def resolve_settings(args: Any) -> dict[str, Any]:
         if not fpath.is_file():
             raise ValueError(f"--config {fpath}: file not found; pass a training config such as "
                              "configs/mpsae_digits.yaml")
-        config = yaml.safe_load(fpath.read_text()) or {}
+        config = load_config(fpath)  # its includes resolved
         for section, keys in (("data", DATA_KEYS), ("trainer", TRAINER_KEYS)):
             for key in keys:
                 if isinstance(config.get(section), dict) and key in config[section]:
@@ -129,8 +128,7 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
     checkpoint = load_checkpoint(args.ckpt_path)
     sae = sae_from_checkpoint(checkpoint)
     scale = float(checkpoint["input_scale"])
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"--ckpt_path {args.ckpt_path}: input_scale is {scale}, must be finite and > 0")
+    check_float(f"--ckpt_path {args.ckpt_path}: input_scale", scale, 0.0, strict_minimum=True)
     sae.fold_input_scale(scale)
     return sae.eval()
 
@@ -141,10 +139,8 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     from sae_pipeline.features.images import SourceImages
     from sae_pipeline.features.site import check_out_dir, remove_stale_partials
 
-    if args.top < 1:
-        raise ValueError(f"--top must be >= 1 (images kept per atom), got {args.top}")
-    if args.neighbours < 0:
-        raise ValueError(f"--neighbours must be >= 0, got {args.neighbours}")
+    check_int("--top", args.top, 1, note=" (images kept per atom)")
+    check_int("--neighbours", args.neighbours, 0)
     if args.atoms:
         bad = [atom for atom in args.atoms if not 0 <= atom < sae.d_sae]
         if bad:

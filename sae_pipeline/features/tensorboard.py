@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image, ImageDraw
 
+from feature_extraction.validate import check_int
 from sae_pipeline.data.sources import ShardSource, ShardUnit
 from sae_pipeline.features.images import ImageChangedError, SourceImages, pixels_image, view_transform
 from sae_pipeline.features.topn import TopNTable
@@ -51,8 +52,7 @@ class TopPatches(L.Callback):
     def __init__(self, atoms: list[int] | None = None, n_atoms: int = 4, top: int = 8, max_tokens: int = 8192,
                  tile: int = 96, images: str | None = None) -> None:
         for name, value in (("n_atoms", n_atoms), ("top", top), ("max_tokens", max_tokens), ("tile", tile)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TopPatches {name} must be an integer >= 1, got {value!r}")
+            check_int(f"TopPatches {name}", value, 1)
         self.atoms, self.n_atoms, self.top, self.max_tokens = atoms, n_atoms, top, max_tokens
         self.tile, self.images = tile, images
         self._warned = False

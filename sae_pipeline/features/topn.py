@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from feature_extraction.validate import check_int
+
 NO_TOKEN = -1
 
 
@@ -103,9 +105,7 @@ class TopNTable:
     """
 
     def __init__(self, d_sae: int, n: int, device: torch.device | str = "cpu") -> None:
-        if n < 1:
-            raise ValueError(f"--top must be >= 1, got {n}")
-        self.d_sae, self.n = int(d_sae), int(n)
+        self.d_sae, self.n = int(d_sae), check_int("--top", n, 1)
         shape = (self.d_sae, self.n)
         self.value = torch.full(shape, -torch.inf, dtype=torch.float32, device=device)
         self.token = torch.full(shape, NO_TOKEN, dtype=torch.int64, device=device)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from feature_extraction.validate import check_int
 from sae_pipeline.figures.axes import (
     ArrayLike, finish, log2_axis, one_dimensional, plot_babel, scatter_frequency_vs_mean, single_axes, to_numpy)
 
@@ -100,8 +101,7 @@ def atom_grid_figure(
             f"image_shape {image_height}x{image_width} = {image_height * image_width} pixels does not match "
             f"the atom size d = {atoms.shape[1]}"
         )
-    if isinstance(n_atoms, bool) or not isinstance(n_atoms, int) or n_atoms < 1:
-        raise ValueError(f"n_atoms must be an integer >= 1, got {n_atoms!r}")
+    check_int("n_atoms", n_atoms, 1)
     n_shown = min(n_atoms, atoms.shape[0])
     if labels is not None and len(labels) < n_shown:
         raise ValueError(f"labels must have at least one entry per shown atom ({n_shown}), got {len(labels)}")

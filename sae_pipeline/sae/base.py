@@ -14,7 +14,6 @@ The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from feature_extraction.validate import check_float, check_int
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
 
@@ -102,39 +102,6 @@ class SAELoss:
     @property
     def aux(self) -> Tensor:
         return self.terms["aux_loss"]
-
-
-def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an int in [minimum, maximum]; else a one-line ValueError."""
-    valid = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer {valid}, got {value!r}")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer {valid}, got {value}")
-    return value
-
-
-def check_float(
-    name: str,
-    value: object,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    *,
-    strict_minimum: bool = False,
-    strict_maximum: bool = False,
-) -> float:
-    """Return ``float(value)`` if finite and inside the given bounds; else a one-line ValueError."""
-    low = "-inf" if minimum is None else f"{minimum:g}"
-    high = "inf" if maximum is None else f"{maximum:g}"
-    valid = f"a finite number in {'(' if strict_minimum else '['}{low}, {high}{')' if strict_maximum else ']'}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
-    number = float(value)
-    too_low = minimum is not None and (number <= minimum if strict_minimum else number < minimum)
-    too_high = maximum is not None and (number >= maximum if strict_maximum else number > maximum)
-    if not math.isfinite(number) or too_low or too_high:
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
-    return number
 
 
 def keep_top_k(codes: Tensor, k: int) -> Tensor:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae.base import SAEOutput, check_float, keep_top_k
+from feature_extraction.validate import check_float
+from sae_pipeline.sae.base import SAEOutput, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks
 from sae_pipeline.sae.sparse_decode import SparseCodes
 from sae_pipeline.sae.token_scale import token_scale

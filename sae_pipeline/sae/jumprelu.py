@@ -21,7 +21,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, keep_top_k
+from feature_extraction.validate import check_float
+from sae_pipeline.sae.base import SAEOutput, ShallowSAE, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks, pooled_cut
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_encode
 from sae_pipeline.sae.token_scale import token_scale

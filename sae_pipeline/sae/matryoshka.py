@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae.base import SAEOutput, check_float, check_int
+from feature_extraction.validate import check_float, check_int
+from sae_pipeline.sae.base import SAEOutput
 from sae_pipeline.sae.batchtopk import BatchTopKSAE
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode
 

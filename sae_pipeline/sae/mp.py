@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder, check_int
+from feature_extraction.validate import check_int
+from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
 from sae_pipeline.sae.mp_autograd import Selection, Workspace, matching_pursuit, select_atoms
 
 

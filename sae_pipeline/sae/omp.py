@@ -59,7 +59,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder, check_int
+from feature_extraction.validate import check_int
+from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
 from sae_pipeline.sae.mp_autograd import Workspace, argmax_block_size, compute_dtype, first_argmax
 from sae_pipeline.sae.sparse_decode import SparseCodes
 

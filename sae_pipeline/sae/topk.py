@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae.base import SAEOutput, ShallowSAE, check_float, check_int, keep_top_k
+from feature_extraction.validate import check_float, check_int
+from sae_pipeline.sae.base import SAEOutput, ShallowSAE, keep_top_k
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
 
