@@ -35,7 +35,7 @@ LIGHTNING_COMMANDS = {
 }
 # name -> (module with main(argv) -> int | None, help)
 COMMANDS = {
-    "export": ("sae_pipeline.export", "export a checkpoint to sae.safetensors + config.json"),
+    "export": ("sae_pipeline.artifacts.export", "export a checkpoint to sae.safetensors + config.json"),
     "extract": ("feature_extraction.__main__", "extract backbone token activations into shards "
                                                "(the flags of python -m feature_extraction)"),
     "features": ("sae_pipeline.features.cli", "feature browser: top images and heatmaps per atom as a static site "
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(args, argv)
-    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
+    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.training.interrupts)
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...

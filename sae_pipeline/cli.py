@@ -8,13 +8,13 @@ What this subclass adds to LightningCLI:
 - ``data.d_in`` is linked into ``model.sae.init_args.d_in`` when the classes are
   instantiated, so the width comes from the data (manifest) and is never typed twice.
 - Always-on callbacks, configurable from the YAML or flags: ``--checkpoint.*``
-  (:class:`~sae_pipeline.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
+  (:class:`~sae_pipeline.training.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
   final step; ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard figures) and
   ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise); SIGTERM / Ctrl-C save
-  and exit 143 / 130 (:mod:`sae_pipeline.interrupts`); checkpoints are written atomically.
+  and exit 143 / 130 (:mod:`sae_pipeline.training.interrupts`); checkpoints are written atomically.
 - TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (``runs/sae`` without
   a config; ``--trainer.default_root_dir DIR`` replaces ``runs``), with that run's checkpoints
-  in ``version_N/checkpoints/`` (:mod:`sae_pipeline.checkpointing`). ``--ckpt_path last`` is the
+  in ``version_N/checkpoints/`` (:mod:`sae_pipeline.training.checkpointing`). ``--ckpt_path last`` is the
   newest checkpoint over the config's runs; ``fit`` ends by printing its final checkpoint and
   TensorBoard directory.
 - ``validate``, ``test`` and ``predict`` need ``--ckpt_path``; every ``--ckpt_path`` is checked
@@ -23,7 +23,7 @@ What this subclass adds to LightningCLI:
 - Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
   (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
   directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
-  resumes from it and logs into the same run (:mod:`sae_pipeline.requeue`), even when the
+  resumes from it and logs into the same run (:mod:`sae_pipeline.training.requeue`), even when the
   submission said ``--ckpt_path``.
 - The optimiser and schedule belong to the module (paper recipe), not to CLI flags.
 """
@@ -40,16 +40,16 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
-from sae_pipeline import lightning_compat
-from sae_pipeline.callbacks import SAEFigures
-from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.callbacks import SAEFigures
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
     newest_checkpoint, read_checkpoint
 from sae_pipeline.cli_args import check_config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.interrupts import Interrupts
-from sae_pipeline.module import SAEModule
-from sae_pipeline.predict import CodesPredictionWriter
-from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
+from sae_pipeline.training.interrupts import Interrupts
+from sae_pipeline.training.module import SAEModule
+from sae_pipeline.training.predict import CodesPredictionWriter
+from sae_pipeline.training.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 
 DEFAULT_RUNS_DPATH = "runs"

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from feature_extraction import shards as S
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
-from sae_pipeline.export import CONFIG_FNAME, WEIGHTS_FNAME
+from sae_pipeline.artifacts.export import CONFIG_FNAME, WEIGHTS_FNAME
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae import ReLUSAE
 

@@ -193,7 +193,7 @@ def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
     A damaged export (a file cut short or changed since, found by ``export.check_export``) is
     logged and trained again, rather than stopping the study at its evaluation.
     """
-    from sae_pipeline.export import ExportError, check_export
+    from sae_pipeline.artifacts.export import ExportError, check_export
 
     model_dpath = Path(out_dpath) / "models" / spec.name
     marker = model_dpath / RUN_FNAME
@@ -261,7 +261,7 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
         _fit_in_process(args)
     else:
         _fit_subprocess(args, out_dpath / "logs" / f"{spec.name}.log", threads)
-    from sae_pipeline.export import export_checkpoint  # torch: imported only when a run is trained
+    from sae_pipeline.artifacts.export import export_checkpoint  # torch: imported only when a run is trained
 
     ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
     if not ckpt_fpath.is_file():

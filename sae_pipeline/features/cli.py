@@ -97,7 +97,7 @@ def resolve_settings(args: Any) -> dict[str, Any]:
 
 def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
     """The SAE on raw activations, from ``--ckpt_path`` (input scale folded) or ``--sae``."""
-    from sae_pipeline.export import load_checkpoint, load_sae, sae_from_checkpoint
+    from sae_pipeline.artifacts.export import load_checkpoint, load_sae, sae_from_checkpoint
 
     if bool(args.ckpt_path) == bool(args.sae):
         raise ValueError("pass exactly one of --ckpt_path FILE (a checkpoint of `fit`) and --sae DIR (an export)")
@@ -107,7 +107,7 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
                              "a SAELens directory (cfg.json + sae_weights.safetensors)")
         return load_sae(args.sae)
     if args.ckpt_path == "last":
-        from sae_pipeline.checkpointing import newest_checkpoint
+        from sae_pipeline.training.checkpointing import newest_checkpoint
 
         if not args.config:
             raise ValueError("--ckpt_path last needs --config (the newest run of that config); or pass the .ckpt file")

@@ -3,7 +3,7 @@
 ``docker stop``, ``timeout``, a cluster's kill and Kubernetes send SIGTERM and wait a grace period
 before SIGKILL; Ctrl-C sends SIGINT. Lightning's own SIGTERM handling exits with status 0 and no
 checkpoint, and its handler runs a collective inside the signal handler (see
-:func:`sae_pipeline.lightning_compat.mute_sigterm_notifier`); Python's SIGINT raises
+:func:`sae_pipeline.training.lightning_compat.mute_sigterm_notifier`); Python's SIGINT raises
 ``KeyboardInterrupt`` wherever the interpreter is, which Lightning turns into exit 1, again
 without a checkpoint.
 
@@ -11,7 +11,7 @@ without a checkpoint.
 signal. After each training batch (and each validation pass) the ranks all-reduce what they
 received (one small all-reduce per step under DDP, none in a single process), so a signal that
 reached one rank stops every rank at the same step. Then they save ``last.ckpt`` together
-(:func:`sae_pipeline.checkpointing.save_final_checkpoint`: atomic, with the optimiser, schedule,
+(:func:`sae_pipeline.training.checkpointing.save_final_checkpoint`: atomic, with the optimiser, schedule,
 dead-latent clock and data position), rank 0 prints where, and every rank exits with
 ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), the shell convention. ``fit --ckpt_path last``
 continues from it. A second Ctrl-C while waiting for the step boundary stops at once, without
@@ -19,7 +19,7 @@ saving (``KeyboardInterrupt``). DataLoader workers are forked with this handler,
 (sent to the whole process group) does not end their loop with ``KeyboardInterrupt`` (the next
 batch would then fail before the checkpoint is saved); there the handler does nothing at all.
 
-SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.requeue`.
+SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.training.requeue`.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from typing import Any
 import lightning as L
 from torch.utils.data import get_worker_info
 
-from sae_pipeline import lightning_compat
-from sae_pipeline.checkpointing import save_final_checkpoint
-from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.checkpointing import save_final_checkpoint
+from sae_pipeline.training.step_boundary import StepBoundaryCallback, max_over_ranks
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 

@@ -3,7 +3,7 @@
 The export is what downstream users load: no Lightning, no optimiser state, no pickle
 (safetensors for tensors, JSON for everything else), and it works on *raw* activations.
 Training may scale inputs by ``input_scale`` (so that E‖x‖² = d_in, see
-:class:`sae_pipeline.module.SAEModule`); every variant is positively homogeneous in its
+:class:`sae_pipeline.training.module.SAEModule`); every variant is positively homogeneous in its
 biases and thresholds (``f(s·x; b, θ) = s·f(x; b/s, θ/s)``), so the scale is folded into
 ``b_pre``, ``b_enc`` and the thresholds by ``SparseAutoencoder.fold_input_scale`` and the
 exported model's ``x_hat`` on raw ``x`` equals the trained model's ``x_hat`` on ``s·x``
@@ -13,7 +13,7 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 :mod:`sae_pipeline.sae.config`, which the training module uses too.
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
-(SAELens's format: :mod:`sae_pipeline.saelens`).
+(SAELens's format: :mod:`sae_pipeline.artifacts.saelens`).
 """
 from __future__ import annotations
 
@@ -175,9 +175,9 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
     """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode.
 
     A SAELens directory (``cfg.json`` + ``sae_weights.safetensors``) gives our equivalent module
-    (:func:`sae_pipeline.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
+    (:func:`sae_pipeline.artifacts.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
     """
-    from sae_pipeline import saelens  # imports this module: load it on use
+    from sae_pipeline.artifacts import saelens  # imports this module: load it on use
 
     dpath = Path(dpath)
     if not (dpath / CONFIG_FNAME).is_file() and (dpath / saelens.SAELENS_CFG_FNAME).is_file():
@@ -238,7 +238,7 @@ def build_parser() -> Any:
 def run(args: Any) -> None:
     """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are."""
     if args.format == "saelens":
-        from sae_pipeline import saelens
+        from sae_pipeline.artifacts import saelens
 
         out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
         files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
