@@ -74,7 +74,7 @@ def timed_predict(side: str, shards: Path, sae, batch_size: int, device: str, to
     from sae_pipeline.data import ActivationDataModule
     from sae_pipeline.features.heatmaps import layout_of
     from sae_pipeline.features.pass_module import FeaturesModule
-    from sae_pipeline.module import SAEModule
+    from sae_pipeline.training.module import SAEModule
 
     dm = ActivationDataModule(str(shards), batch_size=batch_size, num_workers=2, shuffle_buffer_tokens=batch_size,
                               val_fraction=0.0)

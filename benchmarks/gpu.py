@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import peak_tflops  # noqa: E402
 
 from feature_extraction.backbones import load_backbone  # noqa: E402
-from sae_pipeline.module import adam_implementation  # noqa: E402
+from sae_pipeline.training.module import adam_implementation  # noqa: E402
 from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder  # noqa: E402
 
 SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 
 from sae_pipeline.metrics import ReconstructionR2, dead_fraction  # noqa: E402
-from sae_pipeline.module import SAEModule, adam_implementation, warmup_cosine_factor  # noqa: E402
+from sae_pipeline.training.module import SAEModule, adam_implementation, warmup_cosine_factor  # noqa: E402
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder  # noqa: E402
 
 LR, MIN_LR = 5e-4, 1e-6

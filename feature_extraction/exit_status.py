@@ -12,7 +12,7 @@ every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
 runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
-The Lightning commands stop with :class:`Interrupted` instead (``sae_pipeline.interrupts``: a
+The Lightning commands stop with :class:`Interrupted` instead (``sae_pipeline.training.interrupts``: a
 ``SystemExit``, because Lightning turns a ``KeyboardInterrupt`` into exit 1); :func:`run_command`
 treats it as the interruption it is.
 

@@ -2,7 +2,7 @@
 
 The webdataset shards are for streaming the full 0.5 TB; HDF5 is the second format
 (DESIGN.md) for what needs random access: a token subset for evaluation or plots here, and
-the per-token sparse codes that ``predict`` writes (``sae_pipeline/codes.py``, which uses the
+the per-token sparse codes that ``predict`` writes (``sae_pipeline/artifacts/codes.py``, which uses the
 attribute and format-check helpers below).
 
 Design choices:

@@ -7,7 +7,7 @@
 Exit codes, the same for every command: 0 success, 2 bad input (one ``error:``
 line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
 SIGTERM; one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line saying what was
-kept and how to rerun, :mod:`sae_pipeline.interrupts`), 1 anything unexpected. Errors the product raises for bad input are
+kept and how to rerun, :mod:`sae_pipeline.training.interrupts`), 1 anything unexpected. Errors the product raises for bad input are
 ``ValueError`` s naming the file, field or flag and the fix, printed by
 ``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
 ``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead. A full disk is one line and exit 1 in every
@@ -41,7 +41,7 @@ LIGHTNING_COMMANDS = {
     "predict": "write the sparse codes of a trained SAE to HDF5 (--ckpt_path)",
 }
 # What an interruption of a Lightning command leaves, when nothing more precise was said (fit's
-# checkpoint line, predict's codes file: sae_pipeline.interrupts, sae_pipeline.predict).
+# checkpoint line, predict's codes file: sae_pipeline.training.interrupts, sae_pipeline.training.predict).
 INTERRUPTED = {
     "fit": "stopped before training began, nothing was saved; rerun the same command",
     "validate": "stopped before the metrics were complete, nothing was written; rerun the same command",
@@ -52,7 +52,7 @@ INTERRUPTED = {
 OWN_SIGNALS = ("export", "extract", "evaluate")
 # name -> (module with main(argv) -> int | None, help)
 COMMANDS = {
-    "export": ("sae_pipeline.export", "export a checkpoint to sae.safetensors + config.json"),
+    "export": ("sae_pipeline.artifacts.export", "export a checkpoint to sae.safetensors + config.json"),
     "extract": ("feature_extraction.__main__", "extract backbone token activations into shards "
                                                "(the flags of python -m feature_extraction)"),
     "features": ("sae_pipeline.features.cli", "feature browser: top images and heatmaps per atom as a static site "
@@ -92,8 +92,8 @@ def _run(args: list[str], argv: list[str] | None) -> int:
     _stop_early()
     try:
         # these load torch and Lightning (seconds)
-        from sae_pipeline.interrupts import stop_signals
-        from sae_pipeline.lightning_noise import quiet_lightning
+        from sae_pipeline.training.interrupts import stop_signals
+        from sae_pipeline.training.lightning_noise import quiet_lightning
 
         quiet_lightning()
         with stop_signals():
@@ -115,7 +115,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def _stop_early() -> None:
-    """SIGTERM / Ctrl-C stop with 143 / 130 while the modules load (sae_pipeline.interrupts then takes over)."""
+    """SIGTERM / Ctrl-C stop with 143 / 130 while the modules load (sae_pipeline.training.interrupts then takes over)."""
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     threading.excepthook = quiet_thread_disk_full  # the main thread prints a full disk's one line
     try:
         return _run(args, argv)
-    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.interrupts)
+    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.training.interrupts)
         print("interrupted (Ctrl-C): rerun the same command", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...

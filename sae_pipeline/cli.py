@@ -8,16 +8,16 @@ What this subclass adds to LightningCLI:
 - ``data.d_in`` is linked into ``model.sae.init_args.d_in`` when the classes are
   instantiated, so the width comes from the data (manifest) and is never typed twice.
 - Always-on callbacks, configurable from the YAML or flags: ``--checkpoint.*``
-  (:class:`~sae_pipeline.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
+  (:class:`~sae_pipeline.training.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
   final step; ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard figures) and
   ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise); SIGTERM / Ctrl-C save
-  and exit 143 / 130 (:mod:`sae_pipeline.interrupts`); checkpoints are written atomically.
+  and exit 143 / 130 (:mod:`sae_pipeline.training.interrupts`); checkpoints are written atomically.
 - TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (the last ``--config``
   file's; ``runs/<config stem>_<data file stem>`` when ``--data FILE`` is given too, so that
   ``--config configs/vision/mpsae.yaml --data configs/data/dinov2.yaml`` trains ``runs/mpsae_dinov2``
   like ``--config configs/mpsae_dinov2.yaml``; ``runs/sae`` without a config;
   ``--trainer.default_root_dir DIR`` replaces ``runs``), with that run's checkpoints
-  in ``version_N/checkpoints/`` (:mod:`sae_pipeline.checkpointing`). ``--ckpt_path last`` is the
+  in ``version_N/checkpoints/`` (:mod:`sae_pipeline.training.checkpointing`). ``--ckpt_path last`` is the
   newest checkpoint over the config's runs; ``fit`` ends by printing its final checkpoint and
   TensorBoard directory.
 - ``validate``, ``test`` and ``predict`` write no TensorBoard run (no ``version_N`` folder beside the
@@ -28,7 +28,7 @@ What this subclass adds to LightningCLI:
 - Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
   (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
   directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
-  resumes from it and logs into the same run (:mod:`sae_pipeline.requeue`), even when the
+  resumes from it and logs into the same run (:mod:`sae_pipeline.training.requeue`), even when the
   submission said ``--ckpt_path``.
 - The optimiser and schedule belong to the module (paper recipe), not to CLI flags.
 """
@@ -45,18 +45,18 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
-from sae_pipeline import lightning_compat
-from sae_pipeline.callbacks import SAEFigures
-from sae_pipeline.ckpt_config import check_against_checkpoint, explicit_config, sae_label, sae_namespace, \
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.callbacks import SAEFigures
+from sae_pipeline.training.ckpt_config import check_against_checkpoint, explicit_config, sae_label, sae_namespace, \
     sets_sae_class
-from sae_pipeline.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
     newest_checkpoint, read_checkpoint
 from sae_pipeline.cli_args import check_config_files, config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.interrupts import Interrupts
-from sae_pipeline.module import SAEModule
-from sae_pipeline.predict import CodesPredictionWriter
-from sae_pipeline.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
+from sae_pipeline.training.interrupts import Interrupts
+from sae_pipeline.training.module import SAEModule
+from sae_pipeline.training.predict import CodesPredictionWriter
+from sae_pipeline.training.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 
 DEFAULT_RUNS_DPATH = "runs"
@@ -118,7 +118,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
 
     # --- before instantiation: names, outputs, --ckpt_path ---------------------------------------
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.ckpt_config`). With ``--ckpt_path``
+        """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.training.ckpt_config`). With ``--ckpt_path``
         and no ``model.sae`` the SAE is the checkpoint's: the check of required arguments waits until
         :meth:`_check_ckpt_path` has filled it in."""
         self._explicit = explicit_config(parser, args)
@@ -232,7 +232,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def _check_model_config(self, config: Namespace, subcommand: str | None, ckpt_path: str,
                             checkpoint: dict[str, Any]) -> None:
         """The user's explicit model settings agree with the checkpoint's; an SAE left unset is the
-        checkpoint's, said in one line (:mod:`sae_pipeline.ckpt_config`)."""
+        checkpoint's, said in one line (:mod:`sae_pipeline.training.ckpt_config`)."""
         explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
         explicit_model = explicit.get("model") if explicit is not None else None
         check_against_checkpoint(ckpt_path, checkpoint, config.get("model"), explicit_model)

@@ -10,7 +10,7 @@ Each variant runs ``python -m sae_pipeline fit --config configs/<variant>_digits
 own process, exactly as a user would type it (p = 1000 atoms, k = 10: the paper's controlled
 setting, on scikit-learn's 8x8 digits instead of MNIST so that nothing is downloaded). The
 final metrics are read back from the TensorBoard event files the run wrote: ``val/r2``,
-``val/l0`` and the Babel scalars (dictionary μ₁(1) and μ₁(k), co-active μ₁(k)) of :class:`sae_pipeline.callbacks.SAEFigures` from the last
+``val/l0`` and the Babel scalars (dictionary μ₁(1) and μ₁(k), co-active μ₁(k)) of :class:`sae_pipeline.training.callbacks.SAEFigures` from the last
 validation (the digits configs validate at the end of training).
 
 First stage (the whole pipeline, end to end): ``python -m feature_extraction --config

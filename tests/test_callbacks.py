@@ -13,11 +13,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import sae_pipeline.evaluate.measure as measure_module
-from sae_pipeline.callbacks import SAEFigures
+from sae_pipeline.training.callbacks import SAEFigures
 from sae_pipeline.evaluate.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.demo import format_table, read_final_metrics
-from sae_pipeline.module import SAEModule
+from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import MatchingPursuitSAE, ReLUSAE, SparseAutoencoder, TopKSAE
 
 SCALAR_TAGS = [

@@ -24,7 +24,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sae_pipeline.checkpointing import PAUSE_IN_SAVE_ENV, newest_checkpoint
+from sae_pipeline.training.checkpointing import PAUSE_IN_SAVE_ENV, newest_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MAX_STEPS = 30  # 6 batches per epoch on digits: the kills fall in different epochs

@@ -18,11 +18,11 @@ import torch
 import system_tools
 
 from feature_extraction.h5cache import write_token_cache
-from sae_pipeline.codes import read_codes
+from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.__main__ import main
-from sae_pipeline.checkpointing import AtomicCheckpointIO, newest_checkpoint
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, newest_checkpoint
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.export import load_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.export import load_checkpoint, sae_from_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")

@@ -14,9 +14,9 @@ import yaml
 
 from feature_extraction.h5cache import read_attrs, write_token_cache
 from sae_pipeline.cli import SAECLI
-from sae_pipeline.codes import merge_codes, read_codes
+from sae_pipeline.artifacts.codes import merge_codes, read_codes
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.export import load_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.export import load_checkpoint, sae_from_checkpoint
 from sae_pipeline.sae.sparse_decode import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_predict_writes_the_codes_of_every_token(fitted: Path) -> None:
 @pytest.mark.slow
 def test_export_command_on_a_cli_checkpoint(fitted: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sae_pipeline.__main__ import main
-    from sae_pipeline.export import load_sae
+    from sae_pipeline.artifacts.export import load_sae
 
     ckpt_fpath = fitted / "runs" / "mpsae_digits" / "version_0" / "checkpoints" / "last.ckpt"
     assert main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(fitted / "export")]) == 0
@@ -174,7 +174,7 @@ def test_sparse_codes_matches_a_plain_loop() -> None:
 
 
 def test_merge_codes_concatenates_parts_of_different_widths(tmp_path: Path) -> None:
-    from sae_pipeline.codes import CodesWriter
+    from sae_pipeline.artifacts.codes import CodesWriter
 
     parts = []
     for rank, width in enumerate([2, 4]):
@@ -210,7 +210,7 @@ def scalar(run_dpath: Path, tag: str) -> float:
 @pytest.mark.slow
 def test_ddp_fit_on_uneven_shards_gives_the_single_process_val_r2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    token_shards) -> None:
-    from sae_pipeline.module import SAEModule
+    from sae_pipeline.training.module import SAEModule
 
     shards_dpath = tmp_path / "shards"
     token_shards(shards_dpath, [3, 11, 5, 9, 4, 7, 6], 16, offset=2)  # uneven shards: ranks get different token counts

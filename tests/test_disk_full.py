@@ -19,7 +19,7 @@ import torch
 
 import system_tools
 from features_fixtures import identity_sae, write_export, write_shards
-from sae_pipeline.module import SAEModule
+from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import TopKSAE
 from sae_pipeline.sae.config import sae_config
 
@@ -220,7 +220,7 @@ def test_codes_writer_stops_before_hdf5_fails(disk: Path) -> None:
     script = f"""
 import numpy as np
 from feature_extraction.atomic_files import DiskFullError
-from sae_pipeline.codes import CodesWriter
+from sae_pipeline.artifacts.codes import CodesWriter
 rng = np.random.default_rng(0)
 try:
     with CodesWriter({str(disk / 'codes.h5')!r}, d_sae=1 << 20) as writer:

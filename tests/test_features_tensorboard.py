@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from features_fixtures import write_shards
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.features.tensorboard import TAG, TopPatches
-from sae_pipeline.module import SAEModule
+from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import MatchingPursuitSAE, ReLUSAE
 
 

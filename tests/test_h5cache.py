@@ -1,4 +1,4 @@
-"""HDF5 token cache (feature_extraction/h5cache.py) and codes file (sae_pipeline/codes.py): round trips against numpy indexing, appends, atomic writes."""
+"""HDF5 token cache (feature_extraction/h5cache.py) and codes file (sae_pipeline/artifacts/codes.py): round trips against numpy indexing, appends, atomic writes."""
 from __future__ import annotations
 
 import multiprocessing
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from feature_extraction.h5cache import CacheFormatError, TokenCache, read_attrs, write_token_cache
-from sae_pipeline.codes import CodesWriter, read_codes
+from sae_pipeline.artifacts.codes import CodesWriter, read_codes
 
 N, D = 37, 6
 

@@ -54,7 +54,7 @@ def test_formatter_adds_defaults_only_where_they_say_something() -> None:
     assert text.count("default") == 2  # --data keeps its own wording, once
 
 
-@pytest.mark.parametrize("module", ["sae_pipeline.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
+@pytest.mark.parametrize("module", ["sae_pipeline.artifacts.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
                                     "feature_extraction.__main__", "sae_pipeline.features.cli"])
 def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str, capsys) -> None:
     """export, evaluate, demo, extract and features: jsonargparse parsers, and a bad flag is one ``error:`` line
@@ -92,7 +92,7 @@ def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
 
 def test_config_file_sets_the_flags_of_export_and_evaluate(tmp_path, capsys) -> None:
     """The jsonargparse style: ``--config FILE`` sets any flag (here one that names a missing checkpoint)."""
-    from sae_pipeline.export import main as export_main
+    from sae_pipeline.artifacts.export import main as export_main
 
     config = tmp_path / "export.yaml"
     config.write_text(f"ckpt_path: {tmp_path / 'missing.ckpt'}\nout: {tmp_path / 'out'}\nformat: saelens\n")

@@ -1,6 +1,6 @@
 """Which module may import which: training and the SAEs do not depend on the commands.
 
-``sae_pipeline.module`` (training) reads and writes an SAE through ``sae_pipeline.sae`` only, never
+``sae_pipeline.training.module`` (training) reads and writes an SAE through ``sae_pipeline.sae`` only, never
 through the export or predict commands, so a change to a command cannot break training; the
 ``sae`` package is the bottom layer and imports none of the modules built on it. Checked on the
 source (every import statement, also inside functions) and on a real import (what it pulls in).
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE_DPATH = Path(__file__).resolve().parents[1] / "sae_pipeline"
-COMMANDS = ("sae_pipeline.export", "sae_pipeline.predict")
-ABOVE_SAE = (*COMMANDS, "sae_pipeline.module", "sae_pipeline.cli", "sae_pipeline.callbacks", "sae_pipeline.evaluate")
+COMMANDS = ("sae_pipeline.artifacts.export", "sae_pipeline.training.predict")
+ABOVE_SAE = (*COMMANDS, "sae_pipeline.training.module", "sae_pipeline.cli", "sae_pipeline.training.callbacks", "sae_pipeline.evaluate")
 
 
 def imported_modules(fpath: Path, root: Path = PACKAGE_DPATH.parent) -> set[str]:
@@ -33,7 +33,7 @@ def imported_modules(fpath: Path, root: Path = PACKAGE_DPATH.parent) -> set[str]
                 parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{parent}.{base}" if base else parent
             names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from sae_pipeline import export`
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from sae_pipeline.artifacts import export`
     return names
 
 
@@ -45,14 +45,14 @@ def test_imported_modules_sees_nested_and_relative_imports(tmp_path: Path) -> No
     """The checker itself: it must catch the ways an import can be written (so the rules can fail)."""
     probe = tmp_path / "sae_pipeline" / "sae" / "probe.py"
     probe.parent.mkdir(parents=True)
-    probe.write_text("import os\nfrom sae_pipeline import export\ndef f():\n    from ..predict import sparse_codes\n"
-                     "    import sae_pipeline.module as m\n")
+    probe.write_text("import os\nfrom sae_pipeline.artifacts import export\ndef f():\n    from ..training.predict import sparse_codes\n"
+                     "    import sae_pipeline.training.module as m\n")
     assert offending(imported_modules(probe, tmp_path), ABOVE_SAE) == [
-        "sae_pipeline.export", "sae_pipeline.module", "sae_pipeline.predict", "sae_pipeline.predict.sparse_codes"]
+        "sae_pipeline.artifacts.export", "sae_pipeline.training.module", "sae_pipeline.training.predict", "sae_pipeline.training.predict.sparse_codes"]
 
 
 def test_training_module_imports_no_command() -> None:
-    assert offending(imported_modules(PACKAGE_DPATH / "module.py"), COMMANDS) == []
+    assert offending(imported_modules(PACKAGE_DPATH / "training" / "module.py"), COMMANDS) == []
 
 
 @pytest.mark.parametrize("fpath", sorted((PACKAGE_DPATH / "sae").glob("*.py")), ids=lambda p: p.name)
@@ -61,8 +61,8 @@ def test_sae_package_imports_nothing_built_on_it(fpath: Path) -> None:
 
 
 def test_importing_the_training_module_loads_no_command() -> None:
-    """Transitively too: a fresh interpreter that imports ``sae_pipeline.module`` has not loaded a command."""
-    code = ("import sys, sae_pipeline.module\n"
+    """Transitively too: a fresh interpreter that imports ``sae_pipeline.training.module`` has not loaded a command."""
+    code = ("import sys, sae_pipeline.training.module\n"
             f"print(' '.join(m for m in sys.modules if m.startswith({COMMANDS!r})))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []

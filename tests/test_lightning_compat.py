@@ -1,4 +1,4 @@
-"""Lightning's private attributes, reached only through ``sae_pipeline.lightning_compat``: each accessor
+"""Lightning's private attributes, reached only through ``sae_pipeline.training.lightning_compat``: each accessor
 is run against a real ``Trainer`` and checked for what it means, so a Lightning release that moves
 or changes one fails here, by name."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from sae_pipeline import lightning_compat
+from sae_pipeline.training import lightning_compat
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 N_BATCHES = 9

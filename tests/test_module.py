@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.module import NonFiniteBatchError, SAEModule, warmup_cosine_factor
+from sae_pipeline.training.module import NonFiniteBatchError, SAEModule, warmup_cosine_factor
 from sae_pipeline.sae import MatchingPursuitSAE, TopKSAE
 
 D_IN, D_SAE, BATCH = 16, 64, 32

@@ -29,10 +29,10 @@ from feature_extraction.__main__ import main as extraction_main
 from feature_extraction.h5cache import FORMAT_ATTR, TOKEN_CACHE_FORMAT
 from sae_pipeline.data.sources import open_source
 from sae_pipeline.evaluate.__main__ import main as evaluate_main
-from sae_pipeline.export import export_checkpoint
+from sae_pipeline.artifacts.export import export_checkpoint
 from sae_pipeline.sae.config import sae_config
-from sae_pipeline.export import main as export_main
-from sae_pipeline.module import SAEModule
+from sae_pipeline.artifacts.export import main as export_main
+from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import TopKSAE
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path:
     out = tmp_path / "export"
     export_checkpoint(checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import sae_pipeline.export as export_module
+    import sae_pipeline.artifacts.export as export_module
 
     real_save = export_module.save_file
 

@@ -2,7 +2,7 @@
 
 A run from a checkpoint takes the checkpoint's model; a config whose SAE or explicit model
 settings differ is refused in one line before anything is written, and a config that names no
-SAE says in one line which one it resumes (sae_pipeline/ckpt_config.py). Runs go through
+SAE says in one line which one it resumes (sae_pipeline/training/ckpt_config.py). Runs go through
 ``python -m sae_pipeline``'s ``main`` in-process (as tests/test_checkpointing.py does), one in a
 real subprocess, on the bundled digits with a small MP-SAE.
 """
@@ -129,7 +129,7 @@ def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Pat
 
 @pytest.mark.slow
 def test_a_requeued_slurm_job_without_sae_takes_its_hpc_checkpoints_model(mp_run: Path, tmp_path: Path) -> None:
-    """The job's hpc checkpoint replaces --ckpt_path (sae_pipeline/requeue.py) and Lightning merges no
+    """The job's hpc checkpoint replaces --ckpt_path (sae_pipeline/training/requeue.py) and Lightning merges no
     hyper-parameters from it: the SAE, lr and warm-up still come from the checkpoint, not the defaults."""
     job = tmp_path / "runs/sae/slurm-77"
     job.mkdir(parents=True)

@@ -175,7 +175,7 @@ def test_predict_interrupted_leaves_a_previous_codes_file_as_it_was(trained: Pat
 
 @pytest.mark.slow
 def test_second_ctrl_c_during_a_checkpoint_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    from sae_pipeline.checkpointing import PAUSE_IN_SAVE_ENV
+    from sae_pipeline.training.checkpointing import PAUSE_IN_SAVE_ENV
 
     marker = tmp_path / "in-save"
     command = Command(tmp_path, "fit", "--config", MPSAE_DIGITS, "--trainer.max_steps", "40", "--trainer.max_epochs",

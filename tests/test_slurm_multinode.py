@@ -135,7 +135,7 @@ def test_two_node_job_trains_across_the_bridge_requeues_and_resumes_on_both_node
     val_r2 = scalars(run_dpath, "val/r2")
     assert len(val_r2) == EPOCHS // VAL_EVERY and val_r2[-1][0] >= losses[-1][0]  # the last one: final weights
     from sae_pipeline.data import ActivationDataModule
-    from sae_pipeline.module import SAEModule
+    from sae_pipeline.training.module import SAEModule
 
     module = SAEModule.load_from_checkpoint(last_fpath, weights_only=True)
     datamodule = ActivationDataModule("digits", batch_size=256, num_workers=0, shuffle_buffer_tokens=2048)

@@ -242,7 +242,7 @@ def test_subset_shard_without_positions_is_an_error(subset, tmp_path) -> None:
 @pytest.mark.slow
 def test_fit_and_predict_commands_on_subset_shards(subset, tmp_path) -> None:
     """The real commands: fit trains on the subset, predict's codes carry the stored positions."""
-    from sae_pipeline.codes import read_codes
+    from sae_pipeline.artifacts.codes import read_codes
 
     config = str(REPO_DPATH / "configs" / "demo_shards.yaml")
     common = ["--config", config, "--data.source", str(subset), "--data.val_fraction", "0.25", *QUIET]

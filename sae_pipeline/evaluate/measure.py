@@ -1,6 +1,6 @@
 """Every number and curve of one SAE on one evaluation sample: Babel, R² against inference k, activations.
 
-The training callback (:class:`sae_pipeline.callbacks.SAEFigures`) logs these at validation and
+The training callback (:class:`sae_pipeline.training.callbacks.SAEFigures`) logs these at validation and
 the evaluation suite (:mod:`.studies`, :mod:`.sae_dir`, :mod:`.external`) computes them for exported
 SAEs; both call :func:`evaluate_sae`, which needs no Lightning.
 

@@ -197,7 +197,7 @@ def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
     A damaged export (a file cut short or changed since, found by ``export.check_export``) is
     logged and trained again, rather than stopping the study at its evaluation.
     """
-    from sae_pipeline.export import ExportError, check_export
+    from sae_pipeline.artifacts.export import ExportError, check_export
 
     model_dpath = Path(out_dpath) / "models" / spec.name
     marker = model_dpath / RUN_FNAME
@@ -292,7 +292,7 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
         _fit_in_process(args)
     else:
         _fit_subprocess(args, out_dpath / "logs" / f"{spec.name}.log", threads)
-    from sae_pipeline.export import export_checkpoint  # torch: imported only when a run is trained
+    from sae_pipeline.artifacts.export import export_checkpoint  # torch: imported only when a run is trained
 
     ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
     if not ckpt_fpath.is_file():
@@ -306,7 +306,7 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
 
 def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
     """``(last.ckpt, its TensorBoard version folder name)`` of an interrupted run of these settings, else None."""
-    from sae_pipeline.checkpointing import CheckpointError, read_checkpoint
+    from sae_pipeline.training.checkpointing import CheckpointError, read_checkpoint
 
     run_dpath = Path(out_dpath) / "runs" / spec.name
     ckpt_fpath, plan_fpath = run_dpath / "checkpoints" / "last.ckpt", run_dpath / PLAN_FNAME

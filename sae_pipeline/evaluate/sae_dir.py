@@ -1,7 +1,7 @@
 """Evaluate one SAE directory: ours (``export``) or SAELens's (``cfg.json`` + ``sae_weights.safetensors``).
 
 ``python -m sae_pipeline.evaluate sae --sae DIR --data SOURCE --out OUT`` loads the SAE with
-:func:`sae_pipeline.export.load_sae` (which reads both formats), takes the validation split of
+:func:`sae_pipeline.artifacts.export.load_sae` (which reads both formats), takes the validation split of
 ``SOURCE`` as training would hold it out (the same rows for the same ``--val_fraction``), and
 reports what the study reports per run: R² of the model as it is (``forward``), L0, the dead
 fraction on those tokens, R² against the inference k, and the Babel curves of the dictionary
@@ -11,7 +11,7 @@ and of the co-activated atoms. Numbers go into ``OUT/results.json`` under ``saes
 
 The data must be in the units the SAE was trained on: an exported SAE takes raw activations
 (its input scale is folded in); a SAELens SAE takes what its ``normalize_activations`` says,
-and only run-time-free settings load (see :mod:`sae_pipeline.saelens`).
+and only run-time-free settings load (see :mod:`sae_pipeline.artifacts.saelens`).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 
 from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.evaluate.studies import reconstruction_r2
-from sae_pipeline.export import CONFIG_FNAME, load_sae
+from sae_pipeline.artifacts.export import CONFIG_FNAME, load_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
-from sae_pipeline.saelens import validation_tokens
+from sae_pipeline.artifacts.saelens import validation_tokens
 
 
 def evaluate_sae_dir(sae_dpath: Path | str, data: str = "digits", val_fraction: float = 0.1,

@@ -19,7 +19,7 @@ read-only file system or a mount point) is a one-line ``ValueError`` that ``pyth
 the pass starts and before anything is written.
 
 Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
-130 / 143 (:mod:`sae_pipeline.interrupts`): the site is built in a staging folder beside ``--out``
+130 / 143 (:mod:`sae_pipeline.training.interrupts`): the site is built in a staging folder beside ``--out``
 and swapped in whole at the end, so an interruption leaves the previous site (or nothing) in
 ``--out``; the one line says so and to rerun the same command.
 """
@@ -105,7 +105,7 @@ def resolve_settings(args: Any) -> dict[str, Any]:
 
 def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
     """The SAE on raw activations, from ``--ckpt_path`` (input scale folded) or ``--sae``."""
-    from sae_pipeline.export import load_checkpoint, load_sae, sae_from_checkpoint
+    from sae_pipeline.artifacts.export import load_checkpoint, load_sae, sae_from_checkpoint
 
     if bool(args.ckpt_path) == bool(args.sae):
         raise ValueError("pass exactly one of --ckpt_path FILE (a checkpoint of `fit`) and --sae DIR (an export)")
@@ -115,7 +115,7 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
                              "a SAELens directory (cfg.json + sae_weights.safetensors)")
         return load_sae(args.sae)
     if args.ckpt_path == "last":
-        from sae_pipeline.checkpointing import newest_checkpoint
+        from sae_pipeline.training.checkpointing import newest_checkpoint
 
         if not args.config:
             raise ValueError("--ckpt_path last needs --config (the newest run of that config); or pass the .ckpt file")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from sae_pipeline.features.heatmaps import layout_of
     from sae_pipeline.features.pass_module import FeaturesModule
     from sae_pipeline.features.site import build_site
-    from sae_pipeline.interrupts import Interrupts
+    from sae_pipeline.training.interrupts import Interrupts
 
     sae = load_model(args)
     batch_size = int(settings["data.batch_size"])

@@ -49,7 +49,7 @@ from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import (ImageChangedError, SourceImages, atom_image, describe, pixels_image,
                                           save_thumbnail, view_transform)
-from sae_pipeline.interrupts import raise_if_interrupted
+from sae_pipeline.training.interrupts import raise_if_interrupted
 
 MARKER_FNAME = "features.json"
 LEVEL_MAX, NOT_STORED = 250, 255
@@ -256,7 +256,7 @@ def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dic
             atom_image(W[atom], layout.image_shape).save(root / "atoms" / "img" / f"{atom}.png")
     layout_json = json.dumps({"grid": list(layout.grid), "n_prefix": layout.n_prefix, "kind": layout.kind})
     for i, atom in enumerate(chosen):
-        raise_if_interrupted()  # Ctrl-C / SIGTERM: a long loop on big dictionaries (sae_pipeline.interrupts)
+        raise_if_interrupted()  # Ctrl-C / SIGTERM: a long loop on big dictionaries (sae_pipeline.training.interrupts)
         prev_atom, next_atom = chosen[i - 1] if i > 0 else None, chosen[i + 1] if i + 1 < len(chosen) else None
         page = _atom_page(atom, state, collection, layout, thumbs, heat_row, width, with_page, prev_atom, next_atom,
                           frequency[atom], fire[atom], n_tokens, mean_value[atom], mean_step[atom] if has_steps else None,

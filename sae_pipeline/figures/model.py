@@ -1,7 +1,7 @@
 """Figures of one SAE: Babel curves, R² against inference k, atom grids, activation scatter.
 
 Pure functions: each takes tensors or arrays and returns a ``matplotlib.figure.Figure``. They
-are used by the training callback (:mod:`sae_pipeline.callbacks`, TensorBoard) and by the
+are used by the training callback (:mod:`sae_pipeline.training.callbacks`, TensorBoard) and by the
 evaluation suite for one exported SAE or dictionary (``fig.savefig("babel.png")``).
 
 Each reproduces one of the paper's plots (Costa et al. 2025): Babel curves (Fig. "Coherence":

@@ -2,7 +2,7 @@
 
 This is how an SAE is (de)serialised everywhere: the Lightning checkpoint (``sae_config``),
 the native export's ``config.json`` and the training module's hyper-parameters. It lives with
-the variants, not with export, so that training (``sae_pipeline.module``) depends on the SAEs
+the variants, not with export, so that training (``sae_pipeline.training.module``) depends on the SAEs
 only and never on the export or predict commands.
 
 The SAE's constructor arguments are the whole config: every variant keeps each constructor

@@ -5,7 +5,7 @@ Lightning has no public API for a few things we need: the trainer's cluster envi
 written, the step its loggers stamp on scalars, dropping the training loader that
 ``estimated_stepping_batches`` builds too early on a resumed run, the CLI's reading of
 ``--ckpt_path`` (to resolve and check it first), Lightning's SIGTERM notifier (replaced by
-:mod:`sae_pipeline.interrupts`) and ``ModelCheckpoint``'s ``last.ckpt`` save (to save the final
+:mod:`sae_pipeline.training.interrupts`) and ``ModelCheckpoint``'s ``last.ckpt`` save (to save the final
 step, which it skips when ``max_steps`` is not a checkpoint step). Each is reached here and
 nowhere else, so a Lightning release that moves one breaks one function, and
 ``tests/test_lightning_compat.py`` (which runs each against a real ``Trainer``) fails, naming it.
@@ -82,7 +82,7 @@ class CkptPathHook:
 
 
 def mute_sigterm_notifier(trainer: L.Trainer) -> None:
-    """Keep Lightning's own SIGTERM handling out of the way of :mod:`sae_pipeline.interrupts`.
+    """Keep Lightning's own SIGTERM handling out of the way of :mod:`sae_pipeline.training.interrupts`.
 
     Lightning's notifier (registered when a stage starts, composed with the handler already
     installed) forwards the signal to the launcher's children, runs a ``dist.broadcast`` *inside

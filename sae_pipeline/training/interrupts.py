@@ -3,7 +3,7 @@
 ``docker stop``, ``timeout``, a cluster's kill (SLURM pre-emption) and Kubernetes send SIGTERM and
 wait a grace period before SIGKILL; Ctrl-C sends SIGINT. Left to themselves, Lightning's SIGTERM
 handling lets ``validate``/``test``/``predict`` run to the end with exit 0 (and runs a collective
-inside the signal handler, see :func:`sae_pipeline.lightning_compat.mute_sigterm_notifier`), and
+inside the signal handler, see :func:`sae_pipeline.training.lightning_compat.mute_sigterm_notifier`), and
 Lightning turns Python's ``KeyboardInterrupt`` into "Detected KeyboardInterrupt" and exit 1.
 
 One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python -m sae_pipeline``
@@ -22,7 +22,7 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
 - **During ``fit``**: the handler only records the signal. After each training batch (and each
   validation pass) the ranks all-reduce what they received (one small all-reduce per step under
   DDP, none in a single process), so a signal that reached one rank stops every rank at the same
-  step. They save ``last.ckpt`` together (:func:`sae_pipeline.checkpointing.save_final_checkpoint`:
+  step. They save ``last.ckpt`` together (:func:`sae_pipeline.training.checkpointing.save_final_checkpoint`:
   atomic, with the optimiser, schedule, dead-latent clock and data position), and exit 143 / 130
   with ``... saved FILE at global step N; continue with the same command and --ckpt_path last``.
   A second Ctrl-C while waiting for (or during) that save stops at once with one line; the save in
@@ -30,7 +30,7 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
 
 DataLoader workers are forked with this handler, so a terminal's Ctrl-C (sent to the whole process
 group) does not end their loop; there the handler does nothing and the main process stops the run.
-SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.requeue`.
+SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.training.requeue`.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ import lightning as L
 from torch.utils.data import get_worker_info
 
 from feature_extraction.exit_status import Interrupted
-from sae_pipeline import lightning_compat
-from sae_pipeline.checkpointing import save_final_checkpoint
-from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.checkpointing import save_final_checkpoint
+from sae_pipeline.training.step_boundary import StepBoundaryCallback, max_over_ranks
 
 __all__ = ["HANDLED", "HANDLER", "Interrupted", "Interrupts", "raise_if_interrupted", "stop_signals"]
 

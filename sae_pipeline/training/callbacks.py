@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from sae_pipeline import lightning_compat
+from sae_pipeline.training import lightning_compat
 from feature_extraction.validate import check_int
 from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure

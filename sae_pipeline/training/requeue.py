@@ -28,8 +28,8 @@ import lightning as L
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from sae_pipeline import lightning_compat
-from sae_pipeline.step_boundary import StepBoundaryCallback, max_over_ranks
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.step_boundary import StepBoundaryCallback, max_over_ranks
 
 
 def slurm_job_tag() -> str | None:

@@ -10,7 +10,7 @@ config never leaves the first run's model under the name a user is told to use::
 (``--trainer.default_root_dir DIR`` puts ``<config stem>/version_N/`` under DIR instead of runs.)
 ``last.ckpt`` is saved whenever the run stops: at the end of training whatever ``max_steps``
 (Lightning skips it when the last step is not a checkpoint step), on SIGTERM / Ctrl-C
-(:mod:`sae_pipeline.interrupts`) and alongside every periodic checkpoint. ``--ckpt_path last``
+(:mod:`sae_pipeline.training.interrupts`) and alongside every periodic checkpoint. ``--ckpt_path last``
 is the newest (by modification time) ``last*.ckpt`` or ``hpc_ckpt_*.ckpt`` over the config's
 runs: the run that trained most recently, which a resumed run then continues in a new
 ``version_N``.
@@ -35,8 +35,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from feature_extraction.atomic_files import atomic_path
-from sae_pipeline import lightning_compat
 from sae_pipeline.sae.config import ExportError, check_class_paths
+from sae_pipeline.training import lightning_compat
 
 LAST_FNAME = "last.ckpt"
 CHECKPOINTS_DNAME = "checkpoints"
@@ -172,7 +172,7 @@ class SAECheckpoint(ModelCheckpoint):
 
     Lightning saves ``last.ckpt`` only next to a periodic checkpoint, so a run whose
     ``max_steps`` is not a checkpoint step loses its last steps; this one saves at the end of
-    training too (and on demand, for :mod:`sae_pipeline.interrupts`). The ``--checkpoint.*``
+    training too (and on demand, for :mod:`sae_pipeline.training.interrupts`). The ``--checkpoint.*``
     flags are ModelCheckpoint's.
     """
 

@@ -2,7 +2,7 @@
 
 SAELens's format is what the field's tools load (SAEBench, SAE dashboards, Neuronpedia's
 pipeline), so ``python -m sae_pipeline export --format saelens`` writes it and
-:func:`sae_pipeline.export.load_sae` reads it back. SAELens itself is *not* needed for either:
+:func:`sae_pipeline.artifacts.export.load_sae` reads it back. SAELens itself is *not* needed for either:
 the format is plain JSON and safetensors (the tests check both directions against the real
 ``sae-lens`` package, the ``saelens`` extra).
 
@@ -60,7 +60,7 @@ from torch import Tensor
 from feature_extraction.shards import peek_manifest
 from feature_extraction.validate import check_float
 import sae_pipeline
-from sae_pipeline.export import ExportError, load_checkpoint, refuse_other_export, sae_from_checkpoint, variant_name
+from sae_pipeline.artifacts.export import ExportError, load_checkpoint, refuse_other_export, sae_from_checkpoint, variant_name
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -212,7 +212,7 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
     """Write ``sae`` (raw-activation units) as SAELens's ``cfg.json`` + ``sae_weights.safetensors``."""
     config = saelens_config(sae, metadata)
     tensors = saelens_tensors(sae)
-    from sae_pipeline.export import write_export_files  # imports this module: load it on use
+    from sae_pipeline.artifacts.export import write_export_files  # imports this module: load it on use
 
     return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, None, SAELENS_CFG_FNAME, config)
 

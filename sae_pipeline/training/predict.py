@@ -2,7 +2,7 @@
 
 Per token: the active atoms' indices and values (largest |value| first, padded with index
 -1 / value 0 to the widest token), the image id and the token position. The values are in
-raw-activation units, as the exported SAE (``sae_pipeline.export.load_sae``) gives them.
+raw-activation units, as the exported SAE (``sae_pipeline.artifacts.export.load_sae``) gives them.
 
 Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --codes.fpath codes.h5``
 (``--codes.fpath`` defaults to ``codes.h5``; the command prints where it wrote them). Each rank writes its own part
@@ -10,7 +10,7 @@ Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --cod
 into the one file and deletes them. Predictions are not also kept in memory
 (``trainer.predict`` returns None): a dataset's codes can exceed RAM.
 
-Ctrl-C or SIGTERM (:mod:`sae_pipeline.interrupts`) stops it within seconds, exit 130 / 143: the
+Ctrl-C or SIGTERM (:mod:`sae_pipeline.training.interrupts`) stops it within seconds, exit 130 / 143: the
 codes being written (under ``NAME.tmp``) and the rank parts are removed, so nothing half-written
 carries the codes file's name and a previous file of that name is left as it was; the one line
 says so and to rerun the same command.
@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
 from feature_extraction.exit_status import Interrupted
-from sae_pipeline.codes import CodesWriter, count_codes, merge_codes
+from sae_pipeline.artifacts.codes import CodesWriter, count_codes, merge_codes
 
 
 def part_fpath(fpath: Path, rank: int) -> Path:

@@ -3,7 +3,7 @@
 The export is what downstream users load: no Lightning, no optimiser state, no pickle
 (safetensors for tensors, JSON for everything else), and it works on *raw* activations.
 Training may scale inputs by ``input_scale`` (so that E‖x‖² = d_in, see
-:class:`sae_pipeline.module.SAEModule`); every variant is positively homogeneous in its
+:class:`sae_pipeline.training.module.SAEModule`); every variant is positively homogeneous in its
 biases and thresholds (``f(s·x; b, θ) = s·f(x; b/s, θ/s)``), so the scale is folded into
 ``b_pre``, ``b_enc`` and the thresholds by ``SparseAutoencoder.fold_input_scale`` and the
 exported model's ``x_hat`` on raw ``x`` equals the trained model's ``x_hat`` on ``s·x``
@@ -13,7 +13,7 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 :mod:`sae_pipeline.sae.config`, which the training module uses too.
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
-(SAELens's format: :mod:`sae_pipeline.saelens`). Both files are replaced together or not at all:
+(SAELens's format: :mod:`sae_pipeline.artifacts.saelens`). Both files are replaced together or not at all:
 a full disk ends with one ``no space left on device`` line (exit 1) and leaves a previous export
 in ``--out`` whole. The files get the user's umask (e.g. 0644 under umask 022).
 
@@ -46,7 +46,7 @@ from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths, s
 
 CONFIG_FNAME = "config.json"
 WEIGHTS_FNAME = "sae.safetensors"
-EXPORT_FORMAT = "sae_pipeline.export/1"
+EXPORT_FORMAT = "sae_pipeline.artifacts.export/1"
 
 
 def variant_name(cls: type) -> str | None:
@@ -165,7 +165,7 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
 def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
     """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
     (see the module docstring: an export folder holds one SAE)."""
-    from sae_pipeline.saelens import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME  # imports this module
+    from sae_pipeline.artifacts.saelens import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME  # imports this module
 
     formats = {"native": (WEIGHTS_FNAME, CONFIG_FNAME), "SAELens": (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME)}
     out_dpath = Path(out_dpath)
@@ -205,9 +205,9 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
     """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode.
 
     A SAELens directory (``cfg.json`` + ``sae_weights.safetensors``) gives our equivalent module
-    (:func:`sae_pipeline.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
+    (:func:`sae_pipeline.artifacts.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
     """
-    from sae_pipeline import saelens  # imports this module: load it on use
+    from sae_pipeline.artifacts import saelens  # imports this module: load it on use
 
     dpath = Path(dpath)
     if not (dpath / CONFIG_FNAME).is_file() and (dpath / saelens.SAELENS_CFG_FNAME).is_file():
@@ -270,7 +270,7 @@ def build_parser() -> Any:
 def run(args: Any) -> None:
     """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are."""
     if args.format == "saelens":
-        from sae_pipeline import saelens
+        from sae_pipeline.artifacts import saelens
 
         out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
         files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)

@@ -2,8 +2,8 @@
 
 A signal handler may only record what it received: saving a checkpoint needs every DDP rank
 at the same step, and collectives inside a handler can deadlock. :class:`StepBoundaryCallback`
-gives SIGTERM/Ctrl-C (:mod:`sae_pipeline.interrupts`) and SLURM's requeue signal
-(:mod:`sae_pipeline.requeue`) the same two moments to act (after each training batch and after
+gives SIGTERM/Ctrl-C (:mod:`sae_pipeline.training.interrupts`) and SLURM's requeue signal
+(:mod:`sae_pipeline.training.requeue`) the same two moments to act (after each training batch and after
 each real validation pass) and :func:`max_over_ranks` the one small all-reduce that makes a
 signal seen by one rank stop them all at the same step.
 """

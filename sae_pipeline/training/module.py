@@ -11,7 +11,7 @@ owns everything a training run adds to it:
   component parallel to each atom removed before it (DESIGN.md, "SAE variants").
 - Input normalisation (optional): ``x · input_scale`` with ``input_scale = sqrt(d_in / E‖x‖²)``
   from the data statistics, so one set of hyper-parameters (λ, JumpReLU bandwidth) fits
-  every backbone; export folds the scale back in (:mod:`sae_pipeline.export`).
+  every backbone; export folds the scale back in (:mod:`sae_pipeline.artifacts.export`).
 - ``b_pre`` from the data mean, once: a persistent flag buffer keeps a resumed run (or a
   second ``fit`` call) from resetting it.
 - Dead-latent clock merged across ranks every step, so AuxK and ``val/dead_fraction``
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import sae_pipeline
-from sae_pipeline import lightning_compat
+from sae_pipeline.training import lightning_compat
 from feature_extraction.shards import manifest_sha256
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction

@@ -1,0 +1,14 @@
+"""Training: what a ``fit`` / ``validate`` / ``test`` / ``predict`` run adds to an SAE (Lightning).
+
+- :mod:`.module`: :class:`~sae_pipeline.training.module.SAEModule`, the LightningModule around an
+  injected SAE (optimiser and schedule, unit-norm atoms, input normalisation, exact metrics).
+- :mod:`.callbacks`: the TensorBoard figures logged at validation.
+- :mod:`.checkpointing`: where a run's checkpoints live, ``--ckpt_path last``, atomic writes.
+- :mod:`.interrupts`, :mod:`.requeue`, :mod:`.step_boundary`: SIGTERM / Ctrl-C and SLURM's requeue
+  signal, acted on at the same step boundaries on every rank.
+- :mod:`.lightning_compat`: every use of Lightning's private internals, in one place.
+- :mod:`.predict`: the prediction writer of ``predict`` (the codes file, :mod:`sae_pipeline.artifacts.codes`).
+
+This package sits above :mod:`sae_pipeline.sae`, :mod:`sae_pipeline.data`, :mod:`sae_pipeline.metrics`
+and :mod:`sae_pipeline.figures`, and below the commands (``tests/test_import_rules.py``).
+"""
