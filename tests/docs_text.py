@@ -70,3 +70,65 @@ REPO_PATH = re.compile(
     r"/[\w./-]*\w)(?![\w<{*])")
 # Paths of the machine a text was written on, never of a user's.
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/root/|/home/(?!u/)[\w.-]+/|/tmp/[\w.-])")
+
+
+NOT_RUN = "not run by the tests:"
+FENCE = re.compile(r"^```(\w*)\s*$")
+
+
+def bash_commands(fpath: Path) -> Iterator[tuple[int, str, str | None]]:
+    """``(line number, command, reason it is not run or None)`` of every command in the ``bash`` blocks.
+
+    Continuation lines (a trailing backslash) are joined; a trailing ``# comment`` is cut off the
+    command. A comment ``# not run by the tests: REASON`` after a command marks that command; on a
+    line of its own it marks every command after it in the same block.
+    """
+    language = None
+    block_reason: str | None = None
+    pending = ""
+    start = 0
+    for number, line in enumerate(fpath.read_text(encoding="utf-8").splitlines(), 1):
+        fence = FENCE.match(line.strip())
+        if fence:
+            language = None if language is not None else fence.group(1)
+            block_reason = None
+            continue
+        if language != "bash":
+            continue
+        stripped = line.strip()
+        if not pending:
+            start = number
+            if not stripped:
+                continue
+            if stripped.startswith("#"):
+                if NOT_RUN in stripped:
+                    block_reason = stripped.split(NOT_RUN, 1)[1].strip()
+                continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1].rstrip() + " "
+            continue
+        command, comment = split_comment(pending + stripped)
+        pending = ""
+        reason = comment.split(NOT_RUN, 1)[1].strip() if NOT_RUN in comment else block_reason
+        yield start, command, reason
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """``(command, comment)``: the comment is what follows the first ``#`` outside quotes after a space."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index].strip(), line[index + 1:].strip()
+    return line.strip(), ""
+
+
+def documented_commands() -> Iterator[tuple[Path, int, str, str | None]]:
+    for fpath in markdown_files():
+        if fpath.name == "BENCHMARKS.md" or "figures" in fpath.parts:
+            continue  # measurements, each with the command that produced it; not instructions to copy
+        for number, command, reason in bash_commands(fpath):
+            yield fpath, number, command, reason
