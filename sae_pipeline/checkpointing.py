@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from feature_extraction.atomic_files import atomic_path
 from sae_pipeline import lightning_compat
+from sae_pipeline.sae.config import ExportError, check_class_paths
 
 LAST_FNAME = "last.ckpt"
 CHECKPOINTS_DNAME = "checkpoints"
@@ -92,6 +93,10 @@ def read_checkpoint(fpath: str | Path, for_fit: bool = False, flag: str = "--ckp
     if missing:
         raise CheckpointError(f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); "
                               f"{hint}")
+    try:
+        check_class_paths({key: checkpoint.get(key) for key in ("sae_config", "hyper_parameters")}, f"{flag} {fpath}")
+    except ExportError as exn:
+        raise CheckpointError(str(exn)) from None
     if for_fit and any(key not in checkpoint for key in FIT_KEYS):
         raise CheckpointError(f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
                               "without --ckpt_path, or use this file with validate, predict or export")
@@ -121,6 +126,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             else:
                 _save_with_pause(checkpoint, f, marker)
         return None
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        """Always weights-only: a checkpoint may come from someone else, and torch's default can be turned
+        off from the environment (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)."""
+        kwargs = {} if map_location is None else {"map_location": map_location}  # else Lightning's default
+        return super().load_checkpoint(path, weights_only=True, **kwargs)
 
 
 def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:

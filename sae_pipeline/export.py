@@ -33,7 +33,7 @@ from feature_extraction.exit_status import run_cli
 from feature_extraction.shards.integrity import file_sha256
 from sae_pipeline.help_format import DefaultsHelpFormatter
 from sae_pipeline.sae import SparseAutoencoder, variant_key
-from sae_pipeline.sae.config import ExportError, build_sae, sae_config
+from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths, sae_config
 
 CONFIG_FNAME = "config.json"
 WEIGHTS_FNAME = "sae.safetensors"
@@ -61,6 +61,8 @@ def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:
     if not isinstance(checkpoint, dict) or missing:
         raise ExportError(f"--ckpt_path {ckpt_fpath}: missing {', '.join(missing) or 'content'}; "
                           "it was not written by sae_pipeline's SAEModule")
+    check_class_paths({key: checkpoint.get(key) for key in ("sae_config", "hyper_parameters")},
+                      f"--ckpt_path {ckpt_fpath}")
     return checkpoint
 
 
@@ -199,6 +201,8 @@ def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> Spa
                           f"mixed export); {fix}")
     try:
         sae = build_sae(config)
+    except ExportError as exn:
+        raise ExportError(f"{config_fpath}: {exn}") from None
     except TypeError as exn:
         raise ExportError(f"{config_fpath}: does not describe an SAE ({exn}); {fix}") from None
     try:

@@ -9,14 +9,27 @@ The SAE's constructor arguments are the whole config: every variant keeps each c
 argument as an attribute of the same name, so the config is read off the instance with
 ``inspect.signature`` and rebuilt with ``build_sae`` (weights freshly initialised; the
 state dict is loaded by whoever holds it).
+
+Reading a config imports nothing it names: an export or checkpoint may come from someone else,
+and with ``python -m`` the current folder is on ``sys.path``, so a ``class_path`` naming a
+module shipped beside the artifact would run that file. The registry (the ``variant`` key or a
+registered class path) and the modules already loaded resolve without importing; the user's own
+subclass needs its module in ``SAE_PIPELINE_TRUSTED_MODULES`` (comma-separated modules or
+packages), e.g. ``SAE_PIPELINE_TRUSTED_MODULES=mylab.saes python -m sae_pipeline export ...``.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any
 
 from sae_pipeline.sae.base import SparseAutoencoder
+
+
+#: Comma-separated modules (or packages) an artifact's ``class_path`` may import: the user's own SAE subclasses.
+TRUSTED_MODULES_ENV = "SAE_PIPELINE_TRUSTED_MODULES"
 
 
 class ExportError(ValueError):
@@ -53,17 +66,88 @@ def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
     return {"class_path": class_path_of(cls), "init_args": init_args}
 
 
-def resolve_sae_class(class_path: str) -> type[SparseAutoencoder]:
-    """Import ``class_path`` and check that it names a :class:`SparseAutoencoder` subclass."""
+def _registered(class_path: str, variant: object = None) -> type[SparseAutoencoder] | None:
+    """The registry's class for an artifact's ``variant`` key or ``class_path`` (its public path
+    ``sae_pipeline.sae.Name`` or its defining module's), None when neither names a variant."""
+    from sae_pipeline.sae import SAE_ALIASES, SAE_REGISTRY
+
+    if isinstance(variant, str) and SAE_ALIASES.get(variant, variant) in SAE_REGISTRY:
+        return SAE_REGISTRY[SAE_ALIASES.get(variant, variant)]
+    for cls in SAE_REGISTRY.values():
+        if class_path in (class_path_of(cls), f"{cls.__module__}.{cls.__qualname__}"):
+            return cls
+    return None
+
+
+def trusted_modules() -> tuple[str, ...]:
+    """The modules the user allows an artifact's ``class_path`` to import (``SAE_PIPELINE_TRUSTED_MODULES``,
+    comma-separated; a package name allows its submodules)."""
+    return tuple(name.strip() for name in os.environ.get(TRUSTED_MODULES_ENV, "").split(",") if name.strip())
+
+
+def _is_trusted(module_name: str) -> bool:
+    return any(module_name == name or module_name.startswith(name + ".") for name in trusted_modules())
+
+
+def untrusted_class_path(class_path: object) -> str | None:
+    """Why resolving ``class_path`` would import code the user has not chosen, or None when it would not.
+
+    Nothing is imported: a module already loaded in this process (the package's own, the user's
+    config's, Lightning's) runs no new code when looked up; any other module may be a file the
+    artifact's author planted beside it (``python -m`` puts the current folder on ``sys.path``), so
+    it needs the user's allow-list.
+    """
+    module_name = str(class_path).rpartition(".")[0]
+    if not module_name or module_name in sys.modules or _is_trusted(module_name):
+        return None
+    return (f"class_path {class_path!r} names module {module_name!r}, which is not loaded and not trusted; nothing "
+            f"was imported. If it is your own code, allow it: {TRUSTED_MODULES_ENV}={module_name}")
+
+
+def check_class_paths(data: object, where: str) -> None:
+    """Refuse an artifact whose saved config names a module that reading it would import.
+
+    LightningCLI merges a checkpoint's hyper-parameters into the parsed config and jsonargparse
+    imports every ``class_path`` there, so a checkpoint is checked whole, before that happens.
+    """
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in ("class_path", "_class_path") and isinstance(value, str):
+                problem = untrusted_class_path(value)
+                if problem:
+                    raise ExportError(f"{where}: {problem}")
+            else:
+                check_class_paths(value, where)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            check_class_paths(value, where)
+
+
+def resolve_sae_class(class_path: str, variant: object = None) -> type[SparseAutoencoder]:
+    """The SAE class an artifact names, importing nothing the artifact chose.
+
+    An artifact (export, checkpoint, SAELens directory) made by someone else is data: its
+    ``variant`` key or a registered ``class_path`` resolves through the registry; a class of a
+    module already imported is looked up; any other module is imported only when the user lists
+    it in ``SAE_PIPELINE_TRUSTED_MODULES`` (their own subclass). Otherwise one ExportError names
+    the class path and that fix.
+    """
     from sae_pipeline.sae import SAE_REGISTRY
 
+    cls = _registered(str(class_path), variant)
+    if cls is not None:
+        return cls
+    names = ", ".join(class_path_of(c) for c in SAE_REGISTRY.values())
+    problem = untrusted_class_path(class_path)
+    if problem:
+        raise ExportError(f"{problem} (the registered variants: {names})")
     module_name, _, class_name = str(class_path).rpartition(".")
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        cls = getattr(module, class_name, None)
+    except (ImportError, ValueError):
         cls = None
     if not (isinstance(cls, type) and issubclass(cls, SparseAutoencoder)):
-        names = ", ".join(class_path_of(c) for c in SAE_REGISTRY.values())
         raise ExportError(f"class_path {class_path!r} is not an SAE class; use one of {names}")
     return cls
 
@@ -72,4 +156,5 @@ def build_sae(config: dict[str, Any]) -> SparseAutoencoder:
     """Instantiate the SAE described by ``{"class_path", "init_args"}`` (weights freshly initialised)."""
     if not isinstance(config, dict) or "class_path" not in config:
         raise ExportError(f"SAE config must be a dict with 'class_path' and 'init_args', got {config!r}")
-    return resolve_sae_class(config["class_path"])(**dict(config.get("init_args") or {}))
+    cls = resolve_sae_class(config["class_path"], config.get("variant"))
+    return cls(**dict(config.get("init_args") or {}))
