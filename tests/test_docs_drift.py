@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from docs_text import MACHINE_PATH, REPO_DPATH, REPO_PATH, all_prose, markdown_files, tracked_files
+from docs_text import FILE_NAME, MACHINE_PATH, WRITTEN_AT_RUN_TIME, REPO_DPATH, REPO_PATH, all_prose, markdown_files, tracked_files
 
 
 def load_generator():
@@ -122,11 +122,16 @@ def test_slug_matches_the_anchors_used() -> None:
 # -- named files and machine paths -------------------------------------------------------------------------
 
 def test_prose_names_only_files_that_exist() -> None:
+    """A path from the repository's root must exist; a bare file name must be the end of a tracked path."""
+    tracked = [fpath.relative_to(REPO_DPATH).as_posix() for fpath in tracked_files()]
     missing = []
     for fpath, number, text in all_prose():
-        for match in REPO_PATH.finditer(text):
-            if not (REPO_DPATH / match.group(1)).exists():
-                missing.append(f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(1)}")
+        where = f"{fpath.relative_to(REPO_DPATH)}:{number}"
+        missing += [f"{where}: {m.group(1)}" for m in REPO_PATH.finditer(text) if not (REPO_DPATH / m.group(1)).exists()]
+        for match in FILE_NAME.finditer(text):
+            name = match.group(1)
+            if name not in WRITTEN_AT_RUN_TIME and not any(p == name or p.endswith("/" + name) for p in tracked):
+                missing.append(f"{where}: {name}")
     assert missing == []
 
 
@@ -140,6 +145,8 @@ def test_path_patterns_catch_what_they_are_for() -> None:
     names = [m.group(1) for m in REPO_PATH.finditer(
         "see sae_pipeline/sae/mp.py, `configs/<variant>_mnist.yaml`, tests/test_x.py::name and docs/design.md.")]
     assert names == ["sae_pipeline/sae/mp.py", "tests/test_x.py", "docs/design.md"]
+    bare = [m.group(1) for m in FILE_NAME.finditer("in export.py, `*_dinov2.yaml` and configs/<v>_x.yaml; sae/relu.py")]
+    assert bare == ["export.py", "sae/relu.py"]
     found = [m.group(0) for m in MACHINE_PATH.finditer(
         "--out /work/eval --x /root/a /home/alice/b /tmp/run /data/imagenet/train /home/u/data")]
     assert found == ["/work/", "/root/", "/home/alice/", "/tmp/r"]
