@@ -3,8 +3,8 @@
 An entry names the library (which picks the adapter), the library's model name and
 pretrained tag, and the token layout the model produces. `has_configs=True` says it ships
 `configs/extract_<name>.yaml` and one `configs/<variant>_<name>.yaml` per SAE variant: the
-tests take their backbone lists from here and require exactly those files (docs/extending.md,
-"Add a backbone").
+tests take their backbone lists from here and require exactly those files (README "How to
+add a backbone").
 
 - The paper trains on "frozen features from the final layer of each backbone", with the
   CLS token and all spatial tokens (~261 per image for DINOv2 with registers, Costa et
