@@ -49,12 +49,18 @@ def backbones_table() -> str:
 
 
 def _first_comment(fpath: Path) -> str:
+    """The first sentence of the file's leading comment (up to '. ' or ': ' outside brackets)."""
+    lines = []
     for line in fpath.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
-            break
-    return ""
+        if not line.startswith("#") or line.startswith("#  ") or not line.strip("# "):
+            break  # the comment ends, or an indented command example starts
+        lines.append(line.lstrip("#").strip())
+    text, depth = " ".join(lines), 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
+        if depth == 0 and char in ".:" and text[index + 1:index + 2] in (" ", ""):
+            return text[:index + (char == ".")].replace("|", "\\|")
+    return text.replace("|", "\\|")
 
 
 def configs_table() -> str:

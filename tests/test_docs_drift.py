@@ -184,3 +184,15 @@ def test_python_snippets_import_what_exists() -> None:
     assert len(imports) >= 3
     for where, statement in imports:
         exec(statement, {})  # noqa: S102 (our own docs' import lines)
+
+
+SECTION_REFERENCE = re.compile(r"README\W{0,3}\"([^\"]+)\"")
+
+
+def test_readme_sections_named_in_prose_exist() -> None:
+    """``(README, "Section")`` in a comment must name a heading the README still has (its content moved to docs/)."""
+    headings = {line.lstrip("#").strip() for line in (REPO_DPATH / "README.md").read_text(encoding="utf-8").splitlines()
+                if line.startswith("#")}
+    stale = [f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(1)}" for fpath, number, text in all_prose()
+             for match in SECTION_REFERENCE.finditer(text) if match.group(1) not in headings]
+    assert stale == []
