@@ -4,7 +4,7 @@ One concept per module:
 
 - `spec.py`: `BackboneSpec`, what a backbone is and the token layout the manifest records.
 - `registry.py`: `BACKBONES`, one entry per backbone (adding a backbone is one entry
-  there plus its configs: README "How to add a backbone").
+  there plus its extraction config and data piece: `sae_pipeline.config_files`).
 - `adapter.py`: the interface of a library adapter (build, tokens of a layer, layout);
   `timm_adapter.py` and `open_clip_adapter.py` implement it, one module per library.
 - `weights.py`: local weights (safetensors or `weights_only` torch files), strict load.

@@ -2,9 +2,10 @@
 
 An entry names the library (which picks the adapter), the library's model name and
 pretrained tag, and the token layout the model produces. `has_configs=True` says it ships
-`configs/extract_<name>.yaml` and one `configs/<variant>_<name>.yaml` per SAE variant: the
-tests take their backbone lists from here and require exactly those files (README "How to
-add a backbone").
+`configs/extract_<name>.yaml`, its data piece `configs/data/<name>.yaml` and the shortcut
+`configs/<variant>_<name>.yaml` per SAE variant: the tests take their backbone lists from
+here and require exactly those files. A backbone without them trains with any variant as
+`fit --config configs/vision/<variant>.yaml --data <its data piece>` (`sae_pipeline.config_files`).
 
 - The paper trains on "frozen features from the final layer of each backbone", with the
   CLS token and all spatial tokens (~261 per image for DINOv2 with registers, Costa et

@@ -28,8 +28,9 @@ class BackboneSpec:
     image_size: int
     n_blocks: int  # transformer depth; valid layers are 0..n_blocks-1
     model_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # builder overrides
-    # Ships configs/extract_<name>.yaml and one training config per SAE variant (the tests
-    # derive the config lists from this flag); not part of the manifest record.
+    # Ships configs/extract_<name>.yaml, configs/data/<name>.yaml and the shortcut
+    # configs/<variant>_<name>.yaml per SAE variant (the tests derive the config lists from
+    # this flag); not part of the manifest record.
     has_configs: bool = False
 
     @property
