@@ -67,7 +67,7 @@ def all_prose() -> Iterator[tuple[Path, int, str]]:
 # A repository path as prose names it: a top-level folder of this repository, then a file with a suffix.
 REPO_PATH = re.compile(
     r"(?<![\w./-])((?:sae_pipeline|feature_extraction|tests|configs|benchmarks|slurm|docker|docs|\.ci)"
-    r"/[\w./-]*\w)(?![\w<{*])")
+    r"/[\w./-]*\w)(?![\w<{*]|/[\w./-]*[<{*])")  # a path with a placeholder (<name>, {a,b}, *) is a pattern
 # A file named without its folder (``export.py``, ``mpsae_dinov2.yaml``): some tracked file must end with it.
 FILE_NAME = re.compile(r"(?<![\w./*}>-])([\w][\w./-]*\.(?:py|yaml|yml|sh|md))(?![\w<{*/])")
 # Files that runs and users write (not in the repository), named as examples.

@@ -143,7 +143,8 @@ def test_prose_names_no_path_of_the_machine_it_was_written_on() -> None:
 
 def test_path_patterns_catch_what_they_are_for() -> None:
     names = [m.group(1) for m in REPO_PATH.finditer(
-        "see sae_pipeline/sae/mp.py, `configs/<variant>_mnist.yaml`, tests/test_x.py::name and docs/design.md.")]
+        "see sae_pipeline/sae/mp.py, `configs/<variant>_mnist.yaml`, tests/test_x.py::name, configs/data/<name>.yaml "
+        "and docs/design.md.")]
     assert names == ["sae_pipeline/sae/mp.py", "tests/test_x.py", "docs/design.md"]
     bare = [m.group(1) for m in FILE_NAME.finditer("in export.py, `*_dinov2.yaml` and configs/<v>_x.yaml; sae/relu.py")]
     assert bare == ["export.py", "sae/relu.py"]
@@ -190,7 +191,7 @@ SECTION_REFERENCE = re.compile(r"README\W{0,3}\"([^\"]+)\"")
 
 
 def test_readme_sections_named_in_prose_exist() -> None:
-    """``(README, "Section")`` in a comment must name a heading the README still has (its content moved to docs/)."""
+    """A README section named in a comment must name a heading the README still has (its content moved to docs/)."""
     headings = {line.lstrip("#").strip() for line in (REPO_DPATH / "README.md").read_text(encoding="utf-8").splitlines()
                 if line.startswith("#")}
     stale = [f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(1)}" for fpath, number, text in all_prose()
