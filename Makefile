@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test test-fast bench docs docs-serve install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,5 +28,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/mp_sae.py
 	$(PY) benchmarks/babel.py
 
+# The documentation site (mkdocs.yml, docs/) into site/; docs-serve rebuilds it on every edit.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve
+
 clean:
-	rm -rf $(VENV) demo_out runs *.egg-info
+	rm -rf $(VENV) demo_out runs site *.egg-info

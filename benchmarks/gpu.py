@@ -1,7 +1,7 @@
 """Benchmark: SAE training throughput and ViT-B/14 extraction at paper scale on a GPU.
 
     python benchmarks/gpu.py                 # CUDA: d_in 768, d_sae 19200, k 32, B 4096, bf16 autocast
-    python benchmarks/gpu.py --dry-run       # CPU, tiny shapes, float32 (tests/test_benchmarks_gpu.py)
+    python benchmarks/gpu.py --dry-run       # CPU, tiny shapes, float32 (tests/test_benchmarks_peers.py)
 
 SAE: for every variant, ``--steps`` full training steps (forward, loss, backward, parallel
 gradient removal, fused Adam, unit-norm atoms, dead-latent clock) as ``SAEModule`` runs them,

@@ -4,7 +4,7 @@
     python benchmarks/mp_sae.py --device cuda    # also d_in=768, d_sae=19200, B=4096, k=32 in fp32 and bf16
     python benchmarks/mp_sae.py --quick          # tiny shapes, used by tests/test_mp_sae.py
 
-The reference is autograd through the loop of DESIGN.md (a dense correlation matmul and a
+The reference is autograd through the loop of docs/design.md ("Definitions"; a dense correlation matmul and a
 dense one-hot matmul per step). Both run on the same dictionary and batch in the same run;
 times are medians over ``--reps`` after ``--warmup`` untimed steps. "Saved" is what the
 autograd graph keeps for backward, summed over ``saved_tensors_hooks`` packs (numel ×
@@ -32,7 +32,7 @@ from sae_pipeline.sae.mp import MatchingPursuitSAE  # noqa: E402
 
 
 def plain_loop(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference MP of DESIGN.md, differentiated by autograd: (indices, codes, x_hat)."""
+    """The reference MP of docs/design.md, differentiated by autograd: (indices, codes, x_hat)."""
     r = x - b_pre
     codes = torch.zeros(x.shape[0], W_dec.shape[0], dtype=x.dtype, device=x.device)
     chosen = []

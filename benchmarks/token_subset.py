@@ -12,7 +12,7 @@ shape) with `shards.write_shard`, the function the extraction's writer processes
   each sample is `[5 + N, 768]` plus its `positions.npy`.
 
 Printed: bytes on disk, their ratio to the all-token shard (the disk saving that the
-README's table states from the formula) and the images/s of each side with their ratio
+disk table of docs/extraction.md states from the formula) and the images/s of each side with their ratio
 (best of `--repeats`, alternating, after a warm-up). The subset side's time includes the
 selection and the gather.
 """

@@ -18,7 +18,7 @@ By hand (as root; prints the base image's name and each stage's seconds):
     buildah bud --isolation chroot --network host --build-arg BASE_IMAGE=localhost/pytorch-standin:latest \\
         -t sae-pipeline .
 
-Why these choices are the fast ones, with the measured times, is in the README ("Docker").
+Why these choices are the fast ones, with the measured times, is in BENCHMARKS.md ("Docker image build and run").
 """
 from __future__ import annotations
 

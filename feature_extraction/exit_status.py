@@ -1,6 +1,6 @@
 """One exit-status convention for the commands that are not Lightning's (extraction, evaluate, export, demo).
 
-DESIGN.md: 0 success; 2 bad input, one ``error:`` line on stderr saying what is wrong and how
+docs/design.md ("Contracts"): 0 success; 2 bad input, one ``error:`` line on stderr saying what is wrong and how
 to fix it (as argparse does); 1 a runtime failure (disk full, a held lock), also one line;
 130 Ctrl-C and 143 SIGTERM (``docker stop``, ``timeout``, a cluster's kill), one line saying
 what was kept. A full disk (or quota), wherever it happens and however a library wraps it, is one

@@ -1,7 +1,7 @@
 """HDF5 token caches: a small random-access set of tokens, and what every HDF5 file of ours shares.
 
 The webdataset shards are for streaming the full 0.5 TB; HDF5 is the second format
-(DESIGN.md) for what needs random access: a token subset for evaluation or plots here, and
+(docs/formats.md) for what needs random access: a token subset for evaluation or plots here, and
 the per-token sparse codes that ``predict`` writes (``sae_pipeline/artifacts/codes.py``, which uses the
 attribute and format-check helpers below).
 

@@ -1,7 +1,7 @@
 """Which of a backbone's tokens an extraction stores: all of them, or a seeded subset per image.
 
 All tokens of ImageNet-1k through a ViT-B/14 are ~0.5 TB of float16 per backbone and
-layer (README, "Disk per backbone"). `--tokens_per_image N` stores N patch tokens per
+layer (docs/extraction.md, "Disk per backbone"). `--tokens_per_image N` stores N patch tokens per
 image instead, and `--keep_prefix_tokens` keeps or drops the CLS and register tokens.
 
 Design choices:

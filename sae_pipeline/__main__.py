@@ -4,7 +4,7 @@
 (LightningCLI); the other commands are listed in :data:`COMMANDS` (name -> module whose
 ``main(argv)`` runs it, and its one-line help), so adding a command is one line here.
 
-Exit codes, the same for every command: 0 success, 2 bad input (one ``error:``
+Exit codes, the same for every command (docs/design.md): 0 success, 2 bad input (one ``error:``
 line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
 SIGTERM; one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line saying what was
 kept and how to rerun, :mod:`sae_pipeline.training.interrupts`), 1 anything unexpected. Errors the product raises for bad input are

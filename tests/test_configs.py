@@ -79,8 +79,8 @@ def test_configs_do_not_drift() -> None:
         if cls.sparsity_init_args(10, "mnist") != cls.sparsity_init_args(10, "digits"):
             expected = {**expected, "sae": {**expected["sae"], "init_args": {**expected["sae"]["init_args"],
                                                                              **cls.sparsity_init_args(10, "mnist")}}}
-        if v == "jumprelu":  # MNIST: θ calibrated on the first batch and the L0 gradient to the encoder (README,
-            # "SAE variants": on digits that gradient pushed junk codes above θ, R² < 0 at target 40)
+        if v == "jumprelu":  # MNIST: θ calibrated on the first batch and the L0 gradient to the encoder (docs/investigations/calibration.md:
+            # on digits that gradient pushed junk codes above θ, R² < 0 at target 40)
             mnist_args = mnist[v]["model"]["sae"]["init_args"]
             assert mnist_args.pop("l0_gradient_to_encoder") is True and "initial_threshold" not in mnist_args
             expected = {**expected, "sae": {**expected["sae"], "init_args": {

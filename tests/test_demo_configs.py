@@ -1,6 +1,6 @@
 """The demo configs connect (issue 10, item 9): what `extract_demo.yaml` writes is what `demo_shards.yaml` reads.
 
-Run as the README says, from one working directory and with no extra flags:
+Run as README.md and docs/getting-started.md say, from one working directory and with no extra flags:
 `python -m feature_extraction --config configs/extract_demo.yaml`, then
 `python -m sae_pipeline fit --config configs/demo_shards.yaml`. And when a shard directory has no
 manifest, the advice given is one that works there (not a `finalize` that fails).

@@ -1,4 +1,4 @@
-"""MP-SAE against autograd through the plain Matching Pursuit loop of DESIGN.md (float64)."""
+"""MP-SAE against autograd through the plain Matching Pursuit loop of docs/design.md (float64)."""
 from __future__ import annotations
 
 import importlib.util

@@ -63,7 +63,7 @@ def test_array_job_equals_single_process_run(tmp_path, subset) -> None:
     env = {"IMAGES": "samples", "SHARDS_ROOT": str(shards_root), "PYTHON": sys.executable, "PRETRAINED": "false",
            "EXTRACT_ARGS": extract_args, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none"}
     with SlurmCluster(tmp_path / "cluster") as cluster:
-        # The header asks for a GPU; SBATCH_GRES=none (as README says) drops it on this GPU-less node.
+        # The header asks for a GPU; SBATCH_GRES=none (as docs/where-to-run.md says) drops it on this GPU-less node.
         job_id = cluster.sbatch(["--array=0-1", "--cpus-per-task=1", "--mem=2G",
                                  f"--output={logs}/%x-%A_%a.out", str(SCRIPT), "vit_tiny"], env=env, cwd=REPO_DPATH)
         states = cluster.wait(job_id, timeout=400)

@@ -45,7 +45,7 @@ def kill_every_third(sae: ShallowSAE) -> Tensor:
 
 
 def reference_step(name: str, sae: ShallowSAE, x: Tensor) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
-    """Plain dense autograd of the DESIGN.md definitions: (x_hat, codes, loss, projected grads)."""
+    """Plain dense autograd of the docs/design.md definitions: (x_hat, codes, loss, projected grads)."""
     params = {n: p.detach().clone().requires_grad_(True) for n, p in sae.named_parameters()}
     W_enc, b_enc, W_dec, b_pre = params["W_enc"], params["b_enc"], params["W_dec"], params["b_pre"]
     pre = (x - b_pre) @ W_enc + b_enc

@@ -259,11 +259,11 @@ def test_fit_and_predict_commands_on_subset_shards(subset, tmp_path) -> None:
     assert list(zip(codes["image_ids"].tolist(), codes["token_positions"].tolist())) == expected
 
 
-def test_readme_disk_table_follows_from_the_backbone_specs() -> None:
+def test_docs_disk_table_follows_from_the_backbone_specs() -> None:
     from feature_extraction.backbones import BACKBONES
 
-    text = (REPO_DPATH / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Disk per backbone", 1)[1].split("\n#", 1)[0]
+    text = (REPO_DPATH / "docs" / "extraction.md").read_text(encoding="utf-8")
+    section = text.split("## Disk per backbone", 1)[1].split("\n#", 1)[0]
     rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in section.splitlines()
             if line.startswith("| `")]
     n_images = 1_281_167

@@ -1,7 +1,7 @@
 """The shard format, as one unit: webdataset tars of float16 token activations plus a manifest.
 
 Nothing outside this package spells a shard file name or parses a shard, sidecar or
-manifest (DESIGN.md, "Shard format"); the extraction writes through it and the training
+manifest (docs/formats.md, "Shards"); the extraction writes through it and the training
 side, the feature browser and the evaluation read through it.
 
 - ``layout.py``: every file name of a shard directory and the key scheme of its samples;

@@ -15,7 +15,7 @@ Design choices:
   not collect the last classes of an id-sorted dataset); by a fixed permutation of rows
   (seed ``SPLIT_SEED``, independent of the training seed) for row sources, so runs with
   different seeds are validated on the same rows.
-- Normalisation statistics (DESIGN.md: mean for ``b_pre``, E||x||^2 for the input scale)
+- Normalisation statistics (docs/design.md: mean for ``b_pre``, E||x||^2 for the input scale)
   come from the manifest for shards (computed over *all* shards, validation included:
   re-reading 0.5 TB for a 10 % difference in the sample is not worth it), and are
   computed over the training rows for row sources.

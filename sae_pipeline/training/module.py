@@ -8,7 +8,7 @@ owns everything a training run adds to it:
   ``trainer.estimated_stepping_batches``; a parameter the SAE names in ``lr_scales`` (JumpReLU's
   threshold) trains at that multiple of the schedule.
 - Dictionary constraint: unit-norm atoms after every optimiser step, with the gradient
-  component parallel to each atom removed before it (DESIGN.md, "SAE variants").
+  component parallel to each atom removed before it (docs/design.md, "Definitions").
 - Input normalisation (optional): ``x · input_scale`` with ``input_scale = sqrt(d_in / E‖x‖²)``
   from the data statistics, so one set of hyper-parameters (λ, JumpReLU bandwidth) fits
   every backbone; export folds the scale back in (:mod:`sae_pipeline.artifacts.export`).
