@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import sae_pipeline.evaluate.measure as measure_module
+import sae_pipeline.metrics.measure as measure_module
 from sae_pipeline.training.callbacks import SAEFigures
-from sae_pipeline.evaluate.measure import default_inference_ks, evaluate_sae
+from sae_pipeline.metrics.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.demo import format_table, read_final_metrics
 from sae_pipeline.training.module import SAEModule

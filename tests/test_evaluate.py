@@ -12,9 +12,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from sae_pipeline.evaluate.__main__ import main
-from sae_pipeline.evaluate.runs import LABELS, VARIANTS, is_finished, plan_runs, sparsity_args
+from sae_pipeline.evaluate.runs import is_finished, plan_runs, sparsity_args
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens
 from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.sae import SAE_REGISTRY, display_label
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ def test_concepts_cover_every_variant(tmp_path) -> None:
     assert main(["concepts", "--data", "digits", "--out", str(out), "--k", "4", "--k_main", "4", "--p", "32",
                  "--p_main", "32", "--max_steps", "12", "--r_max", "8"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert sorted(results["concepts"]["variants"]) == sorted(VARIANTS)
+    assert sorted(results["concepts"]["variants"]) == sorted(SAE_REGISTRY)
     for variant, stats in results["concepts"]["variants"].items():
         assert (out / "figures" / f"atoms_{variant}_by_frequency.png").is_file()
         assert (out / "figures" / f"atoms_{variant}_by_mean.png").is_file()
@@ -146,10 +147,10 @@ def test_concepts_cover_every_variant(tmp_path) -> None:
 
 
 def test_variants_labels_and_sparsity_flags_come_from_the_registry() -> None:
-    from sae_pipeline.sae import SAE_REGISTRY, ReLUSAE
+    from sae_pipeline.sae import ReLUSAE
 
-    assert VARIANTS == tuple(SAE_REGISTRY) and {"relu", "jumprelu", "topk", "batchtopk", "mpsae"} <= set(VARIANTS)
-    assert LABELS["mpsae"] == "MP-SAE" and LABELS["authors"] == "MP-SAE (paper authors)"
+    assert {"relu", "jumprelu", "topk", "batchtopk", "mpsae"} <= set(SAE_REGISTRY)
+    assert display_label("mpsae") == "MP-SAE" and display_label("relu") == ReLUSAE.label == "ReLU"
     assert sparsity_args("mpsae", 8) == ["--model.sae.init_args.k", "8"]
     assert sparsity_args("jumprelu", 8) == ["--model.sae.init_args.target_l0", "8"]
     assert sparsity_args("relu", 10, "mnist_sample") == ["--model.sae.init_args.l1_coefficient", "0.0085"]

@@ -260,7 +260,7 @@ def test_babel_coactive_matches_per_token_loop() -> None:
 
 def test_babel_coactive_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiny memory budget: many chunks of a few tokens each give the same mean."""
-    import sae_pipeline.metrics as metrics
+    import sae_pipeline.metrics.babel_function as metrics
 
     monkeypatch.setattr(metrics, "_COACTIVE_CHUNK_ELEMENTS", 200)
     gen = torch.Generator().manual_seed(10)

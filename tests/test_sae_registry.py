@@ -9,7 +9,7 @@ from torch import Tensor
 import sae_pipeline.sae as sae_package
 from sae_pipeline.sae import (
     SAE_ALIASES, SAE_REGISTRY, VARIANTS, BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SAELoss, TopKSAE,
-    get_sae_class, variant_key,
+    display_label, get_sae_class, variant_key,
 )
 from sae_variants_fixtures import BATCH, D_IN, D_SAE, K, batch, make
 
@@ -26,6 +26,13 @@ def test_registry() -> None:
         pass
 
     assert variant_key(MyTopK) is None and variant_key(int) is None
+
+
+def test_display_labels_are_the_classes_labels() -> None:
+    """Tables, legends and reports name a variant by its class's label; any other curve keeps its own name."""
+    assert [display_label(key) for key in SAE_REGISTRY] == [cls.label for cls in VARIANTS]
+    assert display_label("mpsae") == "MP-SAE" and display_label("topk") == "TopK"
+    assert display_label("MP-SAE (paper authors)") == "MP-SAE (paper authors)"
 
 
 def test_mp_alias_still_resolves() -> None:

@@ -9,7 +9,8 @@ side, the feature browser and the evaluation read through it.
 - ``write.py``: one shard and its sidecar, whole or absent (``write_shard``);
   ``writers.py``: the extraction's writer processes that call it.
 - ``read.py``: random-access reading of a shard's samples (the training stream's reader)
-  and webdataset's decoding for any other pipeline.
+  and webdataset's decoding for any other pipeline; ``tar_scan.py``: where each member of a
+  shard's tar lies (what the reader and the integrity checks share).
 - ``sidecar.py``: a shard's sidecar, and the completion and intactness tests.
 - ``integrity.py``: the checksums in each sidecar, who checks them, the repair command.
 - ``manifest.py``: ``manifest.json``, assembled from the sidecars (``write_manifest``),

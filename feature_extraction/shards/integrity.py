@@ -28,26 +28,27 @@ their sidecars after checking the sha256 (one read of each shard).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shlex
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import xxhash
 
+from feature_extraction.file_hashes import file_digests, file_xxh3
+from feature_extraction.file_hashes import file_sha256  # noqa: F401 -- sae_pipeline.artifacts.export imports it from here
 from feature_extraction.shards.layout import (
     EXTRACTION_FNAME, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
 )
+from feature_extraction.shards.tar_scan import iter_members
 
-__all__ = ["ALGORITHM", "SampleChecksums", "add_sample_checksums", "digest", "file_digests", "load_sample_checksums", "repair_command",
+__all__ = ["ALGORITHM", "SampleChecksums", "add_sample_checksums", "digest", "load_sample_checksums", "repair_command",
            "shard_is_intact", "verify_sha256_once"]
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_64"
-_CHUNK_BYTES = 1 << 22
 _SHA256_VERIFIED: set[tuple] = set()  # (shard path, sha256, size, mtime) checked in this process
 
 
@@ -63,36 +64,13 @@ class SampleChecksums(NamedTuple):
     positions: list[int] | None
 
 
-def hash_file(fpath: Path, *hashers: Any) -> list[str]:
-    """Hex digests of a whole file for each of ``hashers``, in one read."""
-    with open(fpath, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            for hasher in hashers:
-                hasher.update(chunk)
-    return [hasher.hexdigest() for hasher in hashers]
-
-
-def file_digests(fpath: Path) -> tuple[str, str]:
-    """``(sha256, xxh3_64)`` hex digests of a whole file, in one read."""
-    sha, xxh = hash_file(fpath, hashlib.sha256(), xxhash.xxh3_64())
-    return sha, xxh
-
-
-def file_sha256(fpath: Path) -> str:
-    return hash_file(fpath, hashlib.sha256())[0]
-
-
-def _file_xxh3(fpath: Path) -> str:
-    return hash_file(fpath, xxhash.xxh3_64())[0]
-
-
 def shard_is_intact(sidecar: dict, tar_fpath: Path) -> bool:
     """True when the tar's bytes match its sidecar (size, then xxh3-64, or sha256 for old sidecars)."""
     try:
         if tar_fpath.stat().st_size != sidecar["bytes"]:
             return False
         if ALGORITHM in sidecar:
-            return _file_xxh3(tar_fpath) == sidecar[ALGORITHM]
+            return file_xxh3(tar_fpath) == sidecar[ALGORITHM]
         return file_digests(tar_fpath)[0] == sidecar["sha256"]
     except OSError:
         return False
@@ -170,14 +148,12 @@ def add_sample_checksums(sidecar: dict, tar_fpath: Path) -> dict | None:
     One read for the sha256 and one pass over the members; what ``finalize`` does to shards
     written before the checksums, so the training stream can check them sample by sample.
     """
-    from feature_extraction.shards.read import _members
-
     sha256, xxh3 = file_digests(tar_fpath)
     if sha256 != sidecar["sha256"]:
         return None
     checksums: dict[str, list[str]] = {TOKENS_SUFFIX: [], POSITIONS_SUFFIX: []}
     with open(tar_fpath, "rb") as stream:
-        for name, offset, size in list(_members(stream, tar_fpath)):
+        for name, offset, size in list(iter_members(stream, tar_fpath)):
             suffix = member_key(name)[1]
             if suffix in checksums:
                 stream.seek(offset)

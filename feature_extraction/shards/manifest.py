@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from feature_extraction.atomic_files import write_json_atomic
+from feature_extraction.file_hashes import file_sha256
 from feature_extraction.running_stats import RunningStats
-from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
     DTYPE, EXTRACTION_FNAME, MANIFEST_FNAME, SCHEMA_VERSION, SIDECAR_GLOB, ShardFormatError, shard_fname,
     sidecar_fname, sidecar_index,
@@ -158,7 +158,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         if size != entry["bytes"]:
             raise ShardFormatError(f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
                                    f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it")
-        if verify and integrity.file_sha256(shard_fpath) != entry["sha256"]:
+        if verify and file_sha256(shard_fpath) != entry["sha256"]:
             raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                                    "the file is corrupt, re-extract it")
     check_manifest_stats(shards_dpath, manifest)  # a hand-edited 'stats' would train on the wrong scale

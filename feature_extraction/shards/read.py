@@ -4,7 +4,7 @@ Why not webdataset's reader: it opens the tar in streaming mode, which hands eve
 400 KB ``tokens.npy`` over in 10 KB pieces that are then joined, and ``np.load`` copies
 the joined bytes once more. That made the tar reader most of the training stream's CPU
 time (BENCHMARKS.md, loader). A shard on disk can be read at random instead: each
-header is parsed where it lies (plain ustar headers here, anything else by tarfile),
+header is parsed where it lies (``tar_scan.py``: plain ustar headers directly, anything else by tarfile),
 and each token array is read with one ``readinto`` into its final memory. Members other
 than ``tokens.npy`` (``meta.json``, ...) are skipped without being read.
 
@@ -29,12 +29,12 @@ from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
     META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
 )
+from feature_extraction.shards.tar_scan import check_tar_end, iter_members
 
-__all__ = ["check_tar_end", "decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
+__all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
            "read_shard_samples"]
 
 NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
-ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
 _HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
 
 
@@ -71,57 +71,6 @@ def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bytes]:  # noqa: A
             _HEADERS.clear()
         parsed = _HEADERS[header] = shape
     return parsed, header
-
-
-def _ustar_member(block: bytes, offset: int, fpath: Path) -> tuple[str, int, int] | None:
-    """``(name, data offset, size)`` of a plain ustar regular-file header; None for anything else.
-
-    tarfile's parser (``TarInfo.frombuf``) was a third of the reader's time. This one
-    reads only what locating a member needs, verifies the header checksum, and leaves
-    every other case (pax or GNU extensions, links, base-256 sizes) to tarfile.
-    """
-    if block[257:262] != b"ustar" or block[156:157] not in (b"0", b"\0"):
-        return None
-    try:
-        size, checksum = int(block[124:136].rstrip(b" \0"), 8), int(block[148:156].rstrip(b" \0"), 8)
-    except ValueError:
-        return None
-    if checksum != sum(block) - sum(block[148:156]) + 8 * 32:
-        raise ShardFormatError(f"{fpath}: corrupt tar (bad header checksum at byte {offset}); re-extract the shard")
-    name = block[:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-    if prefix := block[345:500].split(b"\0", 1)[0]:
-        name = prefix.decode("utf-8", "surrogateescape") + "/" + name
-    return name, offset + tarfile.BLOCKSIZE, size
-
-
-def _members(stream, fpath: Path) -> Iterator[tuple[str, int, int]]:  # noqa: ANN001 (binary file)
-    """``(name, data offset, size)`` of each regular member, in order.
-
-    Headers our writer produces go through ``_ustar_member``; from the first header it
-    does not handle, tarfile parses the rest of the archive (it can start at any header).
-    """
-    offset = 0
-    while True:
-        stream.seek(offset)
-        block = stream.read(tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE:
-            raise ShardFormatError(f"{fpath}: cut short at byte {offset}; re-extract the shard")
-        if block == ZERO_BLOCK:
-            return
-        if (member := _ustar_member(block, offset, fpath)) is None:
-            break
-        yield member
-        offset = member[1] + -(-member[2] // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-    stream.seek(offset)
-    with tarfile.open(fileobj=stream, mode="r:") as tar:
-        for info in tar:
-            tar.members = []  # random access keeps every header otherwise; a shard holds thousands
-            if info.isreg():
-                yield info.name, info.offset_data, info.size
-        # Past its first header tarfile ends quietly at an invalid one; a real end is zeros.
-        stream.seek(tar.offset)
-        if stream.read(tarfile.BLOCKSIZE) != ZERO_BLOCK:
-            raise ShardFormatError(f"{fpath}: corrupt tar (invalid header at byte {tar.offset}); re-extract the shard")
 
 
 def _read_tokens(stream, where: str, offset: int, size: int,  # noqa: ANN001 (binary file)
@@ -188,7 +137,7 @@ def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None
     positions: tuple[str, int, int] | None = None  # (key, offset, size) of the last positions.npy seen
     try:
         with open(fpath, "rb") as stream:
-            for name, offset, size in _members(stream, fpath):
+            for name, offset, size in iter_members(stream, fpath):
                 key, suffix = member_key(name)
                 if with_positions and suffix == POSITIONS_SUFFIX:
                     positions = (key, offset, size)
@@ -246,21 +195,6 @@ def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
     if not isinstance(meta, dict):
         raise ShardFormatError(f"{where}: 'meta.json' must be a JSON object; re-extract the shard")
     return key, tokens, meta
-
-
-def check_tar_end(fpath: Path) -> None:
-    """A tarfile-written archive ends with zero blocks on a 512-byte boundary; a cut file does not.
-
-    webdataset's streaming reader stops silently when a cut falls between members, so
-    this cheap tail check is what turns such a truncation into an error.
-    """
-    size = fpath.stat().st_size
-    if size < 1024 or size % 512:
-        raise ShardFormatError(f"{fpath}: truncated tar ({size} bytes); re-extract the shard")
-    with open(fpath, "rb") as f:
-        f.seek(size - 1024)
-        if f.read(1024).strip(b"\0"):
-            raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")
 
 
 def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool = False) -> Iterator[tuple]:
@@ -323,7 +257,7 @@ def read_shard_samples(fpath: Path | str, indices: Sequence[int]) -> Iterator[tu
     current_key = None
     try:
         with open(fpath, "rb") as stream:
-            for name, offset, size in _members(stream, fpath):
+            for name, offset, size in iter_members(stream, fpath):
                 key, suffix = member_key(name)
                 if key != current_key:
                     current_key, members = key, {}

@@ -4,8 +4,8 @@
 (see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
 
 - :mod:`.runs`: plan the grid of training runs and train / export / resume them through the CLI;
-- :mod:`.measure`: every number and curve of one SAE on one sample (the training callback logs them too);
-- :mod:`.studies`: evaluate each exported run and gather the numbers per study;
+- :mod:`.studies`: evaluate each exported run and gather the numbers per study (each SAE's numbers and curves:
+  :func:`sae_pipeline.metrics.evaluate_sae`, which the training callback logs too);
 - :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;
 - :mod:`.claims`: the paper's claims checked against the numbers;
 - :mod:`.report`: results.json, PNGs, TensorBoard, report.md (the figures: :mod:`sae_pipeline.figures`);

@@ -133,10 +133,11 @@ def run_studies(args: Any) -> Path:
     from sae_pipeline.evaluate import studies
     from sae_pipeline.evaluate.claims import check_claims, count_claims
     from sae_pipeline.evaluate.report import read_results, save_figures, study_figures, write_report, write_results
+    from sae_pipeline.sae import SAE_REGISTRY
 
     start = time.perf_counter()
     chosen = list(runs.STUDIES) if args.command == "all" else [args.command]
-    known = runs.VARIANTS  # the registry: loads torch, now that the flags parsed
+    known = tuple(SAE_REGISTRY)  # the registry: loads torch, now that the flags parsed
     unknown = [v for v in args.variants or () if v not in known]
     if unknown:
         raise ValueError(f"unknown variant {unknown[0]!r} in --variants; choose from {', '.join(known)}")

@@ -1,6 +1,6 @@
 """Co-active coherence controlled for support size: what "selects more incoherent atoms" can be compared on.
 
-The co-active Babel of :func:`sae_pipeline.metrics.coactive_babel` sums, for each token, over
+The co-active Babel of :func:`sae_pipeline.metrics.babel_coactive` sums, for each token, over
 ``min(r, |S| − 1)`` co-active atoms and scores tokens with ``|S| ≤ 1`` as 0. A variant whose
 supports are smaller (ReLU at a low L0, or MP-SAE picking the same atom twice, which shrinks
 ``|S|`` below k) then scores lower whatever its atoms are. Two forms remove that:

@@ -25,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from sae_pipeline.evaluate import concepts
-from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, compare, r2_vs_k_figure
-from sae_pipeline.metrics import babel
+from sae_pipeline.metrics import babel, evaluate_sae
 from sae_pipeline.sae import MatchingPursuitSAE
 
 DATA_CHOICES = ("digits28", "mnist_sample", "mnist", "none")

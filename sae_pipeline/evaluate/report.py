@@ -18,13 +18,14 @@ from torch.utils.tensorboard import SummaryWriter
 from feature_extraction.atomic_files import write_text_atomic, writing
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
-from sae_pipeline.evaluate.runs import LABELS
 from sae_pipeline.artifacts.export import load_sae
 from sae_pipeline.figures import atom_grid_figure, compare, r2_vs_k_figure
+from sae_pipeline.sae import display_label
 
 RESULTS_FNAME = "results.json"
 REPORT_FNAME = "report.md"
 DPI = 100
+AUTHORS_LABEL = "MP-SAE (paper authors)"  # the paper authors' dictionary beside our variants
 
 
 def read_results(out_dpath: Path) -> dict[str, Any]:
@@ -74,11 +75,11 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
         return [sweep["r2"][sweep["ks"].index(k)] for k in ks]
     figures = {"reference_r2_vs_k": r2_vs_k_figure(
         ks, {f"MP-SAE (ours, {reference['same_rows_as']})": at(ours["inference"]),
-             "MP-SAE (paper authors)": at(reference["inference"])}, trained_k=reference["k"],
+             AUTHORS_LABEL: at(reference["inference"])}, trained_k=reference["k"],
         title="R² against inference k: ours vs the paper's")}
     figures["reference_babel"] = compare.babel_panels_figure(
-        {"mpsae": ours["babel_dict"], "authors": reference["babel_dict"]},
-        {"mpsae": ours["babel_coactive"], "authors": reference["babel_coactive"]}, reference["k"])
+        {"mpsae": ours["babel_dict"], AUTHORS_LABEL: reference["babel_dict"]},
+        {"mpsae": ours["babel_coactive"], AUTHORS_LABEL: reference["babel_coactive"]}, reference["k"])
     stats = reference.get("concepts")
     if stats:
         from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
@@ -88,7 +89,7 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
             order = stats[key]
             figures[f"atoms_authors_by_{what}"] = atom_grid_figure(
                 W_dec[order], (28, 28), n_atoms=len(order), labels=[f"#{j}" for j in order],
-                title=f"MP-SAE (paper authors): top {len(order)} atoms by {what}")
+                title=f"{AUTHORS_LABEL}: top {len(order)} atoms by {what}")
     return figures
 
 
@@ -109,7 +110,7 @@ def concept_figures(study: dict[str, Any], out_dpath: Path) -> dict[str, Figure]
             order = stats[key]
             figures[f"atoms_{variant}_by_{what}"] = atom_grid_figure(
                 W_dec[order], image_shape, n_atoms=len(order), labels=[f"#{j}" for j in order],
-                title=f"{LABELS.get(variant, variant)}: top {len(order)} atoms by {what}")
+                title=f"{display_label(variant)}: top {len(order)} atoms by {what}")
     return figures
 
 
@@ -138,10 +139,6 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _label(variant: str) -> str:
-    return LABELS.get(variant, variant)
-
-
 def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
     """One page: settings, the numbers per study, the claims table and the figures."""
     figures_dpath = Path(out_dpath) / "figures"
@@ -157,19 +154,21 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         ks = [row["k"] for row in next(iter(vs_k.values()))]
         lines += [f"## Expressivity (validation R², measured L0 in brackets; p = {study['p_main']})", ""]
         lines += _table(["variant", *[f"k = {k}" for k in ks]],
-                        [[_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]] for v, rows in vs_k.items()])
+                        [[display_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]]
+                         for v, rows in vs_k.items()])
         vs_p = study["vs_p"]
         ps = [row["p"] for row in next(iter(vs_p.values()))]
         lines += ["", f"R² against p at k = {study['k_main']}:", ""]
         lines += _table(["variant", *[f"p = {p}" for p in ps]],
-                        [[_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()])
+                        [[display_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()])
         lines += [""]
     if "inference" in results:
         study = results["inference"]
         sweep_ks = sorted({k for sweep in study["main"].values() for k in sweep["ks"]})
         lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
         lines += _table(["variant", *[f"k = {k}" for k in sweep_ks]],
-                        [[_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–" for k in sweep_ks]]
+                        [[display_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–"
+                                              for k in sweep_ks]]
                          for v, s in study["main"].items()])
         lines += [""]
     if "coherence" in results:
@@ -178,7 +177,7 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
         support = study.get("support") or {}
         r_c = common_r(support, k) if support else None
-        rows = [[_label(v), f"{c[0]:.3f}", f"{c[min(k, len(c)) - 1]:.3f}",
+        rows = [[display_label(v), f"{c[0]:.3f}", f"{c[min(k, len(c)) - 1]:.3f}",
                  f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
                  *([_fmt(support[v]["restricted_babel"][r_c - 1], ".3f"), f"{support[v]['mean_support']:.2f}",
                     _fmt(support[v]["mean_pairwise"], ".3f")] if r_c else [])]
@@ -190,7 +189,7 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [""]
     if "concepts" in results:
         lines += ["## Concepts (whole dataset)", ""]
-        rows = [[_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}",
+        rows = [[display_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}",
                  f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
                  f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
                  f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / "

@@ -22,9 +22,9 @@ knowledge, ``sparsity_init_args(k, data)``: TopK, BatchTopK and MP-SAE take k it
 ``target_l0``; ReLU has no k, so its L1 coefficient is calibrated from k and the data
 (``ReLUSAE.l1_for_k``) and its measured L0 is reported beside it.
 
-The variants are those of the registry (:mod:`sae_pipeline.sae`): ``VARIANTS`` and ``LABELS`` are
-read from it on first use, because importing it loads torch and this module must stay light
-(``python -m sae_pipeline.evaluate --help`` and flag errors answer without torch).
+The variants are those of the registry (:mod:`sae_pipeline.sae`), read where they are used, because
+importing it loads torch and this module must stay light (``python -m sae_pipeline.evaluate --help``
+and flag errors answer without torch).
 """
 from __future__ import annotations
 
@@ -46,26 +46,11 @@ from feature_extraction.atomic_files import write_text_atomic
 from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
 from sae_pipeline.config_files import config_sha256, load_config  # torch-free
 
-EXTRA_LABELS = {"authors": "MP-SAE (paper authors)"}  # curves that are not a variant of ours
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
 MNIST_SOURCES = ("mnist", "mnist_sample")  # 28x28: configs/<variant>_mnist.yaml
 STUDIES = ("expressivity", "inference", "coherence", "concepts")
 RUN_FNAME = "study_run.json"
 PLAN_FNAME = "study_plan.json"  # runs/<name>/: the settings a run was started with (to resume it)
-
-
-def __getattr__(name: str) -> object:
-    """``VARIANTS`` (registry keys, in registry order) and ``LABELS`` (display labels), read from the registry
-    on first use (PEP 562), so that importing this module does not load torch."""
-    if name == "VARIANTS":
-        from sae_pipeline.sae import SAE_REGISTRY
-
-        return tuple(SAE_REGISTRY)
-    if name == "LABELS":
-        from sae_pipeline.sae import SAE_REGISTRY
-
-        return {key: cls.label for key, cls in SAE_REGISTRY.items()} | EXTRA_LABELS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

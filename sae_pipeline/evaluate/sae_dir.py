@@ -20,11 +20,11 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.evaluate.studies import reconstruction_r2
 from sae_pipeline.artifacts.export import CONFIG_FNAME, load_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
 from sae_pipeline.artifacts.saelens import validation_tokens
+from sae_pipeline.metrics import evaluate_sae
 
 
 def evaluate_sae_dir(sae_dpath: Path | str, data: str = "digits", val_fraction: float = 0.1,

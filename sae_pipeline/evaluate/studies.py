@@ -5,7 +5,7 @@ Each run is evaluated from its export (``load_sae``: raw units, input scale fold
 ``ActivationDataModule`` with the config's ``data`` settings, so its R² is the ``val/r2``
 that training logged at its last step (R² does not change when inputs and reconstructions
 share a scale; the test checks the agreement to 1e-5). Babel curves, the inference-time sweep
-and the activation statistics come from :func:`sae_pipeline.evaluate.measure.evaluate_sae`.
+and the activation statistics come from :func:`sae_pipeline.metrics.measure.evaluate_sae`.
 
 Studies (names as in the CLI):
 
@@ -24,14 +24,13 @@ from typing import Any
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.data.sources import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
 from sae_pipeline.artifacts.export import load_sae
-from sae_pipeline.metrics import ReconstructionR2
+from sae_pipeline.metrics import ReconstructionR2, evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
 
 __all__ = ["STUDIES", "coherence", "evaluate_concepts", "evaluate_run", "expressivity", "inference"]

@@ -2,7 +2,8 @@
 
 Single-model figures (atom grids, one Babel curve, one R²-vs-k line) are in
 :mod:`sae_pipeline.figures.model`; the ones here put every variant side by side, on the same
-axes helpers (:mod:`sae_pipeline.figures.axes`). Like those, they are built on
+axes helpers (:mod:`sae_pipeline.figures.axes`), each named by its label in the variant registry
+(:func:`sae_pipeline.sae.display_label`). Like those, they are built on
 ``matplotlib.figure.Figure`` (no pyplot state, headless) and return the figure.
 """
 from __future__ import annotations
@@ -12,12 +13,8 @@ from collections.abc import Mapping
 import numpy as np
 from matplotlib.figure import Figure
 
-from sae_pipeline.evaluate.runs import LABELS
 from sae_pipeline.figures.axes import finish, log2_axis, plot_babel, scatter_frequency_vs_mean, single_axes
-
-
-def _label(variant: str) -> str:
-    return LABELS.get(variant, variant)
+from sae_pipeline.sae import display_label as _label
 
 
 def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[int], xlabel: str,
@@ -62,7 +59,9 @@ def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) ->
 
 def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping[str, list[float]],
                         k: int) -> Figure:
-    """Babel μ₁(r) of the whole dictionary (left) and of the co-activated atoms (right), per variant."""
+    """Babel μ₁(r) of the whole dictionary (left) and of the co-activated atoms (right), per variant.
+
+    Curves are keyed by variant (shown by its registry label) or by the label of another dictionary."""
     fig = Figure(figsize=(9.0, 3.6), layout="constrained")
     left, right = fig.subplots(1, 2)
     plot_babel(left, {_label(variant): curve for variant, curve in dictionary.items()}, markers=False)

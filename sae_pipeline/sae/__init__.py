@@ -5,7 +5,8 @@ unrolls Matching Pursuit over a weight-tied dictionary (Costa et al. 2025).
 
 ``VARIANTS`` is the registry: to add a variant, import its class here and list it there (its
 key, label, sparsity knob, ... are class attributes, see :class:`SparseAutoencoder`), then add
-its ``configs/<key>_<data>.yaml``. Configs name a variant by ``sae_pipeline.sae.<ClassName>``,
+its ``configs/<key>_<data>.yaml``. Tables, legends and reports name a variant by
+:func:`display_label`, read from here. Configs name a variant by ``sae_pipeline.sae.<ClassName>``,
 which the import here provides.
 """
 from __future__ import annotations
@@ -62,6 +63,13 @@ def get_sae_class(name: str) -> type[SparseAutoencoder]:
         raise ValueError(f"unknown SAE variant {name!r}; choose one of {', '.join(SAE_REGISTRY)}") from None
 
 
+def display_label(name: str) -> str:
+    """What tables, figure legends and reports call the variant keyed ``name`` (its class's ``label``);
+    any other name (a curve that is no variant of ours, such as another dictionary) is shown as it is."""
+    cls = SAE_REGISTRY.get(name)
+    return name if cls is None else cls.label
+
+
 def variant_key(cls: type) -> str | None:
     """The registry key of a variant class (``"mpsae"``, ``"topk"``, ...), None for an unregistered class
     (a user's subclass inherits its parent's ``key`` attribute but is not that variant)."""
@@ -76,6 +84,7 @@ __all__ = [
     "SAEOutput",
     "ShallowSAE",
     "SparseAutoencoder",
+    "display_label",
     "get_sae_class",
     "variant_key",
     *(cls.__name__ for cls in VARIANTS),

@@ -9,6 +9,7 @@
 - :mod:`.lightning_compat`: every use of Lightning's private internals, in one place.
 - :mod:`.predict`: the prediction writer of ``predict`` (the codes file, :mod:`sae_pipeline.artifacts.codes`).
 
-This package sits above :mod:`sae_pipeline.sae`, :mod:`sae_pipeline.data`, :mod:`sae_pipeline.metrics`
-and :mod:`sae_pipeline.figures`, and below the commands (``tests/test_import_rules.py``).
+This package sits above :mod:`sae_pipeline.sae`, :mod:`sae_pipeline.data`, :mod:`sae_pipeline.metrics`,
+:mod:`sae_pipeline.figures` and :mod:`sae_pipeline.artifacts`, and below the commands, the evaluation
+included (``tests/test_import_rules.py``).
 """

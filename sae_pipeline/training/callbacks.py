@@ -13,7 +13,7 @@ and logs:
 - histograms ``val/activation_frequency`` and ``val/mean_activation``, and the figure
   ``val/frequency_vs_mean`` (one point per atom), the paper's Fig. "Activation distributions".
 
-The computation itself is :func:`sae_pipeline.evaluate.measure.evaluate_sae` (no Lightning
+The computation itself is :func:`sae_pipeline.metrics.measure.evaluate_sae` (no Lightning
 needed), which the evaluation suite runs on exported SAEs too; this callback only schedules it and
 logs what it returns.
 
@@ -40,8 +40,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from sae_pipeline.training import lightning_compat
 from feature_extraction.validate import check_int
-from sae_pipeline.evaluate.measure import evaluate_sae
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
+from sae_pipeline.metrics import evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
 
 _DEFAULT_R_MAX = 64
@@ -55,7 +55,7 @@ class SAEFigures(L.Callback):
             sanity-check validation never counts.
         ks: inference-time k values for the R² sweep; None takes
             ``pl_module.hparams.inference_ks``, and when that is None too derives them from
-            the trained k (``default_inference_ks`` of :mod:`sae_pipeline.evaluate.measure`; for
+            the trained k (``default_inference_ks`` of :mod:`sae_pipeline.metrics.measure`; for
             ReLU/JumpReLU, which have no k, from the mean L0 rounded).
         r_max: largest r of the Babel curves; None takes ``pl_module.hparams.babel_r_max``
             (else 64). Capped at ``d_sae - 1`` (the Babel function needs r other atoms) and

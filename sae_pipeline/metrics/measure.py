@@ -1,8 +1,10 @@
 """Every number and curve of one SAE on one evaluation sample: Babel, R² against inference k, activations.
 
 The training callback (:class:`sae_pipeline.training.callbacks.SAEFigures`) logs these at validation and
-the evaluation suite (:mod:`.studies`, :mod:`.sae_dir`, :mod:`.external`) computes them for exported
-SAEs; both call :func:`evaluate_sae`, which needs no Lightning.
+the evaluation suite (:mod:`sae_pipeline.evaluate.studies`, :mod:`~sae_pipeline.evaluate.sae_dir`,
+:mod:`~sae_pipeline.evaluate.external`) computes them for exported SAEs; both call :func:`evaluate_sae`,
+which needs no Lightning. It lives with the metrics, below both, so that training imports nothing
+from the evaluation.
 
 The sample is processed in chunks of at most ``_CHUNK_ELEMENTS`` dense code entries, so a 16 K-token
 sample with d_sae = 19 200 never holds a 1.2 GB code matrix.
@@ -15,7 +17,8 @@ import torch
 from torch import Tensor
 
 from feature_extraction.validate import check_int
-from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive
+from sae_pipeline.metrics.babel_function import babel, babel_coactive
+from sae_pipeline.metrics.streaming import ActivationStats, ReconstructionR2
 from sae_pipeline.sae import SparseAutoencoder
 
 # Dense code entries per chunk of the evaluation sample: 2**24 float32 = 64 MiB of codes.
