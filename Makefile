@@ -25,8 +25,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
 bench: $(STAMP)
-	$(PY) benchmarks/mp_sae.py
-	$(PY) benchmarks/babel.py
+	$(PY) -m benchmarks.mp_sae
+	$(PY) -m benchmarks.babel
 
 # The documentation site (mkdocs.yml, docs/) into site/; docs-serve rebuilds it on every edit.
 docs: $(STAMP)

@@ -1,7 +1,7 @@
 """Benchmark: blocked Babel function against the naive full-Gram computation, same run.
 
-    python benchmarks/babel.py                 # d_sae=19200, d_in=768, r_max=64 (targets: < 60 s, < 2 GB)
-    python benchmarks/babel.py --quick         # tiny sizes, in one process; used by tests/test_metrics.py
+    python -m benchmarks.babel                 # d_sae=19200, d_in=768, r_max=64 (targets: < 60 s, < 2 GB)
+    python -m benchmarks.babel --quick         # tiny sizes, in one process; used by tests/test_metrics.py
 
 Each method runs in its own fresh child process so that its peak memory is measured alone
 (``--quick`` runs both in this process instead: importing torchmetrics takes seconds):
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
+REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m benchmarks.babel` from here
 
 
 def peak_rss_bytes() -> int:
@@ -41,7 +41,6 @@ def naive_babel(W_dec, r_max: int):  # noqa: ANN001, ANN201 (torch imported only
 
 def time_method(mode: str, args: argparse.Namespace) -> dict:
     """Time one method on a seeded random unit-norm float32 dictionary."""
-    sys.path.insert(0, str(REPO_DPATH))
     import torch
 
     from sae_pipeline.metrics import babel
@@ -69,9 +68,10 @@ def measure(mode: str, args: argparse.Namespace) -> dict:
     """Run ``time_method`` in a fresh child process (or here with ``--quick``)."""
     if args.quick:
         return time_method(mode, args)
-    command = [sys.executable, __file__, "--child", mode, "--d-sae", str(args.d_sae), "--d-in", str(args.d_in),
-               "--r-max", str(args.r_max), "--block-size", str(args.block_size), "--seed", str(args.seed)]
-    completed = subprocess.run(command, capture_output=True, text=True, check=False)
+    command = [sys.executable, "-m", "benchmarks.babel", "--child", mode, "--d-sae", str(args.d_sae),
+               "--d-in", str(args.d_in), "--r-max", str(args.r_max), "--block-size", str(args.block_size),
+               "--seed", str(args.seed)]
+    completed = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         sys.exit(f"{mode} run failed (exit {completed.returncode}):\n{completed.stderr}")
     return json.loads(completed.stdout.strip().splitlines()[-1])

@@ -1,8 +1,8 @@
 """Benchmark: the extraction command's hot loop against a bare forward loop, same run, same batches.
 
-    python benchmarks/extract.py                                  # CPU, vit_tiny (2 blocks, 64 px)
-    python benchmarks/extract.py --backbone dinov2_tiny --batch_size 64
-    python benchmarks/extract.py --device cuda --backbone dinov2 --batch_size 256 --n_images 8192
+    python -m benchmarks.extract                                  # CPU, vit_tiny (2 blocks, 64 px)
+    python -m benchmarks.extract --backbone dinov2_tiny --batch_size 64
+    python -m benchmarks.extract --device cuda --backbone dinov2 --batch_size 256 --n_images 8192
 
 Both sides see the same pre-decoded, preprocessed images in the same batches:
 
@@ -23,18 +23,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from feature_extraction.backbones import load_backbone  # noqa: E402
-from feature_extraction.extract import extract, write_shards  # noqa: E402
-from feature_extraction.images import ImageDataset, ImageRecord, list_images  # noqa: E402
+from feature_extraction.backbones import load_backbone
+from feature_extraction.extract import extract, write_shards
+from feature_extraction.images import ImageDataset, ImageRecord, list_images
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0,

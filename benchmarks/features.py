@@ -1,8 +1,8 @@
 """Benchmark: the feature browser's pass against a bare ``predict`` pass, its memory, and the site's cost.
 
-    python benchmarks/features.py                    # all three parts (CPU sizes below)
-    python benchmarks/features.py --device cuda      # parts 1 and 2 on a GPU
-    python benchmarks/features.py --quick            # tiny sizes (a smoke run)
+    python -m benchmarks.features                    # all three parts (CPU sizes below)
+    python -m benchmarks.features --device cuda      # parts 1 and 2 on a GPU
+    python -m benchmarks.features --quick            # tiny sizes (a smoke run)
 
 1. Throughput, same run, same data: synthetic shards in DINOv2's token layout (CLS + 4
    registers + 16x16 patches = 261 tokens per image), a TopK SAE, both sides through
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
+REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m benchmarks.features` from here
 
 N_PREFIX, GRID = 5, (16, 16)
 TPI = N_PREFIX + GRID[0] * GRID[1]
@@ -149,10 +147,10 @@ def memory(args: argparse.Namespace, work: Path) -> None:
     for factor in (1, 4):
         shards = work / f"memory{factor}"
         write_synthetic_shards(shards, args.memory_images * factor, args.d, seed=factor)
-        command = [sys.executable, __file__, "--memory-child", str(shards), "--d", str(args.d), "--d_sae",
-                   str(args.d_sae), "--k", str(args.k), "--batch_size", str(args.batch_size), "--device",
+        command = [sys.executable, "-m", "benchmarks.features", "--memory-child", str(shards), "--d", str(args.d),
+                   "--d_sae", str(args.d_sae), "--k", str(args.k), "--batch_size", str(args.batch_size), "--device",
                    args.device, "--top", str(args.top)]
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, check=True).stdout
         result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         peaks.append(result["peak_bytes"])
         print(f"   {result['tokens']:>10,} tokens: peak {result['peak_bytes'] / 2**20:,.0f} MiB")

@@ -1,7 +1,7 @@
 """Benchmark: SAE training throughput and ViT-B/14 extraction at paper scale on a GPU.
 
-    python benchmarks/gpu.py                 # CUDA: d_in 768, d_sae 19200, k 32, B 4096, bf16 autocast
-    python benchmarks/gpu.py --dry-run       # CPU, tiny shapes, float32 (tests/test_benchmarks_peers.py)
+    python -m benchmarks.gpu                 # CUDA: d_in 768, d_sae 19200, k 32, B 4096, bf16 autocast
+    python -m benchmarks.gpu --dry-run       # CPU, tiny shapes, float32 (tests/test_benchmarks_peers.py)
 
 SAE: for every variant, ``--steps`` full training steps (forward, loss, backward, parallel
 gradient removal, fused Adam, unit-norm atoms, dead-latent clock) as ``SAEModule`` runs them,
@@ -27,21 +27,15 @@ images/s of the forward (benchmarks/extract.py measures the whole command around
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from extract import peak_tflops  # noqa: E402
-
-from feature_extraction.backbones import load_backbone  # noqa: E402
-from sae_pipeline.training.module import adam_implementation  # noqa: E402
-from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder  # noqa: E402
+from benchmarks.extract import peak_tflops
+from feature_extraction.backbones import load_backbone
+from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder
+from sae_pipeline.training.module import adam_implementation
 
 SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline
 

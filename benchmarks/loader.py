@@ -1,7 +1,7 @@
 """Benchmark: tokens/s of ActivationDataModule's training stream against a plain sequential read.
 
-    python benchmarks/loader.py            # d=768, float16, 261 tokens/image, 32 shards x 128 images (target >= 0.7)
-    python benchmarks/loader.py --quick    # tiny sizes; used by tests/test_data.py
+    python -m benchmarks.loader            # d=768, float16, 261 tokens/image, 32 shards x 128 images (target >= 0.7)
+    python -m benchmarks.loader --quick    # tiny sizes; used by tests/test_data.py
 
 Each DataModule row is run twice: with the per-sample checksum verification the training
 stream always does (``feature_extraction/shards/integrity.py``) and without it; the last column is
@@ -25,7 +25,6 @@ import argparse
 import io
 import json
 import resource
-import sys
 import tarfile
 import tempfile
 import time
@@ -35,15 +34,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_DPATH))
-
-from feature_extraction import shards as S  # noqa: E402
-from feature_extraction.shards.integrity import load_sample_checksums  # noqa: E402
-from feature_extraction.shards.layout import sidecar_fpath  # noqa: E402
-from feature_extraction.shards.read import iter_shard_tokens  # noqa: E402
-from sae_pipeline.data import ActivationDataModule  # noqa: E402
-from sae_pipeline.data.sources import ShardUnit  # noqa: E402
+from feature_extraction import shards as S
+from feature_extraction.shards.integrity import load_sample_checksums
+from feature_extraction.shards.layout import sidecar_fpath
+from feature_extraction.shards.read import iter_shard_tokens
+from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.data.sources import ShardUnit
 
 
 def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_image: int, d: int) -> None:

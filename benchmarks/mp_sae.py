@@ -1,8 +1,8 @@
 """Benchmark: one MP-SAE training step (forward + backward of the MSE) against the plain loop.
 
-    python benchmarks/mp_sae.py                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
-    python benchmarks/mp_sae.py --device cuda    # also d_in=768, d_sae=19200, B=4096, k=32 in fp32 and bf16
-    python benchmarks/mp_sae.py --quick          # tiny shapes, used by tests/test_mp_sae.py
+    python -m benchmarks.mp_sae                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
+    python -m benchmarks.mp_sae --device cuda    # also d_in=768, d_sae=19200, B=4096, k=32 in fp32 and bf16
+    python -m benchmarks.mp_sae --quick          # tiny shapes, used by tests/test_mp_sae.py
 
 The reference is autograd through the loop of docs/design.md ("Definitions"; a dense correlation matmul and a
 dense one-hot matmul per step). Both run on the same dictionary and batch in the same run;
@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sae_pipeline.sae.mp import MatchingPursuitSAE  # noqa: E402
+from sae_pipeline.sae.mp import MatchingPursuitSAE
 
 
 def plain_loop(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,8 +1,8 @@
 """Benchmark: one OMP-SAE training step against MP-SAE's and against a naive OMP, same run.
 
-    python benchmarks/omp_sae.py                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
-    python benchmarks/omp_sae.py --device cuda    # the same shapes on a GPU
-    python benchmarks/omp_sae.py --quick          # tiny shapes, used by tests/test_omp_sae.py
+    python -m benchmarks.omp_sae                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
+    python -m benchmarks.omp_sae --device cuda    # the same shapes on a GPU
+    python -m benchmarks.omp_sae --quick          # tiny shapes, used by tests/test_omp_sae.py
 
 A step is forward + backward of the MSE. The three sides run on the same dictionary and batch:
 
@@ -27,19 +27,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from mp_sae import median_seconds, pursuit_args, saved_bytes  # noqa: E402
-
-from sae_pipeline.sae.mp import MatchingPursuitSAE  # noqa: E402
-from sae_pipeline.sae.omp import OMPSAE  # noqa: E402
+from benchmarks.mp_sae import median_seconds, pursuit_args, saved_bytes
+from sae_pipeline.sae.mp import MatchingPursuitSAE
+from sae_pipeline.sae.omp import OMPSAE
 
 
 def naive_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,8 @@
 """Benchmark: one shallow-SAE training step, ours against SAELens, overcomplete and sparsify.
 
     pip install -e ".[bench]"                 # the peers (never a runtime dependency)
-    python benchmarks/peers.py                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
-    python benchmarks/peers.py --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
+    python -m benchmarks.peers                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
+    python -m benchmarks.peers --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
 
 For each variant (TopK, BatchTopK, JumpReLU, ReLU) every library that has it trains from the
 same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4, torch's
@@ -35,20 +35,14 @@ import copy
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peer_adapters import OURS, PEERS, VARIANTS, Contender, Ours  # noqa: E402
-
-from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, ShallowSAE  # noqa: E402
+from benchmarks.peer_adapters import OURS, PEERS, VARIANTS, Contender, Ours
+from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, ShallowSAE
 
 EQUAL_TOLERANCE = 1e-4  # float32, relative to the largest value
 

@@ -4,12 +4,12 @@ paper's recipe, measured in the same run (bf16 autocast, through the real CLI).
 The backbone configs set ``threshold_lr_scale: 100`` (JumpReLU: log θ keeps pace with the encoder) and
 ``initial_l0: 32`` (ReLU: b_enc starts each latent on 32/d_sae of the tokens). Without them, as in the
 JumpReLU paper's and the classic ReLU SAE's recipe, a short run ends far from the L0 it aims at. The
-recipe is ``tests/backbone_recipe.py``'s, the one ``tests/test_backbone_configs_bf16.py`` asserts on.
+recipe is ``benchmarks/backbone_recipe.py``'s, the one ``tests/test_backbone_configs_bf16.py`` asserts on.
 Prints per run the validation L0, its ratio to the target and R²; ``--figure`` draws the training L0
 against the step.
 
-    python benchmarks/short_run_sparsity.py                     # 300 steps, the test's length
-    python benchmarks/short_run_sparsity.py --steps 3000 --figure docs/figures/short_run_sparsity.png
+    python -m benchmarks.short_run_sparsity                     # 300 steps, the test's length
+    python -m benchmarks.short_run_sparsity --steps 3000 --figure docs/figures/short_run_sparsity.png
 """
 from __future__ import annotations
 
@@ -23,17 +23,13 @@ import warnings
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_DPATH), str(REPO_DPATH / "tests")]
-
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from backbone_recipe import CONFIGS_DPATH, fit_args, target_l0, write_vit_like_shards  # noqa: E402
-from sae_pipeline.cli import SAECLI  # noqa: E402
-from sae_pipeline.config_files import load_config  # noqa: E402
+from benchmarks.backbone_recipe import CONFIGS_DPATH, fit_args, target_l0, write_vit_like_shards
+from sae_pipeline.cli import SAECLI
+from sae_pipeline.config_files import load_config
 
 # (config, setting, extra flags): the configs as they are, then the same run without the setting
 RUNS = [
@@ -104,7 +100,7 @@ def main() -> None:
                 results.append((stem, setting, run(stem, extra, shards, Path(tmp) / f"run{index}", args.steps)))
         finally:
             os.chdir(cwd)  # out of the temporary directory before it is removed, also after a failed run
-    print(f"{args.steps} steps, d 64, p 512, bf16 autocast, {args.threads} threads (tests/backbone_recipe.py)\n")
+    print(f"{args.steps} steps, d 64, p 512, bf16 autocast, {args.threads} threads (benchmarks/backbone_recipe.py)\n")
     print("| config | setting | val L0 | target | L0 / target | val R² | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for stem, setting, r in results:

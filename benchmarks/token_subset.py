@@ -1,7 +1,7 @@
 """Benchmark: writing shards of a token subset (`--tokens_per_image N`) against all tokens, same run.
 
-    python benchmarks/token_subset.py                      # DINOv2 ViT-B/14 layout: 5 + 16x16 tokens, d 768
-    python benchmarks/token_subset.py --n_patches 64 --n_images 512 --repeats 5
+    python -m benchmarks.token_subset                      # DINOv2 ViT-B/14 layout: 5 + 16x16 tokens, d 768
+    python -m benchmarks.token_subset --n_patches 64 --n_images 512 --repeats 5
 
 Both sides write the same float16 activations of `--n_images` images (random, DINOv2's
 shape) with `shards.write_shard`, the function the extraction's writer processes run:
@@ -19,7 +19,6 @@ selection and the gather.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from feature_extraction.shards import shard_fname, write_shard  # noqa: E402
-from feature_extraction.token_selection import make_selection, selected_positions  # noqa: E402
+from feature_extraction.shards import shard_fname, write_shard
+from feature_extraction.token_selection import make_selection, selected_positions
 
 N_PREFIX, GRID, D = 5, (16, 16), 768  # DINOv2 ViT-B/14 with registers at 224 px
 

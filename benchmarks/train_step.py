@@ -1,8 +1,8 @@
 """Benchmark: SAE training steps through the Lightning Trainer against a bare PyTorch loop, same run.
 
-    python benchmarks/train_step.py                  # CPU: d_in=256, d_sae=4096, B=1024, k=16 (target: overhead <= 10 %)
-    python benchmarks/train_step.py --device cuda    # the same on a GPU
-    python benchmarks/train_step.py --quick          # tiny sizes, a few steps (a smoke run)
+    python -m benchmarks.train_step                  # CPU: d_in=256, d_sae=4096, B=1024, k=16 (target: overhead <= 10 %)
+    python -m benchmarks.train_step --device cuda    # the same on a GPU
+    python -m benchmarks.train_step --quick          # tiny sizes, a few steps (a smoke run)
 
 Both sides do the same work per step on the same SAE (same initial weights, same batches
 already on the device): forward, loss (MSE + the variant's terms, AuxK for TopK), backward,
@@ -30,25 +30,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import logging
+import statistics
 import sys
 import time
+import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import warnings
-
+import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import lightning as L  # noqa: E402
-
-from sae_pipeline.metrics import ReconstructionR2, dead_fraction  # noqa: E402
-from sae_pipeline.training.module import SAEModule, adam_implementation, warmup_cosine_factor  # noqa: E402
-from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder  # noqa: E402
+from sae_pipeline.metrics import ReconstructionR2, dead_fraction
+from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.training.module import SAEModule, adam_implementation, warmup_cosine_factor
 
 LR, MIN_LR = 5e-4, 1e-6
 

@@ -5,7 +5,7 @@ Why: the backbone configs run at ``precision: bf16-mixed`` on tokens whose regis
 massive dimensions (DINOv2), which a threshold-based variant can get wrong (a threshold set by the
 massive tokens' scale, a θ gradient below bf16's spacing) while the digits/MNIST configs (float32,
 tame pixels) never show it. Each config is trained through the real CLI with its own recipe, scaled
-down (``tests/backbone_recipe.py``: d = 64, p = 512, 300 steps of 256 tokens). The variant list is the
+down (``benchmarks/backbone_recipe.py``: d = 64, p = 512, 300 steps of 256 tokens). The variant list is the
 glob, so a variant added later is tested without editing this file.
 
 The target L0 per variant: ``k`` for the k-sparse ones, ``target_l0`` for JumpReLU, and for ReLU
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from backbone_recipe import STEPS, dinov2_configs, fit_args, target_l0, write_vit_like_shards
+from benchmarks.backbone_recipe import STEPS, dinov2_configs, fit_args, target_l0, write_vit_like_shards
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.config_files import load_config
 

@@ -1,5 +1,5 @@
-"""benchmarks/peers.py and benchmarks/gpu.py in their tiny dry-run modes: every contender steps,
-and every peer that is installed (the ``bench`` extra) computes the same codes, x_hat and
+"""``python -m benchmarks.peers`` and ``python -m benchmarks.gpu`` in their tiny dry-run modes: every contender
+steps, and every peer that is installed (the ``bench`` extra) computes the same codes, x_hat and
 gradients as ours from the same weights. The two dry runs are marked slow: about 35 s of CPU
 together, most of it importing SAELens, timm and the peers (3 min wall on the box loaded by
 five other sessions); the two argument tests take a few seconds."""
@@ -17,8 +17,9 @@ PEER_MODULES = {"SAELens": "sae_lens", "overcomplete": "overcomplete", "sparsify
 PEER_VARIANTS = {"SAELens": 4, "overcomplete": 4, "sparsify": 1}
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_DPATH / "benchmarks" / script), *args], capture_output=True,
+def run(module: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.MODULE ARGS`` from the repository root, as BENCHMARKS.md runs them."""
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], capture_output=True,
                           text=True, timeout=600, cwd=REPO_DPATH)
 
 
@@ -29,7 +30,7 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_peers_dry_run_every_contender_steps_and_agrees_with_ours() -> None:
-    result = run("peers.py", "--dry-run")
+    result = run("peers", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = table_rows(result.stdout)
     libraries = [row[2].split()[0] for row in rows]
@@ -46,13 +47,13 @@ def test_peers_dry_run_every_contender_steps_and_agrees_with_ours() -> None:
 
 
 def test_peers_bad_argument_is_one_line_exit_2() -> None:
-    result = run("peers.py", "--k", "0")
+    result = run("peers", "--k", "0")
     assert result.returncode == 2 and "--k must be >= 1, got 0" in result.stderr
 
 
 @pytest.mark.slow
 def test_gpu_dry_run_reports_every_variant_and_extraction() -> None:
-    result = run("gpu.py", "--dry-run")
+    result = run("gpu", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row[0]: row for row in table_rows(result.stdout)}
     from sae_pipeline.sae import SAE_REGISTRY
@@ -70,5 +71,5 @@ def test_gpu_without_cuda_says_so() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    result = run("gpu.py")
+    result = run("gpu")
     assert result.returncode == 2 and "no CUDA device is visible" in result.stderr

@@ -1,7 +1,7 @@
 """kill -9 ``fit`` at random moments, resume each time with ``--ckpt_path last``: the run ends at the
 uninterrupted run's step, with its weights and its data order (issue 10, item 5).
 
-One kill lands inside a save of ``last.ckpt``: the test hook ``SAE_PIPELINE_TEST_PAUSE_IN_SAVE`` makes
+One kill lands inside a save of ``last.ckpt``: the checkpoint plugin of ``tests/pause_io.py`` makes
 the save write half of its bytes and sleep, and the process is killed there; the previous checkpoint
 must still load and be the one ``last`` picks. The data order is checked step by step through the
 TensorBoard ``train/loss`` of every process (read back from the event files): each logged step's
@@ -24,7 +24,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sae_pipeline.training.checkpointing import PAUSE_IN_SAVE_ENV, newest_checkpoint
+from pause_io import env_with_repo_root, pause_in_save_args
+from sae_pipeline.training.checkpointing import newest_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MAX_STEPS = 30  # 6 batches per epoch on digits: the kills fall in different epochs
@@ -37,9 +38,10 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 300
 
 
-def launch(cwd: Path, resume: bool, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *(["--ckpt_path", "last"] if resume else [])],
-                            cwd=cwd, env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def launch(cwd: Path, resume: bool, extra: list[str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *(["--ckpt_path", "last"] if resume else []),
+                             *(extra or [])], cwd=cwd, env=env_with_repo_root(ENV), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def newest_step(cwd: Path) -> int:
@@ -96,7 +98,7 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     before = newest_step(chaos_dpath)
     marker = tmp_path / "in-save"
     pause_step = before + rng.randint(1, 4)
-    process = launch(chaos_dpath, resume=True, env={**ENV, PAUSE_IN_SAVE_ENV: f"{pause_step}:{marker}"})
+    process = launch(chaos_dpath, resume=True, extra=pause_in_save_args(pause_step, marker))
     wait_until(marker.exists, process, f"{context}, paused save")
     kill9(process)
     partial = list(chaos_dpath.glob("runs/mpsae_digits/version_*/checkpoints/.last.ckpt.partial"))

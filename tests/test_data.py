@@ -294,12 +294,8 @@ def test_lightning_epochs_resume_and_predict(shard_dir, tmp_path):
 
 
 def test_loader_benchmark_quick_run(capsys):
-    import importlib.util
+    from benchmarks import loader as module
 
-    spec = importlib.util.spec_from_file_location("loader_benchmark", Path(__file__).parents[1] / "benchmarks" /
-                                                  "loader.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     results = module.main(["--quick"])
     assert set(results) == {"plain", "workers_1", "workers_2", "workers_1_unverified", "workers_2_unverified",
                             "verify_ratio_1", "verify_ratio_2", "reader"}

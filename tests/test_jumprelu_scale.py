@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from benchmarks.vit_like_tokens import vit_like_tokens
 from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE
 from sae_pipeline.sae.jumprelu import DEFAULT_BANDWIDTH, UNCALIBRATED_THRESHOLD
-from vit_like_tokens import vit_like_tokens
 
 D, P = 64, 512
 

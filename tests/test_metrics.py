@@ -1,10 +1,8 @@
 """Metrics against plain reference implementations (numpy float64, python loops, itertools)."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +18,6 @@ from sae_pipeline.metrics import (
 )
 from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
 REFERENCE_FPATH = REFERENCE_NPZ_FPATH  # the paper authors' MNIST MP-SAE, shipped in the package
 
 
@@ -287,10 +284,8 @@ def test_babel_coactive_edge_cases() -> None:
 
 def test_babel_benchmark_quick_run(capsys: pytest.CaptureFixture[str]) -> None:
     """Runs the benchmark script's main() on tiny sizes; it exits non-zero if blocked != naive."""
-    spec = importlib.util.spec_from_file_location("babel_benchmark", REPO_DPATH / "benchmarks" / "babel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import babel as module
+
     module.main(["--quick"])
     out = capsys.readouterr().out
     assert "blocked" in out and "naive" in out and "ratio blocked/naive" in out

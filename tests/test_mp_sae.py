@@ -1,9 +1,6 @@
 """MP-SAE against autograd through the plain Matching Pursuit loop of docs/design.md (float64)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +18,6 @@ from sae_pipeline.sae.mp_autograd import (
     select_atoms,
 )
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
 
 
 def plain_loop(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,10 +248,8 @@ def test_bad_inputs_raise() -> None:
 
 
 def test_benchmark_script_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("mp_sae_benchmark", REPO_DPATH / "benchmarks" / "mp_sae.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import mp_sae as module
+
     module.main(["--quick"])
     output = capsys.readouterr().out
     assert "speedup" in output and "float32" in output

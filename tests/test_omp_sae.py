@@ -1,9 +1,6 @@
 """OMP-SAE against autograd through a plain per-token OMP loop (``torch.linalg.lstsq`` per step), float64."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,11 +226,8 @@ def test_float32_training_step_reduces_the_loss() -> None:
 
 
 def test_benchmark_script_runs_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "omp_sae.py"
-    spec = importlib.util.spec_from_file_location("omp_sae_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import omp_sae as module
+
     module.main(["--quick"])
     row = capsys.readouterr().out.strip().splitlines()[-1].split("|")
     assert float(row[-1]) == 0.0  # same atoms as the naive OMP at the quick shape

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.vit_like_tokens import vit_like_tokens
 from sae_pipeline.training.module import param_groups
 from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, TopKSAE
 from sae_pipeline.sae.calibration import per_latent_cut, pooled_cut
-from vit_like_tokens import vit_like_tokens
 
 D, P, L0 = 32, 256, 16
 

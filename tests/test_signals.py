@@ -175,13 +175,13 @@ def test_predict_interrupted_leaves_a_previous_codes_file_as_it_was(trained: Pat
 
 @pytest.mark.slow
 def test_second_ctrl_c_during_a_checkpoint_save_exits_130_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    from sae_pipeline.training.checkpointing import PAUSE_IN_SAVE_ENV
+    from pause_io import env_with_repo_root, pause_in_save_args
 
     marker = tmp_path / "in-save"
     command = Command(tmp_path, "fit", "--config", MPSAE_DIGITS, "--trainer.max_steps", "40", "--trainer.max_epochs",
                       "-1", "--checkpoint.every_n_train_steps", "2", "--trainer.enable_progress_bar", "false",
                       "--trainer.enable_model_summary", "false",
-                      env={**ENV, PAUSE_IN_SAVE_ENV: f"4:{marker}"})  # the save at step 4 stops half-way
+                      *pause_in_save_args(4, marker), env=env_with_repo_root(ENV))  # the save at step 4 stops half-way
     command.wait_for(marker.exists, "the paused save")
     checkpoints = tmp_path / "runs" / "mpsae_digits" / "version_0" / "checkpoints"
     command.signal(signal.SIGINT)

@@ -7,7 +7,7 @@ whole-file hash cannot be checked on the way; a per-sample checksum is checked a
 2-core dev box (one 261 x 768 float16 sample, 400 KB): xxh3-64 63 GB/s, zlib's crc32
 4.2 GB/s, sha256 1.8 GB/s, against a training stream of about 2 GB/s (1.3 M tokens/s x
 1.5 KB). crc32 would have cost a third of the stream's throughput, xxh3 costs a few
-percent (BENCHMARKS.md, ``benchmarks/loader.py --verify``).
+percent (BENCHMARKS.md, ``python -m benchmarks.loader``).
 
 What is recorded (``write_shard``): in the sidecar, ``xxh3_64`` of the whole tar (computed
 while streaming, beside the sha256) and ``sample_checksums``: per sample, in tar order, the

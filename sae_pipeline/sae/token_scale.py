@@ -4,7 +4,7 @@ Why: a threshold is one number per latent (JumpReLU) or per model (BatchTopK), c
 pre-activations whose size grows with the token's norm. Vision transformers' CLS and register
 tokens hold a few massive dimensions (DINOv2: values ~50x the typical coordinate), so after the
 input normalisation (E‖x‖² = d_in) they set the threshold's scale: on synthetic ViT-like tokens
-(``tests/vit_like_tokens.py``) register-like tokens used L0 ~160-180 while ordinary tokens got
+(``benchmarks/vit_like_tokens.py``) register-like tokens used L0 ~160-180 while ordinary tokens got
 ~11-21 and were poorly reconstructed. With ``token_scaled_threshold=True`` the gate compares
 ``pre / s(x)`` with θ, where ``s(x) = ‖x − b_pre‖ / √d_in`` (the centred token's RMS), i.e.
 ``codes = pre · H(pre − θ·s(x))``: the codes, the decoder and the loss are the paper's, only

@@ -23,11 +23,8 @@ print torch's advice to load with ``weights_only=False`` (which would run code f
 """
 from __future__ import annotations
 
-import io
-import os
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import lightning as L
 import torch
@@ -41,10 +38,6 @@ from sae_pipeline.training import lightning_compat
 LAST_FNAME = "last.ckpt"
 CHECKPOINTS_DNAME = "checkpoints"
 PARTIAL_SUFFIX = ".partial"
-# Test-only: "<global step>:<marker file>" makes the first save of a last*.ckpt at or after that step
-# write half of its bytes, create the marker and sleep, so a test can kill -9 the process inside a save.
-PAUSE_IN_SAVE_ENV = "SAE_PIPELINE_TEST_PAUSE_IN_SAVE"
-PAUSE_IN_SAVE_S = 120.0
 FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
 
 
@@ -120,12 +113,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial_fpath = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
         with atomic_path(target, partial_fpath, kept=_kept(target)) as partial, open(partial, "wb") as f:
-            marker = _pause_marker(checkpoint, target)
-            if marker is None:
-                torch.save(checkpoint, f)
-            else:
-                _save_with_pause(checkpoint, f, marker)
+            self.write(checkpoint, f, target)
         return None
+
+    def write(self, checkpoint: dict[str, Any], f: BinaryIO, target: Path) -> None:
+        """The checkpoint's bytes into the open partial file of ``target``. A separate method so that a
+        subclass can change how they are written and keep the atomic rename around it: the tests' plugin
+        (tests/pause_io.py) stops half-way, to kill or interrupt ``fit`` inside a save."""
+        torch.save(checkpoint, f)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -142,29 +137,6 @@ def _kept(target: Path) -> str:
         return f"no checkpoint in {target.parent} yet"
     return (f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
             "resumes from the newest)")
-
-
-def _pause_marker(checkpoint: dict[str, Any], target: Path) -> Path | None:
-    setting = os.environ.get(PAUSE_IN_SAVE_ENV)
-    if not setting or not target.name.startswith("last"):
-        return None
-    step, _, marker = setting.partition(":")
-    if int(checkpoint.get("global_step", -1)) < int(step):
-        return None
-    return Path(marker)
-
-
-def _save_with_pause(checkpoint: dict[str, Any], f: Any, marker: Path) -> None:
-    """The test hook: half the bytes, the marker, a long sleep (the test kills us here), the rest."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    data = buffer.getvalue()
-    f.write(data[: len(data) // 2])
-    f.flush()
-    os.environ.pop(PAUSE_IN_SAVE_ENV, None)  # once per process
-    marker.write_text(f"{checkpoint.get('global_step')}\n")
-    time.sleep(PAUSE_IN_SAVE_S)
-    f.write(data[len(data) // 2:])
 
 
 class SAECheckpoint(ModelCheckpoint):

@@ -1,4 +1,4 @@
-"""Synthetic ViT-like token activations for tests: sparse structure, heavy tails, a few massive dimensions.
+"""Synthetic ViT-like token activations (tests, benchmarks): sparse structure, heavy tails, a few massive dimensions.
 
 Why: the backbone configs (``configs/*_dinov2.yaml``) must train on tokens that look like DINOv2's
 final layer, which a CPU test cannot extract. What matters for the SAEs is reproduced:

@@ -1,6 +1,7 @@
 """The backbone configs (``configs/*_dinov2.yaml``) scaled down to a CPU run on synthetic ViT-like tokens.
 
-Why one module: ``tests/test_backbone_configs_bf16.py`` asserts that every config reaches its sparsity
+Why one module, kept with the benchmarks (tests may import benchmarks, never the reverse):
+``tests/test_backbone_configs_bf16.py`` asserts that every config reaches its sparsity
 in such a run, and ``benchmarks/short_run_sparsity.py`` draws how each threshold variant gets there
 with and without the configs' settings; both must train exactly the same recipe. Each config keeps its
 own optimiser, schedule and every ``init_args`` key; only the size changes: d = 64 tokens, p = 512
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.vit_like_tokens import vit_like_tokens
 from feature_extraction.shards import write_manifest, write_shard
-from vit_like_tokens import vit_like_tokens
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 D, P, STEPS, BATCH = 64, 512, 300, 256

@@ -1,0 +1,7 @@
+"""Benchmarks: each module measures one part of the pipeline against a plain reference, in the same run.
+
+A package so that every benchmark runs the same way, from the repository root, with no path set up
+by hand: ``python -m benchmarks.mp_sae`` (``--help`` for the options of each). The tests import
+helpers from here (``benchmarks/backbone_recipe.py``); nothing here imports from ``tests/``. Results
+and the commands that gave them: BENCHMARKS.md.
+"""
