@@ -92,7 +92,8 @@ def test_every_command_loads_a_checkpoint_naming_moved_modules(command: str, tra
     args = {
         "validate": ["validate", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", ckpt],
         "predict": ["predict", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", ckpt, "--codes.fpath", "codes.h5"],
-        "fit": ["fit", "--config", TOPK_DIGITS, *SMALL, "--trainer.max_steps", "6", "--ckpt_path", ckpt],
+        "fit": ["fit", "--config", TOPK_DIGITS, *SMALL, "--trainer.max_steps", "6", "--trainer.default_root_dir",
+                "resumed", "--ckpt_path", ckpt],
         "export": ["export", "--ckpt_path", ckpt, "--out", "native"],
         "export saelens": ["export", "--ckpt_path", ckpt, "--out", "saelens", "--format", "saelens"],
         "features": ["features", "--ckpt_path", ckpt, "--data.source", "digits", "--out", "site", "--atoms", "0",
@@ -100,7 +101,7 @@ def test_every_command_loads_a_checkpoint_naming_moved_modules(command: str, tra
     }[command]
     status, out, err = run(args, capsys)
     assert status == 0, err[-3000:]
-    if command == "fit":  # Lightning restored the training state: step 6 of 6, nothing left to train
+    if command == "fit":  # Lightning restored the training state (a new run would train its 6 steps)
         assert f"Nothing to train: {ckpt} is already at global step 6 (--trainer.max_steps 6)" in out, out[-2000:]
     if command.startswith("export"):
         sae = load_sae(tmp_path / ("native" if command == "export" else "saelens"))
