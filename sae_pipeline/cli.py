@@ -45,12 +45,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
+from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.callbacks import SAEFigures
 from sae_pipeline.training.ckpt_config import check_against_checkpoint, explicit_config, sae_label, sae_namespace, \
     sets_sae_class
-from sae_pipeline.training.checkpointing import AtomicCheckpointIO, CheckpointError, SAECheckpoint, checkpoint_d_in, \
-    newest_checkpoint, read_checkpoint
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint, newest_checkpoint
 from sae_pipeline.cli_args import check_config_files, config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.training.interrupts import Interrupts
@@ -63,6 +63,7 @@ DEFAULT_RUNS_DPATH = "runs"
 DEFAULT_RUN_NAME = "sae"
 PROG = "python -m sae_pipeline"
 EVALUATING = ("validate", "test", "predict")
+CKPT_NEEDS = ("global_step",)  # beyond the weights and the SAE: a Lightning training checkpoint
 DESCRIPTION = ("Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
                "on token activations. Each fit run writes runs/<config stem>/version_N/ (TensorBoard) and "
                "version_N/checkpoints/last.ckpt; --ckpt_path last means the newest run's. Export a checkpoint with: "
@@ -92,6 +93,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self.run_dpath: Path | None = None
         self._prepared = False
         self._ckpt_d_in: int | None = None
+        self._ckpt_hyper_parameters: dict[str, Any] | None = None
         kwargs.setdefault("save_config_callback", FitConfigSaver)
         self._explicit: Namespace | None = None  # what config files and flags set (ckpt_config)
         given = sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else []
@@ -130,10 +132,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             return
         super().parse_arguments(parser, args)
 
-    def prepare_ckpt_path(self) -> None:
-        """Called by LightningCLI before it reads ``--ckpt_path`` (:class:`lightning_compat.CkptPathHook`)."""
+    def prepare_ckpt_path(self) -> dict[str, Any] | None:
+        """Called by LightningCLI before it reads ``--ckpt_path`` (:class:`lightning_compat.CkptPathHook`); returns
+        the checked checkpoint's hyper-parameters for the CLI to merge (None without ``--ckpt_path``)."""
         if self._prepared:
-            return
+            return self._ckpt_hyper_parameters
         self._prepared = True
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
@@ -145,11 +148,12 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             # A requeued SLURM job that was started with --ckpt_path and no model.sae: _follow_slurm_job dropped
             # --ckpt_path for the job's own hpc checkpoint, which holds the same model; Lightning merges the
             # hyper-parameters of --ckpt_path only, so they are taken here.
-            checkpoint = read_checkpoint(requeued[-1], for_fit=True)
+            checkpoint = read_checkpoint(requeued[-1], need=CKPT_NEEDS, for_fit=True, last=True, mmap=True)
             self._check_model_config(config, subcommand, str(requeued[-1]), checkpoint)
             for key, value in (checkpoint.get("hyper_parameters") or {}).items():
                 if key != "sae" and not key.startswith("_") and key in config.model:
                     config.model[key] = value
+        return self._ckpt_hyper_parameters
 
     def before_instantiate_classes(self) -> None:
         self.prepare_ckpt_path()  # already done unless this Lightning has no _parse_ckpt_path
@@ -223,10 +227,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
                                       f"{what}")
             rank_zero_info(f"--ckpt_path last: {found}")
             config.ckpt_path = ckpt_path = str(found)
-        checkpoint = read_checkpoint(ckpt_path, for_fit=subcommand == "fit")
+        checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
         self._check_model_config(config, subcommand, str(ckpt_path), checkpoint)
         self._ckpt_d_in = checkpoint_d_in(checkpoint)
         self._ckpt_source = (checkpoint.get("data") or {}).get("source")
+        self._ckpt_hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})  # merged by lightning_compat
         del checkpoint
 
     def _check_model_config(self, config: Namespace, subcommand: str | None, ckpt_path: str,

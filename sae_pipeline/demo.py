@@ -42,7 +42,7 @@ from typing import Any
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from feature_extraction.exit_status import run_cli
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from feature_extraction.help_format import DefaultsHelpFormatter
 
 SHARDS_LABEL = "TopK (photo shards)"
 SHARD_SIZE = 2  # images per shard: 7 shards of the 14 photos

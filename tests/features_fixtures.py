@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from feature_extraction import shards as S
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
-from sae_pipeline.artifacts.export import CONFIG_FNAME, WEIGHTS_FNAME
+from sae_pipeline.artifacts.export import EXPORT_FORMAT
+from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae import ReLUSAE
 
@@ -78,7 +79,7 @@ def identity_sae(d: int = D) -> ReLUSAE:
 def write_export(sae: torch.nn.Module, dpath: Path) -> Path:
     """An export directory (config.json + sae.safetensors) as ``python -m sae_pipeline export`` writes."""
     dpath.mkdir(parents=True, exist_ok=True)
-    config = {"format": "sae_pipeline.artifacts.export/1", **sae_config(sae), "d_in": sae.d_in, "d_sae": sae.d_sae}
+    config = {"format": EXPORT_FORMAT, **sae_config(sae), "d_in": sae.d_in, "d_sae": sae.d_sae}
     (dpath / CONFIG_FNAME).write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in sae.state_dict().items()}, str(dpath / WEIGHTS_FNAME))
     return dpath

@@ -22,7 +22,7 @@ from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.__main__ import main
 from sae_pipeline.training.checkpointing import AtomicCheckpointIO, newest_checkpoint
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.artifacts.export import load_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
@@ -108,7 +108,7 @@ def test_ckpt_path_last_is_the_newest_run_by_time(two_runs: Path, tmp_path: Path
     x = torch.cat([batch["x"] for batch in ActivationDataModule("digits", num_workers=0).predict_dataloader()])
     active = [set(row[row >= 0].tolist()) for row in codes["indices"]]
     for version, expected in ((0, True), (1, False)):
-        checkpoint = load_checkpoint(tmp_path / f"runs/topk_digits/version_{version}/checkpoints/last.ckpt")
+        checkpoint = read_checkpoint(tmp_path / f"runs/topk_digits/version_{version}/checkpoints/last.ckpt")
         with torch.no_grad():
             dense = sae_from_checkpoint(checkpoint).eval().encode(x * checkpoint["input_scale"])
         same = all(set(torch.nonzero(row).flatten().tolist()) == atoms for row, atoms in zip(dense, active))

@@ -16,7 +16,7 @@ from feature_extraction.h5cache import read_attrs, write_token_cache
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.artifacts.codes import merge_codes, read_codes
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.artifacts.export import load_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
 from sae_pipeline.sae.sparse_decode import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_predict_writes_the_codes_of_every_token(fitted: Path) -> None:
     codes = read_codes(fitted / "out" / "codes.h5")
     assert read_attrs(fitted / "out" / "codes.h5")["d_sae"] == 1000
     # Reference: the checkpoint's SAE on every digits row, in the data module's predict order.
-    checkpoint = load_checkpoint(ckpt_fpath)
+    checkpoint = read_checkpoint(ckpt_fpath)
     sae, scale = sae_from_checkpoint(checkpoint).eval(), checkpoint["input_scale"]
     batches = list(ActivationDataModule("digits", num_workers=0).predict_dataloader())
     x = torch.cat([batch["x"] for batch in batches])
@@ -144,12 +144,12 @@ def test_predict_writes_the_codes_of_every_token(fitted: Path) -> None:
 @pytest.mark.slow
 def test_export_command_on_a_cli_checkpoint(fitted: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from sae_pipeline.__main__ import main
-    from sae_pipeline.artifacts.export import load_sae
+    from sae_pipeline.artifacts import load_sae
 
     ckpt_fpath = fitted / "runs" / "mpsae_digits" / "version_0" / "checkpoints" / "last.ckpt"
     assert main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(fitted / "export")]) == 0
     assert "sae.safetensors" in capsys.readouterr().out
-    checkpoint = load_checkpoint(ckpt_fpath)
+    checkpoint = read_checkpoint(ckpt_fpath)
     trained, scale = sae_from_checkpoint(checkpoint).eval(), checkpoint["input_scale"]
     x = torch.cat([batch["x"] for batch in ActivationDataModule("digits", num_workers=0).predict_dataloader()])
     with torch.no_grad():

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from sae_pipeline.evaluate.__main__ import main
 from sae_pipeline.evaluate.runs import is_finished, plan_runs, sparsity_args
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens
-from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.sae import SAE_REGISTRY, display_label
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
     spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
     model_dpath = tmp_path / "models" / spec.name
     model_dpath.mkdir(parents=True)
-    from sae_pipeline.artifacts.export import write_export_files
+    from sae_pipeline.artifacts.export_files import write_export_files
 
     write_export_files(model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {},
                        record_sha256=True)

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import sae_pipeline
 from feature_extraction.shards import load_manifest, manifest_sha256
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.artifacts.export import ExportError, export_checkpoint, load_sae
+from sae_pipeline.artifacts import ExportError, export_checkpoint, load_sae
 from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, get_sae_class
 

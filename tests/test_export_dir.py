@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sae_pipeline.__main__ import main
-from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.artifacts import load_sae
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK = str(REPO_DPATH / "configs" / "topk_digits.yaml")

@@ -12,7 +12,7 @@ import torch
 
 from features_fixtures import GRID, N_PREFIX, identity_sae, write_export, write_shards
 from sae_pipeline.__main__ import main
-from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.sae import MatchingPursuitSAE
 from test_features_topn import brute_force
 

@@ -10,7 +10,7 @@ from jsonargparse import ArgumentParser
 
 from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS, usage
 from sae_pipeline.evaluate.__main__ import build_parser
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from feature_extraction.help_format import DefaultsHelpFormatter
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -141,6 +141,28 @@ def test_ckpt_path_hook_runs_before_the_cli_reads_the_checkpoint(tmp_path: Path)
     assert cli.fit_kwargs["ckpt_path"] == str(ckpt_fpath)
 
 
+def test_ckpt_path_hook_merges_the_hyper_parameters_it_read(tmp_path: Path) -> None:
+    """A hook that returns the checkpoint's hyper-parameters (read by the product's one reader) has them merged,
+    and Lightning does not read the file for them again; a ``_class_path`` naming the CLI's own model is dropped."""
+    from lightning.pytorch.cli import LightningCLI
+
+    ckpt_fpath = tmp_path / "sized.ckpt"
+    torch.save({"hyper_parameters": {"width": 3}, "state_dict": {}}, ckpt_fpath)  # what Lightning would read
+
+    class HookedCLI(lightning_compat.CkptPathHook, LightningCLI):
+        def prepare_ckpt_path(self) -> dict:
+            self.config.fit.ckpt_path = str(ckpt_fpath)
+            return {"width": 5, "_instantiator": "lightning.pytorch.cli.instantiate_module",
+                    "_class_path": f"{Sized.__module__}.{Sized.__qualname__}"}
+
+        def fit(self, **kwargs: object) -> None:
+            self.fit_kwargs = kwargs
+
+    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"],
+                    save_config_callback=None)
+    assert cli.model.hparams.width == 5 and cli.model.layer.in_features == 5
+
+
 class SelfSignalling(Probe):
     """Sends itself SIGTERM during training step 2."""
 

@@ -154,9 +154,9 @@ def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path:
     out = tmp_path / "export"
     export_checkpoint(checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    import sae_pipeline.artifacts.export as export_module
+    import sae_pipeline.artifacts.export_files as export_files  # writes both formats' files
 
-    real_save = export_module.save_file
+    real_save = export_files.save_file
 
     def disk_full(tensors, fpath, metadata=None):  # noqa: ANN001
         real_save(tensors, fpath, metadata=metadata)
@@ -164,7 +164,7 @@ def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path:
             f.truncate(100)  # half a file, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(export_module, "save_file", disk_full)
+    monkeypatch.setattr(export_files, "save_file", disk_full)
     assert export_main(["--ckpt_path", str(checkpoint), "--out", str(out)]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert line == (f"error: no space left on device writing {out / 'sae.safetensors'}; kept: the previous export in "

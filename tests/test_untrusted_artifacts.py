@@ -76,7 +76,7 @@ READERS = {
                  "--trainer.default_root_dir", "runs"],
     "predict": ["-m", "sae_pipeline", "predict", "--config", CONFIG, "--ckpt_path", "evil.ckpt",
                 "--trainer.default_root_dir", "runs", "--codes.fpath", "codes.h5"],
-    "load_sae": ["-c", "from sae_pipeline.artifacts.export import load_sae; load_sae('.')"],
+    "load_sae": ["-c", "from sae_pipeline.artifacts import load_sae; load_sae('.')"],
 }
 
 
@@ -105,7 +105,7 @@ def test_a_module_the_user_trusts_is_imported(evil_dpath: Path, tmp_path: Path) 
         (probe / name).write_bytes((evil_dpath / name).read_bytes())
     marker = tmp_path / "IMPORTED"
     (probe / "evilmod.py").write_text(EVIL_MODULE.format(marker=str(marker)))
-    code = "from sae_pipeline.artifacts.export import load_sae; print(type(load_sae('.')).__name__)"
+    code = "from sae_pipeline.artifacts import load_sae; print(type(load_sae('.')).__name__)"
     refused = run_in(probe, ["-c", code])
     assert refused.returncode != 0 and not marker.exists()
     allowed = run_in(probe, ["-c", code], **{TRUSTED_MODULES_ENV: "otherpkg, evilmod"})

@@ -9,8 +9,9 @@ side, the feature browser and the evaluation read through it.
 - ``write.py``: one shard and its sidecar, whole or absent (``write_shard``);
   ``writers.py``: the extraction's writer processes that call it.
 - ``read.py``: random-access reading of a shard's samples (the training stream's reader)
-  and webdataset's decoding for any other pipeline; ``tar_scan.py``: where each member of a
-  shard's tar lies (what the reader and the integrity checks share).
+  and webdataset's decoding for any other pipeline (its readers are importable from here:
+  ``from feature_extraction.shards import iter_shard_samples``); ``tar_scan.py``: where each
+  member of a shard's tar lies (what the reader and the integrity checks share).
 - ``sidecar.py``: a shard's sidecar, and the completion and intactness tests.
 - ``integrity.py``: the checksums in each sidecar, who checks them, the repair command.
 - ``manifest.py``: ``manifest.json``, assembled from the sidecars (``write_manifest``),
@@ -26,13 +27,14 @@ from feature_extraction.shards.manifest import (
     REQUIRED_FIELDS, SHARD_FIELDS, backbone_name, format_indices, load_manifest, manifest_sha256, peek_manifest,
     shard_fpaths, write_manifest,
 )
+from feature_extraction.shards.read import decode_sample, iter_shard_samples, iter_shard_tokens, read_shard_samples
 from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete, shard_is_intact
 from feature_extraction.shards.write import write_shard
 
 __all__ = [
     "DTYPE", "EXTRACTION_FNAME", "LOCK_FNAME", "MANIFEST_FNAME", "REQUIRED_FIELDS", "SCHEMA_VERSION", "SHARD_FIELDS",
-    "ShardFormatError", "assign_shards", "backbone_name", "check_key", "format_indices", "image_id_from_key",
-    "image_key", "load_manifest", "manifest_sha256", "peek_manifest", "read_sidecar", "shard_fname", "shard_fpaths",
-    "shard_is_complete", "shard_is_intact", "shards_for_task", "sidecar_fname", "skipped_fname", "write_manifest",
-    "write_shard",
+    "ShardFormatError", "assign_shards", "backbone_name", "check_key", "decode_sample", "format_indices",
+    "image_id_from_key", "image_key", "iter_shard_samples", "iter_shard_tokens", "load_manifest", "manifest_sha256",
+    "peek_manifest", "read_shard_samples", "read_sidecar", "shard_fname", "shard_fpaths", "shard_is_complete",
+    "shard_is_intact", "shards_for_task", "sidecar_fname", "skipped_fname", "write_manifest", "write_shard",
 ]

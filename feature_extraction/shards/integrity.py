@@ -37,7 +37,6 @@ from typing import NamedTuple
 import xxhash
 
 from feature_extraction.file_hashes import file_digests, file_xxh3
-from feature_extraction.file_hashes import file_sha256  # noqa: F401 -- sae_pipeline.artifacts.export imports it from here
 from feature_extraction.shards.layout import (
     EXTRACTION_FNAME, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
 )

@@ -13,78 +13,39 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 :mod:`sae_pipeline.sae.config`, which the training module uses too.
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
-(SAELens's format: :mod:`sae_pipeline.artifacts.saelens`). Both files are replaced together or not at all:
-a full disk ends with one ``no space left on device`` line (exit 1) and leaves a previous export
-in ``--out`` whole. The files get the user's umask (e.g. 0644 under umask 022).
+(SAELens's format: :mod:`sae_pipeline.artifacts.saelens`). Both files are replaced together or not at all
+(:mod:`sae_pipeline.artifacts.export_files`, which also keeps one SAE per export folder): a full disk
+ends with one ``no space left on device`` line (exit 1) and leaves a previous export in ``--out``
+whole. The files get the user's umask (e.g. 0644 under umask 022).
 
-One export folder holds one SAE. Exporting again in the same format replaces that export whole
-(:func:`write_export_files`); exporting into a folder that holds the *other* format's files is
-refused before anything is written (exit 2, one line naming the files and the fix: another
-``--out``, or remove the folder first). Replacing would leave a reader of the folder, or a
-``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting a user's
-files is not the exporter's call.
+The checkpoint is read by :mod:`sae_pipeline.artifacts.checkpoint`, as every command reads one.
+Reading an export back is :func:`load_native` here; :func:`sae_pipeline.artifacts.load_sae` picks the
+format of a folder and is what users call. ``config.json``'s ``format`` is ``sae_pipeline.export/1``:
+a name of the format, not of this module (exports written between the layout move and its fix say
+``sae_pipeline.artifacts.export/1``; the two are the same format).
 """
 from __future__ import annotations
 
 import json
-import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import sae_pipeline
-from feature_extraction.atomic_files import DiskFullError, atomic_path
 from feature_extraction.exit_status import run_cli
-from feature_extraction.shards.integrity import file_sha256
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from feature_extraction.file_hashes import file_sha256
+from sae_pipeline.artifacts import saelens
+from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME, write_export_files
 from sae_pipeline.sae import SparseAutoencoder, variant_key
-from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths, sae_config
+from sae_pipeline.sae.config import ExportError, build_sae, sae_config
 
-CONFIG_FNAME = "config.json"
-WEIGHTS_FNAME = "sae.safetensors"
-EXPORT_FORMAT = "sae_pipeline.artifacts.export/1"
+__all__ = ["EXPORT_FORMAT", "ExportError", "build_parser", "check_export", "export_checkpoint", "load_native", "main"]
 
-
-def variant_name(cls: type) -> str | None:
-    """The registry key of a variant class (``"mpsae"``, ``"topk"``, ...), None when unregistered."""
-    return variant_key(cls)
-
-
-def load_checkpoint(ckpt_fpath: Path | str) -> dict[str, Any]:
-    """``torch.load(..., weights_only=True)`` of a Lightning checkpoint written by ``SAEModule``."""
-    ckpt_fpath = Path(ckpt_fpath)
-    if not ckpt_fpath.is_file():
-        raise ExportError(f"--ckpt_path {ckpt_fpath}: file not found; pass a .ckpt written by `fit` "
-                          "(e.g. runs/NAME/version_N/checkpoints/last.ckpt, which fit prints)")
-    try:
-        checkpoint = torch.load(ckpt_fpath, map_location="cpu", weights_only=True)
-    except Exception as exn:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for bad files
-        # Not torch's message: it suggests weights_only=False, which this product never does.
-        raise ExportError(f"--ckpt_path {ckpt_fpath}: not a readable weights-only checkpoint "
-                          f"({type(exn).__name__}); pass a .ckpt written by `fit`") from None
-    missing = [key for key in ("state_dict", "sae_config", "input_scale") if key not in checkpoint]
-    if not isinstance(checkpoint, dict) or missing:
-        raise ExportError(f"--ckpt_path {ckpt_fpath}: missing {', '.join(missing) or 'content'}; "
-                          "it was not written by sae_pipeline's SAEModule")
-    check_class_paths({key: checkpoint.get(key) for key in ("sae_config", "hyper_parameters")},
-                      f"--ckpt_path {ckpt_fpath}")
-    return checkpoint
-
-
-def sae_from_checkpoint(checkpoint: dict[str, Any]) -> SparseAutoencoder:
-    """The trained SAE of a loaded checkpoint (input scale *not* folded)."""
-    sae = build_sae(checkpoint["sae_config"])
-    prefix = "sae."
-    state = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
-    try:
-        sae.load_state_dict(state, strict=True)
-    except RuntimeError as exn:
-        raise ExportError(f"checkpoint weights do not match its sae_config: {str(exn).splitlines()[0]}") from None
-    return sae
+EXPORT_FORMAT = "sae_pipeline.export/1"  # the format's name (see the module docstring)
 
 
 def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
@@ -96,17 +57,15 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
     training progress and the package version.
     """
     ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
-    checkpoint = load_checkpoint(ckpt_fpath)
+    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",))
     sae = sae_from_checkpoint(checkpoint)
-    input_scale = float(checkpoint["input_scale"])
-    if not (math.isfinite(input_scale) and input_scale > 0):
-        raise ExportError(f"--ckpt_path {ckpt_fpath}: input_scale is {input_scale}, must be finite and > 0")
+    input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
     hyper_parameters = {key: value for key, value in dict(checkpoint.get("hyper_parameters") or {}).items()
                         if not key.startswith("_") and key != "sae"}
     config = {
         "format": EXPORT_FORMAT,
-        "variant": variant_name(type(sae)),
+        "variant": variant_key(type(sae)),
         **sae_config(sae),
         "d_in": sae.d_in,
         "d_sae": sae.d_sae,
@@ -126,54 +85,6 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
     write_export_files(out_dpath, WEIGHTS_FNAME, tensors, {"format": EXPORT_FORMAT}, CONFIG_FNAME, config,
                        record_sha256=True)
     return out_dpath
-
-
-def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[str, torch.Tensor],
-                       weights_metadata: dict[str, str] | None, config_fname: str, config: dict[str, Any],
-                       record_sha256: bool = False) -> Path:
-    """Write an export's weights and config so that a failure never leaves a half-written export.
-
-    Both files are written whole under temporary names (fsynced) and only then renamed over the
-    old ones, weights first, config last; a failure before the renames (disk full, Ctrl-C) leaves
-    the previous export as it was and no temporary file. ``record_sha256`` stores the weights'
-    sha256 in the config, so the one instant between the two renames (a kill -9 there) shows up as a
-    mismatch that ``load_sae`` names, instead of a silent mix of two exports.
-    """
-    from feature_extraction.output_dirs import prepare_output_dir
-
-    refuse_other_export(out_dpath, (weights_fname, config_fname))
-    out_dpath = prepare_output_dir(out_dpath, "--out")
-    weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
-    config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
-    previous = (out_dpath / config_fname).exists() or (out_dpath / weights_fname).exists()
-    kept = f"the previous export in {out_dpath}, unchanged" if previous else f"no export in {out_dpath}"
-    try:  # the inner (weights) is renamed first, the config last
-        with atomic_path(out_dpath / config_fname, config_tmp, kept=kept) as config_tmp, \
-                atomic_path(out_dpath / weights_fname, weights_tmp, kept=kept) as weights_tmp:
-            save_file(tensors, str(weights_tmp), metadata=weights_metadata)
-            if record_sha256:
-                config = {**config, "weights_sha256": file_sha256(weights_tmp)}
-            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    except DiskFullError:
-        raise
-    except OSError as exn:
-        raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
-                      "choose another --out (the previous export there, if any, is unchanged)") from None
-    return out_dpath
-
-
-def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
-    """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
-    (see the module docstring: an export folder holds one SAE)."""
-    from sae_pipeline.artifacts.saelens import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME  # imports this module
-
-    formats = {"native": (WEIGHTS_FNAME, CONFIG_FNAME), "SAELens": (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME)}
-    out_dpath = Path(out_dpath)
-    for name, files in formats.items():
-        found = [fname for fname in files if fname not in own_files and (out_dpath / fname).exists()]
-        if found:
-            raise ExportError(f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
-                              f"SAE; pass another --out, or remove {out_dpath} first to replace it")
 
 
 def check_export(dpath: Path | str) -> None:
@@ -201,17 +112,10 @@ def check_export(dpath: Path | str) -> None:
         raise ExportError(f"{weights_fpath}: not a readable safetensors file ({type(exn).__name__}); {fix}") from None
 
 
-def load_sae(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
-    """Rebuild an exported SAE from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode.
-
-    A SAELens directory (``cfg.json`` + ``sae_weights.safetensors``) gives our equivalent module
-    (:func:`sae_pipeline.artifacts.saelens.load_saelens`), so every ``--sae DIR`` accepts both formats.
-    """
-    from sae_pipeline.artifacts import saelens  # imports this module: load it on use
-
+def load_native(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
+    """Rebuild a native export from ``dpath`` (``config.json`` + ``sae.safetensors``), in eval mode
+    (:func:`sae_pipeline.artifacts.load_sae` reads either format)."""
     dpath = Path(dpath)
-    if not (dpath / CONFIG_FNAME).is_file() and (dpath / saelens.SAELENS_CFG_FNAME).is_file():
-        return saelens.load_saelens(dpath, map_location)
     config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
     for fpath in (config_fpath, weights_fpath):
         if not fpath.is_file():
@@ -249,6 +153,8 @@ def build_parser() -> Any:
     """The flags of ``python -m sae_pipeline export`` (jsonargparse: ``--config FILE`` sets any of them)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
+    from feature_extraction.help_format import DefaultsHelpFormatter
+
     parser = ArgumentParser(
         prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter, exit_on_error=False,
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
@@ -270,8 +176,6 @@ def build_parser() -> Any:
 def run(args: Any) -> None:
     """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are."""
     if args.format == "saelens":
-        from sae_pipeline.artifacts import saelens
-
         out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
         files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
     else:

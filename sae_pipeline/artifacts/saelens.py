@@ -2,7 +2,7 @@
 
 SAELens's format is what the field's tools load (SAEBench, SAE dashboards, Neuronpedia's
 pipeline), so ``python -m sae_pipeline export --format saelens`` writes it and
-:func:`sae_pipeline.artifacts.export.load_sae` reads it back. SAELens itself is *not* needed for either:
+:func:`sae_pipeline.artifacts.load_sae` reads it back. SAELens itself is *not* needed for either:
 the format is plain JSON and safetensors (the tests check both directions against the real
 ``sae-lens`` package, the ``saelens`` extra).
 
@@ -57,10 +57,11 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from feature_extraction.shards import peek_manifest
-from feature_extraction.validate import check_float
 import sae_pipeline
-from sae_pipeline.artifacts.export import ExportError, load_checkpoint, refuse_other_export, sae_from_checkpoint, variant_name
+from feature_extraction.shards import peek_manifest
+from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.export_files import (SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME, refuse_other_export,
+                                                 write_export_files)
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -68,11 +69,14 @@ from sae_pipeline.sae import (
     ReLUSAE,
     SparseAutoencoder,
     TopKSAE,
+    variant_key,
 )
-from sae_pipeline.sae.config import sae_config
+from sae_pipeline.sae.config import ExportError, sae_config
 
-SAELENS_CFG_FNAME = "cfg.json"
-SAELENS_WEIGHTS_FNAME = "sae_weights.safetensors"
+__all__ = ["ExportError", "SAELENS_CFG_FNAME", "SAELENS_WEIGHTS_FNAME", "export_checkpoint_saelens", "load_saelens",
+           "pursuit_sign_violations", "sae_from_saelens", "saelens_architecture", "saelens_config", "saelens_tensors",
+           "write_saelens"]
+
 # metadata.sae_lens_version: SAELens converts configs older than 6.0 from its previous layout,
 # so the version of the format we write (verified against sae-lens 6.54) must say 6.x.
 SAELENS_FORMAT_VERSION = "6.0.0"
@@ -128,7 +132,7 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any] | None = Non
         "sae_lens_training_version": None,
         "training_library": "sae_pipeline",
         "sae_pipeline_version": sae_pipeline.__version__,
-        "training_architecture": variant_name(type(sae)),
+        "training_architecture": variant_key(type(sae)),
         "training_architecture_details": sae_config(sae)["init_args"],
         **(metadata or {}),
     }
@@ -153,18 +157,6 @@ def pursuit_sign_violations(sae: MatchingPursuitSAE, x: Tensor, chunk_tokens: in
     return n_tokens, worst
 
 
-def validation_tokens(source: str, val_fraction: float, n_tokens: int | None = None, data_dpath: str = "data"
-                      ) -> Tensor:
-    """The validation split of ``source`` (any ``--data.source``; the rows training holds out for the same
-    ``val_fraction``), or an even sample of ``n_tokens`` of it, float32 ``[n, d]``."""
-    from sae_pipeline.data.sources import open_source, read_sample
-
-    check_float("--val_fraction", val_fraction, 0.0, 1.0, strict_minimum=True, strict_maximum=True)
-    units = open_source(source, data_dpath).units("val", val_fraction)
-    total = sum(unit.n_tokens for unit in units)
-    return torch.from_numpy(read_sample(units, min(total, n_tokens or total))).float()
-
-
 def check_pursuit_agrees(sae: MatchingPursuitSAE, x: Tensor, probe_name: str) -> None:
     """ExportError (one line) unless SAELens's ``matching_pursuit`` computes our codes on ``x``."""
     n_bad, worst = pursuit_sign_violations(sae, x)
@@ -186,6 +178,8 @@ def checkpoint_probe(checkpoint: dict[str, Any], probe: str | None, n_tokens: in
                           "pass --probe SOURCE (a shard directory, an .h5 token cache, digits or mnist)")
     val_fraction = float(data_hparams.get("val_fraction") or 0.1) if probe is None else 0.1
     data_dpath = str(data_hparams.get("data_dpath") or "data")
+    from sae_pipeline.data.validation import validation_tokens  # the data package loads Lightning: on use
+
     try:
         x = validation_tokens(str(source), val_fraction, n_tokens, data_dpath)
     except (ValueError, OSError) as exn:
@@ -212,8 +206,6 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
     """Write ``sae`` (raw-activation units) as SAELens's ``cfg.json`` + ``sae_weights.safetensors``."""
     config = saelens_config(sae, metadata)
     tensors = saelens_tensors(sae)
-    from sae_pipeline.artifacts.export import write_export_files  # imports this module: load it on use
-
     return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, None, SAELENS_CFG_FNAME, config)
 
 
@@ -224,11 +216,12 @@ def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, pro
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
     """
     refuse_other_export(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
-    checkpoint = load_checkpoint(ckpt_fpath)
+    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",))
     sae = sae_from_checkpoint(checkpoint).eval()
-    sae.fold_input_scale(float(checkpoint["input_scale"]))
+    input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
+    sae.fold_input_scale(input_scale)
     saelens_architecture(sae)
-    metadata = {**data_metadata(checkpoint), "input_scale_folded": float(checkpoint["input_scale"]),
+    metadata = {**data_metadata(checkpoint), "input_scale_folded": input_scale,
                 "global_step": checkpoint.get("global_step"), "checkpoint": str(Path(ckpt_fpath).resolve())}
     if isinstance(sae, MatchingPursuitSAE):
         x, probe_name = checkpoint_probe(checkpoint, probe, n_probe_tokens)

@@ -27,7 +27,7 @@ from typing import Any
 from feature_extraction.exit_status import run_cli
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from feature_extraction.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline.evaluate"
 

@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 from feature_extraction.atomic_files import write_text_atomic, writing
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
-from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.figures import atom_grid_figure, compare, r2_vs_k_figure
 from sae_pipeline.sae import display_label
 

@@ -179,7 +179,7 @@ def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, m
 def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
     """True when the run's export exists, intact, with exactly these settings (then it is not retrained).
 
-    A damaged export (a file cut short or changed since, found by ``export.check_export``) is
+    A damaged export (a file cut short or changed since, found by ``artifacts.export.check_export``) is
     logged and trained again, rather than stopping the study at its evaluation.
     """
     from sae_pipeline.artifacts.export import ExportError, check_export
@@ -291,7 +291,7 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
 
 def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
     """``(last.ckpt, its TensorBoard version folder name)`` of an interrupted run of these settings, else None."""
-    from sae_pipeline.training.checkpointing import CheckpointError, read_checkpoint
+    from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint
 
     run_dpath = Path(out_dpath) / "runs" / spec.name
     ckpt_fpath, plan_fpath = run_dpath / "checkpoints" / "last.ckpt", run_dpath / PLAN_FNAME
@@ -300,7 +300,7 @@ def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
     try:
         if json.loads(plan_fpath.read_text()) != spec.settings():
             return None
-        read_checkpoint(ckpt_fpath, for_fit=True)
+        read_checkpoint(ckpt_fpath, need=("global_step",), for_fit=True, mmap=True)
     except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, OSError):
         return None
     versions = [d.name for d in run_dpath.iterdir() if d.is_dir() and any(d.glob("events.out.tfevents*"))]

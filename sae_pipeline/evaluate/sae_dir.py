@@ -1,8 +1,9 @@
 """Evaluate one SAE directory: ours (``export``) or SAELens's (``cfg.json`` + ``sae_weights.safetensors``).
 
 ``python -m sae_pipeline.evaluate sae --sae DIR --data SOURCE --out OUT`` loads the SAE with
-:func:`sae_pipeline.artifacts.export.load_sae` (which reads both formats), takes the validation split of
-``SOURCE`` as training would hold it out (the same rows for the same ``--val_fraction``), and
+:func:`sae_pipeline.artifacts.load_sae` (which reads both formats), takes the validation split of
+``SOURCE`` as training would hold it out (:func:`sae_pipeline.data.validation_tokens`: the same rows for
+the same ``--val_fraction``), and
 reports what the study reports per run: R² of the model as it is (``forward``), L0, the dead
 fraction on those tokens, R² against the inference k, and the Babel curves of the dictionary
 and of the co-activated atoms. Numbers go into ``OUT/results.json`` under ``saes.<DIR name>``
@@ -20,11 +21,12 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from sae_pipeline.evaluate.studies import reconstruction_r2
-from sae_pipeline.artifacts.export import CONFIG_FNAME, load_sae
-from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
-from sae_pipeline.artifacts.saelens import validation_tokens
+from sae_pipeline.artifacts import load_sae
+from sae_pipeline.artifacts.export_files import export_format
+from sae_pipeline.data.validation import validation_tokens
 from sae_pipeline.metrics import evaluate_sae
+from sae_pipeline.evaluate.studies import reconstruction_r2
+from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
 
 
 def evaluate_sae_dir(sae_dpath: Path | str, data: str = "digits", val_fraction: float = 0.1,
@@ -43,7 +45,7 @@ def evaluate_sae_dir(sae_dpath: Path | str, data: str = "digits", val_fraction: 
     report = evaluate_sae(sae, x, r_max, ks=k_infer)
     name = sae_dpath.resolve().name
     results = {
-        "sae": str(sae_dpath), "format": "native" if (sae_dpath / CONFIG_FNAME).is_file() else "saelens",
+        "sae": str(sae_dpath), "format": export_format(sae_dpath),
         "class": type(sae).__name__, "d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k,
         "data": data, "val_fraction": val_fraction, "n_eval_tokens": int(x.shape[0]),
         "r2": reconstruction_r2(sae, x), "l0": report["l0"],

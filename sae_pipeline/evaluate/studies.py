@@ -29,7 +29,7 @@ from sae_pipeline.data.sources import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
-from sae_pipeline.artifacts.export import load_sae
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.metrics import ReconstructionR2, evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from feature_extraction.exit_status import Interrupted, flag_error
-from feature_extraction.validate import check_float, check_int
+from feature_extraction.validate import check_int
 from sae_pipeline.config_files import load_config
-from sae_pipeline.help_format import DefaultsHelpFormatter
+from feature_extraction.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
 DATA_KEYS = ("source", "batch_size", "num_workers", "data_dpath", "allow_download")
@@ -105,7 +105,8 @@ def resolve_settings(args: Any) -> dict[str, Any]:
 
 def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
     """The SAE on raw activations, from ``--ckpt_path`` (input scale folded) or ``--sae``."""
-    from sae_pipeline.artifacts.export import load_checkpoint, load_sae, sae_from_checkpoint
+    from sae_pipeline.artifacts import load_sae
+    from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_checkpoint, sae_from_checkpoint
 
     if bool(args.ckpt_path) == bool(args.sae):
         raise ValueError("pass exactly one of --ckpt_path FILE (a checkpoint of `fit`) and --sae DIR (an export)")
@@ -125,11 +126,9 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
             raise ValueError(f"--ckpt_path last: no checkpoint under {run_dpath}; train one first with fit, or pass "
                              "--runs DIR (where fit wrote its runs)")
         args.ckpt_path = str(found)
-    checkpoint = load_checkpoint(args.ckpt_path)
+    checkpoint = read_checkpoint(args.ckpt_path, need=("input_scale",), last=True)
     sae = sae_from_checkpoint(checkpoint)
-    scale = float(checkpoint["input_scale"])
-    check_float(f"--ckpt_path {args.ckpt_path}: input_scale", scale, 0.0, strict_minimum=True)
-    sae.fold_input_scale(scale)
+    sae.fold_input_scale(checkpoint_input_scale(checkpoint, f"--ckpt_path {args.ckpt_path}"))
     return sae.eval()
 
 

@@ -3,7 +3,8 @@
 - :mod:`.module`: :class:`~sae_pipeline.training.module.SAEModule`, the LightningModule around an
   injected SAE (optimiser and schedule, unit-norm atoms, input normalisation, exact metrics).
 - :mod:`.callbacks`: the TensorBoard figures logged at validation.
-- :mod:`.checkpointing`: where a run's checkpoints live, ``--ckpt_path last``, atomic writes.
+- :mod:`.checkpointing`: where a run's checkpoints live, ``--ckpt_path last``, atomic writes (reads go
+  through :mod:`sae_pipeline.artifacts.checkpoint`, the one reader every command uses).
 - :mod:`.interrupts`, :mod:`.requeue`, :mod:`.step_boundary`: SIGTERM / Ctrl-C and SLURM's requeue
   signal, acted on at the same step boundaries on every rank.
 - :mod:`.lightning_compat`: every use of Lightning's private internals, in one place.

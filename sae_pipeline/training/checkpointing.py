@@ -17,9 +17,11 @@ runs: the run that trained most recently, which a resumed run then continues in 
 
 Writes are atomic (``feature_extraction.atomic_files.atomic_path``): the bytes go to a hidden
 ``.<name>.partial`` file in the same folder, are fsynced, and the file is renamed over the
-target, so a ``kill -9`` at any moment leaves the previous checkpoint whole. ``--ckpt_path`` problems (missing, not a
-checkpoint, truncated, no training state) are one-line :class:`CheckpointError` s that never
-print torch's advice to load with ``weights_only=False`` (which would run code from the file).
+target, so a ``kill -9`` at any moment leaves the previous checkpoint whole. Reads go through the one
+reader of every command, :func:`sae_pipeline.artifacts.checkpoint.read_checkpoint` (Lightning's restore
+too, :class:`AtomicCheckpointIO`): ``--ckpt_path`` problems (missing, not a checkpoint, truncated, no
+training state) are one-line ``CheckpointError`` s that never print torch's advice to load with
+``weights_only=False`` (which would run code from the file).
 """
 from __future__ import annotations
 
@@ -32,17 +34,12 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from feature_extraction.atomic_files import atomic_path
-from sae_pipeline.sae.config import ExportError, check_class_paths
+from sae_pipeline.artifacts.checkpoint import read_checkpoint
 from sae_pipeline.training import lightning_compat
 
 LAST_FNAME = "last.ckpt"
 CHECKPOINTS_DNAME = "checkpoints"
 PARTIAL_SUFFIX = ".partial"
-FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
-
-
-class CheckpointError(ValueError):
-    """A ``--ckpt_path`` that cannot be used; the message names the file and the fix."""
 
 
 def run_checkpoints(run_dpath: str | Path) -> list[Path]:
@@ -67,41 +64,6 @@ def newest_checkpoint(search_dpaths: list[str | Path]) -> Path | None:
     return max(stamped)[2] if stamped else None
 
 
-def read_checkpoint(fpath: str | Path, for_fit: bool = False, flag: str = "--ckpt_path") -> dict[str, Any]:
-    """Check that ``fpath`` is an ``SAEModule`` checkpoint (and a resumable one when ``for_fit``);
-    return it, tensors memory-mapped (cheap even for large dictionaries)."""
-    fpath = Path(fpath)
-    hint = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt) or `last` for the newest"
-    if not fpath.exists():
-        raise CheckpointError(f"{flag} {fpath}: file not found; {hint}")
-    if not fpath.is_file():
-        raise CheckpointError(f"{flag} {fpath}: not a file; {hint}")
-    try:
-        checkpoint = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exn:  # noqa: BLE001 -- torch raises many types; its message advises weights_only=False
-        raise CheckpointError(f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
-                              f"{type(exn).__name__}); {hint}") from None
-    missing = [key for key in ("state_dict", "sae_config", "global_step") if not isinstance(checkpoint, dict)
-               or key not in checkpoint]
-    if missing:
-        raise CheckpointError(f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); "
-                              f"{hint}")
-    try:
-        check_class_paths({key: checkpoint.get(key) for key in ("sae_config", "hyper_parameters")}, f"{flag} {fpath}")
-    except ExportError as exn:
-        raise CheckpointError(str(exn)) from None
-    if for_fit and any(key not in checkpoint for key in FIT_KEYS):
-        raise CheckpointError(f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
-                              "without --ckpt_path, or use this file with validate, predict or export")
-    return checkpoint
-
-
-def checkpoint_d_in(checkpoint: dict[str, Any]) -> int | None:
-    """The input width of the SAE a checkpoint holds."""
-    d_in = (checkpoint.get("sae_config") or {}).get("init_args", {}).get("d_in")
-    return int(d_in) if isinstance(d_in, int) else None
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a hidden partial file, fsync, then rename over the target (see the module
     docstring). Remote (``scheme://``) paths keep Lightning's own writer."""
@@ -124,10 +86,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        """Always weights-only: a checkpoint may come from someone else, and torch's default can be turned
-        off from the environment (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``)."""
+        """Through the one reader (always weights-only, checked like every ``--ckpt_path``): a checkpoint may
+        come from someone else, and torch's default can be turned off from the environment
+        (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Remote (``scheme://``) paths keep Lightning's reader, weights-only."""
         kwargs = {} if map_location is None else {"map_location": map_location}  # else Lightning's default
-        return super().load_checkpoint(path, weights_only=True, **kwargs)
+        if "://" in str(path):
+            return super().load_checkpoint(path, weights_only=True, **kwargs)
+        return read_checkpoint(path, **kwargs)
 
 
 def _kept(target: Path) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from sae_pipeline.training.checkpointing import CheckpointError
+from sae_pipeline.artifacts.checkpoint import CheckpointError
 
 SHOWN_ARGS = ("d_sae", "k")  # always named in an SAE's label, so the two SAEs are recognisable
 LINKED_ARGS = ("d_in",)  # linked from the data; checked against it after instantiation

@@ -15,7 +15,8 @@ the cap once the test passes on the new version. Verified on :data:`VERIFIED_LIG
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import lightning as L
@@ -64,21 +65,52 @@ def discard_train_loader(trainer: L.Trainer) -> None:
 
 
 class CkptPathHook:
-    """Mixin for ``LightningCLI``: run :meth:`prepare_ckpt_path` just before the CLI reads ``--ckpt_path``.
+    """Mixin for ``LightningCLI``: run :meth:`prepare_ckpt_path` just before the CLI reads ``--ckpt_path``,
+    and merge the hyper-parameters it read.
 
     ``LightningCLI._parse_ckpt_path`` (private, called between parsing and instantiation) loads the
     checkpoint's hyper-parameters into the model's config, but only when ``--ckpt_path`` is an existing
     file: ``last`` passes through unread, and a truncated or foreign file raises torch's traceback
     (which advises ``weights_only=False``). The subclass's ``prepare_ckpt_path`` resolves ``last`` to a
-    file and validates it first, so Lightning only ever reads a checked path.
+    file, validates it and returns the hyper-parameters it read (the product's one checkpoint reader,
+    :mod:`sae_pipeline.artifacts.checkpoint`), which :func:`merge_ckpt_hyper_parameters` merges as
+    Lightning would: Lightning never reads the file a second time for them, so what it merges is what
+    was checked. A ``prepare_ckpt_path`` that returns None leaves the reading to Lightning.
     """
 
-    def prepare_ckpt_path(self) -> None:  # pragma: no cover - overridden
-        """Resolve and check ``self.config[subcommand].ckpt_path`` (the subclass implements it)."""
+    def prepare_ckpt_path(self) -> dict[str, Any] | None:  # pragma: no cover - overridden
+        """Resolve and check ``self.config[subcommand].ckpt_path`` (the subclass implements it); return the
+        checkpoint's hyper-parameters, or None for Lightning to read them."""
+        return None
 
     def _parse_ckpt_path(self) -> None:
-        self.prepare_ckpt_path()
-        super()._parse_ckpt_path()  # type: ignore[misc]
+        hyper_parameters = self.prepare_ckpt_path()
+        if hyper_parameters is None:
+            super()._parse_ckpt_path()  # type: ignore[misc]
+        else:
+            merge_ckpt_hyper_parameters(self, hyper_parameters)
+
+
+def merge_ckpt_hyper_parameters(cli: Any, hyper_parameters: dict[str, Any]) -> None:
+    """Merge a checkpoint's saved model hyper-parameters into ``cli.config``, as ``LightningCLI._parse_ckpt_path``
+    does with those it reads itself; a ``_class_path`` naming the CLI's own model class (its module's path
+    after a move, :data:`sae_pipeline.artifacts.checkpoint.MOVED_MODULES`) is dropped where the CLI takes no
+    model class (Lightning would pass it on, and the parse would refuse it)."""
+    hparams = dict(hyper_parameters)
+    hparams.pop("_instantiator", None)
+    if not hparams:
+        return
+    if "_class_path" in hparams:
+        own = cli._model_class
+        if not cli.subclass_mode_model and hparams["_class_path"] == f"{own.__module__}.{own.__qualname__}":
+            del hparams["_class_path"]
+        else:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+    try:
+        cli.config = cli.parser.parse_object({cli.config.subcommand: {"model": hparams}}, cli.config)
+    except SystemExit:
+        sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+        raise
 
 
 def mute_sigterm_notifier(trainer: L.Trainer) -> None:

@@ -2,7 +2,7 @@
 
 Per token: the active atoms' indices and values (largest |value| first, padded with index
 -1 / value 0 to the widest token), the image id and the token position. The values are in
-raw-activation units, as the exported SAE (``sae_pipeline.artifacts.export.load_sae``) gives them.
+raw-activation units, as the exported SAE (``sae_pipeline.artifacts.load_sae``) gives them.
 
 Usage: ``python -m sae_pipeline predict --config CFG.yaml --ckpt_path CKPT --codes.fpath codes.h5``
 (``--codes.fpath`` defaults to ``codes.h5``; the command prints where it wrote them). Each rank writes its own part

@@ -1,0 +1,153 @@
+"""Reading a checkpoint of ``fit``: the one reader behind every command that takes ``--ckpt_path``.
+
+``fit`` / ``validate`` / ``test`` / ``predict`` (the CLI's check, its merge of the saved
+hyper-parameters and Lightning's restore through ``AtomicCheckpointIO``), ``export`` in both
+formats, ``features`` and ``evaluate`` all read a checkpoint here, so a file is judged the same way
+and its problems read the same whatever command met it.
+
+A checkpoint may come from someone else, so it is data, never code: ``torch.load(weights_only=True)``
+(no pickle), its format checked, and every class path its saved configs name checked
+(:func:`sae_pipeline.sae.config.check_class_paths`) before anything uses the content (LightningCLI
+merges the hyper-parameters into its config, and jsonargparse imports every ``class_path`` there).
+A problem is one :class:`CheckpointError` line naming the file and the fix, never torch's advice to
+load with ``weights_only=False`` (which would run code from the file). Callers ask for what they
+need beyond the weights and the SAE's config: ``need=("input_scale",)`` to export, ``for_fit`` for a
+training state to resume.
+
+Checkpoints written before the layout move (``sae_pipeline.module`` became
+``sae_pipeline.training.module``, ``sae_pipeline.export`` became ``sae_pipeline.artifacts.export``,
+...) load as they are: what ``fit`` stores names no module that moved (the SAE's class path is its
+public ``sae_pipeline.sae.Name``, callback states are keyed by class name, the data module's
+settings carry no class path). A saved config could still name one (LightningCLI stores a model
+given by class path as ``_class_path``), so :data:`MOVED_MODULES` maps each old module to its new
+one. It is an allow-list written here: an old path is rewritten because this table names it, and a
+module is imported only when this table names it as the new home of a moved one, never because a
+file names it.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths
+
+__all__ = ["CheckpointError", "MOVED_MODULES", "checkpoint_d_in", "checkpoint_input_scale", "current_class_path",
+           "read_checkpoint", "sae_from_checkpoint"]
+
+FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
+REQUIRED_KEYS = ("state_dict", "sae_config")  # what every reader needs
+CONFIG_KEYS = ("sae_config", "hyper_parameters", "datamodule_hyper_parameters")  # where class paths are saved
+HINT = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt, which fit prints)"
+LAST_HINT = f"{HINT} or `last` for the newest"
+
+#: ``{module before the layout move: its module now}``; see the module docstring.
+MOVED_MODULES: dict[str, str] = {
+    **{f"sae_pipeline.{name}": f"sae_pipeline.training.{name}"
+       for name in ("callbacks", "checkpointing", "ckpt_config", "interrupts", "lightning_compat", "lightning_noise",
+                    "module", "predict", "requeue", "step_boundary")},
+    **{f"sae_pipeline.{name}": f"sae_pipeline.artifacts.{name}" for name in ("codes", "export", "saelens")},
+}
+
+
+class CheckpointError(ExportError):
+    """A ``--ckpt_path`` that cannot be used; the message names the file and the fix.
+
+    An :class:`~sae_pipeline.sae.config.ExportError`, so a caller that handles an unreadable export
+    handles an unreadable checkpoint the same way.
+    """
+
+
+def read_checkpoint(fpath: str | Path, *, need: tuple[str, ...] = (), for_fit: bool = False,
+                    flag: str = "--ckpt_path", last: bool = False, mmap: bool = False,
+                    map_location: Any = "cpu") -> dict[str, Any]:
+    """The checkpoint in ``fpath``, checked: an ``SAEModule`` checkpoint holding ``need`` too (and a
+    training state when ``for_fit``), whose saved configs name only classes that load without
+    importing what the file chose (class paths of moved modules rewritten to their new path).
+
+    ``flag`` and ``last`` (the command also takes ``last``) only shape the messages; ``mmap`` maps the
+    tensors instead of reading them (cheap for a check that drops them).
+    """
+    fpath = Path(fpath)
+    hint = LAST_HINT if last else HINT
+    if not fpath.exists():
+        raise CheckpointError(f"{flag} {fpath}: file not found; {hint}")
+    if not fpath.is_file():
+        raise CheckpointError(f"{flag} {fpath}: not a file; {hint}")
+    try:
+        checkpoint = torch.load(fpath, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as exn:  # noqa: BLE001 -- torch raises many types; its message advises weights_only=False
+        raise CheckpointError(f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
+                              f"{type(exn).__name__}); {hint}") from None
+    missing = [key for key in (*REQUIRED_KEYS, *need) if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); "
+                              f"{hint}")
+    configs = {key: checkpoint.get(key) for key in CONFIG_KEYS}
+    _upgrade_class_paths(configs)
+    try:
+        check_class_paths(configs, f"{flag} {fpath}")
+    except ExportError as exn:
+        raise CheckpointError(str(exn)) from None
+    if for_fit and any(key not in checkpoint for key in FIT_KEYS):
+        raise CheckpointError(f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
+                              "without --ckpt_path, or use this file with validate, predict or export")
+    return checkpoint
+
+
+def current_class_path(class_path: str) -> str:
+    """``class_path`` with a module that moved (:data:`MOVED_MODULES`) replaced by its new one; that new
+    module, one of ours named by the table, is imported so the class resolves as any loaded one does."""
+    module_name, _, name = class_path.rpartition(".")
+    new_module = MOVED_MODULES.get(module_name, module_name)
+    if new_module in MOVED_MODULES.values():
+        importlib.import_module(new_module)
+    return f"{new_module}.{name}" if new_module != module_name else class_path
+
+
+def _upgrade_class_paths(data: object) -> None:
+    """Rewrite, in place, every ``class_path`` / ``_class_path`` value under ``data`` (:func:`current_class_path`)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in ("class_path", "_class_path") and isinstance(value, str):
+                data[key] = current_class_path(value)
+            else:
+                _upgrade_class_paths(value)
+    elif isinstance(data, list):
+        for value in data:
+            _upgrade_class_paths(value)
+
+
+def sae_from_checkpoint(checkpoint: dict[str, Any]) -> SparseAutoencoder:
+    """The trained SAE of a checkpoint from :func:`read_checkpoint` (input scale *not* folded)."""
+    sae = build_sae(checkpoint["sae_config"])
+    prefix = "sae."
+    state = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
+    try:
+        sae.load_state_dict(state, strict=True)
+    except RuntimeError as exn:
+        raise CheckpointError(f"checkpoint weights do not match its sae_config: {str(exn).splitlines()[0]}") from None
+    return sae
+
+
+def checkpoint_input_scale(checkpoint: dict[str, Any], where: str) -> float:
+    """The factor training multiplied inputs by (``SAEModule``'s ``input_scale``), checked finite and > 0."""
+    scale = checkpoint.get("input_scale")
+    try:
+        value = float(scale)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(scale, bool) or not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{where}: input_scale is {scale!r}, must be finite and > 0; the checkpoint is damaged, "
+                              "pass another one written by `fit`")
+    return value
+
+
+def checkpoint_d_in(checkpoint: dict[str, Any]) -> int | None:
+    """The input width of the SAE a checkpoint holds (None when its config does not say)."""
+    d_in = (checkpoint.get("sae_config") or {}).get("init_args", {}).get("d_in")
+    return int(d_in) if isinstance(d_in, int) else None

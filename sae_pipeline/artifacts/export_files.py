@@ -1,0 +1,90 @@
+"""What the two export formats share: their file names, the whole-or-nothing write, one SAE per folder.
+
+The native export (:mod:`sae_pipeline.artifacts.export`) and SAELens's format
+(:mod:`sae_pipeline.artifacts.saelens`) both write through here, and :func:`export_format` tells a
+reader which of the two a folder holds. Both modules sit above this one and neither imports the
+other, so each can be loaded (and changed) alone.
+
+One export folder holds one SAE. Exporting again in the same format replaces that export whole
+(:func:`write_export_files`); exporting into a folder that holds the *other* format's files is
+refused before anything is written (:func:`refuse_other_export`: exit 2, one line naming the files
+and the fix: another ``--out``, or remove the folder first). Replacing would leave a reader of the
+folder, or a ``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting
+a user's files is not the exporter's call.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from feature_extraction.atomic_files import DiskFullError, atomic_path
+from feature_extraction.file_hashes import file_sha256
+from sae_pipeline.sae.config import ExportError
+
+__all__ = ["CONFIG_FNAME", "SAELENS_CFG_FNAME", "SAELENS_WEIGHTS_FNAME", "WEIGHTS_FNAME", "export_format",
+           "refuse_other_export", "write_export_files"]
+
+CONFIG_FNAME = "config.json"  # native
+WEIGHTS_FNAME = "sae.safetensors"  # native
+SAELENS_CFG_FNAME = "cfg.json"
+SAELENS_WEIGHTS_FNAME = "sae_weights.safetensors"
+FORMAT_FILES = {"native": (WEIGHTS_FNAME, CONFIG_FNAME), "SAELens": (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME)}
+
+
+def export_format(dpath: Path | str) -> str:
+    """``"native"`` or ``"saelens"``: the format of the export in ``dpath``, by its config file (native
+    when both or neither are there, so that a missing export is reported with the native files' names)."""
+    dpath = Path(dpath)
+    if not (dpath / CONFIG_FNAME).is_file() and (dpath / SAELENS_CFG_FNAME).is_file():
+        return "saelens"
+    return "native"
+
+
+def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[str, torch.Tensor],
+                       weights_metadata: dict[str, str] | None, config_fname: str, config: dict[str, Any],
+                       record_sha256: bool = False) -> Path:
+    """Write an export's weights and config so that a failure never leaves a half-written export.
+
+    Both files are written whole under temporary names (fsynced) and only then renamed over the
+    old ones, weights first, config last; a failure before the renames (disk full, Ctrl-C) leaves
+    the previous export as it was and no temporary file. ``record_sha256`` stores the weights'
+    sha256 in the config, so the one instant between the two renames (a kill -9 there) shows up as a
+    mismatch that ``load_sae`` names, instead of a silent mix of two exports.
+    """
+    from feature_extraction.output_dirs import prepare_output_dir
+
+    refuse_other_export(out_dpath, (weights_fname, config_fname))
+    out_dpath = prepare_output_dir(out_dpath, "--out")
+    weights_tmp = out_dpath / f".{weights_fname}.{os.getpid()}.tmp"
+    config_tmp = out_dpath / f".{config_fname}.{os.getpid()}.tmp"
+    previous = (out_dpath / config_fname).exists() or (out_dpath / weights_fname).exists()
+    kept = f"the previous export in {out_dpath}, unchanged" if previous else f"no export in {out_dpath}"
+    try:  # the inner (weights) is renamed first, the config last
+        with atomic_path(out_dpath / config_fname, config_tmp, kept=kept) as config_tmp, \
+                atomic_path(out_dpath / weights_fname, weights_tmp, kept=kept) as weights_tmp:
+            save_file(tensors, str(weights_tmp), metadata=weights_metadata)
+            if record_sha256:
+                config = {**config, "weights_sha256": file_sha256(weights_tmp)}
+            config_tmp.write_text(json.dumps(config, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    except DiskFullError:
+        raise
+    except OSError as exn:
+        raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
+                      "choose another --out (the previous export there, if any, is unchanged)") from None
+    return out_dpath
+
+
+def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
+    """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
+    (see the module docstring: an export folder holds one SAE)."""
+    out_dpath = Path(out_dpath)
+    for name, files in FORMAT_FILES.items():
+        found = [fname for fname in files if fname not in own_files and (out_dpath / fname).exists()]
+        if found:
+            raise ExportError(f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
+                              f"SAE; pass another --out, or remove {out_dpath} first to replace it")
