@@ -10,6 +10,7 @@ tracemalloc does not) from just before the computation to just after it. The nai
 forms the whole ``d_sae x d_sae`` Gram matrix (19200² float32 = 1.5 GB), then takes top-k per
 row. The script checks that both give the same μ₁(1..r_max) and exits non-zero otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,17 +61,35 @@ def time_method(mode: str, args: argparse.Namespace) -> dict:
         values = naive_babel(W, r_max=args.r_max)
     seconds = time.perf_counter() - start
     peak_increase = peak_rss_bytes() - before
-    return {"seconds": seconds, "peak_increase_bytes": peak_increase, "values": values.tolist(),
-            "threads": torch.get_num_threads()}
+    return {
+        "seconds": seconds,
+        "peak_increase_bytes": peak_increase,
+        "values": values.tolist(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def measure(mode: str, args: argparse.Namespace) -> dict:
     """Run ``time_method`` in a fresh child process (or here with ``--quick``)."""
     if args.quick:
         return time_method(mode, args)
-    command = [sys.executable, "-m", "benchmarks.babel", "--child", mode, "--d-sae", str(args.d_sae),
-               "--d-in", str(args.d_in), "--r-max", str(args.r_max), "--block-size", str(args.block_size),
-               "--seed", str(args.seed)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.babel",
+        "--child",
+        mode,
+        "--d-sae",
+        str(args.d_sae),
+        "--d-in",
+        str(args.d_in),
+        "--r-max",
+        str(args.r_max),
+        "--block-size",
+        str(args.block_size),
+        "--seed",
+        str(args.seed),
+    ]
     completed = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         sys.exit(f"{mode} run failed (exit {completed.returncode}):\n{completed.stderr}")
@@ -99,14 +118,20 @@ def main(argv: list[str] | None = None) -> None:
     naive = measure("naive", args)
     max_diff = max(abs(a - b) for a, b in zip(blocked["values"], naive["values"]))
     mib = 2**20
-    print(f"Babel mu_1(1..{args.r_max}), d_sae={args.d_sae}, d_in={args.d_in}, float32, CPU, "
-          f"{blocked['threads']} threads, block_size={args.block_size}")
+    print(
+        f"Babel mu_1(1..{args.r_max}), d_sae={args.d_sae}, d_in={args.d_in}, float32, CPU, "
+        f"{blocked['threads']} threads, block_size={args.block_size}"
+    )
     for name, result in (("blocked", blocked), ("naive", naive)):
         print(f"  {name:8s} {result['seconds']:8.2f} s   peak memory +{result['peak_increase_bytes'] / mib:8.1f} MiB")
-    print(f"  ratio blocked/naive: time {blocked['seconds'] / naive['seconds']:.2f}x, "
-          f"peak memory {blocked['peak_increase_bytes'] / max(naive['peak_increase_bytes'], 1):.3f}x")
-    print(f"  mu_1(1) = {blocked['values'][0]:.4f}, mu_1({args.r_max}) = {blocked['values'][-1]:.4f}, "
-          f"max |blocked - naive| = {max_diff:.2e}")
+    print(
+        f"  ratio blocked/naive: time {blocked['seconds'] / naive['seconds']:.2f}x, "
+        f"peak memory {blocked['peak_increase_bytes'] / max(naive['peak_increase_bytes'], 1):.3f}x"
+    )
+    print(
+        f"  mu_1(1) = {blocked['values'][0]:.4f}, mu_1({args.r_max}) = {blocked['values'][-1]:.4f}, "
+        f"max |blocked - naive| = {max_diff:.2e}"
+    )
     met = blocked["seconds"] < 60 and blocked["peak_increase_bytes"] < 2 * 2**30
     if args.quick:
         print("  (--quick: both in one process, so the naive peak is measured above the blocked one)")

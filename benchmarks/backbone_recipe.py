@@ -7,6 +7,7 @@ with and without the configs' settings; both must train exactly the same recipe.
 own optimiser, schedule and every ``init_args`` key; only the size changes: d = 64 tokens, p = 512
 atoms, 300 steps of 256 tokens, and warm-ups cut by the same factor as the run length.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,15 @@ def write_vit_like_shards(dpath: Path) -> Path:
     images = tokens.reshape(N_SHARDS, IMAGES_PER_SHARD, TOKENS_PER_IMAGE, D).astype(np.float16)
     for s in range(N_SHARDS):
         write_shard(dpath, s, [(f"img{s:02d}_{i:03d}", images[s, i], {"label": 0}) for i in range(IMAGES_PER_SHARD)])
-    write_manifest(dpath, n_shards=N_SHARDS, spec={"name": "vit_like"}, layer=-1,
-                   tokens_per_image=TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(3, 5))
+    write_manifest(
+        dpath,
+        n_shards=N_SHARDS,
+        spec={"name": "vit_like"},
+        layer=-1,
+        tokens_per_image=TOKENS_PER_IMAGE,
+        n_prefix_tokens=1,
+        grid=(3, 5),
+    )
     return dpath
 
 
@@ -48,8 +56,12 @@ def target_l0(config: dict) -> float:
 
 def scaled_args(config: dict) -> list[str]:
     """The recipe scaled down: d_sae, run length, and warm-up lengths as the same share of the run."""
-    args = ["--model.sae.init_args.d_sae", str(P),
-            "--model.warmup_steps", str(max(1, round(config["model"]["warmup_steps"] * RUN_SHARE)))]
+    args = [
+        "--model.sae.init_args.d_sae",
+        str(P),
+        "--model.warmup_steps",
+        str(max(1, round(config["model"]["warmup_steps"] * RUN_SHARE))),
+    ]
     for key, value in config["model"]["sae"]["init_args"].items():
         if key.endswith("warmup_steps"):
             args += [f"--model.sae.init_args.{key}", str(max(1, round(value * RUN_SHARE)))]
@@ -58,10 +70,33 @@ def scaled_args(config: dict) -> list[str]:
 
 def fit_args(config_fpath: Path, config: dict, shards: Path, steps: int = STEPS) -> list[str]:
     """``SAECLI`` arguments of one scaled run on one CPU, validated once at its end."""
-    return ["fit", "--config", str(config_fpath), *scaled_args(config),
-            "--data.source", str(shards), "--data.batch_size", str(BATCH), "--data.num_workers", "0",
-            "--data.val_fraction", str(1 / N_SHARDS),
-            "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-            "--trainer.max_steps", str(steps), "--trainer.max_epochs", "-1",
-            "--trainer.val_check_interval", str(steps), "--trainer.check_val_every_n_epoch", "null",
-            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    return [
+        "fit",
+        "--config",
+        str(config_fpath),
+        *scaled_args(config),
+        "--data.source",
+        str(shards),
+        "--data.batch_size",
+        str(BATCH),
+        "--data.num_workers",
+        "0",
+        "--data.val_fraction",
+        str(1 / N_SHARDS),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.max_epochs",
+        "-1",
+        "--trainer.val_check_interval",
+        str(steps),
+        "--trainer.check_val_every_n_epoch",
+        "null",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+    ]

@@ -19,6 +19,7 @@ FLOPs per image (torch's FlopCounterMode) and the command's fraction of the GPU'
 bf16 peak (`--peak_tflops`, else looked up from the device name). `--end_to_end` also
 times the whole `extract()` on scikit-image's photos, decoding included (information only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,17 @@ from feature_extraction.extract import extract, write_shards
 from feature_extraction.images import ImageDataset, ImageRecord, list_images
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0,
-                    "H100 NVL": 835.0, "A100": 312.0, "L40S": 362.1, "A10": 125.0, "L4": 121.0}
+PEAK_BF16_TFLOPS = {
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "A10": 125.0,
+    "L4": 121.0,
+}
 
 
 class PreDecoded(torch.utils.data.Dataset):
@@ -56,8 +66,10 @@ def decoded_photos(backbone, n_images: int) -> tuple[list[ImageRecord], list[tor
     photos = list_images("samples")
     dataset = ImageDataset(photos, backbone.preprocess)
     decoded = [dataset[i][1] for i in range(len(photos))]
-    records = [ImageRecord(f"img-{i:06d}", "samples", None, kind="samples", member=photos[i % len(photos)].member)
-               for i in range(n_images)]
+    records = [
+        ImageRecord(f"img-{i:06d}", "samples", None, kind="samples", member=photos[i % len(photos)].member)
+        for i in range(n_images)
+    ]
     return records, [decoded[i % len(decoded)].clone() for i in range(n_images)]
 
 
@@ -77,16 +89,37 @@ def time_bare(backbone, batches: list[torch.Tensor], device: torch.device) -> fl
     return time.perf_counter() - start
 
 
-def time_command(backbone, dataset, records, shard_size: int, batch_size: int, num_workers: int,  # noqa: ANN001
-                 device: torch.device, work_dpath: Path, num_writers: int = 4) -> float:
+def time_command(
+    backbone,
+    dataset,
+    records,
+    shard_size: int,
+    batch_size: int,
+    num_workers: int,  # noqa: ANN001
+    device: torch.device,
+    work_dpath: Path,
+    num_writers: int = 4,
+) -> float:
     out = work_dpath / "shards"
     shutil.rmtree(out, ignore_errors=True)
-    plan = [(s, list(range(start, min(start + shard_size, len(records)))))
-            for s, start in enumerate(range(0, len(records), shard_size))]
+    plan = [
+        (s, list(range(start, min(start + shard_size, len(records)))))
+        for s, start in enumerate(range(0, len(records), shard_size))
+    ]
     sync(device)
     start = time.perf_counter()
-    write_shards(backbone, dataset, records, plan, out, batch_size=batch_size, num_workers=num_workers,
-                 device=device, num_writers=num_writers, progress=False)
+    write_shards(
+        backbone,
+        dataset,
+        records,
+        plan,
+        out,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        device=device,
+        num_writers=num_writers,
+        progress=False,
+    )
     sync(device)
     return time.perf_counter() - start
 
@@ -132,27 +165,56 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-extract-") as tmp:
         work_dpath = Path(tmp)
         time_bare(backbone, batches[:2], device)  # warm-up (kernels, allocator, threads)
-        time_command(backbone, PreDecoded(pixels[: 2 * args.batch_size]), records[: 2 * args.batch_size],
-                     args.shard_size, args.batch_size, 0, device, work_dpath)
+        time_command(
+            backbone,
+            PreDecoded(pixels[: 2 * args.batch_size]),
+            records[: 2 * args.batch_size],
+            args.shard_size,
+            args.batch_size,
+            0,
+            device,
+            work_dpath,
+        )
         bare, command = [], []
         for _ in range(args.repeats):
             bare.append(time_bare(backbone, batches, device))
-            command.append(time_command(backbone, dataset, records, args.shard_size, args.batch_size,
-                                        args.num_workers, device, work_dpath, args.num_writers))
+            command.append(
+                time_command(
+                    backbone,
+                    dataset,
+                    records,
+                    args.shard_size,
+                    args.batch_size,
+                    args.num_workers,
+                    device,
+                    work_dpath,
+                    args.num_writers,
+                )
+            )
         n_bytes = sum(p.stat().st_size for p in (work_dpath / "shards").glob("*.tar"))
         end_to_end = None
         if args.end_to_end:
             out = work_dpath / "e2e"
-            summary = extract(args.backbone, "samples", str(out), batch_size=args.batch_size, shard_size=4,
-                              num_workers=args.num_workers, device=args.device, progress=False)
+            summary = extract(
+                args.backbone,
+                "samples",
+                str(out),
+                batch_size=args.batch_size,
+                shard_size=4,
+                num_workers=args.num_workers,
+                device=args.device,
+                progress=False,
+            )
             end_to_end = summary["images_per_second"]
 
     bare_rate, command_rate = args.n_images / min(bare), args.n_images / min(command)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    print(f"extraction: {args.backbone} ({backbone.n_tokens} tokens x d={backbone.spec.d}), {args.n_images} images, "
-          f"batch {args.batch_size}, shard {args.shard_size}, {args.num_writers} writers, device {device}"
-          f"{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}{threads}, best of "
-          f"{args.repeats}")
+    print(
+        f"extraction: {args.backbone} ({backbone.n_tokens} tokens x d={backbone.spec.d}), {args.n_images} images, "
+        f"batch {args.batch_size}, shard {args.shard_size}, {args.num_writers} writers, device {device}"
+        f"{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}{threads}, best of "
+        f"{args.repeats}"
+    )
     print(f"  bare forward      {bare_rate:10.1f} images/s")
     print(f"  command path      {command_rate:10.1f} images/s   ({n_bytes / min(command) / 2**20:.1f} MiB/s of shards)")
     ratio = command_rate / bare_rate

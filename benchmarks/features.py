@@ -17,6 +17,7 @@
    4N/N ratio stays near 1 (the table is d_sae x N_top; no [tokens, d_sae] buffer).
 3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,25 @@ def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard:
     n_shards = 0
     for index, start in enumerate(range(0, n_images, images_per_shard)):
         count = min(images_per_shard, n_images - start)
-        samples = [(f"img{start + i:07d}", rng.standard_normal((TPI, d)).astype(np.float16),
-                    {"image_id": f"img{start + i:07d}", "label": None, "source": "skimage.data.astronaut"})
-                   for i in range(count)]
+        samples = [
+            (
+                f"img{start + i:07d}",
+                rng.standard_normal((TPI, d)).astype(np.float16),
+                {"image_id": f"img{start + i:07d}", "label": None, "source": "skimage.data.astronaut"},
+            )
+            for i in range(count)
+        ]
         S.write_shard(dpath, index, samples)
         n_shards += 1
-    S.write_manifest(dpath, n_shards=n_shards, spec={"name": "synthetic", "image_size": 224}, layer=0,
-                     tokens_per_image=TPI, n_prefix_tokens=N_PREFIX, grid=GRID)
+    S.write_manifest(
+        dpath,
+        n_shards=n_shards,
+        spec={"name": "synthetic", "image_size": 224},
+        layer=0,
+        tokens_per_image=TPI,
+        n_prefix_tokens=N_PREFIX,
+        grid=GRID,
+    )
 
 
 def make_sae(d: int, d_sae: int, k: int, seed: int = 0):  # noqa: ANN201
@@ -74,8 +87,9 @@ def timed_predict(side: str, shards: Path, sae, batch_size: int, device: str, to
     from sae_pipeline.features.pass_module import FeaturesModule
     from sae_pipeline.training.module import SAEModule
 
-    dm = ActivationDataModule(str(shards), batch_size=batch_size, num_workers=2, shuffle_buffer_tokens=batch_size,
-                              val_fraction=0.0)
+    dm = ActivationDataModule(
+        str(shards), batch_size=batch_size, num_workers=2, shuffle_buffer_tokens=batch_size, val_fraction=0.0
+    )
     marks: dict[str, float] = {}
 
     class Bare(SAEModule):
@@ -95,8 +109,14 @@ def timed_predict(side: str, shards: Path, sae, batch_size: int, device: str, to
     module = Bare(sae) if side == "bare" else Features(sae, top, layout_of(dm.data_source))
     if side == "bare":
         module.initialized_from_data.fill_(True)  # raw units, like the features side
-    trainer = L.Trainer(accelerator=device, devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator=device,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     start = time.perf_counter()
     trainer.predict(module, datamodule=dm)
     if device == "cuda":
@@ -110,8 +130,10 @@ def throughput(args: argparse.Namespace, work: Path) -> None:
     shards = work / "throughput"
     write_synthetic_shards(shards, args.images, args.d)
     sae = make_sae(args.d, args.d_sae, args.k)
-    print(f"1. throughput: {args.images} images x {TPI} tokens = {args.images * TPI} tokens, d {args.d}, TopK d_sae "
-          f"{args.d_sae} k {args.k}, batch {args.batch_size}, top {args.top}, device {args.device}")
+    print(
+        f"1. throughput: {args.images} images x {TPI} tokens = {args.images * TPI} tokens, d {args.d}, TopK d_sae "
+        f"{args.d_sae} k {args.k}, batch {args.batch_size}, top {args.top}, device {args.device}"
+    )
     rates: dict[str, list[float]] = {"bare predict": [], "features pass": [], "features all": []}
     timed_predict("features", shards, sae, args.batch_size, args.device, args.top)  # warm-up (caches, threads)
     for round_index in range(args.repeats):
@@ -120,14 +142,18 @@ def throughput(args: argparse.Namespace, work: Path) -> None:
         rates["bare predict"].append(bare["tokens"] / bare["seconds"])
         rates["features pass"].append(feat["tokens"] / feat["seconds"])
         rates["features all"].append(feat["tokens"] / feat["seconds_all"])
-        print(f"   round {round_index + 1}: bare {rates['bare predict'][-1]:,.0f} tok/s, features pass "
-              f"{rates['features pass'][-1]:,.0f} tok/s, with end of run {rates['features all'][-1]:,.0f} tok/s")
+        print(
+            f"   round {round_index + 1}: bare {rates['bare predict'][-1]:,.0f} tok/s, features pass "
+            f"{rates['features pass'][-1]:,.0f} tok/s, with end of run {rates['features all'][-1]:,.0f} tok/s"
+        )
     medians = {name: statistics.median(values) for name, values in rates.items()}
     for name, value in medians.items():
         print(f"   {name:<14} {value:>12,.0f} tokens/s (median)")
     ratio = medians["features pass"] / medians["bare predict"]
-    print(f"   features pass / bare predict = {ratio:.2f} (target >= 0.7); with the end of the run: "
-          f"{medians['features all'] / medians['bare predict']:.2f}")
+    print(
+        f"   features pass / bare predict = {ratio:.2f} (target >= 0.7); with the end of the run: "
+        f"{medians['features all'] / medians['bare predict']:.2f}"
+    )
 
 
 def memory_child(shards: str, d: int, d_sae: int, k: int, batch_size: int, device: str, top: int) -> None:
@@ -142,14 +168,31 @@ def memory_child(shards: str, d: int, d_sae: int, k: int, batch_size: int, devic
 
 
 def memory(args: argparse.Namespace, work: Path) -> None:
-    print(f"2. peak memory of the features pass (fresh process each; {'GPU allocated' if args.device == 'cuda' else 'RSS'})")
+    measured = "GPU allocated" if args.device == "cuda" else "RSS"
+    print(f"2. peak memory of the features pass (fresh process each; {measured})")
     peaks = []
     for factor in (1, 4):
         shards = work / f"memory{factor}"
         write_synthetic_shards(shards, args.memory_images * factor, args.d, seed=factor)
-        command = [sys.executable, "-m", "benchmarks.features", "--memory-child", str(shards), "--d", str(args.d),
-                   "--d_sae", str(args.d_sae), "--k", str(args.k), "--batch_size", str(args.batch_size), "--device",
-                   args.device, "--top", str(args.top)]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.features",
+            "--memory-child",
+            str(shards),
+            "--d",
+            str(args.d),
+            "--d_sae",
+            str(args.d_sae),
+            "--k",
+            str(args.k),
+            "--batch_size",
+            str(args.batch_size),
+            "--device",
+            args.device,
+            "--top",
+            str(args.top),
+        ]
         out = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, check=True).stdout
         result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         peaks.append(result["peak_bytes"])
@@ -179,22 +222,44 @@ def site(args: argparse.Namespace, work: Path) -> None:
     for row in image:  # one entry per image per atom
         row[:] = rng.choice(n_images, top, replace=False)
     position = rng.integers(0, TPI, (d_sae, top))
-    state = {"value": torch.from_numpy(value), "token": torch.from_numpy(image * TPI + position),
-             "image": torch.from_numpy(image), "position": torch.from_numpy(position),
-             "fire_count": torch.from_numpy(rng.integers(1, 10**6, d_sae)),
-             "value_sum": torch.from_numpy(rng.random(d_sae) * 1e5), "step_sum": torch.zeros(d_sae, dtype=torch.int64),
-             "step_count": torch.zeros(d_sae, dtype=torch.int64), "n_tokens": torch.tensor(334_000_000)}
+    state = {
+        "value": torch.from_numpy(value),
+        "token": torch.from_numpy(image * TPI + position),
+        "image": torch.from_numpy(image),
+        "position": torch.from_numpy(position),
+        "fire_count": torch.from_numpy(rng.integers(1, 10**6, d_sae)),
+        "value_sum": torch.from_numpy(rng.random(d_sae) * 1e5),
+        "step_sum": torch.zeros(d_sae, dtype=torch.int64),
+        "step_count": torch.zeros(d_sae, dtype=torch.int64),
+        "n_tokens": torch.tensor(334_000_000),
+    }
     atoms, ranks = np.nonzero(np.ones((d_sae, top), bool))
     heat = (rng.random((d_sae * top, TPI)) * value.reshape(-1, 1)).astype(np.float16)
-    collection = {"images": {i: {"image_id": f"n0000/{i}.jpg", "label": i % 1000, "source": str(images_dpath / f"{i}.jpg")}
-                             for i in range(n_images)},
-                  "heat_atom": atoms, "heat_rank": ranks, "heat": heat}
+    collection = {
+        "images": {
+            i: {"image_id": f"n0000/{i}.jpg", "label": i % 1000, "source": str(images_dpath / f"{i}.jpg")}
+            for i in range(n_images)
+        },
+        "heat_atom": atoms,
+        "heat_rank": ranks,
+        "heat": heat,
+    }
 
     class Data:
         source = "synthetic"
-        manifest = {"backbone": {"image_size": 224, "preprocess": {
-            "library": "timm", "size": [224, 224], "crop": {"crop_pct": 0.875, "crop_mode": "center"},
-            "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bicubic"}}}
+        manifest = {
+            "backbone": {
+                "image_size": 224,
+                "preprocess": {
+                    "library": "timm",
+                    "size": [224, 224],
+                    "crop": {"crop_pct": 0.875, "crop_mode": "center"},
+                    "mean": [0.5] * 3,
+                    "std": [0.5] * 3,
+                    "interpolation": "bicubic",
+                },
+            }
+        }
 
     sae = make_sae(d, d_sae, 32)
     out = work / "site"
@@ -204,11 +269,15 @@ def site(args: argparse.Namespace, work: Path) -> None:
     files = [p for p in out.rglob("*") if p.is_file()]
     total = sum(p.stat().st_size for p in files)
     by_kind = {kind: sum(p.stat().st_size for p in files if kind in p.parts) for kind in ("atoms", "thumbs")}
-    print(f"3. site for d_sae = {d_sae}, N = {top} ({d_sae * top:,} entries over {n_images:,} distinct images, "
-          f"DINOv2 layout)")
-    print(f"   build {seconds:.1f} s; {len(files):,} files, {total / 1e6:,.0f} MB (atom pages "
-          f"{by_kind['atoms'] / 1e6:,.0f} MB, thumbnails {by_kind['thumbs'] / 1e6:,.0f} MB, "
-          f"index {(out / 'index.html').stat().st_size / 1e6:.1f} MB)")
+    print(
+        f"3. site for d_sae = {d_sae}, N = {top} ({d_sae * top:,} entries over {n_images:,} distinct images, "
+        f"DINOv2 layout)"
+    )
+    print(
+        f"   build {seconds:.1f} s; {len(files):,} files, {total / 1e6:,.0f} MB (atom pages "
+        f"{by_kind['atoms'] / 1e6:,.0f} MB, thumbnails {by_kind['thumbs'] / 1e6:,.0f} MB, "
+        f"index {(out / 'index.html').stat().st_size / 1e6:.1f} MB)"
+    )
 
 
 def main() -> None:

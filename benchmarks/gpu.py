@@ -24,6 +24,7 @@ Extraction: ``dinov2`` (ViT-B/14 with registers, random weights: same FLOPs), fo
 inference mode and bf16 autocast on a batch of ``--vit-batch`` images, timed like the SAE;
 images/s of the forward (benchmarks/extract.py measures the whole command around it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -143,14 +144,22 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     device = torch.device("cpu" if args.dry_run else "cuda")
     autocast = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU dry run ({torch.get_num_threads()} threads)"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU dry run ({torch.get_num_threads()} threads)"
+    )
     dtype = torch.bfloat16 if autocast else torch.float32
     measured_peak = gemm_peak_flops(args, device, dtype)
     datasheet = peak_tflops(device, args.peak_tflops) if device.type == "cuda" else None
-    print(f"device: {name}; d_in={args.d_in} d_sae={args.d_sae} k={args.k} B={args.batch_size} "
-          f"{'bf16 autocast' if autocast else 'float32'}; {args.steps} steps after {args.warmup}")
-    print(f"dense encoder GEMM: {measured_peak / 1e12:.3g} TFLOP/s measured"
-          + (f", datasheet {datasheet:g} TFLOP/s" if datasheet else ""))
+    print(
+        f"device: {name}; d_in={args.d_in} d_sae={args.d_sae} k={args.k} B={args.batch_size} "
+        f"{'bf16 autocast' if autocast else 'float32'}; {args.steps} steps after {args.warmup}"
+    )
+    print(
+        f"dense encoder GEMM: {measured_peak / 1e12:.3g} TFLOP/s measured"
+        + (f", datasheet {datasheet:g} TFLOP/s" if datasheet else "")
+    )
     print("| variant | step | tokens/s | roofline (measured peak) | roofline (datasheet) |")
     print("|---|---|---|---|---|")
     x = torch.randn(args.batch_size, args.d_in, device=device) + torch.randn(args.d_in, device=device)

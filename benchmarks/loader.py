@@ -19,6 +19,7 @@ untimed read that warms the page cache for both. The default 1.6 GB (32 shards) 
 the stream's fixed costs (worker start, filling the shuffle buffer before the first
 batch) what they are in a real epoch: small; at 8 shards they are about a tenth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ import resource
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -47,12 +48,20 @@ def write_shards(dpath: Path, n_shards: int, images_per_shard: int, tokens_per_i
     rng = np.random.default_rng(0)
     grid = int(np.sqrt(tokens_per_image - 5))  # 5 prefix tokens (CLS + 4 registers), like DINOv2
     for index in range(n_shards):
-        samples = [(f"img{index:04d}_{i:04d}", rng.standard_normal((tokens_per_image, d), np.float32)
-                    .astype(np.float16), {}) for i in range(images_per_shard)]
+        samples = [
+            (f"img{index:04d}_{i:04d}", rng.standard_normal((tokens_per_image, d), np.float32).astype(np.float16), {})
+            for i in range(images_per_shard)
+        ]
         S.write_shard(dpath, index, samples)
-    S.write_manifest(dpath, n_shards=n_shards, spec={"name": "benchmark"}, layer=0,
-                     tokens_per_image=tokens_per_image, n_prefix_tokens=tokens_per_image - grid * grid,
-                        grid=(grid, grid))
+    S.write_manifest(
+        dpath,
+        n_shards=n_shards,
+        spec={"name": "benchmark"},
+        layer=0,
+        tokens_per_image=tokens_per_image,
+        n_prefix_tokens=tokens_per_image - grid * grid,
+        grid=(grid, grid),
+    )
 
 
 def plain_read(fpaths: list[Path], batch_size: int) -> int:
@@ -60,8 +69,11 @@ def plain_read(fpaths: list[Path], batch_size: int) -> int:
     n_tokens = 0
     for fpath in fpaths:
         with tarfile.open(fpath) as tar:
-            arrays = [np.load(io.BytesIO(tar.extractfile(m).read()), allow_pickle=False)
-                      for m in tar if m.name.endswith(".tokens.npy")]
+            arrays = [
+                np.load(io.BytesIO(tar.extractfile(m).read()), allow_pickle=False)
+                for m in tar
+                if m.name.endswith(".tokens.npy")
+            ]
         tokens = np.concatenate(arrays)
         for start in range(0, len(tokens), batch_size):  # float32 per batch: a whole shard at once is slower
             n_tokens += len(torch.from_numpy(tokens[start : start + batch_size]).float())
@@ -71,8 +83,13 @@ def plain_read(fpaths: list[Path], batch_size: int) -> int:
 def stream_read(dpath: Path, num_workers: int, batch_size: int, buffer_tokens: int, verify: bool = True) -> int:
     """One epoch of the DataModule's training loader (``verify``: check each sample's checksum); returns tokens."""
     ShardUnit.verify = verify  # read by each ShardUnit the DataModule creates
-    dm = ActivationDataModule(str(dpath), batch_size=batch_size, num_workers=num_workers,
-                              shuffle_buffer_tokens=buffer_tokens, val_fraction=0.0)
+    dm = ActivationDataModule(
+        str(dpath),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        shuffle_buffer_tokens=buffer_tokens,
+        val_fraction=0.0,
+    )
     n_tokens = 0
     for batch in dm.train_dataloader():
         n_tokens += len(batch["x"])
@@ -144,42 +161,54 @@ def main(argv: list[str] | None = None) -> dict:
         write_shards(dpath, args.n_shards, args.images_per_shard, args.tokens_per_image, args.d)
         fpaths = S.shard_fpaths(dpath, S.load_manifest(dpath))
         size_mb = sum(f.stat().st_size for f in fpaths) / 2**20
-        print(f"{args.n_shards} shards x {args.images_per_shard} images x {args.tokens_per_image} tokens, "
-              f"d={args.d} float16 ({size_mb:.0f} MB); batch {args.batch_size}, buffer {args.buffer_tokens} tokens")
+        print(
+            f"{args.n_shards} shards x {args.images_per_shard} images x {args.tokens_per_image} tokens, "
+            f"d={args.d} float16 ({size_mb:.0f} MB); batch {args.batch_size}, buffer {args.buffer_tokens} tokens"
+        )
         plain_read(fpaths, args.batch_size)  # warm the page cache
         results["plain"] = best_rates(lambda: plain_read(fpaths, args.batch_size), args.repeats)
-        print(f"{'':32s} {'M tokens/s':>10s} {'ratio':>6s}   {'M tokens/CPU-s':>14s} {'ratio':>6s}   "
-              f"{'verified/unverified (wall, CPU)':>31s}")
-        print(f"{'plain sequential read':32s} {results['plain'][0] / 1e6:10.3f} {'':6s}   "
-              f"{results['plain'][1] / 1e6:14.3f}")
+        print(
+            f"{'':32s} {'M tokens/s':>10s} {'ratio':>6s}   {'M tokens/CPU-s':>14s} {'ratio':>6s}   "
+            f"{'verified/unverified (wall, CPU)':>31s}"
+        )
+        print(
+            f"{'plain sequential read':32s} {results['plain'][0] / 1e6:10.3f} {'':6s}   "
+            f"{results['plain'][1] / 1e6:14.3f}"
+        )
         for workers in (1, 2):
             for verify in (False, True):
-                rates = best_rates(lambda: stream_read(dpath, workers, args.batch_size, args.buffer_tokens, verify),
-                                   args.repeats)
+                rates = best_rates(
+                    lambda: stream_read(dpath, workers, args.batch_size, args.buffer_tokens, verify),  # noqa: B023
+                    args.repeats,  # (best_rates calls it before the loop moves on)
+                )
                 name = f"workers_{workers}" + ("" if verify else "_unverified")
                 results[name] = rates
                 ratios = [rate / plain for rate, plain in zip(rates, results["plain"])]
                 label = f"DataModule, {workers} worker" + "s" * (workers > 1) + (", verified" if verify else "")
-                line = (f"{label:32s} {rates[0] / 1e6:10.3f} {ratios[0]:6.2f}   {rates[1] / 1e6:14.3f} "
-                        f"{ratios[1]:6.2f}")
+                line = f"{label:32s} {rates[0] / 1e6:10.3f} {ratios[0]:6.2f}   {rates[1] / 1e6:14.3f} {ratios[1]:6.2f}"
                 if verify:
                     unverified = results[f"workers_{workers}_unverified"]
                     results[f"verify_ratio_{workers}"] = (rates[0] / unverified[0], rates[1] / unverified[1])
                     line += f"   {rates[0] / unverified[0]:15.2f} {rates[1] / unverified[1]:15.2f}"
                 print(line)
         ShardUnit.verify = True
-        reader = interleaved_best({"off": lambda: reader_read(fpaths, False), "on": lambda: reader_read(fpaths, True)},
-                                  max(3, args.repeats))
+        reader = interleaved_best(
+            {"off": lambda: reader_read(fpaths, False), "on": lambda: reader_read(fpaths, True)}, max(3, args.repeats)
+        )
         results["reader"] = (reader["off"], reader["on"])
-        print(f"shard reader alone (one process, interleaved best of {max(3, args.repeats)}): "
-              f"{reader['off'] / 1e6:.3f} M tokens/CPU-s unverified, {reader['on'] / 1e6:.3f} verified, "
-              f"ratio {reader['on'] / reader['off']:.2f}")
+        print(
+            f"shard reader alone (one process, interleaved best of {max(3, args.repeats)}): "
+            f"{reader['off'] / 1e6:.3f} M tokens/CPU-s unverified, {reader['on'] / 1e6:.3f} verified, "
+            f"ratio {reader['on'] / reader['off']:.2f}"
+        )
         # The checks' CPU time per token, against what the whole stream spends per token (1 worker, unverified):
         # a figure that a loaded machine disturbs far less than the wall-clock ratios above.
         extra = 1 / reader["on"] - 1 / reader["off"]
         stream = 1 / results["workers_1_unverified"][1]
-        print(f"verification's CPU time per token: {extra * 1e9:.0f} ns, {extra / stream:.1%} of the stream's "
-              f"{stream * 1e9:.0f} ns: the verified stream keeps {1 / (1 + extra / stream):.2f} of its throughput")
+        print(
+            f"verification's CPU time per token: {extra * 1e9:.0f} ns, {extra / stream:.1%} of the stream's "
+            f"{stream * 1e9:.0f} ns: the verified stream keeps {1 / (1 + extra / stream):.2f} of its throughput"
+        )
         print("targets: wall-clock ratio to the plain read >= 0.7; verified/unverified >= 0.9")
     return results
 

@@ -13,6 +13,7 @@ element size, each storage counted once). Targets at d_in=256, d_sae=4096 on CPU
 The script also reports the fraction of tokens whose selected atoms differ (float32
 near-ties can resolve differently; float64 agreement is what the tests check).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -131,8 +132,9 @@ def parse_shape(text: str) -> tuple[int, int]:
     return batch_size, k
 
 
-def pursuit_args(argv: list[str] | None, description: str | None, reference: str,
-                 reference_help: str) -> tuple[argparse.Namespace, torch.device]:
+def pursuit_args(
+    argv: list[str] | None, description: str | None, reference: str, reference_help: str
+) -> tuple[argparse.Namespace, torch.device]:
     """The flags every pursuit benchmark shares (this one and ``omp_sae.py``); ``--<reference>_reps`` sets
     how often the slow reference side runs. Sets the torch threads."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,7 +146,9 @@ def pursuit_args(argv: list[str] | None, description: str | None, reference: str
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument(f"--{reference}_reps", type=int, default=3, help=f"reps of the (slow) {reference_help}; 0 = --reps")
+    parser.add_argument(
+        f"--{reference}_reps", type=int, default=3, help=f"reps of the (slow) {reference_help}; 0 = --reps"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one rep (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:

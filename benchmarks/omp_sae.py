@@ -23,6 +23,7 @@ Times are medians over ``--reps`` after ``--warmup`` untimed steps; "saved" is w
 autograd graph keeps for backward (each storage counted once). "other atoms": the fraction
 of tokens whose selected atoms differ between omp and naive (float32 near-ties).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ def naive_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, 
     return chosen, codes @ W_dec + b_pre
 
 
-def bench_shape(d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dtype, device: torch.device,
-                args: argparse.Namespace) -> dict[str, float]:
+def bench_shape(
+    d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
+) -> dict[str, float]:
     torch.manual_seed(0)
     omp = OMPSAE(d_in, d_sae, k).to(device=device, dtype=dtype)
     mp = MatchingPursuitSAE(d_in, d_sae, k).to(device=device, dtype=dtype)
@@ -83,13 +85,20 @@ def bench_shape(d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dty
         mismatch = (omp.pursuit(x)[0] != naive_omp(x, W_ref, b_ref, k)[0]).any(dim=1).float().mean().item()
     omp_s = median_seconds(lambda: step(lambda: loss_of(omp), list(omp.parameters())), device, args.warmup, args.reps)
     mp_s = median_seconds(lambda: step(lambda: loss_of(mp), list(mp.parameters())), device, args.warmup, args.reps)
-    mp_mm_s = median_seconds(lambda: step(lambda: loss_of(mp_mm), list(mp_mm.parameters())), device, args.warmup,
-                             args.reps)
-    naive_s = median_seconds(lambda: step(naive_loss, [W_ref, b_ref]), device, args.warmup,
-                             args.naive_reps or args.reps)
+    mp_mm_s = median_seconds(
+        lambda: step(lambda: loss_of(mp_mm), list(mp_mm.parameters())), device, args.warmup, args.reps
+    )
+    naive_s = median_seconds(
+        lambda: step(naive_loss, [W_ref, b_ref]), device, args.warmup, args.naive_reps or args.reps
+    )
     return {
-        "omp_s": omp_s, "mp_s": mp_s, "mp_mm_s": mp_mm_s, "naive_s": naive_s,
-        "omp_over_mp": omp_s / mp_s, "omp_over_mp_mm": omp_s / mp_mm_s, "naive_over_omp": naive_s / omp_s,
+        "omp_s": omp_s,
+        "mp_s": mp_s,
+        "mp_mm_s": mp_mm_s,
+        "naive_s": naive_s,
+        "omp_over_mp": omp_s / mp_s,
+        "omp_over_mp_mm": omp_s / mp_mm_s,
+        "naive_over_omp": naive_s / omp_s,
         "omp_mib": saved_bytes(lambda: loss_of(omp)) / 2**20,
         "naive_mib": saved_bytes(naive_loss) / 2**20,
         "other_atoms": mismatch,
@@ -100,20 +109,27 @@ def main(argv: list[str] | None = None) -> None:
     args, device = pursuit_args(argv, __doc__, "naive", "naive OMP")
     for _, k in args.shapes:
         if k > min(args.d_in, args.d_sae):
-            print(f"error: --shapes: k={k} exceeds min(d_in, d_sae)={min(args.d_in, args.d_sae)}, OMP's limit",
-                  file=sys.stderr)
+            print(
+                f"error: --shapes: k={k} exceeds min(d_in, d_sae)={min(args.d_in, args.d_sae)}, OMP's limit",
+                file=sys.stderr,
+            )
             sys.exit(2)
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'omp s':>8} {'mp s':>8} {'mp mm s':>8} "
-          f"{'naive s':>8} | {'omp/mp':>7} {'omp/mp mm':>9} {'naive/omp':>9} | {'omp MiB':>8} {'naive MiB':>9} | "
-          "other atoms")
+    print(
+        f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'omp s':>8} {'mp s':>8} {'mp mm s':>8} "
+        f"{'naive s':>8} | {'omp/mp':>7} {'omp/mp mm':>9} {'naive/omp':>9} | {'omp MiB':>8} {'naive MiB':>9} | "
+        "other atoms"
+    )
     for batch_size, k in args.shapes:
         dtype = getattr(torch, args.dtype)
         r = bench_shape(args.d_in, args.d_sae, batch_size, k, dtype, device, args)
-        print(f"{args.d_in:>5} {args.d_sae:>6} {batch_size:>5} {k:>3} {args.dtype:>8} | "
-              f"{r['omp_s']:>8.4f} {r['mp_s']:>8.4f} {r['mp_mm_s']:>8.4f} {r['naive_s']:>8.4f} | "
-              f"{r['omp_over_mp']:>6.2f}x {r['omp_over_mp_mm']:>8.2f}x {r['naive_over_omp']:>8.1f}x | "
-              f"{r['omp_mib']:>8.2f} {r['naive_mib']:>9.2f} | {r['other_atoms']:.4f}", flush=True)
+        print(
+            f"{args.d_in:>5} {args.d_sae:>6} {batch_size:>5} {k:>3} {args.dtype:>8} | "
+            f"{r['omp_s']:>8.4f} {r['mp_s']:>8.4f} {r['mp_mm_s']:>8.4f} {r['naive_s']:>8.4f} | "
+            f"{r['omp_over_mp']:>6.2f}x {r['omp_over_mp_mm']:>8.2f}x {r['naive_over_omp']:>8.1f}x | "
+            f"{r['omp_mib']:>8.2f} {r['naive_mib']:>9.2f} | {r['other_atoms']:.4f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

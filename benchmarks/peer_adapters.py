@@ -14,6 +14,7 @@ The peers are imported lazily (the ``bench`` extra: ``pip install -e ".[bench]"`
 one is reported and skipped. overcomplete imports ``matplotlib.cm.get_cmap``, which
 matplotlib 3.9 removed: the shim below restores it for that import only.
 """
+
 from __future__ import annotations
 
 import os
@@ -126,11 +127,15 @@ class SAELens(Contender):
             sae = sae_lens.BatchTopKTrainingSAE(sae_lens.BatchTopKTrainingSAEConfig(k=self.k, **common))
         elif self.variant == "jumprelu":
             assert isinstance(template, JumpReLUSAE)
-            sae = sae_lens.JumpReLUTrainingSAE(sae_lens.JumpReLUTrainingSAEConfig(
-                jumprelu_bandwidth=template.bandwidth, l0_coefficient=SPARSITY_COEFFICIENT, **common))
+            sae = sae_lens.JumpReLUTrainingSAE(
+                sae_lens.JumpReLUTrainingSAEConfig(
+                    jumprelu_bandwidth=template.bandwidth, l0_coefficient=SPARSITY_COEFFICIENT, **common
+                )
+            )
         else:
-            sae = sae_lens.StandardTrainingSAE(sae_lens.StandardTrainingSAEConfig(
-                l1_coefficient=SPARSITY_COEFFICIENT, **common))
+            sae = sae_lens.StandardTrainingSAE(
+                sae_lens.StandardTrainingSAEConfig(l1_coefficient=SPARSITY_COEFFICIENT, **common)
+            )
         with torch.no_grad():
             sae.W_enc.copy_(template.W_enc)
             sae.b_enc.copy_(template.b_enc)
@@ -147,9 +152,15 @@ class SAELens(Contender):
 
         sae = self.model
         self.optimizer.zero_grad(set_to_none=True)
-        out = sae.training_forward_pass(TrainStepInput(
-            sae_in=x, coefficients=self.coefficients, dead_neuron_mask=self.since_fired > 10_000_000,
-            n_training_steps=0, is_logging_step=False))
+        out = sae.training_forward_pass(
+            TrainStepInput(
+                sae_in=x,
+                coefficients=self.coefficients,
+                dead_neuron_mask=self.since_fired > 10_000_000,
+                n_training_steps=0,
+                is_logging_step=False,
+            )
+        )
         with torch.no_grad():  # SAETrainer's firing bookkeeping
             did_fire = out.feature_acts.bool().float().sum(-2).bool()
             self.since_fired += 1
@@ -215,11 +226,14 @@ class Overcomplete(Contender):
                 model.thresholds.copy_(template.log_threshold)
         if self.variant == "relu":
             self.criterion: Callable[..., Tensor] = lambda x, x_hat, z_pre, z, D: oc.losses.mse_l1(
-                x, x_hat, z_pre, z, D, penalty=SPARSITY_COEFFICIENT)
+                x, x_hat, z_pre, z, D, penalty=SPARSITY_COEFFICIENT
+            )
         elif self.variant == "jumprelu":
+
             def criterion(x: Tensor, x_hat: Tensor, z_pre: Tensor, z: Tensor, D: Tensor) -> Tensor:
                 steps = oc.heaviside(torch.relu(z_pre), torch.exp(model.thresholds), model.kernel_fn, model.bandwidth)
                 return (x - x_hat).square().mean() + SPARSITY_COEFFICIENT * steps.sum(-1).mean()
+
             self.criterion = criterion
         else:
             self.criterion = lambda x, x_hat, z_pre, z, D: (x - x_hat).square().mean()
@@ -262,8 +276,9 @@ class Sparsify(Contender):
         os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
         from sparsify import SparseCoder, SparseCoderConfig
 
-        coder = SparseCoder(template.d_in, SparseCoderConfig(num_latents=template.d_sae, k=self.k),
-                            device="cpu", dtype=torch.float32)
+        coder = SparseCoder(
+            template.d_in, SparseCoderConfig(num_latents=template.d_sae, k=self.k), device="cpu", dtype=torch.float32
+        )
         with torch.no_grad():
             coder.encoder.weight.copy_(template.W_enc.T)
             coder.encoder.bias.copy_(template.b_enc)
@@ -303,5 +318,9 @@ PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
     "overcomplete": (Overcomplete, VARIANTS),
     "sparsify": (Sparsify, ("topk",)),
 }
-OURS: dict[str, type[ShallowSAE]] = {"topk": TopKSAE, "batchtopk": BatchTopKSAE, "jumprelu": JumpReLUSAE,
-                                     "relu": ReLUSAE}
+OURS: dict[str, type[ShallowSAE]] = {
+    "topk": TopKSAE,
+    "batchtopk": BatchTopKSAE,
+    "jumprelu": JumpReLUSAE,
+    "relu": ReLUSAE,
+}

@@ -28,6 +28,7 @@ same weights; the table gives the largest difference relative to the largest val
 overcomplete has no pre-bias ``b_pre``, so it is compared with ``b_pre = 0``; thresholds are
 not compared (SAELens trains θ, we and overcomplete log θ).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,13 @@ def make_batch(d_in: int, batch_size: int, seed: int = 0) -> torch.Tensor:
     """Token-like activations: low-rank plus noise, with an offset."""
     generator = torch.Generator().manual_seed(seed)
     rank = max(d_in // 4, 1)
-    mixing = torch.randn(rank, d_in, generator=generator) / rank ** 0.5
+    mixing = torch.randn(rank, d_in, generator=generator) / rank**0.5
     latent = torch.randn(batch_size, rank, generator=generator)
-    return latent @ mixing + 0.1 * torch.randn(batch_size, d_in, generator=generator) + torch.randn(d_in, generator=generator)
+    return (
+        latent @ mixing
+        + 0.1 * torch.randn(batch_size, d_in, generator=generator)
+        + torch.randn(d_in, generator=generator)
+    )
 
 
 def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) -> ShallowSAE:
@@ -147,8 +152,9 @@ def equality(variant: str, peer_cls: type[Contender], template: ShallowSAE, x: t
     if peer_cls.library == "overcomplete":
         with torch.no_grad():
             template.b_pre.zero_()
-    diff = relative_difference(Ours(variant, template, args.batch_size, args.k),
-                               peer_cls(variant, template, args.batch_size, args.k), x)
+    diff = relative_difference(
+        Ours(variant, template, args.batch_size, args.k), peer_cls(variant, template, args.batch_size, args.k), x
+    )
     return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
 
 
@@ -174,25 +180,29 @@ def run_shape(d_sae: int, args) -> list[str]:
         contenders, notes = load_contenders(variant, template, args)
         for note in notes:
             print(f"  note: {note}", flush=True)
-        equal = {c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x, args)
-                 for c in contenders}
+        equal = {
+            c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x, args)
+            for c in contenders
+        }
         xc = (x - template.b_pre).detach()
         W_enc = template.W_enc.detach()
         gemm_times: list[float] = []
         step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
         for round_index in range(args.rounds):
-            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps)
+            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps)  # noqa: B023 (called at once)
             for c in contenders:
                 if round_index == 0:
-                    median_step(lambda: c.step(x), args.warmup)
-                step_times[c.name] += median_step(lambda: c.step(x), args.steps)
+                    median_step(lambda: c.step(x), args.warmup)  # noqa: B023 (called at once)
+                step_times[c.name] += median_step(lambda: c.step(x), args.steps)  # noqa: B023 (called at once)
         gemm = statistics.median(gemm_times)
         ours_time = statistics.median(step_times[contenders[0].name])
         for c in contenders:
             step = statistics.median(step_times[c.name])
-            peak = peak_step_bytes(c, x) / 2 ** 20
-            row = (f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
-                   f"{peak:.{0 if peak >= 10 else 2}f} MiB | {equal[c.name]} |")
+            peak = peak_step_bytes(c, x) / 2**20
+            row = (
+                f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
+                f"{peak:.{0 if peak >= 10 else 2}f} MiB | {equal[c.name]} |"
+            )
             print(row, flush=True)
             rows.append(row)
         del contenders
@@ -237,9 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; float32; B={args.batch_size} k={args.k}; "
-          f"median over {args.rounds} rounds x {args.steps} steps", flush=True)
+    print(
+        f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; float32; B={args.batch_size} k={args.k}; "
+        f"median over {args.rounds} rounds x {args.steps} steps",
+        flush=True,
+    )
     print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | equal to ours |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for d_sae in args.d_sae:

@@ -11,6 +11,7 @@ against the step.
     python -m benchmarks.short_run_sparsity                     # 300 steps, the test's length
     python -m benchmarks.short_run_sparsity --steps 3000 --figure docs/figures/short_run_sparsity.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,12 +54,24 @@ def run(stem: str, extra: list[str], shards: Path, work_dpath: Path, steps: int)
     work_dpath.mkdir(parents=True)
     os.chdir(work_dpath)
     started = time.perf_counter()
-    cli = SAECLI(args=[*fit_args(config_fpath, config, shards, steps), *extra,
-                       "--trainer.log_every_n_steps", str(max(1, steps // 60))])
+    cli = SAECLI(
+        args=[
+            *fit_args(config_fpath, config, shards, steps),
+            *extra,
+            "--trainer.log_every_n_steps",
+            str(max(1, steps // 60)),
+        ]
+    )
     metrics = cli.trainer.callback_metrics
     steps_logged, l0s = train_l0_curve(cli.trainer.logger.log_dir)
-    return {"l0": float(metrics["val/l0"]), "r2": float(metrics["val/r2"]), "target": target_l0(config),
-            "seconds": time.perf_counter() - started, "steps": steps_logged, "train_l0": l0s}
+    return {
+        "l0": float(metrics["val/l0"]),
+        "r2": float(metrics["val/r2"]),
+        "target": target_l0(config),
+        "seconds": time.perf_counter() - started,
+        "steps": steps_logged,
+        "train_l0": l0s,
+    }
 
 
 def draw(results: list[tuple[str, str, dict]], fpath: Path) -> None:
@@ -69,8 +82,12 @@ def draw(results: list[tuple[str, str, dict]], fpath: Path) -> None:
                 axes.plot(result["steps"], result["train_l0"], label=setting)
         target = next(r["target"] for name, _, r in results if name == stem)
         axes.axhline(target, color="0.4", linestyle="--", linewidth=1, label=f"target {target:g}")
-        axes.set(yscale="log", xlabel="training step", ylabel="train L0 (active latents per token)",
-                 title=f"{stem.split('_')[0]} on ViT-like tokens, bf16")
+        axes.set(
+            yscale="log",
+            xlabel="training step",
+            ylabel="train L0 (active latents per token)",
+            title=f"{stem.split('_')[0]} on ViT-like tokens, bf16",
+        )
         axes.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 10, 20, 50, 100, ...
         axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 20, not 2 x 10^1
         axes.yaxis.set_minor_formatter(NullFormatter())
@@ -104,8 +121,10 @@ def main() -> None:
     print("| config | setting | val L0 | target | L0 / target | val R² | seconds |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for stem, setting, r in results:
-        print(f"| {stem} | {setting} | {r['l0']:.1f} | {r['target']:g} | {r['l0'] / r['target']:.2f} | "
-              f"{r['r2']:.3f} | {r['seconds']:.0f} |")
+        print(
+            f"| {stem} | {setting} | {r['l0']:.1f} | {r['target']:g} | {r['l0'] / r['target']:.2f} | "
+            f"{r['r2']:.3f} | {r['seconds']:.0f} |"
+        )
     for stem in ("jumprelu_dinov2", "relu_dinov2"):
         config_ratio, paper_ratio = (r["l0"] / r["target"] for name, _, r in results if name == stem)
         print(f"\n{stem}: L0 / target {config_ratio:.2f} with the config's setting vs {paper_ratio:.2f} without")

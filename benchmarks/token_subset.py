@@ -16,6 +16,7 @@ disk table of docs/extraction.md states from the formula) and the images/s of ea
 (best of `--repeats`, alternating, after a warm-up). The subset side's time includes the
 selection and the gather.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,14 +82,22 @@ def main(argv: list[str] | None = None) -> None:
         subset_bytes = (subset_dpath / shard_fname(0)).stat().st_size
     n_stored = N_PREFIX + args.n_patches
     all_rate, subset_rate = args.n_images / min(all_s), args.n_images / min(subset_s)
-    print(f"token subset: DINOv2 layout ({N_PREFIX} + {GRID[0]}x{GRID[1]} tokens, d={D}, float16), "
-          f"{args.n_images} images, batch {args.batch_size}, best of {args.repeats}, {torch.get_num_threads()} threads")
-    print(f"  all tokens ({N_PREFIX + GRID[0] * GRID[1]}/image)  {all_bytes / args.n_images / 1024:8.1f} KiB/image  "
-          f"{all_rate:8.1f} images/s")
-    print(f"  subset N={args.n_patches} ({n_stored}/image)   {subset_bytes / args.n_images / 1024:8.1f} KiB/image  "
-          f"{subset_rate:8.1f} images/s")
-    print(f"  ratio subset/all: bytes {subset_bytes / all_bytes:.3f} (tokens alone {n_stored / 261:.3f}), "
-          f"write speed {subset_rate / all_rate:.2f}x")
+    print(
+        f"token subset: DINOv2 layout ({N_PREFIX} + {GRID[0]}x{GRID[1]} tokens, d={D}, float16), "
+        f"{args.n_images} images, batch {args.batch_size}, best of {args.repeats}, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"  all tokens ({N_PREFIX + GRID[0] * GRID[1]}/image)  {all_bytes / args.n_images / 1024:8.1f} KiB/image  "
+        f"{all_rate:8.1f} images/s"
+    )
+    print(
+        f"  subset N={args.n_patches} ({n_stored}/image)   {subset_bytes / args.n_images / 1024:8.1f} KiB/image  "
+        f"{subset_rate:8.1f} images/s"
+    )
+    print(
+        f"  ratio subset/all: bytes {subset_bytes / all_bytes:.3f} (tokens alone {n_stored / 261:.3f}), "
+        f"write speed {subset_rate / all_rate:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: SAE training steps through the Lightning Trainer against a bare PyTorch loop, same run.
 
-    python -m benchmarks.train_step                  # CPU: d_in=256, d_sae=4096, B=1024, k=16 (target: overhead <= 10 %)
+    python -m benchmarks.train_step                  # CPU: d_in=256, d_sae=4096, B=1024, k=16 (target: overhead ≤ 10 %)
     python -m benchmarks.train_step --device cuda    # the same on a GPU
     python -m benchmarks.train_step --quick          # tiny sizes, a few steps (a smoke run)
 
@@ -26,6 +26,7 @@ the steps Lightning writes logs (``--log-every``, Lightning's default 50), which
 skips; "mean ovh." is the overhead from mean step times, so it counts those steps (and any
 interference) in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,26 +100,39 @@ class StepTimer(L.Callback):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.clock.step_start(batch_idx)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == self.clock.warmup + self.clock.n_steps - 1:
             self.clock.finish()
 
 
-def lightning_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor], args: argparse.Namespace,
-                             device: torch.device) -> list[float]:
+def lightning_step_durations(
+    template: SparseAutoencoder, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device
+) -> list[float]:
     sae = copy.deepcopy(template)
     module = SAEModule(sae, lr=LR, warmup_steps=args.warmup_lr_steps, min_lr=MIN_LR, normalize_input=False)
     module.init_from_data(batches[0].mean(0).cpu(), float(batches[0].square().sum(1).mean()))
     total = args.warmup + args.steps
     clock = StepClock(args.warmup, args.steps, device)
     trainer = L.Trainer(
-        accelerator=device.type, devices=1, precision="32-true", max_steps=total, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[StepTimer(clock)], log_every_n_steps=args.log_every,
+        accelerator=device.type,
+        devices=1,
+        precision="32-true",
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[StepTimer(clock)],
+        log_every_n_steps=args.log_every,
     )
     trainer.fit(module, train_dataloaders=InMemoryBatches(batches, total))
     if trainer.global_step != total:
@@ -126,8 +140,13 @@ def lightning_step_durations(template: SparseAutoencoder, batches: list[torch.Te
     return clock.durations()
 
 
-def bare_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor], args: argparse.Namespace,
-                        device: torch.device, with_metrics: bool = False) -> list[float]:
+def bare_step_durations(
+    template: SparseAutoencoder,
+    batches: list[torch.Tensor],
+    args: argparse.Namespace,
+    device: torch.device,
+    with_metrics: bool = False,
+) -> list[float]:
     """The same work as ``SAEModule.training_step`` + the optimiser hooks, written out by hand.
 
     ``with_metrics`` adds the module's per-step bookkeeping (finite checks, input scaling, L0,
@@ -140,7 +159,8 @@ def bare_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor]
     total = args.warmup + args.steps
     optimizer = torch.optim.Adam(sae.parameters(), lr=LR, **adam_implementation(sae))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine_factor(step, min(args.warmup_lr_steps, total), total, MIN_LR / LR))
+        optimizer, lambda step: warmup_cosine_factor(step, min(args.warmup_lr_steps, total), total, MIN_LR / LR)
+    )
     clock = StepClock(args.warmup, args.steps, device)
     for step in range(total):
         clock.step_start(step)
@@ -155,8 +175,11 @@ def bare_step_durations(template: SparseAutoencoder, batches: list[torch.Tensor]
             if not torch.isfinite(losses.loss):
                 raise FloatingPointError(f"non-finite loss at step {step}")
         if with_metrics and (step + 1) % args.log_every == 0:
-            _ = [output.l0().float(), train_r2(x, output.x_hat).float(),
-                 dead_fraction(sae.tokens_since_fired, sae.dead_after_tokens).float()]
+            _ = [
+                output.l0().float(),
+                train_r2(x, output.x_hat).float(),
+                dead_fraction(sae.tokens_since_fired, sae.dead_after_tokens).float(),
+            ]
         optimizer.zero_grad(set_to_none=True)
         losses.loss.backward()
         with torch.no_grad():
@@ -185,8 +208,13 @@ def make_batches(args: argparse.Namespace, device: torch.device) -> list[torch.T
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--variants", nargs="+", default=["topk", "mpsae"], choices=list(SAE_REGISTRY),
-                        help="registry keys; each gets sparsity --k through its class's sparsity_init_args")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["topk", "mpsae"],
+        choices=list(SAE_REGISTRY),
+        help="registry keys; each gets sparsity --k through its class's sparsity_init_args",
+    )
     parser.add_argument("--d-in", type=int, default=256)
     parser.add_argument("--d-sae", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=1024)
@@ -196,8 +224,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-lr-steps", type=int, default=10, help="SAEModule.warmup_steps")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds (their steps are pooled)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--log-every", type=int, default=50,
-                        help="Trainer.log_every_n_steps (Lightning's default, 50): train metrics are computed then")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=50,
+        help="Trainer.log_every_n_steps (Lightning's default, 50): train metrics are computed then",
+    )
     parser.add_argument("--n-distinct-batches", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 5 steps, 1 round (a smoke run)")
     args = parser.parse_args(argv)
@@ -228,12 +260,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is visible; run on a GPU machine or use --device cpu")
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"device: {device_name}; d_in={args.d_in} d_sae={args.d_sae} B={args.batch_size} k={args.k}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps, median step over {args.repeats} alternating rounds")
+    device_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"device: {device_name}; d_in={args.d_in} d_sae={args.d_sae} B={args.batch_size} k={args.k}; "
+        f"{args.warmup} warm-up + {args.steps} timed steps, median step over {args.repeats} alternating rounds"
+    )
     batches = make_batches(args, device)
-    print(f"{'variant':<8} {'bare':>8} {'bare+metrics':>13} {'Trainer':>8} {'overhead':>9} {'loop only':>10} {'mean ovh.':>10}"
-          "   (steps/s; per round: bare/bare+metrics/Trainer)")
+    print(
+        f"{'variant':<8} {'bare':>8} {'bare+metrics':>13} {'Trainer':>8} {'overhead':>9} {'loop only':>10} "
+        f"{'mean ovh.':>10}"
+        "   (steps/s; per round: bare/bare+metrics/Trainer)"
+    )
     for variant in args.variants:
         torch.manual_seed(0)
         cls = SAE_REGISTRY[variant]
@@ -254,8 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         overhead = rate["bare"] / rate["Trainer"] - 1  # the issue's figure: Trainer + module against the bare loop
         loop_only = rate["bare+metrics"] / rate["Trainer"] - 1  # once the module's metrics are in the bare loop too
         mean_overhead = mean_rate["bare"] / mean_rate["Trainer"] - 1  # logging steps and interference included
-        print(f"{variant:<8} {rate['bare']:>8.3g} {rate['bare+metrics']:>13.3g} {rate['Trainer']:>8.3g} "
-              f"{overhead:>8.1%} {loop_only:>10.1%} {mean_overhead:>10.1%}   {', '.join(rounds)}", flush=True)
+        print(
+            f"{variant:<8} {rate['bare']:>8.3g} {rate['bare+metrics']:>13.3g} {rate['Trainer']:>8.3g} "
+            f"{overhead:>8.1%} {loop_only:>10.1%} {mean_overhead:>10.1%}   {', '.join(rounds)}",
+            flush=True,
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -10,13 +10,22 @@ final layer, which a CPU test cannot extract. What matters for the SAEs is repro
   the typical coordinate, as DINOv2's registers and CLS token do: they dominate E‖x‖², so after
   the input normalisation (E‖x‖² = d_in) ordinary tokens are much smaller than unit scale.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 
-def vit_like_tokens(n: int, d: int, seed: int = 0, n_atoms: int | None = None, active: int = 8,
-                    massive_dims: int = 3, massive_share: float = 0.04, massive_value: float = 50.0) -> np.ndarray:
+def vit_like_tokens(
+    n: int,
+    d: int,
+    seed: int = 0,
+    n_atoms: int | None = None,
+    active: int = 8,
+    massive_dims: int = 3,
+    massive_share: float = 0.04,
+    massive_value: float = 50.0,
+) -> np.ndarray:
     """``[n, d]`` float32 tokens (see the module docstring)."""
     rng = np.random.default_rng(seed)
     n_atoms = n_atoms or 4 * d
@@ -32,6 +41,7 @@ def vit_like_tokens(n: int, d: int, seed: int = 0, n_atoms: int | None = None, a
     tokens += 0.1 * rng.standard_t(df=3, size=(n, d))
     massive = rng.random(n) < massive_share
     pattern = massive_value * np.sqrt(d / 64) * rng.choice([-1.0, 1.0], size=massive_dims)
-    tokens[np.ix_(massive, np.arange(massive_dims))] = pattern * (1 + 0.05 * rng.standard_normal(
-        (int(massive.sum()), massive_dims)))
+    tokens[np.ix_(massive, np.arange(massive_dims))] = pattern * (
+        1 + 0.05 * rng.standard_normal((int(massive.sum()), massive_dims))
+    )
     return tokens.astype(np.float32)

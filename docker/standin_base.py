@@ -20,6 +20,7 @@ By hand (as root; prints the base image's name and each stage's seconds):
 
 Why these choices are the fast ones, with the measured times, is in BENCHMARKS.md ("Docker image build and run").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,11 +71,15 @@ def apt_mirror(suite: str = SUITE, etc_apt: Path = Path("/etc/apt")) -> str:
 def ca_bundle() -> Path:
     """The certificate bundle the machine's pip trusts (PIP_CERT, pip's config, the system bundle)."""
     candidates = [os.environ.get("PIP_CERT")]
-    configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.cert"], capture_output=True,
-                                text=True)
-    candidates += [configured.stdout.strip() if configured.returncode == 0 else None,
-                   os.environ.get("REQUESTS_CA_BUNDLE"), os.environ.get("SSL_CERT_FILE"),
-                   "/etc/ssl/certs/ca-certificates.crt"]
+    configured = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.cert"], capture_output=True, text=True
+    )
+    candidates += [
+        configured.stdout.strip() if configured.returncode == 0 else None,
+        os.environ.get("REQUESTS_CA_BUNDLE"),
+        os.environ.get("SSL_CERT_FILE"),
+        "/etc/ssl/certs/ca-certificates.crt",
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)
@@ -92,15 +97,25 @@ class Buildah:
     def __init__(self, storage_dpath: Path | None = None) -> None:
         """`storage_dpath` None: the system's storage, where a plain `buildah bud` finds the image."""
         self.storage = storage_dpath
-        self.global_args = [] if storage_dpath is None else [
-            "--root", str(storage_dpath / "root"), "--runroot", str(storage_dpath / "run"), "--storage-driver",
-            "overlay"]
+        self.global_args = (
+            []
+            if storage_dpath is None
+            else [
+                "--root",
+                str(storage_dpath / "root"),
+                "--runroot",
+                str(storage_dpath / "run"),
+                "--storage-driver",
+                "overlay",
+            ]
+        )
 
     def __call__(self, *args: str, **kwargs) -> str:
         result = subprocess.run(["buildah", *self.global_args, *args], capture_output=True, text=True, **kwargs)
         if result.returncode != 0:
-            raise RuntimeError(f"buildah {' '.join(args[:2])} failed ({result.returncode}):\n"
-                               f"{(result.stdout + result.stderr)[-4000:]}")
+            raise RuntimeError(
+                f"buildah {' '.join(args[:2])} failed ({result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}"
+            )
         return result.stdout.strip()
 
     def cleanup(self) -> None:
@@ -109,8 +124,7 @@ class Buildah:
             return
         for args in (("rm", "--all"), ("rmi", "--all", "--force")):
             subprocess.run(["buildah", *self.global_args, *args], capture_output=True)
-        subprocess.run(["umount", "--recursive", "--lazy", str(self.storage / "root" / "overlay")],
-                       capture_output=True)
+        subprocess.run(["umount", "--recursive", "--lazy", str(self.storage / "root" / "overlay")], capture_output=True)
         shutil.rmtree(self.storage, ignore_errors=True)
 
 
@@ -119,8 +133,11 @@ def build_rootfs(buildah: Buildah, tag: str, mirror: str) -> None:
     container = buildah("from", "scratch")
     try:
         root = buildah("mount", container)
-        result = subprocess.run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, root, mirror],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, root, mirror],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"debootstrap failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
         shutil.rmtree(Path(root) / "var" / "cache" / "apt" / "archives", ignore_errors=True)
@@ -130,8 +147,11 @@ def build_rootfs(buildah: Buildah, tag: str, mirror: str) -> None:
 
 
 def download_wheels(requirements: list[str], dest: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-                             "--dest", str(dest), *requirements], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(dest), *requirements],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"pip download {' '.join(requirements)} failed:\n{result.stderr[-3000:]}")
 
@@ -173,9 +193,25 @@ def build(buildah: Buildah, tag: str, work_dpath: Path) -> dict[str, float]:
     if download_error:
         raise download_error[0]
     start = time.perf_counter()
-    buildah("bud", "--isolation", "chroot", "--network", "host", "--format", "docker", "--quiet", "--file",
-            str(CONTAINERFILE), "--build-arg", f"ROOTFS_IMAGE={rootfs_tag}", "--build-arg",
-            f"TORCH_REQUIREMENTS={' '.join(requirements)}", "--tag", tag, str(context))
+    buildah(
+        "bud",
+        "--isolation",
+        "chroot",
+        "--network",
+        "host",
+        "--format",
+        "docker",
+        "--quiet",
+        "--file",
+        str(CONTAINERFILE),
+        "--build-arg",
+        f"ROOTFS_IMAGE={rootfs_tag}",
+        "--build-arg",
+        f"TORCH_REQUIREMENTS={' '.join(requirements)}",
+        "--tag",
+        tag,
+        str(context),
+    )
     seconds["base stage: pip install torch + commit"] = time.perf_counter() - start
     shutil.rmtree(context, ignore_errors=True)
     buildah("rmi", rootfs_tag)
@@ -186,12 +222,19 @@ def build(buildah: Buildah, tag: str, work_dpath: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tag", default="localhost/pytorch-standin:latest", help="name of the image to build")
-    parser.add_argument("--storage", type=Path, default=None,
-                        help="a folder for buildah's storage (default: the system's, where `buildah bud` looks)")
+    parser.add_argument(
+        "--storage",
+        type=Path,
+        default=None,
+        help="a folder for buildah's storage (default: the system's, where `buildah bud` looks)",
+    )
     parser.add_argument("--work", type=Path, default=Path("standin-build"), help="scratch folder (wheels)")
     args = parser.parse_args(argv)
-    missing = [name for name in ("buildah", "debootstrap")
-               if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
+    missing = [
+        name
+        for name in ("buildah", "debootstrap")
+        if shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None
+    ]
     if missing:
         print(f"error: {', '.join(missing)} not found; install with: {INSTALL_HINT}", file=sys.stderr)
         return 2

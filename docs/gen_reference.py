@@ -13,6 +13,7 @@ Each generated block in README.md and docs/ sits between ``<!-- generated: NAME 
 ``python docs/gen_reference.py`` rewrites the blocks; ``--check`` only reports the ones that differ
 (exit 1). ``tests/test_docs_drift.py`` fails when a committed block is not what this script writes.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,13 +39,17 @@ def variants_table() -> str:
 def backbones_table() -> str:
     from feature_extraction.backbones.registry import BACKBONES
 
-    rows = ["| name | library | model | pretrained tag | prefix tokens | patch grid | d | image size | configs |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| name | library | model | pretrained tag | prefix tokens | patch grid | d | image size | configs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for spec in BACKBONES.values():
         grid = "×".join(map(str, spec.grid))
         tag = f"`{spec.pretrained_tag}`" if spec.pretrained_tag else "none (random weights: tests)"
-        rows.append(f"| `{spec.name}` | {spec.library} | `{spec.model_name}` | {tag} | {spec.n_prefix_tokens} | "
-                    f"{grid} | {spec.d} | {spec.image_size} | {'yes' if spec.has_configs else 'no'} |")
+        rows.append(
+            f"| `{spec.name}` | {spec.library} | `{spec.model_name}` | {tag} | {spec.n_prefix_tokens} | "
+            f"{grid} | {spec.d} | {spec.image_size} | {'yes' if spec.has_configs else 'no'} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -58,8 +63,8 @@ def _first_comment(fpath: Path) -> str:
     text, depth = " ".join(lines), 0
     for index, char in enumerate(text):
         depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(char, 0)
-        if depth == 0 and char in ".:" and text[index + 1:index + 2] in (" ", ""):
-            return text[:index + (char == ".")].replace("|", "\\|")
+        if depth == 0 and char in ".:" and text[index + 1 : index + 2] in (" ", ""):
+            return text[: index + (char == ".")].replace("|", "\\|")
     return text.replace("|", "\\|")
 
 
@@ -111,6 +116,7 @@ def documents() -> list[Path]:
 
 def render(text: str) -> str:
     """``text`` with every generated block rewritten; an unknown block name is an error."""
+
     def replace(match: re.Match[str]) -> str:
         name = match["name"]
         if name not in GENERATORS:
@@ -122,7 +128,9 @@ def render(text: str) -> str:
 
 def stale() -> list[Path]:
     """The documents whose generated blocks differ from what the code gives now."""
-    return [fpath for fpath in documents() if render(fpath.read_text(encoding="utf-8")) != fpath.read_text(encoding="utf-8")]
+    return [
+        fpath for fpath in documents() if render(fpath.read_text(encoding="utf-8")) != fpath.read_text(encoding="utf-8")
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ result. Errors, a bad flag included, are one line on stderr (``exit_status``): e
 anything else the command anticipates (disk full, a held finalize lock), 130 / 143 for Ctrl-C /
 SIGTERM (finished shards are kept; a rerun resumes).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,10 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary["shards_written"] = len(summary["shards_written"])
         return summary
 
-    kept = ("finished shards are kept; rerun the same command to resume" if command == "extract" else
-            "manifest.json was not written; rerun finalize")
-    status, summary = run_cli(build_parser(command), argv, run, interrupted=kept,
-                              kept=lambda parsed: f"the complete shards in {parsed.out}")
+    kept = (
+        "finished shards are kept; rerun the same command to resume"
+        if command == "extract"
+        else "manifest.json was not written; rerun finalize"
+    )
+    status, summary = run_cli(
+        build_parser(command), argv, run, interrupted=kept, kept=lambda parsed: f"the complete shards in {parsed.out}"
+    )
     if status == 0:
         print(json.dumps(summary, default=str))
     return status

@@ -14,8 +14,8 @@ the temporary file and leaves the previous file, if any, as it was.
 The file gets the mode a plain ``open()`` would give it (0666 less the user's umask), whatever
 mode the writing library chose for its temporary file (safetensors: 0600). The temporary name is
 ``NAME.tmp`` by default: a file has one writer, so a rerun after a kill overwrites what the
-killed run left instead of adding to it. Callers whose readers must not see the temporary file (checkpoints: ``.NAME.partial``) or whose writers may race
-(``exclusive``) pass their own.
+killed run left instead of adding to it. Callers whose readers must not see the temporary file (checkpoints:
+``.NAME.partial``) or whose writers may race (``exclusive``) pass their own.
 
 A full disk (``ENOSPC``, or ``EDQUOT`` a full quota) is one error for every command:
 :class:`DiskFullError` names the file being written and what was kept, the partial file is
@@ -28,6 +28,7 @@ name their file (TensorBoard, matplotlib) run inside :func:`writing`. HDF5 canno
 once a write fails, h5py may crash the interpreter, so HDF5 writers call :func:`check_free_space`
 before each write instead.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,10 +41,24 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DiskFullError", "atomic_path", "check_free_space", "disk_full_line", "free_bytes", "fsync_dir",
-           "fsync_file", "out_of_space", "quiet_thread_disk_full", "write_json_atomic", "write_text_atomic", "writing"]
+__all__ = [
+    "DiskFullError",
+    "atomic_path",
+    "check_free_space",
+    "disk_full_line",
+    "free_bytes",
+    "fsync_dir",
+    "fsync_file",
+    "out_of_space",
+    "quiet_thread_disk_full",
+    "write_json_atomic",
+    "write_text_atomic",
+    "writing",
+]
 
 TMP_SUFFIX = ".tmp"
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -53,8 +68,9 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()  # what open() gives a new file: the user's umask decides who may read
 OUT_OF_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # torch's and HDF5's messages for a failed write: they keep errno only as text (or in __context__)
-_OUT_OF_SPACE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|(errno = |os error )(28|122)\b",
-                                re.IGNORECASE)
+_OUT_OF_SPACE_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|(errno = |os error )(28|122)\b", re.IGNORECASE
+)
 # where the failed write went: HDF5's message, or our own line relayed by a parent process
 _WRITTEN_TEXT = re.compile(r"filename = '([^']+)'|no space left on device writing (\S+?)(?: \(|;|$)")
 
@@ -63,8 +79,11 @@ class DiskFullError(OSError):
     """No space left on the device (or quota) while writing ``path``; ``kept`` says what is still there."""
 
     def __init__(self, path: Path | str | None, kept: str | None = None, detail: str = "") -> None:
-        super().__init__(errno.ENOSPC, "No space left on device" + (f" ({detail})" if detail else ""),
-                         None if path is None else str(path))
+        super().__init__(
+            errno.ENOSPC,
+            "No space left on device" + (f" ({detail})" if detail else ""),
+            None if path is None else str(path),
+        )
         self.path = None if path is None else Path(path)
         self.kept = kept
         self.detail = detail
@@ -107,8 +126,10 @@ def disk_full_message(error: BaseException, kept: str | None = None) -> str:
     path = _written_path(error)
     detail = getattr(error, "detail", "")
     kept = getattr(error, "kept", None) or kept or "the files written before this one"
-    return (f"no space left on device writing {path or 'the output'}{f' ({detail})' if detail else ''}; "
-            f"kept: {kept}; free space and rerun the same command")
+    return (
+        f"no space left on device writing {path or 'the output'}{f' ({detail})' if detail else ''}; "
+        f"kept: {kept}; free space and rerun the same command"
+    )
 
 
 def disk_full_line(error: BaseException, kept: str | None = None) -> str | None:

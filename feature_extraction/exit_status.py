@@ -7,8 +7,8 @@ what was kept. A full disk (or quota), wherever it happens and however a library
 line too: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
 command``, exit 1 (``atomic_files.disk_full_line``). Errors the product raises for bad input are
 ``ValueError`` s whose message names the file or flag and the fix; runtime failures are
-``OSError`` / ``RuntimeError``. Anything else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the traceback of
-every error instead of the line.
+``OSError`` / ``RuntimeError``. Anything else is a bug and keeps its traceback. ``SAE_PIPELINE_TRACEBACK=1`` shows the
+traceback of every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
 runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
@@ -22,6 +22,7 @@ the one wrapper: a flag error is the same one line and exit 2 as a bad value fou
 :func:`run_command`. ``python -m sae_pipeline``'s dispatcher prints its errors with
 :func:`error_line` too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,20 @@ from typing import Any
 
 from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_TERMINATED", "Interrupted", "Terminated",
-           "error_line", "flag_error", "interrupted_head", "one_line", "run_cli", "run_command"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INTERRUPTED",
+    "EXIT_RUNTIME",
+    "EXIT_TERMINATED",
+    "Interrupted",
+    "Terminated",
+    "error_line",
+    "flag_error",
+    "interrupted_head",
+    "one_line",
+    "run_cli",
+    "run_command",
+]
 
 EXIT_RUNTIME = 1
 EXIT_BAD_INPUT = 2
@@ -103,9 +116,15 @@ def flag_error(error: argparse.ArgumentError, subcommands: Sequence[str] = ()) -
     return message
 
 
-def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
-            interrupted: str | Callable[[Any], str], error_type: bool = False,
-            kept: str | Callable[[Any], str] | None = None) -> tuple[int, Any]:
+def run_cli(
+    parser: Any,
+    argv: Sequence[str],
+    command: Callable[[Any], Any],
+    *,
+    interrupted: str | Callable[[Any], str],
+    error_type: bool = False,
+    kept: str | Callable[[Any], str] | None = None,
+) -> tuple[int, Any]:
     """Parse ``argv`` with ``parser`` (jsonargparse, ``exit_on_error=False``), then run ``command(config)``.
 
     A flag error prints one ``error: ... (see PROG --help)`` line and returns exit status 2 before
@@ -113,8 +132,9 @@ def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
     :func:`run_command`'s; ``interrupted`` and ``kept`` may be functions of the parsed config (they
     name what was kept, e.g. the ``--out`` folder).
     """
-    subcommands = [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
-                   for name in action.choices]
+    subcommands = [
+        name for action in parser._actions if isinstance(action, argparse._SubParsersAction) for name in action.choices
+    ]
     try:
         config = parser.parse_args(list(argv))
     except argparse.ArgumentError as error:
@@ -124,12 +144,14 @@ def run_cli(parser: Any, argv: Sequence[str], command: Callable[[Any], Any], *,
         return EXIT_BAD_INPUT, None
     kept_interrupted = interrupted(config) if callable(interrupted) else interrupted
     kept_disk_full = kept(config) if callable(kept) else kept
-    return run_command(lambda: command(config), interrupted=kept_interrupted, error_type=error_type,
-                       kept=kept_disk_full)
+    return run_command(
+        lambda: command(config), interrupted=kept_interrupted, error_type=error_type, kept=kept_disk_full
+    )
 
 
-def run_command(function: Callable[[], Any], *, interrupted: str, error_type: bool = False,
-                kept: str | None = None) -> tuple[int, Any]:
+def run_command(
+    function: Callable[[], Any], *, interrupted: str, error_type: bool = False, kept: str | None = None
+) -> tuple[int, Any]:
     """Run ``function()`` under the convention; returns ``(exit status, result or None)``.
 
     ``interrupted`` says what an interruption leaves (e.g. "finished shards are kept; rerun

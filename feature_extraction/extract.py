@@ -41,6 +41,7 @@ Design choices:
   the xxh3-64 of the image's bytes as decoded (`images.content_hash`): the feature browser
   draws an image only while its bytes still hash to that.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,7 +64,13 @@ from feature_extraction.backbones import Backbone, get_backbone_spec, load_backb
 from feature_extraction.images import CONTENT_HASH_KEY, ImageDataset, ImageRecord, collate_images, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from feature_extraction.shards import (
-    assign_shards, format_indices, image_id_from_key, image_key, shard_is_complete, shard_is_intact, shards_for_task,
+    assign_shards,
+    format_indices,
+    image_id_from_key,
+    image_key,
+    shard_is_complete,
+    shard_is_intact,
+    shards_for_task,
 )
 from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
 from feature_extraction.shards.writers import ShardWriters
@@ -87,8 +94,10 @@ def default_task(environ: dict[str, str] | None = None) -> tuple[int, int]:
         offset = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0") or 0)
         index, count = offset // step, int(env["SLURM_ARRAY_TASK_COUNT"])
         if offset % step or not 0 <= index < count:
-            raise ValueError(f"SLURM array task {env['SLURM_ARRAY_TASK_ID']} does not map to an index in "
-                             f"[0, {count - 1}] (use --array=0-N or pass --task_index and --num_tasks)")
+            raise ValueError(
+                f"SLURM array task {env['SLURM_ARRAY_TASK_ID']} does not map to an index in "
+                f"[0, {count - 1}] (use --array=0-N or pass --task_index and --num_tasks)"
+            )
         return index, count
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -110,8 +119,9 @@ def _resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def forward_tokens(backbone: Backbone, pixels: Tensor, device: torch.device,
-                   positions: Tensor | None = None) -> tuple[Tensor, Any]:
+def forward_tokens(
+    backbone: Backbone, pixels: Tensor, device: torch.device, positions: Tensor | None = None
+) -> tuple[Tensor, Any]:
     """Start the forward of one batch; returns float16 tokens `[B, n_tokens, d]` on the host and a CUDA event.
 
     `positions [B, n]` (int, per image) keeps only those tokens, gathered on the device.
@@ -151,15 +161,25 @@ def _record_meta(record: ImageRecord, digest: str | None = None) -> dict:
     return meta
 
 
-def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records: Sequence[ImageRecord],
-                 shards: Sequence[tuple[int, Sequence[int]]], out_dpath: Path, *, batch_size: int,
-                 num_workers: int, device: torch.device, num_writers: int = 4, progress: bool = True,
-                 positions_of: Callable[[list[str]], np.ndarray] | None = None) -> dict:
+def write_shards(
+    backbone: Backbone,
+    dataset: torch.utils.data.Dataset,
+    records: Sequence[ImageRecord],
+    shards: Sequence[tuple[int, Sequence[int]]],
+    out_dpath: Path,
+    *,
+    batch_size: int,
+    num_workers: int,
+    device: torch.device,
+    num_writers: int = 4,
+    progress: bool = True,
+    positions_of: Callable[[list[str]], np.ndarray] | None = None,
+) -> dict:
     """Run the backbone over each shard's records and write the shards; the command's hot loop.
 
     `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
-    `(i, pixels, content hash)` for record `i`, or `(i, None, why)` when it cannot be read. `positions_of(image_ids)`, when given, says which
-    tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
+    `(i, pixels, content hash)` for record `i`, or `(i, None, why)` when it cannot be read. `positions_of(image_ids)`,
+    when given, says which tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
     """
     if not shards:
         return {"images": 0, "skipped": 0, "seconds": 0.0}
@@ -171,20 +191,39 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     last_batch_of = {position: b for b, position in enumerate(batch_shard)}
     n_images = sum(len(items) for _, items in shards)
     max_shard = max((len(items) for _, items in shards), default=1)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collate_images,
-                                         num_workers=num_workers, pin_memory=device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=batches,
+        collate_fn=collate_images,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+    )
     start_time = time.perf_counter()
     # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
     writer = ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
     batch_iter = iter(loader)
     interactive = sys.stderr.isatty()
-    bar = tqdm(total=n_images, unit="img", disable=not progress or n_images == 0, dynamic_ncols=interactive,
-               mininterval=0.5 if interactive else 30.0, desc="extract")
+    bar = tqdm(
+        total=n_images,
+        unit="img",
+        disable=not progress or n_images == 0,
+        dynamic_ncols=interactive,
+        mininterval=0.5 if interactive else 30.0,
+        desc="extract",
+    )
     counts = {"images": 0, "skipped": 0}
     skipped: list[dict] = []
 
-    def flush(batch_no: int, ok: list[int], tokens: Tensor | None, event: Any, failed: list[int],
-              positions: np.ndarray | None, hashes: list[str], reasons: list[str]) -> None:
+    def flush(
+        batch_no: int,
+        ok: list[int],
+        tokens: Tensor | None,
+        event: Any,
+        failed: list[int],
+        positions: np.ndarray | None,
+        hashes: list[str],
+        reasons: list[str],
+    ) -> None:
         nonlocal skipped
         position = batch_shard[batch_no]
         index = shards[position][0]
@@ -193,10 +232,22 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
         if tokens is not None:
             if event is not None:
                 event.synchronize()
-            writer.send_samples(position, tokens, [image_key(records[i].image_id) for i in ok],
-                                [_record_meta(records[i], digest) for i, digest in zip(ok, hashes)], positions)
-        skipped += [{"image_id": records[i].image_id, "source": _record_meta(records[i])["source"], "shard": index,
-                     "reason": why} for i, why in zip(failed, reasons)]
+            writer.send_samples(
+                position,
+                tokens,
+                [image_key(records[i].image_id) for i in ok],
+                [_record_meta(records[i], digest) for i, digest in zip(ok, hashes)],
+                positions,
+            )
+        skipped += [
+            {
+                "image_id": records[i].image_id,
+                "source": _record_meta(records[i])["source"],
+                "shard": index,
+                "reason": why,
+            }
+            for i, why in zip(failed, reasons)
+        ]
         if last_batch_of[position] == batch_no:
             writer.send(position, "end", skipped)
             skipped = []
@@ -210,8 +261,11 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
             positions = None
             if positions_of is not None and pixels is not None:
                 positions = positions_of([records[i].image_id for i in ok])
-            tokens, event = (forward_tokens(backbone, pixels, device, None if positions is None else
-                                            torch.from_numpy(positions)) if pixels is not None else (None, None))
+            tokens, event = (
+                forward_tokens(backbone, pixels, device, None if positions is None else torch.from_numpy(positions))
+                if pixels is not None
+                else (None, None)
+            )
             if pending is not None:
                 flush(*pending)
             pending = (batch_no, ok, tokens, event, failed, positions, hashes, reasons)
@@ -226,11 +280,25 @@ def write_shards(backbone: Backbone, dataset: torch.utils.data.Dataset, records:
     return {**counts, "seconds": time.perf_counter() - start_time}
 
 
-def extract(backbone: str, images: str, out: str, pretrained: bool = False, checkpoint_path: str | None = None,
-            layer: int = -1, batch_size: int = 64, shard_size: int = 1000, num_workers: int = 4,
-            device: str = "auto", task_index: int | None = None, num_tasks: int | None = None, seed: int = 0,
-            num_writers: int = 4, progress: bool = True, tokens_per_image: int | None = None,
-            keep_prefix_tokens: bool = True) -> dict:
+def extract(
+    backbone: str,
+    images: str,
+    out: str,
+    pretrained: bool = False,
+    checkpoint_path: str | None = None,
+    layer: int = -1,
+    batch_size: int = 64,
+    shard_size: int = 1000,
+    num_workers: int = 4,
+    device: str = "auto",
+    task_index: int | None = None,
+    num_tasks: int | None = None,
+    seed: int = 0,
+    num_writers: int = 4,
+    progress: bool = True,
+    tokens_per_image: int | None = None,
+    keep_prefix_tokens: bool = True,
+) -> dict:
     """Extract one layer's tokens of every image into this task's shards; finalize if it is the last task.
 
     `python -m feature_extraction finalize --out DIR` assembles manifest.json explicitly.
@@ -258,8 +326,12 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
             image id (the same in every task and rerun); default: every patch. Cuts disk in proportion.
         keep_prefix_tokens: also store the CLS and register tokens (false: patches only).
     """
-    for name, value, minimum in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
-                                 ("num_workers", num_workers, 0), ("num_writers", num_writers, 1)):
+    for name, value, minimum in (
+        ("batch_size", batch_size, 1),
+        ("shard_size", shard_size, 1),
+        ("num_workers", num_workers, 0),
+        ("num_writers", num_writers, 1),
+    ):
         check_int(f"--{name}", value, minimum)
     env_index, env_count = default_task()
     task_index = env_index if task_index is None else task_index
@@ -286,12 +358,22 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     model.to(torch_device)
 
     record = {
-        "backbone": spec.name, "layer": model.layer, "shard_size": shard_size, "n_images": len(records),
-        "n_shards": len(shards), "ids_sha256": ids_digest(keys),
-        "weights": {"pretrained": pretrained, "checkpoint_path": checkpoint_path,
-                    "seed": seed if random_weights else None},
-        "images": images, "key_scheme": "percent-escaped image id (feature_extraction.extract.image_key)",
-        "backbone_record": model.to_json(), "package_version": __version__, "token_selection": selection,
+        "backbone": spec.name,
+        "layer": model.layer,
+        "shard_size": shard_size,
+        "n_images": len(records),
+        "n_shards": len(shards),
+        "ids_sha256": ids_digest(keys),
+        "weights": {
+            "pretrained": pretrained,
+            "checkpoint_path": checkpoint_path,
+            "seed": seed if random_weights else None,
+        },
+        "images": images,
+        "key_scheme": "percent-escaped image id (feature_extraction.extract.image_key)",
+        "backbone_record": model.to_json(),
+        "package_version": __version__,
+        "token_selection": selection,
     }
     check_or_create_record(out_dpath, record)
 
@@ -299,26 +381,59 @@ def extract(backbone: str, images: str, out: str, pretrained: bool = False, chec
     complete = [i for i in owned if shard_is_complete(out_dpath, i)]
     corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
     if corrupt:
-        logger.warning("shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
-                       format_indices(corrupt))
+        logger.warning(
+            "shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
+            format_indices(corrupt),
+        )
     todo = [i for i in owned if i not in complete or i in corrupt]
-    logger.info("task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)", task_index,
-                num_tasks, len(owned), len(shards), len(owned) - len(todo), len(todo), spec.name, model.layer,
-                torch_device)
+    logger.info(
+        "task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)",
+        task_index,
+        num_tasks,
+        len(owned),
+        len(shards),
+        len(owned) - len(todo),
+        len(todo),
+        spec.name,
+        model.layer,
+        torch_device,
+    )
     if selection is not None:
         stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, selection).values())
-        logger.info("storing %d of %d tokens per image: %d seeded patches (seed %d)%s", stored, spec.n_tokens,
-                    selection["patches_per_image"], selection["seed"],
-                    " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "")
-    counts = write_shards(model, ImageDataset(records, model.preprocess), records,
-                          [(i, [by_key[k] for k in shards[i]]) for i in todo], out_dpath,
-                          batch_size=batch_size, num_workers=num_workers, device=torch_device,
-                          num_writers=num_writers, progress=progress,
-                          positions_of=None if selection is None else functools.partial(
-                              selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens,
-                              grid=spec.grid))
+        logger.info(
+            "storing %d of %d tokens per image: %d seeded patches (seed %d)%s",
+            stored,
+            spec.n_tokens,
+            selection["patches_per_image"],
+            selection["seed"],
+            " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "",
+        )
+    counts = write_shards(
+        model,
+        ImageDataset(records, model.preprocess),
+        records,
+        [(i, [by_key[k] for k in shards[i]]) for i in todo],
+        out_dpath,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        device=torch_device,
+        num_writers=num_writers,
+        progress=progress,
+        positions_of=None
+        if selection is None
+        else functools.partial(
+            selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
+        ),
+    )
     finalized = finalize_if_last(out_dpath, len(shards))
-    return {"out": str(out_dpath), "task_index": task_index, "num_tasks": num_tasks, "n_shards": len(shards),
-            "shards_written": todo, "shards_already_complete": len(owned) - len(todo), **counts,
-            "images_per_second": counts["images"] / max(counts["seconds"], 1e-9), "finalized": finalized}
-
+    return {
+        "out": str(out_dpath),
+        "task_index": task_index,
+        "num_tasks": num_tasks,
+        "n_shards": len(shards),
+        "shards_written": todo,
+        "shards_already_complete": len(owned) - len(todo),
+        **counts,
+        "images_per_second": counts["images"] / max(counts["seconds"], 1e-9),
+        "finalized": finalized,
+    }

@@ -4,6 +4,7 @@ Beside :mod:`feature_extraction.atomic_files`: what one writes whole, the other 
 sidecar records both digests of its tar (``shards/integrity.py``), the manifest's ``verify`` and an
 export's ``weights_sha256`` the sha256.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -13,6 +13,7 @@ Design choices:
 - ``TokenCache`` opens its h5py handle lazily and per process: h5py handles are not
   fork-safe, so each DataLoader worker opens its own on first access.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def read_h5_attrs(h5: h5py.File) -> dict:
     return out
 
 
-def open_checked(fpath: Path, expected_format: str, writer: str = "feature_extraction.h5cache.write_token_cache"
-                 ) -> h5py.File:
+def open_checked(
+    fpath: Path, expected_format: str, writer: str = "feature_extraction.h5cache.write_token_cache"
+) -> h5py.File:
     """Open ``fpath`` for reading; a one-line CacheFormatError unless ``writer`` wrote it in ``expected_format``."""
     if not fpath.is_file():
         raise CacheFormatError(f"{fpath}: file not found; check the path or write it first")
@@ -73,20 +75,31 @@ def open_checked(fpath: Path, expected_format: str, writer: str = "feature_extra
     found = found.decode() if isinstance(found, bytes) else found
     if found != expected_format:
         h5.close()
-        raise CacheFormatError(f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}: "
-                               f"not a file written by {writer}; write it with that")
+        raise CacheFormatError(
+            f"{fpath}: attribute {FORMAT_ATTR!r} is {found!r}, expected {expected_format!r}: "
+            f"not a file written by {writer}; write it with that"
+        )
     return h5
 
 
-def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str] | None = None,
-                      token_positions: np.ndarray | None = None, attrs: dict | None = None) -> None:
+def write_token_cache(
+    fpath: Path | str,
+    tokens: np.ndarray,
+    image_ids: list[str] | None = None,
+    token_positions: np.ndarray | None = None,
+    attrs: dict | None = None,
+) -> None:
     """Write tokens ``[N, d]`` (float16/32/64, stored as given) with optional per-row ids and positions.
 
     Rows are chunked in about 1 MiB blocks, uncompressed, so random row reads stay cheap.
     """
     fpath = Path(fpath)
-    if not isinstance(tokens, np.ndarray) or tokens.ndim != 2 or tokens.shape[1] < 1 \
-            or not np.issubdtype(tokens.dtype, np.floating):
+    if (
+        not isinstance(tokens, np.ndarray)
+        or tokens.ndim != 2
+        or tokens.shape[1] < 1
+        or not np.issubdtype(tokens.dtype, np.floating)
+    ):
         got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else type(tokens).__name__
         raise ValueError(f"tokens must be a float numpy array [N, d >= 1], got {got}")
     n = tokens.shape[0]
@@ -95,8 +108,10 @@ def write_token_cache(fpath: Path | str, tokens: np.ndarray, image_ids: list[str
     if token_positions is not None:
         token_positions = np.asarray(token_positions)
         if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
-            raise ValueError(f"token_positions must be integers of shape [{n}], got "
-                             f"{token_positions.dtype} {list(token_positions.shape)}")
+            raise ValueError(
+                f"token_positions must be integers of shape [{n}], got "
+                f"{token_positions.dtype} {list(token_positions.shape)}"
+            )
     fpath.parent.mkdir(parents=True, exist_ok=True)
     rows_per_chunk = max(1, min(n, _TOKENS_CHUNK_BYTES // (tokens.shape[1] * tokens.dtype.itemsize)))
     with atomic_path(fpath) as tmp, h5py.File(tmp, "w") as h5:
@@ -123,9 +138,11 @@ class TokenCache:
             if "tokens" not in h5:
                 raise CacheFormatError(f"{self.fpath}: dataset 'tokens' [N, d] missing; rewrite the cache")
             if h5["tokens"].ndim != 2:
-                raise CacheFormatError(f"{self.fpath}: dataset 'tokens' is {h5['tokens'].ndim}-D "
-                                       f"{list(h5['tokens'].shape)}, expected [N, d] (one row per token); "
-                                       "rewrite it with write_token_cache(fpath, tokens.reshape(-1, d))")
+                raise CacheFormatError(
+                    f"{self.fpath}: dataset 'tokens' is {h5['tokens'].ndim}-D "
+                    f"{list(h5['tokens'].shape)}, expected [N, d] (one row per token); "
+                    "rewrite it with write_token_cache(fpath, tokens.reshape(-1, d))"
+                )
             self._n, self.d = (int(s) for s in h5["tokens"].shape)
             self.attrs = read_h5_attrs(h5)
             self.has_image_ids = "image_ids" in h5

@@ -5,6 +5,7 @@ jsonargparse (``fit``, ``extract``, ``export``, ``evaluate``, ``features``, the 
 (its help says what happens then) or one whose help already names its default, that addition only
 repeats or says ``default: null``; this formatter leaves those as written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,12 @@ class DefaultsHelpFormatter(DefaultHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.required or not action.option_strings or action.default is None
-                or action.default is argparse.SUPPRESS or "default" in text.lower()):
+        if (
+            action.required
+            or not action.option_strings
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or "default" in text.lower()
+        ):
             return text
         return super()._get_help_string(action)

@@ -33,6 +33,7 @@ file (48-bit RGB PNG or TIFF) reaches these rules already reduced to 8 bits per 
 PIL's decoder (the high byte of each value); a float colour TIFF cannot be decoded by PIL and
 is skipped.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -64,8 +65,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return Image.alpha_composite(Image.new("RGBA", rgba.size, BACKGROUND), rgba).convert("RGB")
     if mode == "P":
         return image.convert("RGB")
-    raise UnsupportedImageMode(f"image mode {mode!r} has no conversion to RGB (supported: RGB, "
-                               f"{', '.join(_PIL_CONVERTED + HIGH_BIT_MODES + ALPHA_MODES)}, P)")
+    raise UnsupportedImageMode(
+        f"image mode {mode!r} has no conversion to RGB (supported: RGB, "
+        f"{', '.join(_PIL_CONVERTED + HIGH_BIT_MODES + ALPHA_MODES)}, P)"
+    )
 
 
 def stretch_to_uint8(array: np.ndarray) -> np.ndarray:

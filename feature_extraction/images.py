@@ -40,21 +40,43 @@ from torch import Tensor
 
 from feature_extraction.image_modes import to_rgb
 
-__all__ = ["CONTENT_HASH_KEY", "IMAGE_EXTENSIONS", "SAMPLE_NAMES", "ImageDataset", "ImageRecord", "collate_images",
-           "content_hash", "list_images", "sample_array"]
+__all__ = [
+    "CONTENT_HASH_KEY",
+    "IMAGE_EXTENSIONS",
+    "SAMPLE_NAMES",
+    "ImageDataset",
+    "ImageRecord",
+    "collate_images",
+    "content_hash",
+    "list_images",
+    "sample_array",
+]
 
 logger = logging.getLogger(__name__)
 
 # The `meta.json` key of an image's content hash (`content_hash` of the bytes it was decoded from).
 CONTENT_HASH_KEY = "image_xxh3_64"
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm",
-                    ".pgm")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm")
 # Webdataset member extensions that hold an image, in order of preference for one key.
 _TAR_IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 # Photographs bundled inside scikit-image (no download); grey ones are converted to RGB.
-SAMPLE_NAMES = ("astronaut", "brick", "camera", "chelsea", "clock", "coffee", "coins", "grass",
-                "gravel", "hubble_deep_field", "immunohistochemistry", "moon", "retina", "rocket")
+SAMPLE_NAMES = (
+    "astronaut",
+    "brick",
+    "camera",
+    "chelsea",
+    "clock",
+    "coffee",
+    "coins",
+    "grass",
+    "gravel",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "moon",
+    "retina",
+    "rocket",
+)
 
 
 @dataclass
@@ -80,29 +102,35 @@ def list_images(source: str) -> list[ImageRecord]:
     gives label None; ids are posix paths relative to the folder.
     """
     if source == "samples":
-        return [ImageRecord(name, "samples", None, kind="samples", member=name)
-                for name in sorted(SAMPLE_NAMES)]
+        return [ImageRecord(name, "samples", None, kind="samples", member=name) for name in sorted(SAMPLE_NAMES)]
     path = Path(source)
     if path.is_file() and path.suffix == ".tar":
         records = _list_tar(path)
     elif path.is_file():
         kind = "an image" if path.suffix.lower() in IMAGE_EXTENSIONS else f"a {path.suffix or 'extension-less'} file"
-        raise ValueError(f"--images {source}: is {kind}, not an image folder; give the folder that holds the "
-                         "images (class sub-folders give labels), a directory of .tar shards, a .tar, or 'samples'")
+        raise ValueError(
+            f"--images {source}: is {kind}, not an image folder; give the folder that holds the "
+            "images (class sub-folders give labels), a directory of .tar shards, a .tar, or 'samples'"
+        )
     elif path.exists() and not path.is_dir():
-        raise ValueError(f"--images {source}: is neither a folder nor a file; give an image folder, a directory "
-                         "of .tar shards, or 'samples'")
+        raise ValueError(
+            f"--images {source}: is neither a folder nor a file; give an image folder, a directory "
+            "of .tar shards, or 'samples'"
+        )
     elif not path.is_dir():
-        raise ValueError(f"--images {source}: does not exist; give an image folder, a "
-                         f"directory of .tar shards, or 'samples'")
+        raise ValueError(
+            f"--images {source}: does not exist; give an image folder, a directory of .tar shards, or 'samples'"
+        )
     elif tars := sorted(p for p in path.glob("*.tar") if p.is_file()):
         records = [record for tar in tars for record in _list_tar(tar)]
     else:
         records = _list_folder(path)
     if not records:
-        raise ValueError(f"images source {source!r} holds no images; expected files ending in "
-                         f"{', '.join(IMAGE_EXTENSIONS)} (optionally in class sub-folders) or "
-                         f".tar shards with {'/'.join(_TAR_IMAGE_EXTENSIONS)} members")
+        raise ValueError(
+            f"images source {source!r} holds no images; expected files ending in "
+            f"{', '.join(IMAGE_EXTENSIONS)} (optionally in class sub-folders) or "
+            f".tar shards with {'/'.join(_TAR_IMAGE_EXTENSIONS)} members"
+        )
     records.sort(key=lambda r: r.image_id)
     return records
 
@@ -126,10 +154,15 @@ def _list_folder(root: Path) -> list[ImageRecord]:
     if not class_dirs:
         return [ImageRecord(p.relative_to(root).as_posix(), str(p), None) for p in top_images]
     if top_images:
-        warnings.warn(f"{root}: {len(top_images)} images beside the class sub-folders are ignored; "
-                      f"move them into a class folder", stacklevel=3)
-    return [ImageRecord(p.relative_to(root).as_posix(), str(p), label, class_name=class_dir.name)
-            for label, class_dir in enumerate(class_dirs) for p in _files_under(class_dir)]
+        warnings.warn(
+            f"{root}: {len(top_images)} images beside the class sub-folders are ignored; move them into a class folder",
+            stacklevel=3,
+        )
+    return [
+        ImageRecord(p.relative_to(root).as_posix(), str(p), label, class_name=class_dir.name)
+        for label, class_dir in enumerate(class_dirs)
+        for p in _files_under(class_dir)
+    ]
 
 
 _ADDRESS = re.compile(r" ?<[^<>]* at 0x[0-9a-fA-F]+>")
@@ -156,11 +189,19 @@ def _list_tar(tar_path: Path) -> list[ImageRecord]:
                     if kept is None or rank(ext) < rank(_KEY_EXT.match(kept.name).group(2).lower()):
                         images[key] = member
     except (tarfile.TarError, OSError) as error:
-        raise ValueError(f"images tar {str(tar_path)!r} cannot be read ({error}); re-create or "
-                         f"remove it") from error
-    return [ImageRecord(f"{tar_path.stem}/{key}", str(tar_path), labels.get(key), kind="tar",
-                        member=info.name, offset=info.offset_data, size=info.size)
-            for key, info in images.items()]
+        raise ValueError(f"images tar {str(tar_path)!r} cannot be read ({error}); re-create or remove it") from error
+    return [
+        ImageRecord(
+            f"{tar_path.stem}/{key}",
+            str(tar_path),
+            labels.get(key),
+            kind="tar",
+            member=info.name,
+            offset=info.offset_data,
+            size=info.size,
+        )
+        for key, info in images.items()
+    ]
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, tar_path: Path) -> int:
@@ -168,8 +209,9 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, tar_path: Path) -
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"images tar {str(tar_path)!r}: member {member.name!r} must hold an "
-                         f"integer class label, got {text[:20]!r}") from None
+        raise ValueError(
+            f"images tar {str(tar_path)!r}: member {member.name!r} must hold an integer class label, got {text[:20]!r}"
+        ) from None
 
 
 def content_hash(data: bytes) -> str:
@@ -190,8 +232,7 @@ class ImageDataset(torch.utils.data.Dataset):
     Item i is `(i, pixels, content hash)`, or `(i, None, why)` when the image cannot be read.
     """
 
-    def __init__(self, records: list[ImageRecord], preprocess: Callable[[Image.Image], Tensor]
-                 ) -> None:
+    def __init__(self, records: list[ImageRecord], preprocess: Callable[[Image.Image], Tensor]) -> None:
         self.records = records
         self.preprocess = preprocess
         self._fds: dict[str, int] = {}  # open tar files of this process
@@ -246,8 +287,9 @@ class ImageDataset(torch.utils.data.Dataset):
             pass
 
 
-def collate_images(batch: list[tuple[int, Tensor | None, str]]
-                   ) -> tuple[list[int], Tensor | None, list[int], list[str], list[str]]:
+def collate_images(
+    batch: list[tuple[int, Tensor | None, str]],
+) -> tuple[list[int], Tensor | None, list[int], list[str], list[str]]:
     """Split a batch: decoded indices, their stacked pixels, failed indices, hashes of `ok`, reasons of `failed`."""
     ok = [i for i, pixels, _ in batch if pixels is not None]
     failed = [i for i, pixels, _ in batch if pixels is None]

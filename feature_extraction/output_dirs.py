@@ -9,6 +9,7 @@ mount, a path through a file) is found before anything runs. Used by the extract
 `--codes.fpath` with `dir_problem`, `check_writable_dir` and `check_writable_file`, which create
 nothing (Lightning creates the folders later). Writing the files themselves is `atomic_files`'.
 """
+
 from __future__ import annotations
 
 import errno
@@ -35,8 +36,10 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
     existing directory not writable (a temporary file is opened there and removed at once)."""
     dpath = Path(path).expanduser()
     if dpath.exists() and not dpath.is_dir():
-        raise ValueError(f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
-                         "or move the file away")
+        raise ValueError(
+            f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
+            "or move the file away"
+        )
     for existing in (dpath, *dpath.parents):
         if existing.exists():
             if not existing.is_dir():
@@ -45,8 +48,10 @@ def check_output_path(path: str | os.PathLike, flag: str = "--out") -> Path:
                 with tempfile.TemporaryFile(dir=existing, prefix=".write-test-"):
                     pass
             except OSError as exn:
-                raise ValueError(f"{flag} {dpath}: {existing} is not writable ({_reason(exn)}); choose a "
-                                 "writable location or fix its permissions") from None
+                raise ValueError(
+                    f"{flag} {dpath}: {existing} is not writable ({_reason(exn)}); choose a "
+                    "writable location or fix its permissions"
+                ) from None
             break
     return dpath
 
@@ -59,8 +64,10 @@ def prepare_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """
     dpath = Path(path).expanduser()
     if dpath.exists() and not dpath.is_dir():
-        raise ValueError(f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
-                         "or move the file away")
+        raise ValueError(
+            f"{flag} {dpath}: is a file, not a directory; pass a directory path (created if missing) "
+            "or move the file away"
+        )
     for parent in dpath.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -69,13 +76,16 @@ def prepare_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     try:
         dpath.mkdir(parents=True, exist_ok=True)
     except OSError as exn:
-        raise ValueError(f"{flag} {dpath}: cannot create the directory ({_reason(exn)}); "
-                         "choose a writable location") from None
+        raise ValueError(
+            f"{flag} {dpath}: cannot create the directory ({_reason(exn)}); choose a writable location"
+        ) from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=dpath)
     except OSError as exn:
-        raise ValueError(f"{flag} {dpath}: cannot write into the directory ({_reason(exn)}); "
-                         "choose a writable location or fix its permissions") from None
+        raise ValueError(
+            f"{flag} {dpath}: cannot write into the directory ({_reason(exn)}); "
+            "choose a writable location or fix its permissions"
+        ) from None
     os.close(fd)
     os.unlink(probe)
     return dpath

@@ -4,6 +4,7 @@ Each shard's sidecar carries float64 running sums, so ``write_manifest`` gets th
 per-dimension mean (``b_pre``) and E‖x‖² (the input scale) of 0.5 TB of tokens by merging
 a few hundred small JSON records instead of re-reading the shards.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,8 +48,9 @@ class RunningStats:
             return RunningStats(self.d, self.n_tokens, self.sum, self.sum_sq_norm)
         if other.d != self.d:
             raise ValueError(f"cannot merge RunningStats with d={self.d} and d={other.d}")
-        return RunningStats(self.d, self.n_tokens + other.n_tokens, self.sum + other.sum,
-                            self.sum_sq_norm + other.sum_sq_norm)
+        return RunningStats(
+            self.d, self.n_tokens + other.n_tokens, self.sum + other.sum, self.sum_sq_norm + other.sum_sq_norm
+        )
 
     def mean(self) -> np.ndarray:
         """Per-dimension mean ``[d]`` (float64), e.g. to initialise ``b_pre``."""

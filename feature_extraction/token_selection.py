@@ -25,6 +25,7 @@ Design choices:
 - `shards.load_manifest` fills `token_selection: null` and all-token `token_kinds` into a
   manifest written before these fields, so old shard directories read as all tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,7 @@ import numpy as np
 
 from feature_extraction.validate import check_int
 
-__all__ = ["full_token_count", "grid_cell", "make_selection", "patch_scores", "selected_positions",
-           "token_kinds"]
+__all__ = ["full_token_count", "grid_cell", "make_selection", "patch_scores", "selected_positions", "token_kinds"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -46,16 +46,28 @@ def full_token_count(n_prefix_tokens: int, grid: tuple[int, int] | list[int]) ->
     return int(n_prefix_tokens) + int(grid[0]) * int(grid[1])
 
 
-def make_selection(tokens_per_image: int | None, keep_prefix_tokens: bool, seed: int, n_prefix_tokens: int,
-                   grid: tuple[int, int] | list[int], backbone: str = "the backbone") -> dict | None:
+def make_selection(
+    tokens_per_image: int | None,
+    keep_prefix_tokens: bool,
+    seed: int,
+    n_prefix_tokens: int,
+    grid: tuple[int, int] | list[int],
+    backbone: str = "the backbone",
+) -> dict | None:
     """The manifest's `token_selection` for these flags, or None when every token is kept.
 
     Raises a one-line ValueError for N outside [1, number of patches].
     """
     n_patches = int(grid[0]) * int(grid[1])
     if tokens_per_image is not None:
-        check_int("--tokens_per_image", tokens_per_image, 1, n_patches,
-                  note=f" (the {grid[0]}x{grid[1]} patches of {backbone})", fix="; omit it to keep every token")
+        check_int(
+            "--tokens_per_image",
+            tokens_per_image,
+            1,
+            n_patches,
+            note=f" (the {grid[0]}x{grid[1]} patches of {backbone})",
+            fix="; omit it to keep every token",
+        )
     if not isinstance(keep_prefix_tokens, bool):
         raise ValueError(f"--keep_prefix_tokens must be true or false, got {keep_prefix_tokens!r}")
     n = n_patches if tokens_per_image is None else tokens_per_image
@@ -84,15 +96,17 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def patch_scores(image_ids: Sequence[str], seed: int, n_patches: int) -> np.ndarray:
     """The uint64 score `[len(image_ids), n_patches]` of each patch of each image; the lowest are stored."""
-    keys = b"".join(hashlib.blake2b(f"{int(seed)}\0{image_id}".encode("utf-8"), digest_size=8).digest()
-                    for image_id in image_ids)
+    keys = b"".join(
+        hashlib.blake2b(f"{int(seed)}\0{image_id}".encode(), digest_size=8).digest() for image_id in image_ids
+    )
     with np.errstate(over="ignore"):
         offsets = np.arange(1, n_patches + 1, dtype=np.uint64) * _GOLDEN
         return _splitmix64(np.frombuffer(keys, dtype="<u8").astype(np.uint64)[:, None] + offsets)
 
 
-def selected_positions(image_ids: Sequence[str], selection: dict | None, n_prefix_tokens: int,
-                       grid: tuple[int, int] | list[int]) -> np.ndarray:
+def selected_positions(
+    image_ids: Sequence[str], selection: dict | None, n_prefix_tokens: int, grid: tuple[int, int] | list[int]
+) -> np.ndarray:
     """Ascending positions, in the full token sequence, of the tokens stored for each image: `[B, n_stored]`.
 
     int16 when every position fits (any ViT up to 181x181 patches), else int32. One call
@@ -116,6 +130,7 @@ def grid_cell(position: int, n_prefix_tokens: int, grid: tuple[int, int] | list[
     if patch < 0:
         return None
     if patch >= int(grid[0]) * int(grid[1]):
-        raise ValueError(f"token position {position} is beyond the {grid[0]}x{grid[1]} grid after "
-                         f"{n_prefix_tokens} prefix tokens")
+        raise ValueError(
+            f"token position {position} is beyond the {grid[0]}x{grid[1]} grid after {n_prefix_tokens} prefix tokens"
+        )
     return divmod(patch, int(grid[1]))

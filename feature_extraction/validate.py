@@ -11,28 +11,34 @@ the values it accepts and the value it got, in one line::
 It lives at the bottom of the layering (``feature_extraction`` imports nothing of
 ``sae_pipeline``), so that both packages, the SAE classes included, use the same checks.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 
 
-def _bounds(minimum: float | None, maximum: float | None, strict_minimum: bool, strict_maximum: bool,
-            show: type = int) -> str:
+def _bounds(
+    minimum: float | None, maximum: float | None, strict_minimum: bool, strict_maximum: bool, show: type = int
+) -> str:
     """``>= 1``, ``< 1``, ``in (0, 768]``, or nothing for no bounds."""
+
     def text(x: float) -> str:
         return str(x) if show is int else f"{x:g}"
 
     low = None if minimum is None else ("> " if strict_minimum else ">= ") + text(minimum)
     high = None if maximum is None else ("< " if strict_maximum else "<= ") + text(maximum)
     if low is not None and high is not None:
-        return (f" in {'(' if strict_minimum else '['}{text(minimum)}, {text(maximum)}"  # type: ignore[arg-type]
-                f"{')' if strict_maximum else ']'}")
+        return (
+            f" in {'(' if strict_minimum else '['}{text(minimum)}, {text(maximum)}"  # type: ignore[arg-type]
+            f"{')' if strict_maximum else ']'}"
+        )
     return f" {low or high}" if (low or high) else ""
 
 
-def check_int(name: str, value: object, minimum: int | None = None, maximum: int | None = None, *,
-              note: str = "", fix: str = "") -> int:
+def check_int(
+    name: str, value: object, minimum: int | None = None, maximum: int | None = None, *, note: str = "", fix: str = ""
+) -> int:
     """``value`` as an int if it is an integer (not a bool; numpy integers pass) in [minimum, maximum].
 
     Otherwise a one-line ValueError: ``{name} must be an integer >= 1{note}, got 0{fix}``, where
@@ -47,8 +53,17 @@ def check_int(name: str, value: object, minimum: int | None = None, maximum: int
     return number
 
 
-def check_float(name: str, value: object, minimum: float | None = None, maximum: float | None = None, *,
-                strict_minimum: bool = False, strict_maximum: bool = False, note: str = "", fix: str = "") -> float:
+def check_float(
+    name: str,
+    value: object,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    *,
+    strict_minimum: bool = False,
+    strict_maximum: bool = False,
+    note: str = "",
+    fix: str = "",
+) -> float:
     """``float(value)`` if it is a finite real number (not a bool) inside the bounds.
 
     ``strict_minimum`` / ``strict_maximum`` make a bound open (``> 0`` rather than ``>= 0``).

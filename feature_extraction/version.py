@@ -7,6 +7,7 @@ exports, the feature site) follows. An uninstalled checkout (``PYTHONPATH=.``, a
 has no metadata; it reads the ``pyproject.toml`` beside the package instead, and says
 ``0+unknown`` when there is none rather than failing to import.
 """
+
 from __future__ import annotations
 
 from importlib import metadata

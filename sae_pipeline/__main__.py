@@ -7,8 +7,8 @@
 Exit codes, the same for every command (docs/design.md): 0 success, 2 bad input (one ``error:``
 line on stderr saying what is wrong and how to fix it), 130 / 143 interrupted (Ctrl-C /
 SIGTERM; one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line saying what was
-kept and how to rerun, :mod:`sae_pipeline.training.interrupts`), 1 anything unexpected. Errors the product raises for bad input are
-``ValueError`` s naming the file, field or flag and the fix, printed by
+kept and how to rerun, :mod:`sae_pipeline.training.interrupts`), 1 anything unexpected. Errors the product raises for
+bad input are ``ValueError`` s naming the file, field or flag and the fix, printed by
 ``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
 ``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead. A full disk is one line and exit 1 in every
 command: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
@@ -19,6 +19,7 @@ same moment. Ranks other than 0 wait a few seconds before printing theirs: rank 
 makes the launcher stop them (``srun --kill-on-bad-exit=1`` in ``slurm/train.sh``), so the
 job log gets the line once; an error only one rank hits is still printed, a little later.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -53,12 +54,15 @@ OWN_SIGNALS = ("export", "extract", "evaluate")
 # name -> (module with main(argv) -> int | None, help)
 COMMANDS = {
     "export": ("sae_pipeline.artifacts.export", "export a checkpoint to sae.safetensors + config.json"),
-    "extract": ("feature_extraction.__main__", "extract backbone token activations into shards "
-                                               "(the flags of python -m feature_extraction)"),
-    "features": ("sae_pipeline.features.cli", "feature browser: top images and heatmaps per atom as a static site "
-                                              "(--ckpt_path or --sae, --out DIR)"),
-    "evaluate": ("sae_pipeline.evaluate.__main__", "the paper's studies and reports "
-                                                   "(python -m sae_pipeline.evaluate)"),
+    "extract": (
+        "feature_extraction.__main__",
+        "extract backbone token activations into shards (the flags of python -m feature_extraction)",
+    ),
+    "features": (
+        "sae_pipeline.features.cli",
+        "feature browser: top images and heatmaps per atom as a static site (--ckpt_path or --sae, --out DIR)",
+    ),
+    "evaluate": ("sae_pipeline.evaluate.__main__", "the paper's studies and reports (python -m sae_pipeline.evaluate)"),
 }
 
 
@@ -84,8 +88,10 @@ def _run(args: list[str], argv: list[str] | None) -> int:
         print(usage())
         return 0 if args else EXIT_BAD_INPUT
     if not args[0].startswith("-") and args[0] not in COMMANDS and args[0] not in LIGHTNING_COMMANDS:
-        raise ValueError(f"unknown command {args[0]!r}; choose from {', '.join([*LIGHTNING_COMMANDS, *COMMANDS])} "
-                         f"(see {PROG} --help)")
+        raise ValueError(
+            f"unknown command {args[0]!r}; choose from {', '.join([*LIGHTNING_COMMANDS, *COMMANDS])} "
+            f"(see {PROG} --help)"
+        )
     if args[0] in OWN_SIGNALS:
         status = importlib.import_module(COMMANDS[args[0]][0]).main(args[1:])
         return status if isinstance(status, int) else 0
@@ -115,7 +121,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def _stop_early() -> None:
-    """SIGTERM / Ctrl-C stop with 143 / 130 while the modules load (sae_pipeline.training.interrupts then takes over)."""
+    """SIGTERM / Ctrl-C stop with 143 / 130 while the modules load (then sae_pipeline.training.interrupts does)."""
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             if signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
@@ -127,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     threading.excepthook = quiet_thread_disk_full  # the main thread prints a full disk's one line
     try:
         return _run(args, argv)
-    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.training.interrupts)
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.training.interrupts)
         print("interrupted (Ctrl-C): rerun the same command", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...

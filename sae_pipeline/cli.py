@@ -32,6 +32,7 @@ What this subclass adds to LightningCLI:
   submission said ``--ckpt_path``.
 - The optimiser and schedule belong to the module (paper recipe), not to CLI flags.
 """
+
 from __future__ import annotations
 
 import sys
@@ -46,29 +47,36 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
 from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
-from sae_pipeline.training import lightning_compat
-from sae_pipeline.training.callbacks import SAEFigures
-from sae_pipeline.training.ckpt_config import check_against_checkpoint, explicit_config, sae_label, sae_namespace, \
-    sets_sae_class
-from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint, newest_checkpoint
 from sae_pipeline.cli_args import check_config_files, config_files, normalize_args
 from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.callbacks import SAEFigures
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint, newest_checkpoint
+from sae_pipeline.training.ckpt_config import (
+    check_against_checkpoint,
+    explicit_config,
+    sae_label,
+    sae_namespace,
+    sets_sae_class,
+)
 from sae_pipeline.training.interrupts import Interrupts
 from sae_pipeline.training.module import SAEModule
 from sae_pipeline.training.predict import CodesPredictionWriter
 from sae_pipeline.training.requeue import SLURMRequeue, hpc_checkpoints, slurm_job_tag
-from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 
 DEFAULT_RUNS_DPATH = "runs"
 DEFAULT_RUN_NAME = "sae"
 PROG = "python -m sae_pipeline"
 EVALUATING = ("validate", "test", "predict")
 CKPT_NEEDS = ("global_step",)  # beyond the weights and the SAE: a Lightning training checkpoint
-DESCRIPTION = ("Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
-               "on token activations. Each fit run writes runs/<config stem>/version_N/ (TensorBoard) and "
-               "version_N/checkpoints/last.ckpt; --ckpt_path last means the newest run's. Export a checkpoint with: "
-               "python -m sae_pipeline export --ckpt_path FILE --out DIR (see its --help); extract features with: "
-               "python -m sae_pipeline extract ... (the flags of python -m feature_extraction).")
+DESCRIPTION = (
+    "Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
+    "on token activations. Each fit run writes runs/<config stem>/version_N/ (TensorBoard) and "
+    "version_N/checkpoints/last.ckpt; --ckpt_path last means the newest run's. Export a checkpoint with: "
+    "python -m sae_pipeline export --ckpt_path FILE --out DIR (see its --help); extract features with: "
+    "python -m sae_pipeline extract ... (the flags of python -m feature_extraction)."
+)
 
 
 class SAEArgumentParser(LightningArgumentParser):
@@ -101,8 +109,15 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
-        super().__init__(SAEModule, ActivationDataModule, args=args, run=run, auto_configure_optimizers=False,
-                         parser_class=SAEArgumentParser, **kwargs)
+        super().__init__(
+            SAEModule,
+            ActivationDataModule,
+            args=args,
+            run=run,
+            auto_configure_optimizers=False,
+            parser_class=SAEArgumentParser,
+            **kwargs,
+        )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.d_in", "model.sae.init_args.d_in", apply_on="instantiate")
@@ -111,12 +126,14 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(SAEFigures, "figures")
         parser.add_lightning_class_args(CodesPredictionWriter, "codes")
-        parser.set_defaults({
-            "trainer.logger": {
-                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"save_dir": DEFAULT_RUNS_DPATH, "name": None, "default_hp_metric": False},
-            },
-        })
+        parser.set_defaults(
+            {
+                "trainer.logger": {
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                    "init_args": {"save_dir": DEFAULT_RUNS_DPATH, "name": None, "default_hp_metric": False},
+                },
+            }
+        )
 
     # --- before instantiation: names, outputs, --ckpt_path ---------------------------------------
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -126,8 +143,12 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._explicit = explicit_config(parser, args)
         subcommand = self._explicit.get("subcommand") if self._explicit is not None else None
         explicit = self._explicit.get(subcommand) if subcommand else None
-        if explicit is not None and explicit.get("ckpt_path") and explicit.get("model.sae") is None \
-                and not isinstance(args, (dict, Namespace)):
+        if (
+            explicit is not None
+            and explicit.get("ckpt_path")
+            and explicit.get("model.sae") is None
+            and not isinstance(args, (dict, Namespace))
+        ):
             self.config = parser.parse_args(args, _skip_validation=True)
             return
         super().parse_arguments(parser, args)
@@ -201,8 +222,10 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         if subcommand == "fit" and self.run_dpath is not None:
             problem = dir_problem(self.run_dpath)
             if problem:
-                raise ValueError(f"the run folder {self.run_dpath} {problem}; pass --trainer.default_root_dir DIR "
-                                 "to write logs and checkpoints elsewhere")
+                raise ValueError(
+                    f"the run folder {self.run_dpath} {problem}; pass --trainer.default_root_dir DIR "
+                    "to write logs and checkpoints elsewhere"
+                )
             if config.checkpoint.get("dirpath"):
                 check_writable_dir(config.checkpoint.dirpath, "--checkpoint.dirpath")
         if subcommand == "predict":
@@ -212,19 +235,25 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         """``last`` -> the newest checkpoint of this config's runs; any path -> checked readable."""
         ckpt_path = config.get("ckpt_path") if subcommand else None
         if subcommand in EVALUATING and not ckpt_path:
-            raise CheckpointError(f"{subcommand} needs a trained SAE: pass --ckpt_path FILE (written by fit, e.g. "
-                                  f"{self.run_dpath}/version_0/checkpoints/last.ckpt) or --ckpt_path last (the "
-                                  "newest run of this config)")
+            raise CheckpointError(
+                f"{subcommand} needs a trained SAE: pass --ckpt_path FILE (written by fit, e.g. "
+                f"{self.run_dpath}/version_0/checkpoints/last.ckpt) or --ckpt_path last (the "
+                "newest run of this config)"
+            )
         if not ckpt_path:
             return
         if str(ckpt_path) == "last":
             search = [self.run_dpath] + ([Path(config.checkpoint.dirpath)] if config.checkpoint.get("dirpath") else [])
             found = newest_checkpoint(search)
             if found is None:
-                what = "resume; run fit without --ckpt_path to start a new run" if subcommand == "fit" else \
-                    "use; train one first with fit"
-                raise CheckpointError(f"--ckpt_path last: no checkpoint under {' or '.join(map(str, search))} to "
-                                      f"{what}")
+                what = (
+                    "resume; run fit without --ckpt_path to start a new run"
+                    if subcommand == "fit"
+                    else "use; train one first with fit"
+                )
+                raise CheckpointError(
+                    f"--ckpt_path last: no checkpoint under {' or '.join(map(str, search))} to {what}"
+                )
             rank_zero_info(f"--ckpt_path last: {found}")
             config.ckpt_path = ckpt_path = str(found)
         checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
@@ -234,8 +263,9 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._ckpt_hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})  # merged by lightning_compat
         del checkpoint
 
-    def _check_model_config(self, config: Namespace, subcommand: str | None, ckpt_path: str,
-                            checkpoint: dict[str, Any]) -> None:
+    def _check_model_config(
+        self, config: Namespace, subcommand: str | None, ckpt_path: str, checkpoint: dict[str, Any]
+    ) -> None:
         """The user's explicit model settings agree with the checkpoint's; an SAE left unset is the
         checkpoint's, said in one line (:mod:`sae_pipeline.training.ckpt_config`)."""
         explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
@@ -262,9 +292,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             subcommand = self.subcommand or ""
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
             trained_on = f" (it was trained on {self._ckpt_source})" if self._ckpt_source else ""
-            raise CheckpointError(f"--ckpt_path {ckpt_path}: its SAE takes d_in={self._ckpt_d_in} inputs but "
-                                  f"data.source {getattr(self.datamodule, 'source', '?')} gives d_in={d_in}; pass "
-                                  f"the data it was trained on{trained_on}")
+            raise CheckpointError(
+                f"--ckpt_path {ckpt_path}: its SAE takes d_in={self._ckpt_d_in} inputs but "
+                f"data.source {getattr(self.datamodule, 'source', '?')} gives d_in={d_in}; pass "
+                f"the data it was trained on{trained_on}"
+            )
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """The trainer, with checkpoints written atomically, and its set-up errors in one line."""
@@ -294,8 +326,10 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         elif resumed and done:
             print(f"Nothing to train: {resumed} is already at {done}; raise it to train further", flush=True)
         else:
-            print(f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
-                  flush=True)
+            print(
+                f"No checkpoint saved (global step {trainer.global_step}; fast_dev_run or checkpointing off)",
+                flush=True,
+            )
         # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
         log_dir = getattr(trainer.logger, "log_dir", None)
         if log_dir:
@@ -317,8 +351,10 @@ def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:
     first = str(exn).strip().splitlines()[0] if str(exn).strip() else type(exn).__name__
     accelerator = trainer_config.get("accelerator") if hasattr(trainer_config, "get") else None
     if str(accelerator or "auto") not in ("auto", "cpu"):
-        return (f"--trainer.accelerator {accelerator}: not usable here ({first.split('. ')[0].rstrip('.!')}); "
-                "use --trainer.accelerator cpu, or auto to take what is there")
+        return (
+            f"--trainer.accelerator {accelerator}: not usable here ({first.split('. ')[0].rstrip('.!')}); "
+            "use --trainer.accelerator cpu, or auto to take what is there"
+        )
     return f"trainer settings: {first}"
 
 

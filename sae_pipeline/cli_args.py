@@ -6,6 +6,7 @@
 - A YAML syntax error in ``--config FILE``: jsonargparse reports it over several lines without
   the file's name; here it is one line naming the file, the line and the column.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from sae_pipeline.config_files import check_includes
+
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
 
 
@@ -22,8 +24,7 @@ def normalize_args(args: list[str]) -> list[str]:
     out: list[str] = []
     for arg in args:
         previous = out[-1] if out else ""
-        if (NEGATIVE_NUMBER.fullmatch(arg) and previous.startswith("--") and "=" not in previous
-                and previous != "--"):
+        if NEGATIVE_NUMBER.fullmatch(arg) and previous.startswith("--") and "=" not in previous and previous != "--":
             out[-1] = f"{previous}={arg}"
         else:
             out.append(arg)

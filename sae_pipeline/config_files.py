@@ -22,6 +22,7 @@ Code that reads a config as data (the study's runs, ``features``, the tests) use
 :func:`load_config`, which follows the same references; :func:`setting_sources` says which file
 sets each setting, for the check that none is set twice.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,10 @@ def _settings(fpath: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str, Any, 
     raw = _read(fpath)
     keys = list(raw)
     if INCLUDE_KEY in raw and keys[-1] != INCLUDE_KEY:
-        raise ValueError(f"config file {fpath}: '{INCLUDE_KEY}:' must be its last key (a section after it would "
-                         "replace the included one whole); move it to the end")
+        raise ValueError(
+            f"config file {fpath}: '{INCLUDE_KEY}:' must be its last key (a section after it would "
+            "replace the included one whole); move it to the end"
+        )
     included: list[tuple[str, Any, Path]] = []
     own: list[tuple[str, Any, Path]] = []
     for key, value in raw.items():

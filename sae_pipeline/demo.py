@@ -10,8 +10,9 @@ Each variant runs ``python -m sae_pipeline fit --config configs/<variant>_digits
 own process, exactly as a user would type it (p = 1000 atoms, k = 10: the paper's controlled
 setting, on scikit-learn's 8x8 digits instead of MNIST so that nothing is downloaded). The
 final metrics are read back from the TensorBoard event files the run wrote: ``val/r2``,
-``val/l0`` and the Babel scalars (dictionary μ₁(1) and μ₁(k), co-active μ₁(k)) of :class:`sae_pipeline.training.callbacks.SAEFigures` from the last
-validation (the digits configs validate at the end of training).
+``val/l0`` and the Babel scalars (dictionary μ₁(1) and μ₁(k), co-active μ₁(k)) of
+:class:`sae_pipeline.training.callbacks.SAEFigures` from the last validation (the digits configs validate at the end of
+training).
 
 First stage (the whole pipeline, end to end): ``python -m feature_extraction --config
 configs/extract_demo.yaml`` extracts scikit-image's 14 bundled photos with a tiny randomly
@@ -29,6 +30,7 @@ The variants train in parallel, one CPU thread each when the machine has few cor
 runs are small enough that two single-threaded processes finish sooner than two
 two-threaded ones in turn (start-up, Python and Lightning overheads overlap too).
 """
+
 from __future__ import annotations
 
 import os
@@ -58,8 +60,9 @@ def find_config(variant: str, fname: str | None = None) -> Path:
     for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         if (root / name).is_file():
             return root / name
-    raise FileNotFoundError(f"{name} not found in {Path.cwd()} or the source checkout; run the demo from the "
-                            "repository root (make demo)")
+    raise FileNotFoundError(
+        f"{name} not found in {Path.cwd()} or the source checkout; run the demo from the repository root (make demo)"
+    )
 
 
 def read_final_metrics(log_dpath: Path, tags: tuple[str, ...] = FINAL_TAGS) -> dict[str, tuple[int, float]]:
@@ -77,8 +80,16 @@ def launch(variant: str, runs_dpath: Path, logs_dpath: Path, threads: int) -> tu
     """Start ``python -m sae_pipeline fit`` for one variant, its output going to a log file."""
     log_fpath = logs_dpath / f"{variant}.log"
     command = [
-        sys.executable, "-m", "sae_pipeline", "fit", "--config", str(find_config(variant)),
-        "--trainer.logger.init_args.save_dir", str(runs_dpath), "--trainer.enable_progress_bar", "false",
+        sys.executable,
+        "-m",
+        "sae_pipeline",
+        "fit",
+        "--config",
+        str(find_config(variant)),
+        "--trainer.logger.init_args.save_dir",
+        str(runs_dpath),
+        "--trainer.enable_progress_bar",
+        "false",
     ]
     environment = _environment(threads)
     with log_fpath.open("w") as log:
@@ -89,8 +100,7 @@ def launch(variant: str, runs_dpath: Path, logs_dpath: Path, threads: int) -> tu
 
 
 def _environment(threads: int) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-            "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONWARNINGS": "ignore"}
 
 
 def _run_logged(command: list[str], log_fpath: Path, threads: int) -> int:
@@ -109,8 +119,17 @@ def extract_shards(out_dpath: Path, logs_dpath: Path, threads: int) -> Path:
     shards_dpath = out_dpath / "shards"
     log_fpath = logs_dpath / "extract.log"
     log_fpath.write_text("")
-    command = [sys.executable, "-m", "feature_extraction", "--config", str(find_config("", "extract_demo.yaml")),
-               "--out", str(shards_dpath), "--shard_size", str(SHARD_SIZE)]
+    command = [
+        sys.executable,
+        "-m",
+        "feature_extraction",
+        "--config",
+        str(find_config("", "extract_demo.yaml")),
+        "--out",
+        str(shards_dpath),
+        "--shard_size",
+        str(SHARD_SIZE),
+    ]
     code = _run_logged(command, log_fpath, threads)
     if code == 2 and any(message in log_fpath.read_text(errors="replace") for message in OTHER_EXTRACTION):
         print(f"  {shards_dpath} holds another extraction: deleting it and extracting again", flush=True)
@@ -122,15 +141,27 @@ def extract_shards(out_dpath: Path, logs_dpath: Path, threads: int) -> Path:
     return shards_dpath
 
 
-def launch_shards_fit(shards_dpath: Path, runs_dpath: Path, logs_dpath: Path, threads: int
-                      ) -> tuple[subprocess.Popen, Path]:
+def launch_shards_fit(
+    shards_dpath: Path, runs_dpath: Path, logs_dpath: Path, threads: int
+) -> tuple[subprocess.Popen, Path]:
     """Start ``python -m sae_pipeline fit --config configs/demo_shards.yaml`` on the extracted shards."""
     config_fpath = find_config("", "demo_shards.yaml")
     shutil.rmtree(runs_dpath / config_fpath.stem, ignore_errors=True)  # a fresh run, as for the digits
     log_fpath = logs_dpath / "demo_shards.log"
-    command = [sys.executable, "-m", "sae_pipeline", "fit", "--config", str(config_fpath),
-               "--data.source", str(shards_dpath), "--trainer.logger.init_args.save_dir", str(runs_dpath),
-               "--trainer.enable_progress_bar", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "sae_pipeline",
+        "fit",
+        "--config",
+        str(config_fpath),
+        "--data.source",
+        str(shards_dpath),
+        "--trainer.logger.init_args.save_dir",
+        str(runs_dpath),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     with log_fpath.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
@@ -160,16 +191,39 @@ def _last_run_metrics(run_dpath: Path) -> dict[str, tuple[int, float]]:
     return read_final_metrics(versions[-1])
 
 
-def launch_features(name: str, config_fname: str, out_dpath: Path, runs_dpath: Path, logs_dpath: Path, threads: int,
-                    extra: list[str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
+def launch_features(
+    name: str,
+    config_fname: str,
+    out_dpath: Path,
+    runs_dpath: Path,
+    logs_dpath: Path,
+    threads: int,
+    extra: list[str] | None = None,
+) -> tuple[subprocess.Popen, Path, Path]:
     """Start ``python -m sae_pipeline features`` on a demo run's last checkpoint; returns the process, its log and
     the site folder (``<out>/features/<name>``)."""
     config_fpath = find_config("", config_fname)
     site_dpath = out_dpath / "features" / name
     log_fpath = logs_dpath / f"features_{name}.log"
-    command = [sys.executable, "-m", "sae_pipeline", "features", "--config", str(config_fpath), "--ckpt_path",
-               "last", "--runs", str(runs_dpath), "--out", str(site_dpath),
-               "--trainer.accelerator", "cpu", "--trainer.devices", "1", *(extra or [])]
+    command = [
+        sys.executable,
+        "-m",
+        "sae_pipeline",
+        "features",
+        "--config",
+        str(config_fpath),
+        "--ckpt_path",
+        "last",
+        "--runs",
+        str(runs_dpath),
+        "--out",
+        str(site_dpath),
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "1",
+        *(extra or []),
+    ]
     with log_fpath.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()
@@ -185,11 +239,21 @@ def build_feature_sites(out_dpath: Path, variants: list[str], with_shards: bool,
     logs_dpath.mkdir(parents=True, exist_ok=True)
     launched = []
     if "mpsae" in variants:
-        launched.append(launch_features("mpsae_digits", "mpsae_digits.yaml", out_dpath, runs_dpath, logs_dpath,
-                                        threads))
+        launched.append(
+            launch_features("mpsae_digits", "mpsae_digits.yaml", out_dpath, runs_dpath, logs_dpath, threads)
+        )
     if with_shards:
-        launched.append(launch_features("demo_shards", "demo_shards.yaml", out_dpath, runs_dpath, logs_dpath, threads,
-                                        ["--data.source", str(out_dpath / "shards")]))
+        launched.append(
+            launch_features(
+                "demo_shards",
+                "demo_shards.yaml",
+                out_dpath,
+                runs_dpath,
+                logs_dpath,
+                threads,
+                ["--data.source", str(out_dpath / "shards")],
+            )
+        )
     sites = []
     for process, log_fpath, site_dpath in launched:
         code = process.wait()
@@ -202,8 +266,13 @@ def build_feature_sites(out_dpath: Path, variants: list[str], with_shards: bool,
 
 def format_table(rows: list[tuple[str, dict[str, tuple[int, float]]]]) -> str:
     """Variant, val R², L0 and Babel μ₁ of the dictionary (r = 1, r = k) and of the co-active atoms (r = k)."""
-    columns = [("val R²", "val/r2", 7, 3), ("L0", "val/l0", 6, 2), ("dict μ₁(1)", "val/babel_dict_r1", 11, 3),
-               ("dict μ₁(k)", "val/babel_dict_rk", 11, 3), ("co-active μ₁(k)", "val/babel_coactive_rk", 16, 3)]
+    columns = [
+        ("val R²", "val/r2", 7, 3),
+        ("L0", "val/l0", 6, 2),
+        ("dict μ₁(1)", "val/babel_dict_r1", 11, 3),
+        ("dict μ₁(k)", "val/babel_dict_rk", 11, 3),
+        ("co-active μ₁(k)", "val/babel_coactive_rk", 16, 3),
+    ]
     label_width = max([10] + [len(label) + 1 for label, _ in rows])
     header = f"{'variant':<{label_width}}" + "".join(f" {title:>{width}}" for title, _, width, _ in columns)
     lines = [header, "-" * len(header)]
@@ -217,14 +286,21 @@ def build_parser() -> Any:
     """The demo's flags (jsonargparse, as every command: ``--config FILE`` sets any of them)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="python -m sae_pipeline.demo", formatter_class=DefaultsHelpFormatter,
-                            exit_on_error=False,
-                            description="Extract the bundled photos into shards and train an SAE on them, "
-                                        "train SAEs on the bundled digits, all through the CLIs, and compare them.")
+    parser = ArgumentParser(
+        prog="python -m sae_pipeline.demo",
+        formatter_class=DefaultsHelpFormatter,
+        exit_on_error=False,
+        description="Extract the bundled photos into shards and train an SAE on them, "
+        "train SAEs on the bundled digits, all through the CLIs, and compare them.",
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below")
-    parser.add_argument("--variants", nargs="+", default=["mpsae", "topk"],
-                        help="registry keys of the variants to train on digits, each from configs/<key>_digits.yaml "
-                             "(relu jumprelu topk batchtopk mpsae ...; default: mpsae topk)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["mpsae", "topk"],
+        help="registry keys of the variants to train on digits, each from configs/<key>_digits.yaml "
+        "(relu jumprelu topk batchtopk mpsae ...; default: mpsae topk)",
+    )
     parser.add_argument("--out", default="demo_out", help="output folder (default: demo_out)")
     parser.add_argument("--sequential", action="store_true", help="train one variant after the other")
     parser.add_argument("--skip_shards", action="store_true", help="skip the photo extraction and its SAE")
@@ -234,9 +310,12 @@ def build_parser() -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m sae_pipeline.demo``; returns the exit status (``feature_extraction.exit_status``)."""
-    status, result = run_cli(build_parser(), sys.argv[1:] if argv is None else argv, run,
-                             interrupted=lambda args: f"the runs so far are in {args.out}; rerun the demo to start "
-                                                      "them again")
+    status, result = run_cli(
+        build_parser(),
+        sys.argv[1:] if argv is None else argv,
+        run,
+        interrupted=lambda args: f"the runs so far are in {args.out}; rerun the demo to start them again",
+    )
     return status if status != 0 else int(result)
 
 
@@ -263,8 +342,10 @@ def run(args: Any) -> int:
     launched: list[tuple[str, subprocess.Popen, Path]] = []
     failed = False
     if not args.skip_shards:
-        print(f"Extracting scikit-image's bundled photos with a tiny random ViT into {out_dpath / 'shards'} ...",
-              flush=True)
+        print(
+            f"Extracting scikit-image's bundled photos with a tiny random ViT into {out_dpath / 'shards'} ...",
+            flush=True,
+        )
         try:
             shards_dpath = extract_shards(out_dpath, logs_dpath, n_cores)
         except RuntimeError:
@@ -274,10 +355,12 @@ def run(args: Any) -> int:
         launched.append((SHARDS_LABEL, process, log_fpath))
         if not parallel:
             failed |= _wait(SHARDS_LABEL, process, log_fpath, start)
-    print(f"Training {SHARDS_LABEL + ', ' if not args.skip_shards else ''}"
-          f"{', '.join(labels[v] for v in args.variants)} on the bundled digits "
-          f"(p = 1000 atoms, k = 10) {'in parallel' if parallel else 'in turn'}, {threads} thread(s) each ...",
-          flush=True)
+    print(
+        f"Training {SHARDS_LABEL + ', ' if not args.skip_shards else ''}"
+        f"{', '.join(labels[v] for v in args.variants)} on the bundled digits "
+        f"(p = 1000 atoms, k = 10) {'in parallel' if parallel else 'in turn'}, {threads} thread(s) each ...",
+        flush=True,
+    )
     for variant in args.variants:
         process, log_fpath = launch(variant, runs_dpath, logs_dpath, threads)
         launched.append((labels[variant], process, log_fpath))
@@ -303,14 +386,18 @@ def run(args: Any) -> int:
     print(f"\nFinal validation metrics (held-out data, logged at step {step}; Babel μ₁(r), r = 1 or k):")
     print(format_table(rows))
     if args.variants:
-        print("\nThe paper's claims (Costa et al. 2025): at equal k MP-SAE reaches the higher R², and it learns a "
-              "more coherent\ndictionary (higher dictionary Babel) yet picks less coherent atoms per token (lower "
-              "co-active Babel).\nThis run is short (240 steps on 8x8 digits, not MNIST): compare the whole curves "
-              "in the val/babel figures.")
+        print(
+            "\nThe paper's claims (Costa et al. 2025): at equal k MP-SAE reaches the higher R², and it learns a "
+            "more coherent\ndictionary (higher dictionary Babel) yet picks less coherent atoms per token (lower "
+            "co-active Babel).\nThis run is short (240 steps on 8x8 digits, not MNIST): compare the whole curves "
+            "in the val/babel figures."
+        )
     if shard_row is not None:
-        print(f"{SHARDS_LABEL}: trained on the photo shards in {out_dpath / 'shards'} (14 photos x 17 tokens of a "
-              "random tiny ViT; d_sae = 256, k = 8,\nheld-out shard): a check that the pipeline runs end to end, "
-              "not a result.")
+        print(
+            f"{SHARDS_LABEL}: trained on the photo shards in {out_dpath / 'shards'} (14 photos x 17 tokens of a "
+            "random tiny ViT; d_sae = 256, k = 8,\nheld-out shard): a check that the pipeline runs end to end, "
+            "not a result."
+        )
     if not args.skip_features and ("mpsae" in args.variants or not args.skip_shards):
         print("\nBuilding the feature browser (python -m sae_pipeline features) ...", flush=True)
         try:

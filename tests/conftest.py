@@ -1,4 +1,5 @@
 """Shared test settings and fixtures: small thread counts keep the suite stable on a 2-core machine."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -25,8 +26,9 @@ def reference_dictionary_fpath() -> Path:
     return REFERENCE_NPZ_FPATH
 
 
-def write_token_shards(dpath: Path, counts: Sequence[int], d: int, *, scale: float = 1.0, offset: float = 0.0,
-                       seed: int = 0) -> list[list[Sample]]:
+def write_token_shards(
+    dpath: Path, counts: Sequence[int], d: int, *, scale: float = 1.0, offset: float = 0.0, seed: int = 0
+) -> list[list[Sample]]:
     """A finished shard directory of random tokens, written and finalized by the real shard format.
 
     Shard ``i`` holds ``counts[i]`` images of 5 float16 tokens (1 prefix token + a 2x2 grid) drawn
@@ -39,13 +41,25 @@ def write_token_shards(dpath: Path, counts: Sequence[int], d: int, *, scale: flo
     rng = np.random.default_rng(seed)
     per_shard = []
     for index, count in enumerate(counts):
-        samples = [(f"img{index:03d}_{i:03d}",
-                    (scale * rng.standard_normal((TINY_TOKENS_PER_IMAGE, d)) + offset).astype(np.float16),
-                    {"label": i}) for i in range(count)]
+        samples = [
+            (
+                f"img{index:03d}_{i:03d}",
+                (scale * rng.standard_normal((TINY_TOKENS_PER_IMAGE, d)) + offset).astype(np.float16),
+                {"label": i},
+            )
+            for i in range(count)
+        ]
         write_shard(dpath, index, samples)
         per_shard.append(samples)
-    write_manifest(dpath, n_shards=len(counts), spec={"name": "tiny"}, layer=-1,
-                   tokens_per_image=TINY_TOKENS_PER_IMAGE, n_prefix_tokens=1, grid=(2, 2))
+    write_manifest(
+        dpath,
+        n_shards=len(counts),
+        spec={"name": "tiny"},
+        layer=-1,
+        tokens_per_image=TINY_TOKENS_PER_IMAGE,
+        n_prefix_tokens=1,
+        grid=(2, 2),
+    )
     return per_shard
 
 

@@ -4,6 +4,7 @@ Prose is every Markdown file (README.md, BENCHMARKS.md, docs/), and the comments
 the code, configs and scripts (Python, YAML, shell, the Dockerfile, the Makefile). Code itself is
 not prose: a test may well name ``/tmp`` or a file it is about to create.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,13 @@ COMMENTED_NAMES = {"Dockerfile", "Makefile"}
 
 def tracked_files() -> list[Path]:
     """Files git tracks, plus the untracked ones it does not ignore (a new file counts before its commit)."""
-    listing = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_DPATH,
-                             capture_output=True, text=True, check=True).stdout.split()
+    listing = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO_DPATH,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [REPO_DPATH / name for name in sorted(set(listing)) if (REPO_DPATH / name).is_file()]
 
 
@@ -37,8 +43,12 @@ def _python_prose(text: str) -> Iterator[tuple[int, str]]:
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 yield body[0].lineno, body[0].value.value
 
 
@@ -55,7 +65,7 @@ def prose(fpath: Path) -> Iterator[tuple[int, str]]:
     elif fpath.suffix in COMMENTED_SUFFIXES or fpath.name in COMMENTED_NAMES:
         for number, line in enumerate(text.splitlines(), 1):
             if "#" in line:
-                yield number, line[line.index("#"):]
+                yield number, line[line.index("#") :]
 
 
 def all_prose() -> Iterator[tuple[Path, int, str]]:
@@ -67,7 +77,8 @@ def all_prose() -> Iterator[tuple[Path, int, str]]:
 # A repository path as prose names it: a top-level folder of this repository, then a file with a suffix.
 REPO_PATH = re.compile(
     r"(?<![\w./-])((?:sae_pipeline|feature_extraction|tests|configs|benchmarks|slurm|docker|docs|\.ci)"
-    r"/[\w./-]*\w)(?![\w<{*]|/[\w./-]*[<{*])")  # a path with a placeholder (<name>, {a,b}, *) is a pattern
+    r"/[\w./-]*\w)(?![\w<{*]|/[\w./-]*[<{*])"
+)  # a path with a placeholder (<name>, {a,b}, *) is a pattern
 # A file named without its folder (``export.py``, ``mpsae_dinov2.yaml``): some tracked file must end with it.
 FILE_NAME = re.compile(r"(?<![\w./*}>-])([\w][\w./-]*\.(?:py|yaml|yml|sh|md))(?![\w<{*/])")
 # Files that runs and users write (not in the repository), named as examples.
@@ -126,7 +137,7 @@ def split_comment(line: str) -> tuple[str, str]:
         elif char in "'\"":
             quote = char
         elif char == "#" and (index == 0 or line[index - 1].isspace()):
-            return line[:index].strip(), line[index + 1:].strip()
+            return line[:index].strip(), line[index + 1 :].strip()
     return line.strip(), ""
 
 

@@ -1,5 +1,6 @@
 """Synthetic inputs of the feature-browser tests: shards of a token subset over real image files, and an SAE
 whose codes are known exactly (ReLU with an identity encoder: codes = relu(x))."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,20 @@ from feature_extraction import shards as S
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 from sae_pipeline.artifacts.export import EXPORT_FORMAT
 from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME
-from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae import ReLUSAE
+from sae_pipeline.sae.config import sae_config
 
 N_CLS, N_REGISTERS, GRID, PATCHES_KEPT, D = 1, 2, (4, 4), 6, 12
 N_PREFIX = N_CLS + N_REGISTERS
 IMAGE_SIZE = 32
-PREPROCESS = {"library": "timm", "size": [IMAGE_SIZE, IMAGE_SIZE], "crop": {"crop_pct": 1.0, "crop_mode": "center"},
-              "mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5], "interpolation": "bilinear"}
+PREPROCESS = {
+    "library": "timm",
+    "size": [IMAGE_SIZE, IMAGE_SIZE],
+    "crop": {"crop_pct": 1.0, "crop_mode": "center"},
+    "mean": [0.5, 0.5, 0.5],
+    "std": [0.5, 0.5, 0.5],
+    "interpolation": "bilinear",
+}
 
 
 def write_images(dpath: Path, n: int) -> list[str]:
@@ -36,8 +43,9 @@ def write_images(dpath: Path, n: int) -> list[str]:
     return ids
 
 
-def write_shards(dpath: Path, images_dpath: Path, n_images: int = 14, shard_size: int = 4,
-                 seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def write_shards(
+    dpath: Path, images_dpath: Path, n_images: int = 14, shard_size: int = 4, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """A finished shard directory of a token subset (prefix tokens + PATCHES_KEPT patches per image).
 
     Returns ``(tokens [n_tokens, D] float32 in global order, positions [n_tokens])``.
@@ -53,14 +61,26 @@ def write_shards(dpath: Path, images_dpath: Path, n_images: int = 14, shard_size
     for index, start in enumerate(range(0, n_images, shard_size)):
         samples = []
         for i in range(start, min(start + shard_size, n_images)):
-            meta = {"image_id": ids[i], "label": i % 2, "class_name": f"class{i % 2}",
-                    "source": str((images_dpath / ids[i]).resolve())}
+            meta = {
+                "image_id": ids[i],
+                "label": i % 2,
+                "class_name": f"class{i % 2}",
+                "source": str((images_dpath / ids[i]).resolve()),
+            }
             samples.append((f"img{i:03d}", tokens[i], meta, positions[i]))
         S.write_shard(dpath, index, samples)
         n_shards += 1
     spec = {"name": "synthetic", "image_size": IMAGE_SIZE, "preprocess": PREPROCESS}
-    S.write_manifest(dpath, n_shards=n_shards, spec=spec, layer=0, tokens_per_image=tpi,
-                     n_prefix_tokens=N_PREFIX, grid=GRID, token_selection=selection)
+    S.write_manifest(
+        dpath,
+        n_shards=n_shards,
+        spec=spec,
+        layer=0,
+        tokens_per_image=tpi,
+        n_prefix_tokens=N_PREFIX,
+        grid=GRID,
+        token_selection=selection,
+    )
     return tokens.reshape(-1, D).astype(np.float32), positions.reshape(-1).astype(np.int64)
 
 

@@ -13,6 +13,7 @@ removed on exit (deleting a namespace deletes its veth pair, and the bridge is d
 Needs root and iproute2 (`ip`, `apt-get install iproute2`), and nsenter/unshare/mount/hostname
 from util-linux (always on Debian).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -34,8 +35,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def _used_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network the machine already has a route or an address in."""
     used = []
-    for line in _ip("-4", "route", "show", "table", "all").stdout.splitlines() + \
-            _ip("-4", "-o", "addr").stdout.split("inet ")[1:]:
+    for line in (
+        _ip("-4", "route", "show", "table", "all").stdout.splitlines()
+        + _ip("-4", "-o", "addr").stdout.split("inet ")[1:]
+    ):
         word = line.split()[0]
         try:
             used.append(ipaddress.ip_network(word if word != "default" else "0.0.0.0/32", strict=False))
@@ -107,8 +110,22 @@ class NodeNetwork:
         host names resolve there as on a cluster; the machine's own /etc/hosts is untouched."""
         script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
         # nsenter, not `ip netns exec`: that one mounts a new /sys, which hides /sys/fs/cgroup (slurmd needs it).
-        return ["nsenter", f"--net=/run/netns/{self.namespaces[host]}", "unshare", "--uts", "--mount",
-                "--propagation", "private", "sh", "-c", script, "sh", host, str(hosts_fpath), *command]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.namespaces[host]}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            host,
+            str(hosts_fpath),
+            *command,
+        ]
 
     def stop(self) -> None:
         for kind, name in reversed(self._created):

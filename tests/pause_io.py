@@ -7,6 +7,7 @@ Lightning ``CheckpointIO`` plugin, and ``SAECLI`` keeps a given ``CheckpointIO``
 own. The subprocess imports it as ``tests.pause_io``: :func:`env_with_repo_root` puts the repository
 root on its ``PYTHONPATH``.
 """
+
 from __future__ import annotations
 
 import io
@@ -47,13 +48,12 @@ class PauseInSaveIO(AtomicCheckpointIO):
         f.flush()
         self.marker.write_text(f"{checkpoint.get('global_step')}\n")
         time.sleep(self.pause_s)
-        f.write(data[len(data) // 2:])
+        f.write(data[len(data) // 2 :])
 
 
 def pause_in_save_args(step: int, marker: Path) -> list[str]:
     """The ``fit`` flags that install :class:`PauseInSaveIO` (run with :func:`env_with_repo_root`)."""
-    plugin = {"class_path": "tests.pause_io.PauseInSaveIO",
-              "init_args": {"step": step, "marker": str(marker)}}
+    plugin = {"class_path": "tests.pause_io.PauseInSaveIO", "init_args": {"step": step, "marker": str(marker)}}
     return ["--trainer.plugins", json.dumps(plugin)]
 
 

@@ -1,4 +1,5 @@
 """Small SAEs of every registered variant, built the same way by every variant test file."""
+
 from __future__ import annotations
 
 import copy

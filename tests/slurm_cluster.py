@@ -21,6 +21,7 @@ a cluster's shared disk is. Needs iproute2 as well.
 Or by hand: `python tests/slurm_cluster.py DIR [NODES]` starts it, prints `export SLURM_CONF=...`
 and waits for Ctrl-C.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-INSTALL_HINT = ("apt-get update && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
-                "(as root; .ci/run does it)")
+INSTALL_HINT = (
+    "apt-get update && apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge "
+    "(as root; .ci/run does it)"
+)
 EXECUTABLES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol")
 MULTINODE_EXECUTABLES = (*EXECUTABLES, "ip", "nsenter", "unshare")
 MULTINODE_INSTALL_HINT = INSTALL_HINT.replace("munge ", "munge iproute2 ")
@@ -69,8 +72,11 @@ class SlurmCluster:
         self.node_names = [self.hostname] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
         self.network = None  # a NodeNetwork when nodes > 1
         self.conf = self.root / "slurm.conf"
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf),
-                    "PATH": os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"}
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": str(self.conf),
+            "PATH": os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin",
+        }
         self.pids: list[int] = []
         self.daemons: list[subprocess.Popen] = []
 
@@ -95,11 +101,23 @@ class SlurmCluster:
             dpath.chmod(0o755)
         self.root.chmod(0o755)
         key_fpath, socket_fpath = munge_dpath / "munge.key", munge_dpath / "munge.sock"
-        subprocess.run(["mungekey", "--create", f"--keyfile={key_fpath}", "--force"], env=self.env, check=True,
-                       capture_output=True)
-        subprocess.run(["munged", "--force", f"--socket={socket_fpath}", f"--key-file={key_fpath}",
-                        f"--pid-file={munge_dpath / 'munged.pid'}", f"--log-file={munge_dpath / 'munged.log'}",
-                        f"--seed-file={munge_dpath / 'munged.seed'}"], env=self.env, check=True, capture_output=True)
+        subprocess.run(
+            ["mungekey", "--create", f"--keyfile={key_fpath}", "--force"], env=self.env, check=True, capture_output=True
+        )
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--socket={socket_fpath}",
+                f"--key-file={key_fpath}",
+                f"--pid-file={munge_dpath / 'munged.pid'}",
+                f"--log-file={munge_dpath / 'munged.log'}",
+                f"--seed-file={munge_dpath / 'munged.seed'}",
+            ],
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
         self.pids.append(int((munge_dpath / "munged.pid").read_text().split()[0]))  # it forks: pid from its file
         r = self.root
         memory_mb = _memory_mb() // self.nodes
@@ -110,8 +128,10 @@ class SlurmCluster:
 
             self.network = NodeNetwork(self.node_names).__enter__()
             controller = f"{self.hostname}({self.network.gateway})"
-            nodes = [f"NodeName={name} NodeAddr={self.network.addresses[name]} NodeHostname={name}"
-                     for name in self.node_names]
+            nodes = [
+                f"NodeName={name} NodeAddr={self.network.addresses[name]} NodeHostname={name}"
+                for name in self.node_names
+            ]
             (r / "hosts").write_text(self.network.hosts_file(self.hostname))
             for name in self.node_names:
                 (r / "spool" / name).mkdir(exist_ok=True)
@@ -151,8 +171,10 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
         if self.network is None:
             commands.append((["slurmd", "-D"], "slurmd"))
         else:  # each slurmd inside its own test host, named explicitly (-N) as in slurm.conf
-            commands += [(self.network.wrap(name, ["slurmd", "-D", "-N", name], r / "hosts"), f"slurmd-{name}")
-                         for name in self.node_names]
+            commands += [
+                (self.network.wrap(name, ["slurmd", "-D", "-N", name], r / "hosts"), f"slurmd-{name}")
+                for name in self.node_names
+            ]
         for command, name in commands:
             out = open(log_dpath / f"{name}.out", "wb")
             self.daemons.append(subprocess.Popen(command, env=self.env, stdout=out, stderr=subprocess.STDOUT))
@@ -170,8 +192,9 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
 
     def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
         """Submit a job; returns its id (`sbatch --parsable`)."""
-        result = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd,
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["sbatch", "--parsable", *args], env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {result.stderr.strip()}")
         return result.stdout.strip().split(";")[0]
@@ -180,15 +203,17 @@ PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINI
         """Poll until the job (all array tasks) left the queue; returns {job: 'STATE exit'} (no sacct needed)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], env=self.env,
-                                    capture_output=True, text=True).stdout.strip()
+            queued = subprocess.run(
+                ["squeue", "-h", "-j", job_id, "-o", "%i %T"], env=self.env, capture_output=True, text=True
+            ).stdout.strip()
             if not queued:
                 break
             time.sleep(1)
         else:
             raise TimeoutError(f"SLURM job {job_id} still queued after {timeout} s")
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True,
-                               text=True).stdout
+        shown = subprocess.run(
+            ["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True, text=True
+        ).stdout
         states = {}
         for line in shown.splitlines():
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)

@@ -5,6 +5,7 @@ missing program skips the test with the command that installs it. ``.ci/run`` in
 such program and sets ``SAE_PIPELINE_REQUIRE_SYSTEM_TOOLS=1``, which turns the skip into a
 failure: CI can never skip them silently.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ A shell starts background jobs (``cmd &``, ``nohup``) with SIGINT ignored, and a
 that, so Python in it never turns Ctrl-C into KeyboardInterrupt: tests that send SIGINT to a
 command pass this as ``preexec_fn`` to give it the default disposition, as under a terminal.
 """
+
 from __future__ import annotations
 
 import signal

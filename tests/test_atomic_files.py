@@ -1,4 +1,5 @@
 """The one whole-or-absent file writer (feature_extraction/atomic_files.py): what every artifact relies on."""
+
 from __future__ import annotations
 
 import errno
@@ -10,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from feature_extraction.atomic_files import (DiskFullError, atomic_path, check_free_space, disk_full_line, free_bytes,
-                                             out_of_space, write_json_atomic, write_text_atomic)
+from feature_extraction.atomic_files import (
+    DiskFullError,
+    atomic_path,
+    check_free_space,
+    disk_full_line,
+    free_bytes,
+    out_of_space,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def test_atomic_path_renames_only_a_finished_file(tmp_path: Path) -> None:
@@ -71,23 +80,39 @@ def _torch_wrapped() -> RuntimeError:
         return exn
 
 
-@pytest.mark.parametrize(("error", "path"), [
-    (OSError(errno.ENOSPC, "No space left on device", "/d/a.bin"), "/d/a.bin"),
-    (OSError(errno.EDQUOT, "Disk quota exceeded", "/d/q.bin"), "/d/q.bin"),
-    (_torch_wrapped(), None),
-    (RuntimeError("Can't decrement id ref count (file write failed: time = x, filename = '/d/codes.h5.tmp', file "
-                  "descriptor = 3, errno = 28, error message = 'No space left on device', buf = 0x5)"), "/d/codes.h5.tmp"),
-    (Exception("Error while serializing: I/O error: No space left on device (os error 28)"), None),
-])
+@pytest.mark.parametrize(
+    ("error", "path"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device", "/d/a.bin"), "/d/a.bin"),
+        (OSError(errno.EDQUOT, "Disk quota exceeded", "/d/q.bin"), "/d/q.bin"),
+        (_torch_wrapped(), None),
+        (
+            RuntimeError(
+                "Can't decrement id ref count (file write failed: time = x, filename = '/d/codes.h5.tmp', file "
+                "descriptor = 3, errno = 28, error message = 'No space left on device', buf = 0x5)"
+            ),
+            "/d/codes.h5.tmp",
+        ),
+        (Exception("Error while serializing: I/O error: No space left on device (os error 28)"), None),
+    ],
+)
 def test_out_of_space_is_recognised_however_it_is_wrapped(error: BaseException, path: str | None) -> None:
     assert out_of_space(error)
     line = disk_full_line(error, "what the command keeps")
-    assert line == (f"error: no space left on device writing {path or 'the output'}; kept: what the command keeps; "
-                    "free space and rerun the same command")
+    assert line == (
+        f"error: no space left on device writing {path or 'the output'}; kept: what the command keeps; "
+        "free space and rerun the same command"
+    )
 
 
-@pytest.mark.parametrize("error", [OSError(errno.EACCES, "Permission denied"), RuntimeError("unexpected pos 1 vs 2"),
-                                   ValueError("--out: No space left on device is not a folder")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.EACCES, "Permission denied"),
+        RuntimeError("unexpected pos 1 vs 2"),
+        ValueError("--out: No space left on device is not a folder"),
+    ],
+)
 def test_other_errors_are_not_a_full_disk(error: BaseException) -> None:
     assert not out_of_space(error) and disk_full_line(error) is None
 
@@ -101,8 +126,10 @@ def test_a_full_disk_in_atomic_path_names_the_file_and_what_was_kept(tmp_path: P
         tmp.write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
     kept = f"the previous {target}, unchanged" if previous else "the files written before this one"
-    assert str(caught.value) == f"no space left on device writing {target}; kept: {kept}; free space and rerun the " \
-                                "same command"
+    assert (
+        str(caught.value) == f"no space left on device writing {target}; kept: {kept}; free space and rerun the "
+        "same command"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == (["w.bin"] if previous else [])
     assert not previous or target.read_bytes() == b"old"
 
@@ -116,10 +143,13 @@ def test_check_free_space_refuses_what_does_not_fit(tmp_path: Path) -> None:
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_the_file_gets_the_users_umask_not_the_writers_mode(tmp_path: Path, umask: int) -> None:
     """safetensors creates its file 0600; an atomic file gets what open() would give it."""
-    script = ("import os, sys; from pathlib import Path; from feature_extraction.atomic_files import atomic_path\n"
-              "with atomic_path(Path(sys.argv[1])) as tmp:\n"
-              "    os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600))\n")
+    script = (
+        "import os, sys; from pathlib import Path; from feature_extraction.atomic_files import atomic_path\n"
+        "with atomic_path(Path(sys.argv[1])) as tmp:\n"
+        "    os.close(os.open(tmp, os.O_CREAT | os.O_WRONLY, 0o600))\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "f")], check=True, env=env,
-                   preexec_fn=lambda: os.umask(umask))
+    subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "f")], check=True, env=env, preexec_fn=lambda: os.umask(umask)
+    )
     assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666 & ~umask

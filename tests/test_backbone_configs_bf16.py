@@ -16,6 +16,7 @@ JumpReLU's L0 drifted to ~10 (θ moved too slowly to follow the encoder), ReLU's
 
 Cost (slow): 48 s for the 7 configs on a quiet 2-core box, OMP-SAE 16 s of it, each other case 3-6 s.
 """
+
 from __future__ import annotations
 
 import sys
@@ -42,8 +43,9 @@ def vit_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("config_fpath", dinov2_configs(), ids=lambda p: p.stem)
-def test_dinov2_config_reaches_its_sparsity_and_r2_in_bf16(config_fpath: Path, vit_shards: Path, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dinov2_config_reaches_its_sparsity_and_r2_in_bf16(
+    config_fpath: Path, vit_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = load_config(config_fpath)  # the shortcut with its pieces
     assert config["trainer"]["precision"] == "bf16-mixed"  # what this test is about
     monkeypatch.chdir(tmp_path)

@@ -31,8 +31,7 @@ def built_layout(backbone) -> tuple[int, tuple[int, int], int, int]:
     """(prefix tokens, grid, d, blocks) read from the library model itself."""
     model = backbone.model
     if backbone.spec.library == "timm":
-        return (model.num_prefix_tokens, tuple(model.patch_embed.grid_size), model.embed_dim,
-                len(model.blocks))
+        return (model.num_prefix_tokens, tuple(model.patch_embed.grid_size), model.embed_dim, len(model.blocks))
     n_patches = model.grid_size[0] * model.grid_size[1]
     n_prefix = model.positional_embedding.shape[0] - n_patches  # CLS has a position too
     blocks = model.transformer.resblocks
@@ -60,15 +59,22 @@ def check_preprocess_config(backbone) -> None:
         from timm.models import get_pretrained_cfg
 
         tag_cfg = get_pretrained_cfg(f"{spec.model_name}.{spec.pretrained_tag}")
-        library = {"mean": tag_cfg.mean, "std": tag_cfg.std, "interpolation": tag_cfg.interpolation,
-                   "crop": {"crop_pct": tag_cfg.crop_pct, "crop_mode": tag_cfg.crop_mode}}
+        library = {
+            "mean": tag_cfg.mean,
+            "std": tag_cfg.std,
+            "interpolation": tag_cfg.interpolation,
+            "crop": {"crop_pct": tag_cfg.crop_pct, "crop_mode": tag_cfg.crop_mode},
+        }
     else:
         import open_clip
 
         tag_cfg = open_clip.get_pretrained_cfg(spec.model_name, spec.pretrained_tag)
-        library = {"mean": tag_cfg["mean"], "std": tag_cfg["std"],
-                   "interpolation": tag_cfg["interpolation"],
-                   "crop": {"resize_mode": tag_cfg["resize_mode"], "fill_color": 0}}
+        library = {
+            "mean": tag_cfg["mean"],
+            "std": tag_cfg["std"],
+            "interpolation": tag_cfg["interpolation"],
+            "crop": {"resize_mode": tag_cfg["resize_mode"], "fill_color": 0},
+        }
     library["mean"], library["std"] = list(library["mean"]), list(library["std"])
     assert {k: config[k] for k in library} == library
 
@@ -178,13 +184,19 @@ def test_checkpoint_resamples_position_embedding(tmp_path) -> None:
     """A DINOv2 checkpoint at another resolution (timm ships 518 px) loads into 224 px."""
     import timm
 
-    other = timm.create_model("vit_small_patch14_reg4_dinov2", pretrained=False, num_classes=0,
-                              img_size=84, depth=2, embed_dim=64, num_heads=2)
+    other = timm.create_model(
+        "vit_small_patch14_reg4_dinov2",
+        pretrained=False,
+        num_classes=0,
+        img_size=84,
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+    )
     save_file(other.state_dict(), tmp_path / "w.safetensors")
     loaded = load_backbone("dinov2_tiny", checkpoint_path=str(tmp_path / "w.safetensors"))
     assert loaded.model.pos_embed.shape == (1, 16, 64)
-    torch.testing.assert_close(loaded.model.blocks[1].mlp.fc1.weight,
-                               other.blocks[1].mlp.fc1.weight)
+    torch.testing.assert_close(loaded.model.blocks[1].mlp.fc1.weight, other.blocks[1].mlp.fc1.weight)
 
 
 def test_checkpoint_roundtrip_open_clip(tmp_path) -> None:
@@ -247,8 +259,7 @@ def test_pretrained_hub_error_is_wrapped(no_network, monkeypatch, name: str) -> 
     monkeypatch.setattr(no_network, "HF_HUB_OFFLINE", True)
     if name == "vit_tiny":  # a small timm model with real pretrained weights on the hub
         tiny = BACKBONES["vit_tiny"]
-        spec = BackboneSpec("vit_tiny", "timm", tiny.model_name, "augreg_in21k_ft_in1k",
-                            1, (14, 14), 192, 224, 12)
+        spec = BackboneSpec("vit_tiny", "timm", tiny.model_name, "augreg_in21k_ft_in1k", 1, (14, 14), 192, 224, 12)
         monkeypatch.setitem(backbones.BACKBONES, "vit_tiny", spec)
     with pytest.raises(RuntimeError, match="--checkpoint_path") as info:
         load_backbone(name, pretrained=True)

@@ -3,6 +3,7 @@ steps, and every peer that is installed (the ``bench`` extra) computes the same 
 gradients as ours from the same weights. The two dry runs are marked slow: about 35 s of CPU
 together, most of it importing SAELens, timm and the peers (3 min wall on the box loaded by
 five other sessions); the two argument tests take a few seconds."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,13 +20,21 @@ PEER_VARIANTS = {"SAELens": 4, "overcomplete": 4, "sparsify": 1}
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
     """``python -m benchmarks.MODULE ARGS`` from the repository root, as BENCHMARKS.md runs them."""
-    return subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], capture_output=True,
-                          text=True, timeout=600, cwd=REPO_DPATH)
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_DPATH,
+    )
 
 
 def table_rows(stdout: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| d_in") and not line.startswith("| variant")]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| d_in") and not line.startswith("| variant")
+    ]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """SAEFigures: a real Trainer run on digits writes every contracted TensorBoard tag, and the values
 match plain reference computations (full Gram matrix Babel, R² by hand, firing counts)."""
+
 from __future__ import annotations
 
 import math
@@ -13,16 +14,26 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import sae_pipeline.metrics.measure as measure_module
-from sae_pipeline.training.callbacks import SAEFigures
-from sae_pipeline.metrics.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.demo import format_table, read_final_metrics
-from sae_pipeline.training.module import SAEModule
+from sae_pipeline.metrics.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.sae import MatchingPursuitSAE, ReLUSAE, SparseAutoencoder, TopKSAE
+from sae_pipeline.training.callbacks import SAEFigures
+from sae_pipeline.training.module import SAEModule
 
 SCALAR_TAGS = [
-    "train/loss", "train/mse", "train/l0", "train/r2", "lr", "val/r2", "val/l0", "val/dead_fraction",
-    "val/babel_dict_r1", "val/babel_dict_rk", "val/babel_coactive_r1", "val/babel_coactive_rk",
+    "train/loss",
+    "train/mse",
+    "train/l0",
+    "train/r2",
+    "lr",
+    "val/r2",
+    "val/l0",
+    "val/dead_fraction",
+    "val/babel_dict_r1",
+    "val/babel_dict_rk",
+    "val/babel_coactive_r1",
+    "val/babel_coactive_rk",
 ]
 IMAGE_TAGS = ["val/babel", "val/r2_vs_k", "val/atoms"]
 HISTOGRAM_TAGS = ["val/activation_frequency", "val/mean_activation"]
@@ -58,16 +69,25 @@ def reference_r2(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 
 
 # --- a real run ---------------------------------------------------------------------------------
-def fit_on_digits(sae: SparseAutoencoder, tmp_path: Path, every_n_val_epochs: int = 1) -> tuple[SAEModule, ActivationDataModule, Path]:
+def fit_on_digits(
+    sae: SparseAutoencoder, tmp_path: Path, every_n_val_epochs: int = 1
+) -> tuple[SAEModule, ActivationDataModule, Path]:
     """4 optimiser steps on digits, validation after steps 2 and 4 (plus the sanity check)."""
     torch.manual_seed(0)
     datamodule = ActivationDataModule("digits", batch_size=128, num_workers=0, shuffle_buffer_tokens=512)
     module = SAEModule(sae, lr=1e-3, warmup_steps=1, babel_r_max=8)
     logger = TensorBoardLogger(save_dir=str(tmp_path), name="run", version=0)
     trainer = L.Trainer(
-        max_steps=4, val_check_interval=2, log_every_n_steps=1, logger=logger, accelerator="cpu",
-        callbacks=[SAEFigures(every_n_val_epochs=every_n_val_epochs)], enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+        max_steps=4,
+        val_check_interval=2,
+        log_every_n_steps=1,
+        logger=logger,
+        accelerator="cpu",
+        callbacks=[SAEFigures(every_n_val_epochs=every_n_val_epochs)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
     )
     trainer.fit(module, datamodule=datamodule)
     return module, datamodule, Path(logger.log_dir)

@@ -10,6 +10,7 @@ the last step before each checkpoint a kill resumed from: Lightning saves a step
 logs that step (and flushes the logger after each log), so a kill in between loses that one point.
 The moments are drawn from a seed printed in any failure message.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,26 +23,51 @@ from pathlib import Path
 
 import pytest
 import torch
+from pause_io import env_with_repo_root, pause_in_save_args
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pause_io import env_with_repo_root, pause_in_save_args
 from sae_pipeline.training.checkpointing import newest_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MAX_STEPS = 30  # 6 batches per epoch on digits: the kills fall in different epochs
-ARGS = ["fit", "--config", str(REPO_DPATH / "configs" / "mpsae_digits.yaml"), "--trainer.max_steps", str(MAX_STEPS),
-        "--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch", "1000", "--trainer.log_every_n_steps", "1",
-        "--checkpoint.every_n_train_steps", "1", "--model.sae.init_args.d_sae", "1000",
-        "--trainer.logger.init_args.max_queue", "1", "--trainer.logger.init_args.flush_secs", "1",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+ARGS = [
+    "fit",
+    "--config",
+    str(REPO_DPATH / "configs" / "mpsae_digits.yaml"),
+    "--trainer.max_steps",
+    str(MAX_STEPS),
+    "--trainer.max_epochs",
+    "-1",
+    "--trainer.check_val_every_n_epoch",
+    "1000",
+    "--trainer.log_every_n_steps",
+    "1",
+    "--checkpoint.every_n_train_steps",
+    "1",
+    "--model.sae.init_args.d_sae",
+    "1000",
+    "--trainer.logger.init_args.max_queue",
+    "1",
+    "--trainer.logger.init_args.flush_secs",
+    "1",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 300
 
 
 def launch(cwd: Path, resume: bool, extra: list[str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *(["--ckpt_path", "last"] if resume else []),
-                             *(extra or [])], cwd=cwd, env=env_with_repo_root(ENV), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, *(["--ckpt_path", "last"] if resume else []), *(extra or [])],
+        cwd=cwd,
+        env=env_with_repo_root(ENV),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def newest_step(cwd: Path) -> int:
@@ -115,8 +141,14 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     resumed_from.append(newest_step(chaos_dpath))
 
     # 4. resumed to the end
-    final = subprocess.run([sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"], cwd=chaos_dpath,
-                           env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    final = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"],
+        cwd=chaos_dpath,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert final.returncode == 0, f"{context}\n{final.stderr[-3000:]}"
     _, reference_err = reference.communicate(timeout=TIMEOUT_S)
     assert reference.returncode == 0, reference_err[-3000:]

@@ -3,6 +3,7 @@
 Runs go through ``python -m sae_pipeline``'s ``main`` in-process (the same code path as the command,
 one interpreter start for the module) on the bundled digits with a small TopK SAE: a few seconds each.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,21 +14,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import system_tools
 import torch
 
-import system_tools
-
 from feature_extraction.h5cache import write_token_cache
-from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.__main__ import main
-from sae_pipeline.training.checkpointing import AtomicCheckpointIO, newest_checkpoint
-from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.codes import read_codes
+from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, newest_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-SMALL = ["--model.sae.init_args.d_sae", "128", "--trainer.enable_progress_bar", "false",
-         "--trainer.enable_model_summary", "false", "--figures.every_n_val_epochs", "1000"]
+SMALL = [
+    "--model.sae.init_args.d_sae",
+    "128",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--figures.every_n_val_epochs",
+    "1000",
+]
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -81,8 +89,9 @@ def test_each_fit_has_its_own_checkpoints_and_the_final_step_is_saved(two_runs: 
     assert newest_checkpoint([run_dpath]) == second / "last.ckpt"
 
 
-def test_fit_prints_its_final_checkpoint_and_tensorboard_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fit_prints_its_final_checkpoint_and_tensorboard_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     out = fit(capsys, "--trainer.max_steps", "3")
     lines = out.splitlines()
@@ -91,15 +100,16 @@ def test_fit_prints_its_final_checkpoint_and_tensorboard_run(tmp_path: Path, cap
     assert step_of(tmp_path / "runs/topk_digits/version_0/checkpoints/last.ckpt") == 3
 
 
-def test_ckpt_path_last_is_the_newest_run_by_time(two_runs: Path, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ckpt_path_last_is_the_newest_run_by_time(
+    two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     shutil.copytree(two_runs / "runs", tmp_path / "runs")
     monkeypatch.chdir(tmp_path)
     old = tmp_path / "runs/topk_digits/version_0/checkpoints/last.ckpt"
     os.utime(old, ns=(old.stat().st_atime_ns, old.stat().st_mtime_ns + 10**12))  # version_0 written last
-    status, out, err = run(["predict", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", "last",
-                            "--codes.fpath", "codes/digits.h5"], capsys)
+    status, out, err = run(
+        ["predict", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", "last", "--codes.fpath", "codes/digits.h5"], capsys
+    )
     assert status == 0, err[-3000:]
     # predict says where the codes went, and they are the codes of version_0's model (12 steps).
     assert "Wrote the codes of 1797 tokens to codes/digits.h5" in out.splitlines()
@@ -115,19 +125,21 @@ def test_ckpt_path_last_is_the_newest_run_by_time(two_runs: Path, tmp_path: Path
         assert same is expected, version
 
 
-def test_default_root_dir_takes_logs_and_checkpoints(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_root_dir_takes_logs_and_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     out = fit(capsys, "--trainer.max_steps", "2", "--trainer.default_root_dir", "elsewhere")
     assert not (tmp_path / "runs").exists()
     version = tmp_path / "elsewhere" / "topk_digits" / "version_0"
     assert step_of(version / "checkpoints" / "last.ckpt") == 2 and list(version.glob("events.out.tfevents.*"))
-    assert f"Final checkpoint (global step 2): elsewhere/topk_digits/version_0/checkpoints/last.ckpt" in out
+    assert "Final checkpoint (global step 2): elsewhere/topk_digits/version_0/checkpoints/last.ckpt" in out
 
 
 @pytest.mark.parametrize("command", ["validate", "test", "predict"])
-def test_evaluating_commands_need_a_checkpoint(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evaluating_commands_need_a_checkpoint(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     status, _, err = run([command, "--config", TOPK_DIGITS, *SMALL], capsys)
     assert status == 2 and len(error_lines(err)) == 1, err[-2000:]
@@ -155,17 +167,27 @@ def _bad_checkpoint(kind: str, two_runs: Path, tmp_path: Path) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize(("kind", "command", "expected"), [
-    ("missing", "validate", "file not found"),
-    ("text", "fit", "not a readable checkpoint"),
-    ("truncated", "predict", "not a readable checkpoint (truncated"),
-    ("truncated", "fit", "not a readable checkpoint (truncated"),
-    ("directory", "test", "not a file"),
-    ("weights-only", "fit", "no training state to resume"),
-    ("no-sae", "validate", "not an SAE checkpoint"),
-])
-def test_bad_ckpt_path_is_one_line(kind: str, command: str, expected: str, two_runs: Path, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("kind", "command", "expected"),
+    [
+        ("missing", "validate", "file not found"),
+        ("text", "fit", "not a readable checkpoint"),
+        ("truncated", "predict", "not a readable checkpoint (truncated"),
+        ("truncated", "fit", "not a readable checkpoint (truncated"),
+        ("directory", "test", "not a file"),
+        ("weights-only", "fit", "no training state to resume"),
+        ("no-sae", "validate", "not an SAE checkpoint"),
+    ],
+)
+def test_bad_ckpt_path_is_one_line(
+    kind: str,
+    command: str,
+    expected: str,
+    two_runs: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ckpt = _bad_checkpoint(kind, two_runs, tmp_path)
     monkeypatch.chdir(tmp_path)
     status, _, err = run([command, "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", ckpt], capsys)
@@ -176,46 +198,67 @@ def test_bad_ckpt_path_is_one_line(kind: str, command: str, expected: str, two_r
 
 
 @pytest.mark.parametrize("command", ["fit", "validate"])
-def test_checkpoint_for_other_data_width_is_one_line(command: str, two_runs: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_for_other_data_width_is_one_line(
+    command: str, two_runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_token_cache(tmp_path / "d8.h5", np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32))
     ckpt = str(two_runs / "runs" / "topk_digits" / "version_1" / "checkpoints" / "last.ckpt")
     monkeypatch.chdir(tmp_path)
-    status, _, err = run([command, "--config", TOPK_DIGITS, *SMALL, "--data.source", "d8.h5", "--ckpt_path", ckpt],
-                         capsys)
+    status, _, err = run(
+        [command, "--config", TOPK_DIGITS, *SMALL, "--data.source", "d8.h5", "--ckpt_path", ckpt], capsys
+    )
     assert status == 2, err[-2000:]
-    line, = error_lines(err)
+    (line,) = error_lines(err)
     assert "d_in=64" in line and "d_in=8" in line and "digits" in line and "Traceback" not in err
 
 
-def test_ckpt_path_last_without_a_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ckpt_path_last_without_a_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     status, _, err = run(["fit", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", "last"], capsys)
     assert status == 2
-    assert error_lines(err) == ["error: CheckpointError: --ckpt_path last: no checkpoint under runs/topk_digits to "
-                                "resume; run fit without --ckpt_path to start a new run"]
+    assert error_lines(err) == [
+        "error: CheckpointError: --ckpt_path last: no checkpoint under runs/topk_digits to "
+        "resume; run fit without --ckpt_path to start a new run"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize(("args", "setup", "expected"), [
-    (["fit", "--trainer.max_steps", "2"], "runs-is-a-file", "runs/topk_digits cannot be created: runs is a file"),
-    (["fit", "--trainer.default_root_dir", "out/x"], "out-is-a-file", "--trainer.default_root_dir"),
-    (["predict", "--ckpt_path", "{ckpt}", "--codes.fpath", "out/codes.h5"], "out-is-a-file",
-     "--codes.fpath out/codes.h5: its folder out is a file"),
-    (["predict", "--ckpt_path", "{ckpt}", "--codes.fpath", "codes"], "codes-is-a-dir", "codes is a directory"),
-    (["fit", "--model.lr", "-1e-3"], None, "model.lr must be a finite number > 0, got -0.001"),
-    (["fit", "--trainer.accelerator", "gpu"], None, "--trainer.accelerator gpu: not usable here"),
-    (["fit", "--config", "{broken_yaml}"], None, "broken.yaml: YAML syntax error at line 3, column 1"),
-])
-def test_bad_input_is_one_line(args: list[str], setup: str | None, expected: str, two_runs: Path, tmp_path: Path,
-                               capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("args", "setup", "expected"),
+    [
+        (["fit", "--trainer.max_steps", "2"], "runs-is-a-file", "runs/topk_digits cannot be created: runs is a file"),
+        (["fit", "--trainer.default_root_dir", "out/x"], "out-is-a-file", "--trainer.default_root_dir"),
+        (
+            ["predict", "--ckpt_path", "{ckpt}", "--codes.fpath", "out/codes.h5"],
+            "out-is-a-file",
+            "--codes.fpath out/codes.h5: its folder out is a file",
+        ),
+        (["predict", "--ckpt_path", "{ckpt}", "--codes.fpath", "codes"], "codes-is-a-dir", "codes is a directory"),
+        (["fit", "--model.lr", "-1e-3"], None, "model.lr must be a finite number > 0, got -0.001"),
+        (["fit", "--trainer.accelerator", "gpu"], None, "--trainer.accelerator gpu: not usable here"),
+        (["fit", "--config", "{broken_yaml}"], None, "broken.yaml: YAML syntax error at line 3, column 1"),
+    ],
+)
+def test_bad_input_is_one_line(
+    args: list[str],
+    setup: str | None,
+    expected: str,
+    two_runs: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if "gpu" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     monkeypatch.chdir(tmp_path)
-    {"runs-is-a-file": lambda: Path("runs").write_text(""), "out-is-a-file": lambda: Path("out").write_text(""),
-     "codes-is-a-dir": lambda: Path("codes").mkdir(), None: lambda: None}[setup]()
+    {
+        "runs-is-a-file": lambda: Path("runs").write_text(""),
+        "out-is-a-file": lambda: Path("out").write_text(""),
+        "codes-is-a-dir": lambda: Path("codes").mkdir(),
+        None: lambda: None,
+    }[setup]()
     (tmp_path / "broken.yaml").write_text("trainer:\n  max_steps: [3\n")
     ckpt = str(two_runs / "runs" / "topk_digits" / "version_1" / "checkpoints" / "last.ckpt")
     args = [arg.format(ckpt=ckpt, broken_yaml="broken.yaml") for arg in args]
@@ -227,13 +270,15 @@ def test_bad_input_is_one_line(args: list[str], setup: str | None, expected: str
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
-def test_diverging_run_is_a_short_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_diverging_run_is_a_short_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
-    status, _, err = run(["fit", "--config", TOPK_DIGITS, *SMALL, "--model.lr", "1e30", "--trainer.max_steps", "30"],
-                         capsys)
+    status, _, err = run(
+        ["fit", "--config", TOPK_DIGITS, *SMALL, "--model.lr", "1e30", "--trainer.max_steps", "30"], capsys
+    )
     assert status == 2
-    line, = error_lines(err)
+    (line,) = error_lines(err)
     assert "training diverged, lower model.lr" in line and len(line) < 300, line
 
 
@@ -254,11 +299,16 @@ def _fit_in_read_only_folder(readonly: Path) -> None:
     command = [sys.executable, "-m", "sae_pipeline", "fit", "--config", TOPK_DIGITS, *SMALL]
     if os.geteuid() == 0:
         command = [*_without_root_privileges(), *command]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(readonly),
-           "MPLCONFIGDIR": str(readonly)}
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": str(readonly),
+        "MPLCONFIGDIR": str(readonly),
+    }
     result = subprocess.run(command, cwd=readonly, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
-    line, = error_lines(result.stderr)
+    (line,) = error_lines(result.stderr)
     assert "runs/topk_digits cannot be written" in line and "--trainer.default_root_dir" in line, line
     assert list(readonly.iterdir()) == []
 
@@ -276,8 +326,14 @@ def _without_root_privileges() -> list[str]:
 
     system_tools.require(["setpriv"], "apt-get install -y util-linux")
     owner = Path(sae_pipeline.__file__).resolve().parent.stat()
-    return ["setpriv", f"--reuid={owner.st_uid}", f"--regid={owner.st_gid}", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all"]
+    return [
+        "setpriv",
+        f"--reuid={owner.st_uid}",
+        f"--regid={owner.st_gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+    ]
 
 
 def test_atomic_checkpoint_io_replaces_the_file_whole(tmp_path: Path) -> None:

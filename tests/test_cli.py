@@ -1,4 +1,5 @@
 """``python -m sae_pipeline`` end to end (subprocesses): fit, --print_config, bad input, predict."""
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,10 @@ import torch
 import yaml
 
 from feature_extraction.h5cache import read_attrs, write_token_cache
-from sae_pipeline.cli import SAECLI
-from sae_pipeline.artifacts.codes import merge_codes, read_codes
-from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.codes import merge_codes, read_codes
+from sae_pipeline.cli import SAECLI
+from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.sae.sparse_decode import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -27,8 +28,9 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
     env.pop("SAE_PIPELINE_TRACEBACK", None)
-    return subprocess.run([sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:
@@ -58,8 +60,9 @@ def test_fit_writes_checkpoint_logs_and_config(fitted: Path) -> None:
     assert saved["model"]["sae"]["init_args"]["k"] == 10 and saved["data"]["source"] == "digits"
 
 
-def test_print_config_shows_the_resolved_config(capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_print_config_shows_the_resolved_config(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sys, "argv", ["sae_pipeline"])
     with pytest.raises(SystemExit) as info:
         SAECLI(args=["fit", "--config", MPSAE_DIGITS, "--model.sae.init_args.k", "7", "--print_config"])
@@ -71,14 +74,21 @@ def test_print_config_shows_the_resolved_config(capsys: pytest.CaptureFixture[st
     assert config["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    (["--model.sae.init_args.kk", "3"], "kk"),
-    (["--model.sae.class_path", "NoSuchSAE"], "NoSuchSAE"),
-    (["--model.sae.class_path", "torch.nn.Linear"], "torch.nn.Linear"),
-])
-def test_bad_config_values_fail_with_a_short_message(override: list[str], expected: str, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (["--model.sae.init_args.kk", "3"], "kk"),
+        (["--model.sae.class_path", "NoSuchSAE"], "NoSuchSAE"),
+        (["--model.sae.class_path", "torch.nn.Linear"], "torch.nn.Linear"),
+    ],
+)
+def test_bad_config_values_fail_with_a_short_message(
+    override: list[str],
+    expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["sae_pipeline"])
     with pytest.raises(SystemExit) as info:
@@ -104,8 +114,21 @@ def test_non_finite_data_stops_with_one_line_error(tmp_path: Path) -> None:
     tokens = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
     tokens[::7, 3] = np.nan
     write_token_cache(tmp_path / "bad.h5", tokens)
-    result = run_cli(["fit", "--config", MPSAE_DIGITS, "--data.source", str(tmp_path / "bad.h5"),
-                      "--model.sae.init_args.d_sae", "32", "--model.sae.init_args.k", "4", *QUIET], tmp_path)
+    result = run_cli(
+        [
+            "fit",
+            "--config",
+            MPSAE_DIGITS,
+            "--data.source",
+            str(tmp_path / "bad.h5"),
+            "--model.sae.init_args.d_sae",
+            "32",
+            "--model.sae.init_args.k",
+            "4",
+            *QUIET,
+        ],
+        tmp_path,
+    )
     assert result.returncode == 2
     assert len(error_lines(result)) == 1 and "bad.h5" in error_lines(result)[0] and "NaN" in error_lines(result)[0]
     assert "Traceback" not in result.stderr
@@ -114,8 +137,10 @@ def test_non_finite_data_stops_with_one_line_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_predict_writes_the_codes_of_every_token(fitted: Path) -> None:
     ckpt_fpath = fitted / "runs" / "mpsae_digits" / "version_0" / "checkpoints" / "last.ckpt"
-    result = run_cli(["predict", "--config", MPSAE_DIGITS, "--ckpt_path", str(ckpt_fpath),
-                      "--codes.fpath", "out/codes.h5", *QUIET], fitted)
+    result = run_cli(
+        ["predict", "--config", MPSAE_DIGITS, "--ckpt_path", str(ckpt_fpath), "--codes.fpath", "out/codes.h5", *QUIET],
+        fitted,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     codes = read_codes(fitted / "out" / "codes.h5")
     assert read_attrs(fitted / "out" / "codes.h5")["d_sae"] == 1000
@@ -153,8 +178,9 @@ def test_export_command_on_a_cli_checkpoint(fitted: Path, capsys: pytest.Capture
     trained, scale = sae_from_checkpoint(checkpoint).eval(), checkpoint["input_scale"]
     x = torch.cat([batch["x"] for batch in ActivationDataModule("digits", num_workers=0).predict_dataloader()])
     with torch.no_grad():
-        torch.testing.assert_close(load_sae(fitted / "export")(x).x_hat, trained(x * scale).x_hat / scale,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            load_sae(fitted / "export")(x).x_hat, trained(x * scale).x_hat / scale, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_sparse_codes_matches_a_plain_loop() -> None:
@@ -208,29 +234,61 @@ def scalar(run_dpath: Path, tag: str) -> float:
 
 
 @pytest.mark.slow
-def test_ddp_fit_on_uneven_shards_gives_the_single_process_val_r2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   token_shards) -> None:
+def test_ddp_fit_on_uneven_shards_gives_the_single_process_val_r2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, token_shards
+) -> None:
     from sae_pipeline.training.module import SAEModule
 
     shards_dpath = tmp_path / "shards"
     token_shards(shards_dpath, [3, 11, 5, 9, 4, 7, 6], 16, offset=2)  # uneven shards: ranks get different token counts
-    data_args = ["--data.source", str(shards_dpath), "--data.batch_size", "16", "--data.shuffle_buffer_tokens", "64",
-                 "--data.val_fraction", "0.3"]
-    result = run_cli(["fit", "--config", str(REPO_DPATH / "configs" / "batchtopk_digits.yaml"), *data_args,
-                      "--model.sae.init_args.d_sae", "64", "--model.sae.init_args.k", "4",
-                      "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                      "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch", "1",
-                      "--figures.every_n_val_epochs", "100", *QUIET], tmp_path)
+    data_args = [
+        "--data.source",
+        str(shards_dpath),
+        "--data.batch_size",
+        "16",
+        "--data.shuffle_buffer_tokens",
+        "64",
+        "--data.val_fraction",
+        "0.3",
+    ]
+    result = run_cli(
+        [
+            "fit",
+            "--config",
+            str(REPO_DPATH / "configs" / "batchtopk_digits.yaml"),
+            *data_args,
+            "--model.sae.init_args.d_sae",
+            "64",
+            "--model.sae.init_args.k",
+            "4",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.check_val_every_n_epoch",
+            "1",
+            "--figures.every_n_val_epochs",
+            "100",
+            *QUIET,
+        ],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dpath = tmp_path / "runs" / "batchtopk_digits"
     ddp_r2 = scalar(run_dpath, "val/r2")
     # The same checkpoint and data in one process (LightningCLI's hparams rebuild the module).
     monkeypatch.chdir(tmp_path)
     module = SAEModule.load_from_checkpoint(run_dpath / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
-    datamodule = ActivationDataModule(str(shards_dpath), batch_size=16, num_workers=0, shuffle_buffer_tokens=64,
-                                      val_fraction=0.3)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    datamodule = ActivationDataModule(
+        str(shards_dpath), batch_size=16, num_workers=0, shuffle_buffer_tokens=64, val_fraction=0.3
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     single = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     assert single["val/r2"] == pytest.approx(ddp_r2, abs=1e-6)
     assert single["val/l0"] == pytest.approx(scalar(run_dpath, "val/l0"), abs=1e-6)

@@ -1,6 +1,7 @@
 """The backbone configs are composed of pieces (configs/vision/, configs/data/): each setting is
 written once, and every composed file parses, through the real CLI parser, exactly as the plain
 one-file config made of its pieces (what the copies it replaced held)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +82,17 @@ def test_composed_config_parses_as_its_pieces_merged(variant: str, printed, tmp_
         expected = printed(["--config", str(flat_fpath)])
         assert f"source: shards/{backbone}\n" in expected and "max_epochs: 50\n" in expected
         assert printed(["--config", str(fpath)]) == expected, fpath.name
-        assert printed(["--config", str(CONFIGS_DPATH / "vision" / f"{variant}.yaml"),
-                        "--data", str(CONFIGS_DPATH / "data" / f"{backbone}.yaml")]) == expected
+        assert (
+            printed(
+                [
+                    "--config",
+                    str(CONFIGS_DPATH / "vision" / f"{variant}.yaml"),
+                    "--data",
+                    str(CONFIGS_DPATH / "data" / f"{backbone}.yaml"),
+                ]
+            )
+            == expected
+        )
 
 
 @pytest.mark.parametrize("fpath", training_fpaths(), ids=lambda p: p.relative_to(CONFIGS_DPATH).as_posix())
@@ -105,8 +115,15 @@ def test_composed_files_hold_no_setting_of_their_own() -> None:
 def test_shortcut_and_pieces_name_the_run_alike(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     shortcut = parse(["fit", "--config", str(CONFIGS_DPATH / "topk_clip.yaml")])
-    pieces = parse(["fit", "--config", str(CONFIGS_DPATH / "vision" / "topk.yaml"),
-                    "--data", str(CONFIGS_DPATH / "data" / "clip.yaml")])
+    pieces = parse(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS_DPATH / "vision" / "topk.yaml"),
+            "--data",
+            str(CONFIGS_DPATH / "data" / "clip.yaml"),
+        ]
+    )
     assert shortcut.run_dpath == pieces.run_dpath == Path("runs/topk_clip")
     assert pieces.config.fit.data.source == "shards/clip"
     plain = parse(["fit", "--config", str(CONFIGS_DPATH / "topk_clip.yaml"), "--data.source", "shards/other"])
@@ -114,19 +131,42 @@ def test_shortcut_and_pieces_name_the_run_alike(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.slow
-def test_a_new_backbone_trains_from_its_data_piece(token_shards, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_backbone_trains_from_its_data_piece(
+    token_shards, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A backbone with no shortcut files: its data piece next to a variant piece, a real fit step."""
     shards = tmp_path / "shards" / "newbone"
     token_shards(shards, [4, 4, 4], TINY_D)
     piece = tmp_path / "newbone.yaml"
     piece.write_text(f"source: {shards}\nnum_workers: 0\n")
     monkeypatch.chdir(tmp_path)
-    cli = SAECLI(args=["fit", "--config", str(CONFIGS_DPATH / "vision" / "mpsae.yaml"), "--data", str(piece),
-                       "--data.batch_size", "8", "--data.val_fraction", "0.34",
-                       "--model.sae.init_args.d_sae", "64", "--trainer.accelerator", "cpu",
-                       "--trainer.devices", "1", "--trainer.precision", "32-true", "--trainer.fast_dev_run", "true",
-                       "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+    cli = SAECLI(
+        args=[
+            "fit",
+            "--config",
+            str(CONFIGS_DPATH / "vision" / "mpsae.yaml"),
+            "--data",
+            str(piece),
+            "--data.batch_size",
+            "8",
+            "--data.val_fraction",
+            "0.34",
+            "--model.sae.init_args.d_sae",
+            "64",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.precision",
+            "32-true",
+            "--trainer.fast_dev_run",
+            "true",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
     assert cli.run_dpath == Path("runs/mpsae_newbone")
     assert cli.trainer.global_step == 1 and (cli.model.sae.d_in, cli.model.sae.d_sae) == (TINY_D, 64)
     assert cli.model.hparams.lr == 5e-4 and cli.model.hparams.warmup_steps == 1000  # the variant piece's
@@ -141,8 +181,10 @@ def test_config_key_must_come_last(tmp_path: Path) -> None:
         load_config(tmp_path / "bad.yaml")
     (tmp_path / "good.yaml").write_text("trainer:\n  devices: 1\n  max_epochs: 5\nconfig: base.yaml\n")
     assert load_config(tmp_path / "good.yaml") == {"trainer": {"max_epochs": 5, "devices": 1}}
-    assert setting_sources(tmp_path / "good.yaml")["trainer.max_epochs"] == [tmp_path / "base.yaml",
-                                                                            tmp_path / "good.yaml"]
+    assert setting_sources(tmp_path / "good.yaml")["trainer.max_epochs"] == [
+        tmp_path / "base.yaml",
+        tmp_path / "good.yaml",
+    ]
     (tmp_path / "loop.yaml").write_text("config: loop.yaml\n")
     with pytest.raises(ValueError, match="includes itself"):
         load_config(tmp_path / "loop.yaml")
@@ -153,7 +195,11 @@ def test_fingerprint_covers_every_piece(tmp_path: Path) -> None:
     assert config_sha256(digits) == hashlib.sha256(digits.read_bytes()).hexdigest()  # one file: its own sha
     composed = CONFIGS_DPATH / "mpsae_dinov2.yaml"
     assert {f.relative_to(CONFIGS_DPATH).as_posix() for f in source_files(composed)} == {
-        "mpsae_dinov2.yaml", "vision/mpsae.yaml", "vision/recipe.yaml", "data/dinov2.yaml"}
+        "mpsae_dinov2.yaml",
+        "vision/mpsae.yaml",
+        "vision/recipe.yaml",
+        "data/dinov2.yaml",
+    }
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "x.yaml").write_text("source: a\n")
     (tmp_path / "run.yaml").write_text("data: data/x.yaml\n")
@@ -171,10 +217,20 @@ def test_a_broken_piece_is_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text("config: vision/v.yaml\n")
     (tmp_path / "gone.yaml").write_text("data: data/nowhere.yaml\n")
     repo = Path(__file__).resolve().parents[1]
-    for name, expected in (("run.yaml", "v.yaml: YAML syntax error at line 3"), ("gone.yaml", "nowhere.yaml: not found")):
-        done = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--config", str(tmp_path / name)],
-                              capture_output=True, text=True, cwd=tmp_path, check=False,
-                              env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    for name, expected in (
+        ("run.yaml", "v.yaml: YAML syntax error at line 3"),
+        ("gone.yaml", "nowhere.yaml: not found"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "sae_pipeline", "fit", "--config", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=False,
+            env={**__import__("os").environ, "PYTHONPATH": str(repo)},
+        )
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ValueError: config file ") and expected in lines[0], done.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: ValueError: config file ") and expected in lines[0], (
+            done.stderr
+        )

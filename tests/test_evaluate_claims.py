@@ -1,5 +1,6 @@
 """check_claims on synthetic results: one table row per claim makes it hold, then fail; the yardsticks
 (equal-L0 interpolation, support-controlled co-active Babel) against plain reference code."""
+
 from __future__ import annotations
 
 import copy
@@ -19,53 +20,87 @@ VARIANTS = [*SHALLOW, "mpsae"]
 
 
 def rows(l0s: list[float], r2s: list[float], p: int | None = None, k: int | None = None) -> list[dict]:
-    return [{"k": KS[i] if k is None else k, "p": PS[i] if p is None else p, "l0": l0, "r2": r2}
-            for i, (l0, r2) in enumerate(zip(l0s, r2s))]
+    return [
+        {"k": KS[i] if k is None else k, "p": PS[i] if p is None else p, "l0": l0, "r2": r2}
+        for i, (l0, r2) in enumerate(zip(l0s, r2s))
+    ]
 
 
 def support(restricted_at_4: float, mean_size: float) -> dict:
     """Support statistics with a restricted Babel rising in r, 60 % of 100 tokens with |S| >= 10."""
-    return {"restricted_babel": [restricted_at_4 * r / 4 for r in range(1, 11)],
-            "restricted_tokens": [60] * 10, "n_tokens": 100, "mean_support": mean_size, "mean_pairwise": 0.1}
+    return {
+        "restricted_babel": [restricted_at_4 * r / 4 for r in range(1, 11)],
+        "restricted_tokens": [60] * 10,
+        "n_tokens": 100,
+        "mean_support": mean_size,
+        "mean_pairwise": 0.1,
+    }
 
 
 def concept(frequency_cv: float, when_active_cv: float, mean_cv: float, rho: float, cos: float, rank: int) -> dict:
-    return {"n_fired": 900, "frequency_cv": frequency_cv, "value_when_active_cv": when_active_cv,
-            "mean_value_cv": mean_cv, "spearman_frequency_vs_value_when_active": rho,
-            "spearman_frequency_vs_mean": 0.9, "spearman_value_when_active_vs_step": rho,
-            "spearman_mean_vs_step": -0.2, "negative_atom": {"cosine_with_minus_b_pre": cos, "frequency_rank": rank}}
+    return {
+        "n_fired": 900,
+        "frequency_cv": frequency_cv,
+        "value_when_active_cv": when_active_cv,
+        "mean_value_cv": mean_cv,
+        "spearman_frequency_vs_value_when_active": rho,
+        "spearman_frequency_vs_mean": 0.9,
+        "spearman_value_when_active_vs_step": rho,
+        "spearman_mean_vs_step": -0.2,
+        "negative_atom": {"cosine_with_minus_b_pre": cos, "frequency_rank": rank},
+    }
 
 
 def holding_results() -> dict:
     """A study in which every claim of the paper holds (and both implementation checks pass)."""
-    vs_k = {"relu": rows([3, 8, 20, 50], [0.50, 0.70, 0.85, 0.95]),
-            "jumprelu": rows([6, 9, 11, 12], [0.70, 0.75, 0.78, 0.79]),
-            "topk": rows(KS, [0.75, 0.83, 0.89, 0.93]),
-            "batchtopk": rows([8, 15, 25, 43], [0.78, 0.85, 0.90, 0.94]),
-            "mpsae": rows(KS, [0.80, 0.88, 0.94, 0.98])}
+    vs_k = {
+        "relu": rows([3, 8, 20, 50], [0.50, 0.70, 0.85, 0.95]),
+        "jumprelu": rows([6, 9, 11, 12], [0.70, 0.75, 0.78, 0.79]),
+        "topk": rows(KS, [0.75, 0.83, 0.89, 0.93]),
+        "batchtopk": rows([8, 15, 25, 43], [0.78, 0.85, 0.90, 0.94]),
+        "mpsae": rows(KS, [0.80, 0.88, 0.94, 0.98]),
+    }
     vs_p = {v: rows([10] * 4, [0.80, 0.81, 0.815, 0.818], k=10) for v in SHALLOW}
     vs_p["mpsae"] = rows([10] * 4, [0.80, 0.84, 0.87, 0.90], k=10)
     rising = [0.3, 0.5, 0.7, 0.85, 0.92, 0.96, 0.98, 0.99]
+
     def topk_sweep(k):  # peaks at the training k, falls above it
         return {"ks": K_INFER, "r2": [0.9 - 0.05 * abs(math.log2(x / k)) for x in K_INFER]}
-    by_train_k = {"topk": {str(k): topk_sweep(k) for k in KS}, "mpsae": {str(k): {"ks": K_INFER, "r2": rising}
-                                                                      for k in KS}}
+
+    by_train_k = {
+        "topk": {str(k): topk_sweep(k) for k in KS},
+        "mpsae": {str(k): {"ks": K_INFER, "r2": rising} for k in KS},
+    }
     relu_main = {"ks": K_INFER, "r2": [0.3, 0.5, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7]}
     dictionary = {"relu": 6.0, "jumprelu": 5.0, "batchtopk": 4.5, "topk": 4.0, "mpsae": 8.0}
     coactive = {"relu": 1.6, "jumprelu": 1.4, "batchtopk": 1.3, "topk": 1.2, "mpsae": 0.8}
     return {
         "runs": {"relu_p1000_k10": {"r2": 0.7}},  # ReLU as trained: its R² without an inference k
         "expressivity": {"p_main": 1000, "k_main": 10, "vs_k": vs_k, "vs_p": vs_p},
-        "inference": {"p": 1000, "k_train": 10, "by_train_k": by_train_k,
-                      "main": {"relu": relu_main, "topk": by_train_k["topk"]["10"], "mpsae": by_train_k["mpsae"]["10"]}},
-        "coherence": {"k": 10, "p": 1000,
-                      "dictionary": {v: [x * r / 10 for r in range(1, 65)] for v, x in dictionary.items()},
-                      "coactive": {v: [x * r / 10 for r in range(1, 65)] for v, x in coactive.items()},
-                      "support": {v: support(x, 9.0) for v, x in coactive.items()}},
-        "concepts": {"k": 10, "p": 1000, "variants": {
-            "relu": concept(3.0, 1.0, 4.0, 0.3, 0.9, 1), "jumprelu": concept(2.0, 0.5, 2.0, 0.3, 0.9, 1),
-            "topk": concept(1.4, 0.4, 1.7, 0.3, 0.85, 3), "batchtopk": concept(1.5, 0.45, 2.1, 0.3, 0.85, 5),
-            "mpsae": concept(0.7, 1.2, 1.3, -0.3, 0.2, 40)}},
+        "inference": {
+            "p": 1000,
+            "k_train": 10,
+            "by_train_k": by_train_k,
+            "main": {"relu": relu_main, "topk": by_train_k["topk"]["10"], "mpsae": by_train_k["mpsae"]["10"]},
+        },
+        "coherence": {
+            "k": 10,
+            "p": 1000,
+            "dictionary": {v: [x * r / 10 for r in range(1, 65)] for v, x in dictionary.items()},
+            "coactive": {v: [x * r / 10 for r in range(1, 65)] for v, x in coactive.items()},
+            "support": {v: support(x, 9.0) for v, x in coactive.items()},
+        },
+        "concepts": {
+            "k": 10,
+            "p": 1000,
+            "variants": {
+                "relu": concept(3.0, 1.0, 4.0, 0.3, 0.9, 1),
+                "jumprelu": concept(2.0, 0.5, 2.0, 0.3, 0.9, 1),
+                "topk": concept(1.4, 0.4, 1.7, 0.3, 0.85, 3),
+                "batchtopk": concept(1.5, 0.45, 2.1, 0.3, 0.85, 5),
+                "mpsae": concept(0.7, 1.2, 1.3, -0.3, 0.2, 40),
+            },
+        },
     }
 
 
@@ -84,7 +119,7 @@ def set_path(results: dict, path: str, value) -> None:
 FAILING = {
     "expressivity_k": [("expressivity.vs_k.mpsae.1.r2", 0.70)],
     "p_improves": [("expressivity.vs_p.mpsae.3.r2", 0.875)],  # gains +0.005 over the last doubling: flat
-    "p_plateau": [("expressivity.vs_p.topk.3.r2", 0.78)],     # falls by 0.035: not a plateau either
+    "p_plateau": [("expressivity.vs_p.topk.3.r2", 0.78)],  # falls by 0.035: not a plateau either
     "inference_topk": [("inference.by_train_k.topk.40.r2.7", 0.95)],
     "inference_mp": [("inference.by_train_k.mpsae.20.r2.4", 0.80)],
     "inference_relu": [("inference.main.relu.r2.7", 0.71)],
@@ -95,8 +130,7 @@ FAILING = {
     "varied_values": [("concepts.variants.mpsae.value_when_active_cv", 0.42)],  # E[z_j]'s CV stays lowest
     "inverse_frequency": [("concepts.variants.mpsae.spearman_frequency_vs_value_when_active", 0.2)],
     "hierarchy": [("concepts.variants.mpsae.spearman_value_when_active_vs_step", 0.1)],
-    "negative_atom": [("concepts.variants.topk.negative_atom", {"cosine_with_minus_b_pre": 0.5,
-                                                                "frequency_rank": 3})],
+    "negative_atom": [("concepts.variants.topk.negative_atom", {"cosine_with_minus_b_pre": 0.5, "frequency_rank": 3})],
 }
 
 
@@ -112,8 +146,13 @@ def test_every_claim_holds_on_the_holding_results_and_has_a_quote_and_a_failing_
         assert c["holds"] is True, (c["id"], c["measured"])
         assert c["quote"] and c["claim"] and c["kind"] in ("paper", "implementation")
     counts = count_claims(checks)
-    assert counts == {"holds": len(checks) - 2, "does_not_hold": 0, "not_measured": 0,
-                      "implementation_checks_passed": 2, "implementation_checks": 2}
+    assert counts == {
+        "holds": len(checks) - 2,
+        "does_not_hold": 0,
+        "not_measured": 0,
+        "implementation_checks_passed": 2,
+        "implementation_checks": 2,
+    }
 
 
 @pytest.mark.parametrize("claim_id", sorted(FAILING))
@@ -160,7 +199,7 @@ def test_a_shallow_curve_that_does_not_reach_mp_sae_l0_is_named_and_left_out():
 
 def test_r2_at_l0_interpolates_in_log_l0():
     sweep = rows([2, 8, 32], [0.2, 0.6, 0.9])
-    assert r2_at_l0(sweep, 4) == pytest.approx(0.4)   # halfway between 2 and 8 in log L0
+    assert r2_at_l0(sweep, 4) == pytest.approx(0.4)  # halfway between 2 and 8 in log L0
     assert r2_at_l0(sweep, 16) == pytest.approx(0.75)
     assert r2_at_l0(sweep, 8) == pytest.approx(0.6) and r2_at_l0(sweep, 32) == pytest.approx(0.9)
     assert r2_at_l0(sweep, 1.9) is None and r2_at_l0(sweep, 33) is None
@@ -174,8 +213,9 @@ def plain_restricted_babel(W: torch.Tensor, codes: torch.Tensor, r: int) -> tupl
         support_ = torch.nonzero(row).flatten().tolist()
         if len(support_) < r + 1:
             continue
-        values.append(max(sum(sorted((abs(float(W[i] @ W[j])) for i in support_ if i != j), reverse=True)[:r])
-                          for j in support_))
+        values.append(
+            max(sum(sorted((abs(float(W[i] @ W[j])) for i in support_ if i != j), reverse=True)[:r]) for j in support_)
+        )
     return (sum(values) / len(values) if values else None), len(values)
 
 
@@ -212,10 +252,11 @@ def test_support_coherence_matches_the_plain_formula_on_random_supports():
 def test_common_r_is_the_largest_r_every_variant_supports_on_enough_tokens():
     def stats(counts):
         return {"restricted_tokens": counts, "n_tokens": 100}
+
     small, large = stats([90, 80, 50, 20, 10]), stats([100, 100, 100, 100, 100])
     assert MIN_TOKEN_SHARE == 0.25
-    assert common_r({"a": small, "b": large}, k=6) == 3   # r = 4 keeps only 20 % of a's tokens
-    assert common_r({"b": large}, k=3) == 2               # r <= k - 1
+    assert common_r({"a": small, "b": large}, k=6) == 3  # r = 4 keeps only 20 % of a's tokens
+    assert common_r({"b": large}, k=3) == 2  # r <= k - 1
     assert common_r({"a": stats([10, 0]), "b": large}, k=3) is None
 
 

@@ -1,4 +1,5 @@
 """Concept statistics against plain per-input loops on random SAEs (no training)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,16 +57,19 @@ def test_statistics_match_plain_loops(cls, kwargs) -> None:
     np.testing.assert_allclose(got, expected, equal_nan=True)
     assert stats["top_by_frequency"][0] == int(np.argmax((codes != 0).mean(0)))
     # the value when active, E[z_j | z_j != 0], from the nonzero codes themselves
-    when_active = np.array([codes[codes[:, j] != 0, j].mean() if (codes[:, j] != 0).any() else np.nan
-                            for j in range(sae.d_sae)])
+    when_active = np.array(
+        [codes[codes[:, j] != 0, j].mean() if (codes[:, j] != 0).any() else np.nan for j in range(sae.d_sae)]
+    )
     got_active = np.array([np.nan if v is None else v for v in stats["value_when_active"]])
     np.testing.assert_allclose(got_active, when_active, equal_nan=True, rtol=1e-10)
     fired = ~np.isnan(when_active)
     assert stats["value_when_active_cv"] == pytest.approx(abs(when_active[fired].std() / when_active[fired].mean()))
     assert stats["spearman_value_when_active_vs_step"] == pytest.approx(
-        spearmanr(when_active[fired], expected[fired]).statistic)
+        spearmanr(when_active[fired], expected[fired]).statistic
+    )
     assert stats["spearman_frequency_vs_value_when_active"] == pytest.approx(
-        spearmanr((codes != 0).mean(0)[fired], when_active[fired]).statistic)
+        spearmanr((codes != 0).mean(0)[fired], when_active[fired]).statistic
+    )
     W, minus_b = sae.W_dec.numpy(), -sae.b_pre.numpy()
     cosines = W @ minus_b / (np.linalg.norm(W, axis=1) * np.linalg.norm(minus_b))
     assert stats["negative_atom"]["index"] == int(np.argmax(cosines))

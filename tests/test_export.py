@@ -1,4 +1,5 @@
 """Export: safetensors + config.json, input scale folded, identical outputs on raw activations, no pickle."""
+
 from __future__ import annotations
 
 import copy
@@ -16,10 +17,10 @@ from torch.utils.data import DataLoader
 
 import sae_pipeline
 from feature_extraction.shards import load_manifest, manifest_sha256
-from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.artifacts import ExportError, export_checkpoint, load_sae
-from sae_pipeline.training.module import SAEModule
+from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, get_sae_class
+from sae_pipeline.training.module import SAEModule
 
 D_IN, D_SAE, K, BATCH = 12, 48, 4, 32
 # Each variant's test_kwargs, with the penalties of the L1/L0 variants set for 6 steps on large raw inputs.
@@ -36,8 +37,12 @@ def raw_data(n: int, seed: int = 0) -> Tensor:
 
 
 def memory_loader(x: Tensor) -> DataLoader:
-    return DataLoader(list(range(len(x))), batch_size=BATCH, drop_last=True,
-                      collate_fn=lambda rows: {"x": x[rows], "shards": ["memory"]})
+    return DataLoader(
+        list(range(len(x))),
+        batch_size=BATCH,
+        drop_last=True,
+        collate_fn=lambda rows: {"x": x[rows], "shards": ["memory"]},
+    )
 
 
 def make_sae(name: str, seed: int = 0) -> SparseAutoencoder:
@@ -46,9 +51,17 @@ def make_sae(name: str, seed: int = 0) -> SparseAutoencoder:
 
 
 def quiet_trainer(tmp_path: Path, max_steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     default_root_dir=tmp_path)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
 
 
 def trained_checkpoint(name: str, tmp_path: Path) -> tuple[SAEModule, Path]:
@@ -79,8 +92,7 @@ def test_fold_input_scale_equals_running_on_scaled_inputs(name: str) -> None:
         torch.testing.assert_close(got.codes, expected.codes / scale, rtol=1e-4, atol=1e-4)
         assert (expected.codes != 0).any()
         if sae.k is not None:
-            torch.testing.assert_close(folded.encode(x, k=2), sae.encode(scale * x, k=2) / scale, rtol=1e-4,
-                                       atol=1e-4)
+            torch.testing.assert_close(folded.encode(x, k=2), sae.encode(scale * x, k=2) / scale, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="scale"):
         folded.fold_input_scale(0.0)
 
@@ -110,12 +122,23 @@ def test_config_json_content(tmp_path: Path) -> None:
     module, ckpt_fpath = trained_checkpoint("mpsae", tmp_path)
     config = json.loads((export_checkpoint(ckpt_fpath, tmp_path / "out") / "config.json").read_text())
     assert config["variant"] == "mpsae" and config["class_path"] == "sae_pipeline.sae.MatchingPursuitSAE"
-    assert config["init_args"] == {"d_in": D_IN, "d_sae": D_SAE, "k": K, "selection": "auto",
-                                   "dead_after_tokens": 10_000_000}
+    assert config["init_args"] == {
+        "d_in": D_IN,
+        "d_sae": D_SAE,
+        "k": K,
+        "selection": "auto",
+        "dead_after_tokens": 10_000_000,
+    }
     assert (config["d_in"], config["d_sae"], config["k"]) == (D_IN, D_SAE, K)
     assert config["input_scale"] == pytest.approx(float(module.input_scale)) and config["input_scale_folded"]
-    assert config["hyper_parameters"] == {"lr": 1e-2, "warmup_steps": 0, "min_lr": 1e-6, "normalize_input": True,
-                                          "inference_ks": None, "babel_r_max": 64}
+    assert config["hyper_parameters"] == {
+        "lr": 1e-2,
+        "warmup_steps": 0,
+        "min_lr": 1e-6,
+        "normalize_input": True,
+        "inference_ks": None,
+        "babel_r_max": 64,
+    }
     assert config["global_step"] == 6 and config["package_version"] == sae_pipeline.__version__
     assert config["manifest_sha256"] is None  # in-memory data: no manifest
 
@@ -152,8 +175,9 @@ def tiny_shards(tmp_path: Path, token_shards) -> Path:
 
 
 def test_manifest_hash_recorded_for_shard_data(tiny_shards: Path, tmp_path: Path) -> None:
-    dm = ActivationDataModule(str(tiny_shards), batch_size=BATCH, num_workers=0, shuffle_buffer_tokens=256,
-                              val_fraction=0.34)
+    dm = ActivationDataModule(
+        str(tiny_shards), batch_size=BATCH, num_workers=0, shuffle_buffer_tokens=256, val_fraction=0.34
+    )
     trainer = quiet_trainer(tmp_path, max_steps=2)
     trainer.fit(SAEModule(make_sae("topk"), warmup_steps=0), dm)
     trainer.save_checkpoint(tmp_path / "run.ckpt")

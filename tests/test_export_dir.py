@@ -1,6 +1,7 @@
 """An export folder never holds two SAEs (reliability issue, item 7): exporting the other format into
 a folder that holds an export is refused before anything is written; the same format replaces it.
 ``python -m sae_pipeline export`` through ``main`` in-process, one case in a real subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,26 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     previous = os.getcwd()
     os.chdir(cwd)
     try:
-        assert main(["fit", "--config", TOPK, "--model.sae.init_args.d_sae", "32", "--trainer.max_steps", "2",
-                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-                     "--figures.every_n_val_epochs", "1000"]) == 0
+        assert (
+            main(
+                [
+                    "fit",
+                    "--config",
+                    TOPK,
+                    "--model.sae.init_args.d_sae",
+                    "32",
+                    "--trainer.max_steps",
+                    "2",
+                    "--trainer.enable_progress_bar",
+                    "false",
+                    "--trainer.enable_model_summary",
+                    "false",
+                    "--figures.every_n_val_epochs",
+                    "1000",
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(previous)
     return cwd / "runs/topk_digits/version_0/checkpoints/last.ckpt"
@@ -53,8 +71,9 @@ CASES = {  # name: (what --out holds, the format exported into it, refused)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_an_export_folder_holds_one_sae(case: str, ckpt: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_export_folder_holds_one_sae(
+    case: str, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     held, fmt, refused = CASES[case]
     out = tmp_path / "sae"
     first = "native" if held[0] in FILES["native"] else "saelens"
@@ -84,10 +103,14 @@ def test_the_command_refuses_the_other_format(ckpt: Path, tmp_path: Path) -> Non
     command = [sys.executable, "-m", "sae_pipeline", "export", "--ckpt_path", str(ckpt), "--out", str(out)]
     assert subprocess.run(command, env=env, capture_output=True, timeout=300, check=False).returncode == 0
     before = contents(out)
-    result = subprocess.run([*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        (f"error: ExportError: --out {out} holds a native export (sae.safetensors, config.json) and one folder holds "
-        f"one SAE; pass another --out, or remove {out} first to replace it")]
+        (
+            f"error: ExportError: --out {out} holds a native export (sae.safetensors, config.json) "
+            f"and one folder holds one SAE; pass another --out, or remove {out} first to replace it"
+        )
+    ]
     assert contents(out) == before

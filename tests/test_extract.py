@@ -1,4 +1,5 @@
 """The extraction command: tokens equal a plain per-image forward, task splits and resume give the same shards."""
+
 from __future__ import annotations
 
 import errno
@@ -19,12 +20,12 @@ import xxhash
 from PIL import Image
 
 from feature_extraction import shards as S
-from feature_extraction.shards import read as R
-from feature_extraction.shards import write as W
 from feature_extraction.__main__ import build_parser, main
 from feature_extraction.backbones import BACKBONES, BackboneSpec, load_backbone
 from feature_extraction.extract import default_task, extract
 from feature_extraction.shards import LOCK_FNAME, image_id_from_key, image_key
+from feature_extraction.shards import read as R
+from feature_extraction.shards import write as W
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 BACKBONE = "vit_tiny"
@@ -47,8 +48,19 @@ def make_folder(root: Path, n_per_class: int, size: int = 40, seed: int = 0) -> 
 
 
 def run(images: Path, out: Path, **kwargs) -> dict:
-    options = dict(backbone=BACKBONE, images=str(images), out=str(out), shard_size=3, batch_size=2,
-                   num_workers=0, device="cpu", progress=False) | kwargs
+    options = (
+        dict(
+            backbone=BACKBONE,
+            images=str(images),
+            out=str(out),
+            shard_size=3,
+            batch_size=2,
+            num_workers=0,
+            device="cpu",
+            progress=False,
+        )
+        | kwargs
+    )
     return extract(**options)
 
 
@@ -86,8 +98,10 @@ def test_image_key_is_valid_and_reversible() -> None:
     alphabet = "ab._%/-Z"
     ids = {"a.png", "a_png", "a%2Epng", "__x", "_x.y", "d.ir/f.g.h", "%", "x/_y.jpg"}
     while len(ids) < 400:
-        parts = ["".join(rng.choice(alphabet.replace("/", "")) for _ in range(rng.randint(1, 6)))
-                 for _ in range(rng.randint(1, 3))]
+        parts = [
+            "".join(rng.choice(alphabet.replace("/", "")) for _ in range(rng.randint(1, 6)))
+            for _ in range(rng.randint(1, 3))
+        ]
         ids.add("/".join(parts))
     keys = {image_key(i): i for i in ids}
     assert len(keys) == len(ids)  # one-to-one
@@ -96,14 +110,32 @@ def test_image_key_is_valid_and_reversible() -> None:
         assert image_id_from_key(key) == image_id
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_COUNT": "4", "RANK": "1",
-      "WORLD_SIZE": "2"}, (2, 4)),
-    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2",
-      "SLURM_ARRAY_TASK_COUNT": "3"}, (2, 3)),
-    ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),
-    ({}, (0, 1)),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "5",
+                "SLURM_ARRAY_TASK_MIN": "3",
+                "SLURM_ARRAY_TASK_COUNT": "4",
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+            },
+            (2, 4),
+        ),
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "4",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_ARRAY_TASK_STEP": "2",
+                "SLURM_ARRAY_TASK_COUNT": "3",
+            },
+            (2, 3),
+        ),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),
+        ({}, (0, 1)),
+    ],
+)
 def test_default_task_from_environment(env, expected) -> None:
     assert default_task(env) == expected
 
@@ -170,8 +202,9 @@ def test_tasks_together_equal_one_run(images, reference, tmp_path) -> None:
 
 
 def test_refuses_directory_of_another_extraction(images, reference, tmp_path) -> None:
-    with pytest.raises(ValueError, match="backbone 'vit_tiny' layer 1 but this run extracts backbone "
-                                         "'dinov2_tiny' layer 1"):
+    with pytest.raises(
+        ValueError, match="backbone 'vit_tiny' layer 1 but this run extracts backbone 'dinov2_tiny' layer 1"
+    ):
         run(images, reference, backbone="dinov2_tiny")
     with pytest.raises(ValueError, match="backbone 'vit_tiny' layer 1 .* backbone 'vit_tiny' layer 0"):
         run(images, reference, layer=0)
@@ -186,17 +219,33 @@ def test_refuses_directory_of_another_extraction(images, reference, tmp_path) ->
         run(images, foreign)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--backbone", "nope"], "backbone 'nope' is unknown; choose one of .*vit_tiny"),
-    (["--images", "{tmp}/missing"], "--images .*missing: does not exist"),
-    (["--images", "{tmp}/empty"], "images source .*empty' holds no images"),
-    (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
-    (["--task_index", "3", "--num_tasks", "3"], r"--task_index must be an integer in \[0, 2\] for --num_tasks 3, got 3"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backbone", "nope"], "backbone 'nope' is unknown; choose one of .*vit_tiny"),
+        (["--images", "{tmp}/missing"], "--images .*missing: does not exist"),
+        (["--images", "{tmp}/empty"], "images source .*empty' holds no images"),
+        (["--batch_size", "0"], "--batch_size must be an integer >= 1"),
+        (
+            ["--task_index", "3", "--num_tasks", "3"],
+            r"--task_index must be an integer in \[0, 2\] for --num_tasks 3, got 3",
+        ),
+    ],
+)
 def test_bad_input_one_line_error(images, tmp_path, capsys, args, message) -> None:
     (tmp_path / "empty").mkdir()
-    argv = ["--backbone", BACKBONE, "--images", str(images), "--out", str(tmp_path / "out"), "--device", "cpu",
-            "--progress", "false"] + [a.format(tmp=tmp_path) for a in args]
+    argv = [
+        "--backbone",
+        BACKBONE,
+        "--images",
+        str(images),
+        "--out",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--progress",
+        "false",
+    ] + [a.format(tmp=tmp_path) for a in args]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("error: ")
@@ -213,12 +262,29 @@ def test_disk_full_keeps_complete_shards(images, reference, tmp_path, capsys, mo
         return original_write(self, data)
 
     monkeypatch.setattr(W._HashingWriter, "write", failing_write)
-    argv = ["--backbone", BACKBONE, "--images", str(images), "--out", str(out), "--shard_size", "3",
-            "--batch_size", "2", "--num_workers", "0", "--device", "cpu", "--progress", "false"]
+    argv = [
+        "--backbone",
+        BACKBONE,
+        "--images",
+        str(images),
+        "--out",
+        str(out),
+        "--shard_size",
+        "3",
+        "--batch_size",
+        "2",
+        "--num_workers",
+        "0",
+        "--device",
+        "cpu",
+        "--progress",
+        "false",
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"error: no space left on device writing {out / 'shard-000001.tar'}; "
-                                             f"kept: the complete shards in {out} ")
+    assert "\n" not in err and err.startswith(
+        f"error: no space left on device writing {out / 'shard-000001.tar'}; kept: the complete shards in {out} "
+    )
     assert not list(out.glob("*.tmp")) and not (out / S.MANIFEST_FNAME).exists()
     assert S.shard_is_complete(out, 0) and not S.shard_is_complete(out, 1)
     kept = shard_bytes(out)  # other writer threads may have finished later shards: those are complete too
@@ -248,8 +314,18 @@ def test_finalize_command_and_lock(images, reference, tmp_path, capsys) -> None:
 
 def test_a_new_backbone_is_one_registry_entry(images, tmp_path, monkeypatch) -> None:
     """An entry for a model nothing else names (DeiT: CLS + distillation token) extracts as it is."""
-    spec = BackboneSpec("deit_tiny", "timm", "deit_tiny_distilled_patch16_224", None, 2, (4, 4), 64, 64, 2,
-                        dict(img_size=64, depth=2, embed_dim=64, num_heads=2))
+    spec = BackboneSpec(
+        "deit_tiny",
+        "timm",
+        "deit_tiny_distilled_patch16_224",
+        None,
+        2,
+        (4, 4),
+        64,
+        64,
+        2,
+        dict(img_size=64, depth=2, embed_dim=64, num_heads=2),
+    )
     monkeypatch.setitem(BACKBONES, "deit_tiny", spec)
     out = tmp_path / "shards"
     assert run(images, out, backbone="deit_tiny")["finalized"]
@@ -280,9 +356,22 @@ def test_help_lists_every_option(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--config", "--backbone", "--images", "--out", "--pretrained", "--checkpoint_path", "--layer",
-                 "--batch_size", "--shard_size", "--num_workers", "--device", "--task_index", "--num_tasks",
-                 "finalize"):
+    for flag in (
+        "--config",
+        "--backbone",
+        "--images",
+        "--out",
+        "--pretrained",
+        "--checkpoint_path",
+        "--layer",
+        "--batch_size",
+        "--shard_size",
+        "--num_workers",
+        "--device",
+        "--task_index",
+        "--num_tasks",
+        "finalize",
+    ):
         assert flag in text, flag
 
 
@@ -291,9 +380,27 @@ def test_resume_after_sigkill(tmp_path) -> None:
     """SIGKILL mid-run, rerun: the shard set equals an uninterrupted run's, byte for byte."""
     images = make_folder(tmp_path / "images", n_per_class=20, size=160)
     out = tmp_path / "shards"
-    command = [sys.executable, "-m", "feature_extraction", "--backbone", BACKBONE, "--images", str(images),
-               "--out", str(out), "--shard_size", "2", "--batch_size", "2", "--num_workers", "0",
-               "--device", "cpu", "--progress", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "feature_extraction",
+        "--backbone",
+        BACKBONE,
+        "--images",
+        str(images),
+        "--out",
+        str(out),
+        "--shard_size",
+        "2",
+        "--batch_size",
+        "2",
+        "--num_workers",
+        "0",
+        "--device",
+        "cpu",
+        "--progress",
+        "false",
+    ]
     process = subprocess.Popen(command, cwd=REPO_DPATH, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while not (out / "shard-000000.tar").exists() and process.poll() is None and time.time() < deadline:

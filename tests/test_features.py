@@ -1,4 +1,5 @@
 """``python -m sae_pipeline features`` end to end: exact tables, heatmaps of a token subset, MP steps, bad input."""
+
 from __future__ import annotations
 
 import base64
@@ -9,20 +10,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from features_fixtures import GRID, N_PREFIX, identity_sae, write_export, write_shards
+from test_features_topn import brute_force
+
 from sae_pipeline.__main__ import main
 from sae_pipeline.artifacts import load_sae
 from sae_pipeline.sae import MatchingPursuitSAE
-from test_features_topn import brute_force
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("features")
     tokens, positions = write_shards(root / "shards", root / "images")
-    return {"root": root, "shards": root / "shards", "images": root / "images", "tokens": tokens,
-            "positions": positions, "sae": write_export(identity_sae(), root / "sae")}
+    return {
+        "root": root,
+        "shards": root / "shards",
+        "images": root / "images",
+        "tokens": tokens,
+        "positions": positions,
+        "sae": write_export(identity_sae(), root / "sae"),
+    }
 
 
 def run(args: list[str], capsys) -> tuple[int, str]:
@@ -33,9 +40,28 @@ def run(args: list[str], capsys) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def site(data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site") / "site"
-    assert main(["features", "--sae", str(data["sae"]), "--data.source", str(data["shards"]), "--out", str(out),
-                 "--top", "4", "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator",
-                 "cpu"]) == 0
+    assert (
+        main(
+            [
+                "features",
+                "--sae",
+                str(data["sae"]),
+                "--data.source",
+                str(data["shards"]),
+                "--out",
+                str(out),
+                "--top",
+                "4",
+                "--data.batch_size",
+                "16",
+                "--data.num_workers",
+                "0",
+                "--trainer.accelerator",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -45,8 +71,10 @@ def test_table_equals_brute_force(data, site) -> None:
     codes = np.maximum(tokens, 0)  # the identity SAE
     tpi = len(tokens) // 14
     expected = brute_force(codes, np.arange(len(tokens)) // tpi, n=4)
-    got = [[(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0]
-           for j in range(codes.shape[1])]
+    got = [
+        [(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0]
+        for j in range(codes.shape[1])
+    ]
     assert got == expected
     assert table["fire_count"].tolist() == (codes != 0).sum(0).tolist()
     np.testing.assert_allclose(table["value_sum"], codes.astype(np.float64).sum(0), rtol=1e-12)
@@ -56,8 +84,10 @@ def test_table_equals_brute_force(data, site) -> None:
 
 
 def decode_cards(page: str) -> list[tuple[np.ndarray, int]]:
-    return [(np.frombuffer(base64.b64decode(heat), np.uint8), int(top))
-            for heat, top in re.findall(r'data-heat="([^"]+)" data-top="(\d+)"', page)]
+    return [
+        (np.frombuffer(base64.b64decode(heat), np.uint8), int(top))
+        for heat, top in re.findall(r'data-heat="([^"]+)" data-top="(\d+)"', page)
+    ]
 
 
 def test_heatmaps_put_each_token_at_its_recorded_position(data, site) -> None:
@@ -79,7 +109,7 @@ def test_heatmaps_put_each_token_at_its_recorded_position(data, site) -> None:
             assert levels.tolist() == expected.tolist()
             assert top == positions[token]
         # prefix tokens are chips of their own, apart from the grid
-        assert page.count('data-i="0">CLS<') == len(cards) and page.count('>R2</span>') == len(cards)
+        assert page.count('data-i="0">CLS<') == len(cards) and page.count(">R2</span>") == len(cards)
     assert len(list((site / "thumbs").glob("*.jpg"))) == len({int(g) for g in table["image"][table["token"] >= 0]})
 
 
@@ -89,8 +119,21 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
     with torch.no_grad():
         sae.W_dec.copy_(torch.nn.functional.normalize(torch.randn(40, 64), dim=1))
     out = tmp_path / "site"
-    code, err = run(["--sae", str(write_export(sae, tmp_path / "mp")), "--data.source", "digits", "--out", str(out),
-                     "--data.num_workers", "0", "--trainer.accelerator", "cpu"], capsys)
+    code, err = run(
+        [
+            "--sae",
+            str(write_export(sae, tmp_path / "mp")),
+            "--data.source",
+            "digits",
+            "--out",
+            str(out),
+            "--data.num_workers",
+            "0",
+            "--trainer.accelerator",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     from sklearn.datasets import load_digits
 
@@ -108,13 +151,27 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
 
 
 def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:
-    base = ["--sae", str(data["sae"]), "--data.source", str(data["shards"]), "--data.num_workers", "0",
-            "--trainer.accelerator", "cpu"]
+    base = [
+        "--sae",
+        str(data["sae"]),
+        "--data.source",
+        str(data["shards"]),
+        "--data.num_workers",
+        "0",
+        "--trainer.accelerator",
+        "cpu",
+    ]
     cases = {
         "--top must be an integer >= 1": [*base, "--out", str(tmp_path / "a"), "--top", "0"],
         "--atoms 12: out of range": [*base, "--out", str(tmp_path / "b"), "--atoms", "3", "12"],
-        "tokens are 64-d but the SAE takes d_in = 12": ["--sae", str(data["sae"]), "--data.source", "digits",
-                                                        "--out", str(tmp_path / "c")],
+        "tokens are 64-d but the SAE takes d_in = 12": [
+            "--sae",
+            str(data["sae"]),
+            "--data.source",
+            "digits",
+            "--out",
+            str(tmp_path / "c"),
+        ],
         "not a feature browser site": [*base, "--out", str(data["images"])],
         "pass exactly one of --ckpt_path": ["--data.source", "digits", "--out", str(tmp_path / "d")],
     }
@@ -151,15 +208,32 @@ def test_h5_token_cache_lists_tokens_without_images(data, tmp_path, capsys) -> N
     from feature_extraction.h5cache import write_token_cache
 
     tokens = data["tokens"][:60]
-    write_token_cache(tmp_path / "cache.h5", tokens, image_ids=[f"im{i // 5}" for i in range(60)],
-                      token_positions=np.arange(60) % 5)
+    write_token_cache(
+        tmp_path / "cache.h5", tokens, image_ids=[f"im{i // 5}" for i in range(60)], token_positions=np.arange(60) % 5
+    )
     out = tmp_path / "site"
-    code, err = run(["--sae", str(data["sae"]), "--data.source", str(tmp_path / "cache.h5"), "--out", str(out),
-                     "--top", "3", "--data.num_workers", "0", "--trainer.accelerator", "cpu"], capsys)
+    code, err = run(
+        [
+            "--sae",
+            str(data["sae"]),
+            "--data.source",
+            str(tmp_path / "cache.h5"),
+            "--out",
+            str(out),
+            "--top",
+            "3",
+            "--data.num_workers",
+            "0",
+            "--trainer.accelerator",
+            "cpu",
+        ],
+        capsys,
+    )
     assert code == 0, err
     table = np.load(out / "features.npz")
-    assert [[(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0] for j in range(12)] \
-        == brute_force(np.maximum(tokens, 0), np.arange(60), n=3)  # one token per row: no image grouping
+    assert [
+        [(float(v), int(t)) for v, t in zip(table["value"][j], table["token"][j]) if t >= 0] for j in range(12)
+    ] == brute_force(np.maximum(tokens, 0), np.arange(60), n=3)  # one token per row: no image grouping
     page = (out / "atoms" / "02.html").read_text()
     best = int(table["token"][2][0])
     assert f"im{best // 5}" in page and f"token {best % 5}" in page and "<img" not in page

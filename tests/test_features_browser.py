@@ -1,4 +1,5 @@
 """The feature browser in a real headless Chromium (Debian's ``chromium`` through playwright), from disk."""
+
 from __future__ import annotations
 
 import io
@@ -6,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from features_fixtures import D, identity_sae, write_export, write_shards
-from sae_pipeline.__main__ import main
+from PIL import Image
 from system_tools import require
+
+from sae_pipeline.__main__ import main
 
 CHROMIUM = "chromium"
 
@@ -20,9 +21,28 @@ def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("browser")
     write_shards(root / "shards", root / "images")
     out = root / "site"
-    assert main(["features", "--sae", str(write_export(identity_sae(), root / "sae")), "--data.source",
-                 str(root / "shards"), "--out", str(out), "--top", "5", "--neighbours", "3", "--data.num_workers",
-                 "0", "--trainer.accelerator", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "features",
+                "--sae",
+                str(write_export(identity_sae(), root / "sae")),
+                "--data.source",
+                str(root / "shards"),
+                "--out",
+                str(out),
+                "--top",
+                "5",
+                "--neighbours",
+                "3",
+                "--data.num_workers",
+                "0",
+                "--trainer.accelerator",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -34,8 +54,11 @@ def browser():
     from playwright.sync_api import sync_playwright  # the dev extra; its browser is Debian's, never downloaded
 
     with sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=shutil.which(CHROMIUM), headless=True,
-                                     args=["--no-sandbox", "--allow-file-access-from-files"])
+        instance = p.chromium.launch(
+            executable_path=shutil.which(CHROMIUM),
+            headless=True,
+            args=["--no-sandbox", "--allow-file-access-from-files"],
+        )
         yield instance
         instance.close()
 
@@ -107,4 +130,3 @@ def test_atom_pages_load_draw_and_link(site, browser, tmp_path) -> None:
     index, _ = open_page(browser, (site / "index.html").as_uri())
     links = index.locator("#atoms tbody a").evaluate_all("links => links.map(a => a.href)")
     assert len(links) == D and all(Path(link.removeprefix("file://")).is_file() for link in links)
-

@@ -1,4 +1,5 @@
 """The features pass on 2 DDP ranks (gloo, CPU, Lightning's own launcher) gives the same site as one process."""
+
 from __future__ import annotations
 
 import filecmp
@@ -9,23 +10,41 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from features_fixtures import identity_sae, write_export, write_shards
+
 from sae_pipeline.__main__ import main
 
 
 def features(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "sae_pipeline", "features", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", "features", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     write_shards(tmp_path / "shards", tmp_path / "images", n_images=13, shard_size=3)  # 5 uneven shards
     sae = write_export(identity_sae(), tmp_path / "sae")
-    common = ["--sae", str(sae), "--data.source", str(tmp_path / "shards"), "--top", "3", "--data.batch_size", "8",
-              "--data.num_workers", "1", "--trainer.accelerator", "cpu"]
+    common = [
+        "--sae",
+        str(sae),
+        "--data.source",
+        str(tmp_path / "shards"),
+        "--top",
+        "3",
+        "--data.batch_size",
+        "8",
+        "--data.num_workers",
+        "1",
+        "--trainer.accelerator",
+        "cpu",
+    ]
     assert main(["features", *common, "--out", str(tmp_path / "one"), "--trainer.devices", "1"]) == 0  # in-process
     two = features([*common, "--out", "two", "--trainer.devices", "2", "--trainer.strategy", "ddp"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -38,6 +57,9 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
             assert np.array_equal(a[name], b[name]), name
     pages = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
     assert pages == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
-    different = [str(p) for p in pages if p.suffix == ".html" and not filecmp.cmp(tmp_path / "one" / p,
-                                                                                 tmp_path / "two" / p, shallow=False)]
+    different = [
+        str(p)
+        for p in pages
+        if p.suffix == ".html" and not filecmp.cmp(tmp_path / "one" / p, tmp_path / "two" / p, shallow=False)
+    ]
     assert different == []

@@ -1,5 +1,6 @@
 """The browser draws only the images that were extracted: an image replaced after extraction is listed, not drawn
 with the old image's heatmaps; shards older than the content hash are drawn unchecked, and the command says so."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,25 @@ N_IMAGES = 6
 
 def features(shards: Path, sae: Path, out: Path, capsys) -> str:
     """``python -m sae_pipeline features`` (in this process); returns its stderr."""
-    code = main(["features", "--sae", str(sae), "--data.source", str(shards), "--out", str(out), "--top", "8",
-                 "--data.batch_size", "64", "--data.num_workers", "0", "--trainer.accelerator", "cpu"])
+    code = main(
+        [
+            "features",
+            "--sae",
+            str(sae),
+            "--data.source",
+            str(shards),
+            "--out",
+            str(out),
+            "--top",
+            "8",
+            "--data.batch_size",
+            "64",
+            "--data.num_workers",
+            "0",
+            "--trainer.accelerator",
+            "cpu",
+        ]
+    )
     assert code == 0
     return capsys.readouterr().err
 
@@ -28,8 +46,11 @@ def cards_of(site: Path, image_id: str) -> list[str]:
     """Every card of every atom page that shows ``image_id``."""
     cards = []
     for page in (site / "atoms").glob("*.html"):
-        cards += [card for card in page.read_text().split('<figure class="card"')[1:] if f">{image_id}<" in card
-                  or f"<br>{image_id}" in card]
+        cards += [
+            card
+            for card in page.read_text().split('<figure class="card"')[1:]
+            if f">{image_id}<" in card or f"<br>{image_id}" in card
+        ]
     return cards
 
 
@@ -41,8 +62,16 @@ def test_image_replaced_after_extraction_is_listed_not_drawn(tmp_path: Path, cap
     for i in range(N_IMAGES):
         Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(images / f"img{i}.png")
     shards = tmp_path / "shards"
-    extract(backbone="vit_tiny", images=str(images), out=str(shards), shard_size=4, batch_size=4, num_workers=0,
-            device="cpu", progress=False)
+    extract(
+        backbone="vit_tiny",
+        images=str(images),
+        out=str(shards),
+        shard_size=4,
+        batch_size=4,
+        num_workers=0,
+        device="cpu",
+        progress=False,
+    )
     sae = write_export(identity_sae(192), tmp_path / "sae")  # vit_tiny's tokens are 192-d
 
     before = features(shards, sae, tmp_path / "site-before", capsys)
@@ -60,8 +89,9 @@ def test_image_replaced_after_extraction_is_listed_not_drawn(tmp_path: Path, cap
     assert summary["n_images_shown"] == N_IMAGES - 1 and summary["images_unchecked"] == 0
     assert len(list((site / "thumbs").glob("*.jpg"))) == N_IMAGES - 1
     changed = cards_of(site, "img2.png")
-    assert changed and all("<img" not in card and "data-heat" not in card and "changed since extraction" in card
-                           for card in changed)
+    assert changed and all(
+        "<img" not in card and "data-heat" not in card and "changed since extraction" in card for card in changed
+    )
     assert all("<img" in card for card in cards_of(site, "img1.png"))  # the others are still drawn
     index = (site / "index.html").read_text()
     assert "Images changed since extraction (1): not drawn" in index and "<li>img2.png " in index
@@ -78,6 +108,8 @@ def test_shards_without_hashes_are_drawn_unchecked_and_said_once(tmp_path: Path,
     shown = summary["n_images_shown"]
     assert shown > 0 and summary["images_unchecked"] == shown and summary["images_changed"] == []
     warnings = [line for line in err.splitlines() if "drawn unchecked" in line]
-    expected = f"warning: {shown} images drawn unchecked: their shards predate content hashes (re-extract to check them)"
+    expected = (
+        f"warning: {shown} images drawn unchecked: their shards predate content hashes (re-extract to check them)"
+    )
     assert warnings == [expected]
     assert f"{shown} images drawn unchecked" in (tmp_path / "site" / "index.html").read_text()

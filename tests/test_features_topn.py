@@ -1,4 +1,5 @@
 """The streaming top-N pass against a brute-force dense computation (values, order, ties, merge)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,7 +48,7 @@ def table_entries(table: TopNTable) -> list[list[tuple[float, int]]]:
 def stream(codes: np.ndarray, images: np.ndarray, n: int, order: np.ndarray, batch: int) -> TopNTable:
     table = TopNTable(codes.shape[1], n)
     for start in range(0, len(order), batch):
-        rows = torch.from_numpy(order[start:start + batch])
+        rows = torch.from_numpy(order[start : start + batch])
         table.update_codes(torch.from_numpy(codes)[rows], rows, torch.from_numpy(images)[rows], rows % 5)
     return table
 
@@ -72,8 +73,10 @@ def test_merge_of_rank_tables_equals_one_table() -> None:
     codes, images = random_codes(5, tokens_per_image=7)  # images straddle the rank boundary
     whole = stream(codes, images, 3, np.arange(len(codes)), 50)
     cut = 301
-    parts = [stream(codes[:cut], images[:cut], 3, np.arange(cut), 50).state(),
-             stream(codes, images, 3, np.arange(cut, len(codes)), 50).state()]
+    parts = [
+        stream(codes[:cut], images[:cut], 3, np.arange(cut), 50).state(),
+        stream(codes, images, 3, np.arange(cut, len(codes)), 50).state(),
+    ]
     # the second part was fed global token indices cut.. of the whole arrays
     merged = merge_states(parts, n=3)
     for name, value in whole.state().items():
@@ -96,8 +99,11 @@ def test_packed_key_orders_by_atom_then_value_desc() -> None:
     from sae_pipeline.features.topn import _value_desc_key
 
     rng = np.random.default_rng(0)
-    value = torch.from_numpy(np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-40, 30, 500),
-                                             [0.0, 1e-45, -1e-45, 3.4e38, -3.4e38]]).astype(np.float32))
+    value = torch.from_numpy(
+        np.concatenate(
+            [rng.standard_normal(500) * 10.0 ** rng.integers(-40, 30, 500), [0.0, 1e-45, -1e-45, 3.4e38, -3.4e38]]
+        ).astype(np.float32)
+    )
     atom = torch.from_numpy(rng.integers(0, 3, len(value)))
     order = torch.sort(_value_desc_key(atom, value), stable=True).indices
     expected = sorted(range(len(value)), key=lambda i: (int(atom[i]), -float(value[i])))

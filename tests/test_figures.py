@@ -1,4 +1,5 @@
 """Figure functions: the plotted data equal the inputs, PNGs render, bad input raises one-line errors."""
+
 from __future__ import annotations
 
 from pathlib import Path

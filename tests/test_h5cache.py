@@ -1,4 +1,8 @@
-"""HDF5 token cache (feature_extraction/h5cache.py) and codes file (sae_pipeline/artifacts/codes.py): round trips against numpy indexing, appends, atomic writes."""
+"""HDF5 token cache (feature_extraction/h5cache.py) and codes file (sae_pipeline/artifacts/codes.py).
+
+Round trips against numpy indexing, appends, atomic writes.
+"""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -24,9 +28,21 @@ def cache_data(tmp_path: Path) -> tuple[Path, np.ndarray, list[str], np.ndarray]
     return fpath, tokens, ids, positions
 
 
-INDICES = [0, -1, 17, np.int64(3), slice(None), slice(3, 30, 4), slice(None, None, -3), slice(5, 5),
-           [5, 1, 1, 36, 0], np.array([], dtype=np.int64), np.arange(10, 20), np.array([-2, 4]),
-           (np.arange(N) % 3 == 0)]
+INDICES = [
+    0,
+    -1,
+    17,
+    np.int64(3),
+    slice(None),
+    slice(3, 30, 4),
+    slice(None, None, -3),
+    slice(5, 5),
+    [5, 1, 1, 36, 0],
+    np.array([], dtype=np.int64),
+    np.arange(10, 20),
+    np.array([-2, 4]),
+    (np.arange(N) % 3 == 0),
+]
 
 
 @pytest.mark.parametrize("index", INDICES, ids=lambda i: repr(i)[:30])
@@ -86,13 +102,16 @@ def test_token_cache_without_optional_fields(tmp_path):
     cache.close()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"tokens": np.zeros(5)}, "tokens"),
-    ({"tokens": np.zeros((5, 2), np.int32)}, "tokens"),
-    ({"image_ids": ["a"]}, "image_ids"),
-    ({"token_positions": np.zeros(4)}, "token_positions"),
-    ({"attrs": {"bad": object()}}, "attrs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tokens": np.zeros(5)}, "tokens"),
+        ({"tokens": np.zeros((5, 2), np.int32)}, "tokens"),
+        ({"image_ids": ["a"]}, "image_ids"),
+        ({"token_positions": np.zeros(4)}, "token_positions"),
+        ({"attrs": {"bad": object()}}, "attrs"),
+    ],
+)
 def test_write_token_cache_rejects_bad_input_and_keeps_old_file(tmp_path, kwargs, match):
     fpath = tmp_path / "c.h5"
     old = np.ones((5, 2), np.float16)
@@ -126,8 +145,9 @@ def test_codes_writer_appends_chunks_of_varying_width(tmp_path):
         assert not fpath.exists()  # only the temporary file exists until the block ends
     width = max(c[2].shape[1] for c in chunks)
     pad = [(0, 0), (0, 0)]
-    ref_indices = np.concatenate([np.pad(c[2], pad[:1] + [(0, width - c[2].shape[1])], constant_values=-1)
-                                  for c in chunks])
+    ref_indices = np.concatenate(
+        [np.pad(c[2], pad[:1] + [(0, width - c[2].shape[1])], constant_values=-1) for c in chunks]
+    )
     ref_values = np.concatenate([np.pad(c[3], pad[:1] + [(0, width - c[3].shape[1])]) for c in chunks])
     codes = read_codes(fpath)
     assert codes["indices"].dtype == np.int32 and codes["values"].dtype == np.float32
@@ -148,12 +168,15 @@ def test_codes_writer_interrupted_leaves_no_file(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda c: (c[0], c[1], c[2] + 100, c[3]), "d_sae"),
-    (lambda c: (c[0], c[1], c[2], c[3][:, :1]), "values"),
-    (lambda c: (c[0], c[1][:2], c[2], c[3]), "token_positions"),
-    (lambda c: (c[0], c[1], c[2].astype(np.float32), c[3]), "indices"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda c: (c[0], c[1], c[2] + 100, c[3]), "d_sae"),
+        (lambda c: (c[0], c[1], c[2], c[3][:, :1]), "values"),
+        (lambda c: (c[0], c[1][:2], c[2], c[3]), "token_positions"),
+        (lambda c: (c[0], c[1], c[2].astype(np.float32), c[3]), "indices"),
+    ],
+)
 def test_codes_writer_rejects_bad_chunks(tmp_path, change, match):
     rng = np.random.default_rng(4)
     with CodesWriter(tmp_path / "codes.h5", d_sae=10) as writer:

@@ -1,4 +1,5 @@
 """Conventions of the command line: one entry point lists every command; every option's help shows its default."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,9 +9,9 @@ import sys
 import pytest
 from jsonargparse import ArgumentParser
 
+from feature_extraction.help_format import DefaultsHelpFormatter
 from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS, usage
 from sae_pipeline.evaluate.__main__ import build_parser
-from feature_extraction.help_format import DefaultsHelpFormatter
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -19,8 +20,14 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 
 def defaulted_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if a.option_strings and a.default not in (None, argparse.SUPPRESS)
-            and not a.required and not isinstance(a, argparse._HelpAction)]
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings
+        and a.default not in (None, argparse.SUPPRESS)
+        and not a.required
+        and not isinstance(a, argparse._HelpAction)
+    ]
 
 
 def test_top_level_help_lists_every_command() -> None:
@@ -54,8 +61,16 @@ def test_formatter_adds_defaults_only_where_they_say_something() -> None:
     assert text.count("default") == 2  # --data keeps its own wording, once
 
 
-@pytest.mark.parametrize("module", ["sae_pipeline.artifacts.export", "sae_pipeline.evaluate.__main__", "sae_pipeline.demo",
-                                    "feature_extraction.__main__", "sae_pipeline.features.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "sae_pipeline.artifacts.export",
+        "sae_pipeline.evaluate.__main__",
+        "sae_pipeline.demo",
+        "feature_extraction.__main__",
+        "sae_pipeline.features.cli",
+    ],
+)
 def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str, capsys) -> None:
     """export, evaluate, demo, extract and features: jsonargparse parsers, and a bad flag is one ``error:`` line
     naming it and exit 2 (``exit_status.run_cli``; features, a multi-rank command, through the dispatcher)."""
@@ -76,8 +91,9 @@ def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str
 
 
 def test_export_help_shows_the_formats_and_default() -> None:
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "export", "--help"], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", "export", "--help"], capture_output=True, text=True, timeout=120
+    )
     text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "--format {native,saelens}" in text and "(default: native)" in text
 
@@ -85,8 +101,9 @@ def test_export_help_shows_the_formats_and_default() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["fit", "extract"])
 def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
 
 

@@ -1,6 +1,7 @@
 """Every image mode is read as it is: each file decodes through ImageDataset to what a plain numpy conversion of
 the same pixels gives (feature_extraction/image_modes.py states the rules), and a mode that cannot be read is
 skipped with its reason instead of guessed at."""
+
 from __future__ import annotations
 
 import io
@@ -54,7 +55,7 @@ def over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
 
 
 def assert_close(actual: np.ndarray | None, expected: np.ndarray, atol: int = 1) -> None:
-    assert actual is not None and actual.shape == expected.shape, (None if actual is None else actual.shape)
+    assert actual is not None and actual.shape == expected.shape, None if actual is None else actual.shape
     difference = np.abs(actual.astype(np.int64) - np.round(expected).astype(np.int64))
     assert difference.max() <= atol, difference.max()
 

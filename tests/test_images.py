@@ -100,8 +100,7 @@ def test_folder_decoding_and_failures(folder) -> None:
         if record.image_id in bad:
             assert pixels is None and "Error" in note  # the reason, for the manifest's skipped list
         else:
-            torch.testing.assert_close(pixels, reference_pixels(files[record.image_id]),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(pixels, reference_pixels(files[record.image_id]), rtol=0, atol=0)
             assert note == xxhash.xxh3_64_hexdigest(files[record.image_id])  # the file's bytes
 
 
@@ -125,7 +124,8 @@ def test_workers_match_main_process(folder) -> None:
     ok2, pixels2, failed2 = run(2)
     assert ok0 == ok2 and failed0 == failed2
     assert sorted(dataset.records[i].image_id for i in failed0) == sorted(
-        ["zebra/broken.jpg", "apple/truncated.jpg", "apple/empty.png"])
+        ["zebra/broken.jpg", "apple/truncated.jpg", "apple/empty.png"]
+    )
     torch.testing.assert_close(pixels0, pixels2, rtol=0, atol=0)
 
 
@@ -143,13 +143,16 @@ def tar_dir(tmp_path):
     shards.mkdir()
     contents = {
         "train-000001.tar": {
-            "img002.jpg": photo_bytes("astronaut", "JPEG"), "img002.cls": b"7",
-            "img001.png": photo_bytes("coffee", "PNG"), "img001.cls": b" 3\n",
+            "img002.jpg": photo_bytes("astronaut", "JPEG"),
+            "img002.cls": b"7",
+            "img001.png": photo_bytes("coffee", "PNG"),
+            "img001.cls": b" 3\n",
             "img001.json": b"{}",
         },
         "train-000000.tar": {
             "dir/img000.webp": photo_bytes("rocket", "WEBP"),
-            "bad.jpg": np.random.default_rng(1).bytes(300), "bad.cls": b"1",
+            "bad.jpg": np.random.default_rng(1).bytes(300),
+            "bad.cls": b"1",
         },
     }
     for name, members in contents.items():
@@ -162,8 +165,7 @@ def test_tar_records_and_decoding(tar_dir) -> None:
     shards, contents = tar_dir
     records = list_images(str(shards))
     ids = [r.image_id for r in records]
-    assert ids == ["train-000000/bad", "train-000000/dir/img000", "train-000001/img001",
-                   "train-000001/img002"]
+    assert ids == ["train-000000/bad", "train-000000/dir/img000", "train-000001/img001", "train-000001/img002"]
     assert [r.label for r in records] == [1, None, 3, 7]
     dataset = ImageDataset(records, preprocess)
     for i, record in enumerate(records):

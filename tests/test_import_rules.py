@@ -7,6 +7,7 @@ statement, also inside functions (a lazy import still ties the modules together)
 and ``from package import module`` resolve to the module they load. A real import is checked too:
 a fresh interpreter that imports the training module has loaded no command.
 """
+
 from __future__ import annotations
 
 import ast
@@ -31,11 +32,21 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "sae_pipeline.metrics": ("sae_pipeline.sae", "feature_extraction"),
     "sae_pipeline.artifacts": ("sae_pipeline.sae", "sae_pipeline.data", "feature_extraction"),
     "sae_pipeline.figures": ("sae_pipeline.sae", "sae_pipeline.metrics", "feature_extraction"),
-    "sae_pipeline.training": ("sae_pipeline.sae", "sae_pipeline.data", "sae_pipeline.metrics", "sae_pipeline.figures",
-                              "sae_pipeline.artifacts", "feature_extraction"),
+    "sae_pipeline.training": (
+        "sae_pipeline.sae",
+        "sae_pipeline.data",
+        "sae_pipeline.metrics",
+        "sae_pipeline.figures",
+        "sae_pipeline.artifacts",
+        "feature_extraction",
+    ),
     # The training module reads and writes an SAE through sae/ only, never through the export or predict commands.
-    "sae_pipeline.training.module": ("sae_pipeline.training.lightning_compat", "sae_pipeline.sae", "sae_pipeline.metrics",
-                                     "feature_extraction"),
+    "sae_pipeline.training.module": (
+        "sae_pipeline.training.lightning_compat",
+        "sae_pipeline.sae",
+        "sae_pipeline.metrics",
+        "feature_extraction",
+    ),
     # The commands, on top: they may import anything (but still no cycle).
     **{f"sae_pipeline.{name}": ("sae_pipeline", "feature_extraction") for name in SAE_PIPELINE_TOP},
     "benchmarks": ("benchmarks", "sae_pipeline", "feature_extraction"),
@@ -82,7 +93,7 @@ def imports_of(module: str, modules: Mapping[str, Path]) -> set[str]:
             base = node.module or ""
             if node.level:  # relative: against the package, one level up per extra dot
                 parent = package.split(".")
-                parent = parent[:len(parent) - (node.level - 1)]
+                parent = parent[: len(parent) - (node.level - 1)]
                 base = ".".join([*parent, base] if base else parent)
             # `from pkg import module` loads pkg.module; `from module import name` loads module.
             names = [f"{base}.{alias.name}" for alias in node.names]
@@ -183,8 +194,12 @@ def layer_of(module: str, layers: Mapping[str, tuple[str, ...]] = LAYERS, exact:
     return max((layer for layer in layers if _within(module, layer, exact)), key=len, default=None)
 
 
-def layer_violations(graph: Mapping[str, set[str]], layers: Mapping[str, tuple[str, ...]] = LAYERS,
-                     exact: Iterable[str] = EXACT, shared: Iterable[str] = SHARED) -> list[str]:
+def layer_violations(
+    graph: Mapping[str, set[str]],
+    layers: Mapping[str, tuple[str, ...]] = LAYERS,
+    exact: Iterable[str] = EXACT,
+    shared: Iterable[str] = SHARED,
+) -> list[str]:
     """``"module -> module (rule)"`` for each import the rules do not allow; a module of no layer is one too."""
     violations = []
     for module in sorted(graph):
@@ -193,8 +208,11 @@ def layer_violations(graph: Mapping[str, set[str]], layers: Mapping[str, tuple[s
             violations.append(f"{module}: in no layer of LAYERS (add its package to the rules)")
             continue
         for target in sorted(graph[module]):
-            if target not in shared and not _within(target, layer, exact) \
-                    and not any(_within(target, ok) for ok in layers[layer]):
+            if (
+                target not in shared
+                and not _within(target, layer, exact)
+                and not any(_within(target, ok) for ok in layers[layer])
+            ):
                 rule = f"{layer} may import only {', '.join(layers[layer]) or 'itself'}"
                 violations.append(f"{module} -> {target} ({rule})")
     return violations
@@ -211,41 +229,70 @@ def _plant(root: Path, files: Mapping[str, str]) -> dict[str, Path]:
 
 def test_find_cycles_reports_a_planted_two_module_cycle(tmp_path: Path) -> None:
     """``a`` imports ``b`` at the top, ``b`` imports ``a`` inside a function, relatively: a cycle all the same."""
-    modules = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/sub/__init__.py": "",
-                                "pkg/sub/a.py": "import os\nfrom pkg.sub import b\n",
-                                "pkg/sub/b.py": "def f():\n    from . import a\n    return a\n",
-                                "pkg/c.py": "from .sub.a import thing\n"})
+    modules = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/a.py": "import os\nfrom pkg.sub import b\n",
+            "pkg/sub/b.py": "def f():\n    from . import a\n    return a\n",
+            "pkg/c.py": "from .sub.a import thing\n",
+        },
+    )
     graph = import_graph(modules)
     assert graph["pkg.c"] == {"pkg.sub.a"}
     assert find_cycles(graph) == ["pkg.sub.a -> pkg.sub.b -> pkg.sub.a"]
 
 
 def test_find_cycles_names_a_longer_cycle_and_ignores_a_chain(tmp_path: Path) -> None:
-    modules = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n",
-                                "pkg/b.py": "from ..pkg import c\n", "pkg/c.py": "from pkg.a import x as y\n",
-                                "pkg/d.py": "import pkg.a.x\n"})
+    modules = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "import pkg.b\n",
+            "pkg/b.py": "from ..pkg import c\n",
+            "pkg/c.py": "from pkg.a import x as y\n",
+            "pkg/d.py": "import pkg.a.x\n",
+        },
+    )
     assert find_cycles(import_graph(modules)) == ["pkg.a -> pkg.b -> pkg.c -> pkg.a"]
     del modules["pkg.c"]  # a -> b and d -> a: a chain
     assert find_cycles(import_graph(modules)) == []
 
 
 def test_find_cycles_lists_each_cycle_of_a_tangle(tmp_path: Path) -> None:
-    modules = _plant(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import pkg.b\n", "pkg/b.py": "import pkg.a, pkg.c\n",
-                                "pkg/c.py": "def f():\n    import pkg.b\n"})
+    modules = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "import pkg.b\n",
+            "pkg/b.py": "import pkg.a, pkg.c\n",
+            "pkg/c.py": "def f():\n    import pkg.b\n",
+        },
+    )
     assert find_cycles(import_graph(modules)) == ["pkg.a -> pkg.b -> pkg.a", "pkg.b -> pkg.c -> pkg.b"]
 
 
 def test_layer_violations_names_module_target_and_rule(tmp_path: Path) -> None:
-    modules = _plant(tmp_path, {"pkg/__init__.py": "from pkg import high\n", "pkg/low/__init__.py": "",
-                                "pkg/high.py": "from . import low\nimport pkg\n", "pkg/stray.py": "",
-                                "pkg/low/x.py": "import pkg.low\ndef f():\n    import pkg.high\n"})
+    modules = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg import high\n",
+            "pkg/low/__init__.py": "",
+            "pkg/high.py": "from . import low\nimport pkg\n",
+            "pkg/stray.py": "",
+            "pkg/low/x.py": "import pkg.low\ndef f():\n    import pkg.high\n",
+        },
+    )
     layers = {"pkg": (), "pkg.low": (), "pkg.high": ("pkg.low",)}
     assert layer_violations(import_graph(modules), layers, exact=["pkg"], shared=["pkg"]) == [
         "pkg -> pkg.high (pkg may import only itself)",
         "pkg.low.x -> pkg.high (pkg.low may import only itself)",
-        "pkg.stray: in no layer of LAYERS (add its package to the rules)"]
-    assert "pkg.high -> pkg (pkg.high may import only pkg.low)" in layer_violations(import_graph(modules), layers,
-                                                                                      exact=["pkg"], shared=[])
+        "pkg.stray: in no layer of LAYERS (add its package to the rules)",
+    ]
+    assert "pkg.high -> pkg (pkg.high may import only pkg.low)" in layer_violations(
+        import_graph(modules), layers, exact=["pkg"], shared=[]
+    )
 
 
 # --- the project ---
@@ -268,16 +315,22 @@ def test_no_import_cycles(project_graph: dict[str, set[str]]) -> None:
 
 def test_each_package_imports_only_the_layers_below_it(project_graph: dict[str, set[str]]) -> None:
     violations = layer_violations(project_graph)
-    assert not violations, "imports against the layering rules (tests/test_import_rules.py, LAYERS):\n" + \
-        "\n".join(violations)
+    assert not violations, "imports against the layering rules (tests/test_import_rules.py, LAYERS):\n" + "\n".join(
+        violations
+    )
 
 
 def test_importing_the_training_module_loads_no_command() -> None:
     """Transitively too: a fresh interpreter that imports ``sae_pipeline.training.module`` has loaded neither the
     export nor the predict writer, nor any command on top (evaluation, feature browser, CLI)."""
-    commands = ("sae_pipeline.artifacts", "sae_pipeline.training.predict",
-                *(f"sae_pipeline.{name}" for name in SAE_PIPELINE_TOP))
-    code = ("import sys, sae_pipeline.training.module\n"
-            f"print(' '.join(m for m in sys.modules if m.startswith({commands!r})))")
+    commands = (
+        "sae_pipeline.artifacts",
+        "sae_pipeline.training.predict",
+        *(f"sae_pipeline.{name}" for name in SAE_PIPELINE_TOP),
+    )
+    code = (
+        "import sys, sae_pipeline.training.module\n"
+        f"print(' '.join(m for m in sys.modules if m.startswith({commands!r})))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert loaded.split() == []

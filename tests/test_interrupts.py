@@ -4,6 +4,7 @@ Real ``python -m sae_pipeline fit`` processes get real signals once training is 
 periodic checkpoint exists); the DDP case signals only the second rank, so rank 0 can only stop
 through the all-reduced decision.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,25 +15,46 @@ import time
 from pathlib import Path
 
 import pytest
-from terminal import default_sigint
 import torch
+from terminal import default_sigint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
 MAX_STEPS = 40
 # d_sae 2000 makes a step slow enough (tens of ms) that the signal lands mid-run.
-ARGS = ["fit", "--config", MPSAE_DIGITS, "--trainer.max_steps", str(MAX_STEPS), "--trainer.max_epochs", "-1",
-        "--trainer.check_val_every_n_epoch", "1000", "--checkpoint.every_n_train_steps", "2",
-        "--model.sae.init_args.d_sae", "2000", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false"]
+ARGS = [
+    "fit",
+    "--config",
+    MPSAE_DIGITS,
+    "--trainer.max_steps",
+    str(MAX_STEPS),
+    "--trainer.max_epochs",
+    "-1",
+    "--trainer.check_val_every_n_epoch",
+    "1000",
+    "--checkpoint.every_n_train_steps",
+    "2",
+    "--model.sae.init_args.d_sae",
+    "2000",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def start(cwd: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sae_pipeline", *ARGS, *extra], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,  # its own process group, as under a terminal
-                            preexec_fn=default_sigint)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, *extra],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as under a terminal
+        preexec_fn=default_sigint,
+    )
 
 
 def wait_for_training(cwd: Path, process: subprocess.Popen, timeout: float = 240) -> None:
@@ -59,7 +81,7 @@ HEADS = {"SIGTERM": "terminated (SIGTERM)", "SIGINT": "interrupted (Ctrl-C)"}
 def saved_step(err: str, signame: str, last_fpath: str) -> int:
     """The step of the one line saying where the checkpoint is and how to continue (printed once, by rank 0)."""
     head = HEADS[signame]
-    line, = [line for line in err.splitlines() if line.startswith(f"{head}: ")]
+    (line,) = [line for line in err.splitlines() if line.startswith(f"{head}: ")]
     assert f"{head}: saved {last_fpath} at global step " in line, line
     assert line.endswith("; continue with the same command and --ckpt_path last"), line
     return int(line.split("at global step ")[1].split(";")[0])
@@ -78,8 +100,14 @@ def test_sigterm_saves_exits_143_and_the_run_resumes(tmp_path: Path) -> None:
     interrupted = torch.load(tmp_path / last, weights_only=True)
     assert interrupted["global_step"] == step  # the step it stopped at, not the last periodic one
 
-    resumed = subprocess.run([sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"], cwd=tmp_path,
-                             env=ENV, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final_fpath = "runs/mpsae_digits/version_1/checkpoints/last.ckpt"
     assert f"Final checkpoint (global step {MAX_STEPS}): {final_fpath}" in resumed.stdout
@@ -114,7 +142,7 @@ def child_pids(pid: int) -> list[int]:
 def test_sigterm_to_one_ddp_rank_stops_every_rank_with_a_checkpoint(tmp_path: Path) -> None:
     process = start(tmp_path, "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")
     wait_for_training(tmp_path, process)
-    rank1, = child_pids(process.pid)  # Lightning's launcher started rank 1 as our only child
+    (rank1,) = child_pids(process.pid)  # Lightning's launcher started rank 1 as our only child
     os.kill(rank1, signal.SIGTERM)  # rank 0 never sees the signal: only the all-reduce tells it
     status, _, err = finish(process)
     assert status == 143, err[-3000:]

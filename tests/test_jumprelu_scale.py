@@ -1,6 +1,7 @@
 """JumpReLU at backbone scale: float32 pre-activations and threshold under bf16 autocast, θ calibrated to the
 target L0 on the first training batch, defaults that fit inputs normalised to E‖x‖² = d_in; MP-SAE with an
 inference k above d_sae."""
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,7 @@ D, P = 64, 512
 def normalised_tokens(n: int = 2048, seed: int = 0) -> torch.Tensor:
     """ViT-like tokens (massive register-like dimensions) scaled to E‖x‖² = d_in, as SAEModule does."""
     x = torch.from_numpy(vit_like_tokens(n, D, seed=seed))
-    return x * math.sqrt(D / float((x ** 2).sum(1).mean()))
+    return x * math.sqrt(D / float((x**2).sum(1).mean()))
 
 
 def jumprelu(**kwargs: object) -> JumpReLUSAE:
@@ -104,11 +105,22 @@ def scaled_pair(cls: type, **kwargs: object) -> tuple:
     return dense, sparse
 
 
-@pytest.mark.parametrize("cls, kwargs", [
-    (JumpReLUSAE, {"sparsity_loss": "target_l0", "target_l0": 8, "initial_threshold": 0.5, "bandwidth": 0.5,
-                   "l0_gradient_to_encoder": True}),
-    (BatchTopKSAE, {"k": 8}),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (
+            JumpReLUSAE,
+            {
+                "sparsity_loss": "target_l0",
+                "target_l0": 8,
+                "initial_threshold": 0.5,
+                "bandwidth": 0.5,
+                "l0_gradient_to_encoder": True,
+            },
+        ),
+        (BatchTopKSAE, {"k": 8}),
+    ],
+)
 def test_token_scaled_threshold_ignores_a_tokens_norm_and_matches_the_plain_reference(cls: type, kwargs: dict) -> None:
     dense, sparse = scaled_pair(cls, **kwargs)
     x = torch.randn(32, 16, dtype=torch.float64) * torch.logspace(-1, 2, 32, dtype=torch.float64)[:, None]

@@ -1,6 +1,7 @@
 """Lightning's private attributes, reached only through ``sae_pipeline.training.lightning_compat``: each accessor
 is run against a real ``Trainer`` and checked for what it means, so a Lightning release that moves
 or changes one fails here, by name."""
+
 from __future__ import annotations
 
 import csv
@@ -39,7 +40,7 @@ class Probe(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self.loader_states.append(lightning_compat.has_train_loader(self.trainer))
-        self.trainer.estimated_stepping_batches  # builds the training loader early (see SAEModule)
+        _ = self.trainer.estimated_stepping_batches  # builds the training loader early (see SAEModule)
         self.loader_states.append(lightning_compat.has_train_loader(self.trainer))
         lightning_compat.discard_train_loader(self.trainer)
         self.loader_states.append(lightning_compat.has_train_loader(self.trainer))
@@ -48,9 +49,17 @@ class Probe(L.LightningModule):
 
 def fit_probe(tmp_path: Path) -> tuple[Probe, L.Trainer, list[dict[str, str]]]:
     module = Probe()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, log_every_n_steps=3,
-                        logger=CSVLogger(tmp_path, name="probe"), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        log_every_n_steps=3,
+        logger=CSVLogger(tmp_path, name="probe"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("stamped")]
@@ -83,8 +92,15 @@ def test_hpc_save_path_numbers_past_existing_checkpoints(tmp_path: Path) -> None
 def test_cluster_environment_is_slurm_under_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert type(lightning_compat.cluster_environment(trainer)) is LightningEnvironment
-    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
-                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "node1"}.items():
+    for name, value in {
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_JOB_ID": "7",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "node1",
+    }.items():
         monkeypatch.setenv(name, value)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     environment = lightning_compat.cluster_environment(trainer)
@@ -92,13 +108,17 @@ def test_cluster_environment_is_slurm_under_slurm(monkeypatch: pytest.MonkeyPatc
 
 
 def test_no_private_lightning_attribute_outside_the_compat_module() -> None:
-    pattern = re.compile(r"(trainer|fit_loop|epoch_loop|connector)\._[a-z]|_(checkpoint|logger|accelerator)_connector"
-                         r"|_batches_that_stepped|_combined_loader|_data_fetcher")
-    offenders = [f"{fpath.relative_to(REPO_DPATH)}:{number}"
-                 for fpath in sorted((REPO_DPATH / "sae_pipeline").rglob("*.py"))
-                 if fpath.name != "lightning_compat.py"
-                 for number, line in enumerate(fpath.read_text().splitlines(), 1)
-                 if pattern.search(line.split("#")[0])]
+    pattern = re.compile(
+        r"(trainer|fit_loop|epoch_loop|connector)\._[a-z]|_(checkpoint|logger|accelerator)_connector"
+        r"|_batches_that_stepped|_combined_loader|_data_fetcher"
+    )
+    offenders = [
+        f"{fpath.relative_to(REPO_DPATH)}:{number}"
+        for fpath in sorted((REPO_DPATH / "sae_pipeline").rglob("*.py"))
+        if fpath.name != "lightning_compat.py"
+        for number, line in enumerate(fpath.read_text().splitlines(), 1)
+        if pattern.search(line.split("#")[0])
+    ]
     assert offenders == []
 
 
@@ -133,8 +153,7 @@ def test_ckpt_path_hook_runs_before_the_cli_reads_the_checkpoint(tmp_path: Path)
         def fit(self, **kwargs: object) -> None:  # LightningCLI runs this instead of Trainer.fit
             self.fit_kwargs = kwargs
 
-    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"],
-                    save_config_callback=None)
+    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"], save_config_callback=None)
     assert cli.given == "last"
     # LightningCLI read the hyper-parameters from the file the hook chose, after the hook.
     assert cli.model.hparams.width == 3 and cli.model.layer.in_features == 3
@@ -152,14 +171,16 @@ def test_ckpt_path_hook_merges_the_hyper_parameters_it_read(tmp_path: Path) -> N
     class HookedCLI(lightning_compat.CkptPathHook, LightningCLI):
         def prepare_ckpt_path(self) -> dict:
             self.config.fit.ckpt_path = str(ckpt_fpath)
-            return {"width": 5, "_instantiator": "lightning.pytorch.cli.instantiate_module",
-                    "_class_path": f"{Sized.__module__}.{Sized.__qualname__}"}
+            return {
+                "width": 5,
+                "_instantiator": "lightning.pytorch.cli.instantiate_module",
+                "_class_path": f"{Sized.__module__}.{Sized.__qualname__}",
+            }
 
         def fit(self, **kwargs: object) -> None:
             self.fit_kwargs = kwargs
 
-    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"],
-                    save_config_callback=None)
+    cli = HookedCLI(Sized, args=["fit", "--ckpt_path", "last", "--trainer.logger", "false"], save_config_callback=None)
     assert cli.model.hparams.width == 5 and cli.model.layer.in_features == 5
 
 
@@ -178,8 +199,16 @@ def test_mute_sigterm_notifier_keeps_lightning_from_acting_on_sigterm(tmp_path: 
 
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # what Interrupts installs first
     try:
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         if muted:
             lightning_compat.mute_sigterm_notifier(trainer)
             trainer.fit(SelfSignalling(), DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
@@ -196,8 +225,16 @@ def test_checkpoint_accessors_save_last_at_the_current_step(tmp_path: Path) -> N
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=4, save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[callback],
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(Probe(), DataLoader(torch.randn(N_BATCHES * 4, 2), batch_size=4))
     # Lightning's own end-of-training rule left the last periodic step (8) in last.ckpt, not step 9.
     assert lightning_compat.last_saved_step(callback) == 8

@@ -1,6 +1,7 @@
 """The manifest's statistics are checked against the shards' sidecars when ``fit`` reads them
 (reliability issue, item 7: a hand-edited ``mean_sq_norm`` trained with input scale 0.00044
 instead of 1.0 and most latents dead, exit 0). feature_extraction/shards/manifest_stats.py."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,19 @@ from sae_pipeline.__main__ import main
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK = str(REPO_DPATH / "configs" / "topk_digits.yaml")
 D = 16
-FIT = ["fit", "--config", TOPK, "--model.sae.init_args.d_sae", "32", "--data.batch_size", "64",
-       "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+FIT = [
+    "fit",
+    "--config",
+    TOPK,
+    "--model.sae.init_args.d_sae",
+    "32",
+    "--data.batch_size",
+    "64",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+]
 
 
 @pytest.fixture()
@@ -47,13 +59,14 @@ def test_sidecar_statistics_equal_a_plain_reference(shards: tuple[Path, np.ndarr
     stats = sidecar_stats(dpath, manifest)
     assert stats.n_tokens == tokens.shape[0] == manifest["stats"]["n_tokens"]
     np.testing.assert_allclose(stats.mean(), tokens.mean(axis=0), rtol=1e-12, atol=1e-12)
-    assert stats.mean_sq_norm() == pytest.approx(float((tokens ** 2).sum(axis=1).mean()), rel=1e-12)
+    assert stats.mean_sq_norm() == pytest.approx(float((tokens**2).sum(axis=1).mean()), rel=1e-12)
     assert manifest["stats"]["mean_sq_norm"] == stats.mean_sq_norm()  # same sums, same order: exact
 
 
 def _scale(factor: float):
     def edit(stats: dict) -> None:
         stats["mean_sq_norm"] *= factor
+
     return edit
 
 
@@ -74,9 +87,13 @@ EDITS = {  # name: (edit, the field the error names, whether extraction.json is 
 
 
 @pytest.mark.parametrize("case", sorted(EDITS))
-def test_an_edited_manifest_is_refused_naming_the_field_and_values(case: str, shards: tuple[Path, np.ndarray],
-                                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_edited_manifest_is_refused_naming_the_field_and_values(
+    case: str,
+    shards: tuple[Path, np.ndarray],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     dpath, tokens = shards
     edit, field, with_record = EDITS[case]
     if with_record:
@@ -95,8 +112,11 @@ def test_an_edited_manifest_is_refused_naming_the_field_and_values(case: str, sh
     if field == "stats.mean":
         assert f"is [3] = {json.loads(written)['stats']['mean'][3]!r} but" in lines[0]
         assert float(lines[0].split("sidecars give ")[1].split(";")[0]) == pytest.approx(tokens[:, 3].mean(), rel=1e-9)
-    fix = f"run `python -m feature_extraction finalize --out {dpath}`" if with_record else \
-        "rewrite it with feature_extraction.shards.write_manifest"
+    fix = (
+        f"run `python -m feature_extraction finalize --out {dpath}`"
+        if with_record
+        else "rewrite it with feature_extraction.shards.write_manifest"
+    )
     assert fix in lines[0], lines[0]
     assert (dpath / MANIFEST_FNAME).read_bytes() == written  # the manifest is left as the user made it
     assert not (tmp_path / "runs" / "topk_digits" / "version_0").exists()
@@ -116,11 +136,18 @@ def test_the_command_refuses_a_hand_edited_scale(shards: tuple[Path, np.ndarray]
     dpath, tokens = shards
     written = edit_stats(dpath, _scale(5e6))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", *FIT, "--data.source", str(dpath)], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *FIT, "--data.source", str(dpath)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    expected = float((tokens ** 2).sum(axis=1).mean())
+    expected = float((tokens**2).sum(axis=1).mean())
     assert len(lines) == 1 and "field 'stats.mean_sq_norm' is " in lines[0], result.stderr[-3000:]
     assert float(lines[0].split("sidecars give ")[1].split(";")[0]) == pytest.approx(expected, rel=1e-12)
     assert (dpath / MANIFEST_FNAME).read_bytes() == written

@@ -1,4 +1,5 @@
 """Matryoshka BatchTopK against a plain re-derivation: dense prefix decodes, autograd, float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,8 +58,13 @@ def test_prefix_losses_and_gradients_match_dense_reference(sparse: bool, trainin
     losses.loss.backward()
     ref_loss.backward()
     for name, param in sae.named_parameters():
-        torch.testing.assert_close(param.grad, dict(ref.named_parameters())[name].grad, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            param.grad,
+            dict(ref.named_parameters())[name].grad,
+            rtol=1e-10,
+            atol=1e-12,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def test_codes_are_batchtopk_codes() -> None:
@@ -95,8 +101,12 @@ def test_prefix_widths_and_bad_hyper_parameters() -> None:
     assert prefix_widths(48, 6, 4.0) == (1, 3, 12, 48)  # widths that round to 1 count once
     assert prefix_widths(100, 3, 1.5) == (44, 67, 100)
     assert MatryoshkaBatchTopKSAE(D_IN, D_SAE, K).prefix_widths == (1, 4, 16, 64)
-    for bad, match in [({"n_prefixes": 0}, "n_prefixes"), ({"n_prefixes": 2.5}, "n_prefixes"),
-                       ({"prefix_ratio": 1.0}, "prefix_ratio"), ({"prefix_ratio": float("inf")}, "prefix_ratio")]:
+    for bad, match in [
+        ({"n_prefixes": 0}, "n_prefixes"),
+        ({"n_prefixes": 2.5}, "n_prefixes"),
+        ({"prefix_ratio": 1.0}, "prefix_ratio"),
+        ({"prefix_ratio": float("inf")}, "prefix_ratio"),
+    ]:
         with pytest.raises(ValueError, match=match):
             MatryoshkaBatchTopKSAE(D_IN, D_SAE, K, **bad)
 

@@ -1,4 +1,5 @@
 """Metrics against plain reference implementations (numpy float64, python loops, itertools)."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
 from sae_pipeline.metrics import (
     ActivationStats,
     ReconstructionR2,
@@ -16,7 +18,6 @@ from sae_pipeline.metrics import (
     dead_fraction,
     l0,
 )
-from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
 
 REFERENCE_FPATH = REFERENCE_NPZ_FPATH  # the paper authors' MNIST MP-SAE, shipped in the package
 

@@ -1,5 +1,6 @@
 """SAEModule: schedule, dictionary constraint, data initialisation, resume, NaN errors, dead latents,
 exact validation metrics -- each against a plain re-derivation in the test."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.training.module import NonFiniteBatchError, SAEModule, warmup_cosine_factor
 from sae_pipeline.sae import MatchingPursuitSAE, TopKSAE
+from sae_pipeline.training.module import NonFiniteBatchError, SAEModule, warmup_cosine_factor
 
 D_IN, D_SAE, BATCH = 16, 64, 32
 
@@ -38,9 +39,16 @@ def make_data(n: int = 8 * BATCH, seed: int = 0) -> Tensor:
 
 
 def trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    default_root_dir=tmp_path)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
     return L.Trainer(**{**defaults, **kwargs})
 
 
@@ -95,8 +103,9 @@ def test_lr_schedule_in_a_run_warms_up_then_ends_at_min_lr(tmp_path: Path) -> No
 
 def test_warmup_is_capped_by_the_total(tmp_path: Path) -> None:
     recorder = Recorder()
-    trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(make_module(lr=1e-3, warmup_steps=1000),
-                                                             memory_loader(make_data()))
+    trainer(tmp_path, max_steps=3, callbacks=[recorder]).fit(
+        make_module(lr=1e-3, warmup_steps=1000), memory_loader(make_data())
+    )
     assert recorder.lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
 
 
@@ -150,8 +159,9 @@ def test_normalize_input_off_keeps_raw_scale_and_first_batch_fallback(tmp_path: 
     torch.testing.assert_close(recorder.b_pre_at_first_step, x[:BATCH].mean(0))
     module2 = make_module(warmup_steps=0)
     trainer(tmp_path, max_steps=1).fit(module2, memory_loader(x))
-    assert float(module2.input_scale) == pytest.approx(math.sqrt(D_IN / x[:BATCH].square().sum(1).mean().item()),
-                                                      rel=1e-6)
+    assert float(module2.input_scale) == pytest.approx(
+        math.sqrt(D_IN / x[:BATCH].square().sum(1).mean().item()), rel=1e-6
+    )
 
 
 def test_b_pre_initialised_once_never_on_resume(tmp_path: Path) -> None:
@@ -228,8 +238,9 @@ def test_validation_metrics_are_exact_over_the_set(tmp_path: Path) -> None:
     module = make_module(lr=1e-2, warmup_steps=0)
     run = trainer(tmp_path, max_steps=3)
     run.fit(module, memory_loader(x_train))
-    val_loader = DataLoader(list(range(len(x_val))), batch_size=24,
-                            collate_fn=lambda rows: {"x": x_val[rows], "shards": ["val"]})
+    val_loader = DataLoader(
+        list(range(len(x_val))), batch_size=24, collate_fn=lambda rows: {"x": x_val[rows], "shards": ["val"]}
+    )
     metrics = run.validate(module, val_loader, verbose=False)[0]
     module.eval()
     with torch.no_grad():
@@ -246,8 +257,12 @@ def test_validation_metrics_are_exact_over_the_set(tmp_path: Path) -> None:
 
 def test_bad_arguments_raise_one_line_errors() -> None:
     sae = TopKSAE(D_IN, D_SAE, k=4)
-    for kwargs, flag in [({"lr": 0.0}, "model.lr"), ({"min_lr": 1.0}, "model.min_lr"),
-                         ({"warmup_steps": -1}, "model.warmup_steps"), ({"inference_ks": [0]}, "model.inference_ks")]:
+    for kwargs, flag in [
+        ({"lr": 0.0}, "model.lr"),
+        ({"min_lr": 1.0}, "model.min_lr"),
+        ({"warmup_steps": -1}, "model.warmup_steps"),
+        ({"inference_ks": [0]}, "model.inference_ks"),
+    ]:
         with pytest.raises(ValueError, match=flag):
             SAEModule(sae, **kwargs)
 
@@ -264,12 +279,17 @@ def test_train_metrics_logged_on_every_logging_step_only(tmp_path: Path) -> None
     fit.fit(module, train_dataloaders=memory_loader(x))
     rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    steps_with = {name: sorted(int(r.split(",")[header.index("step")]) for r in rows[1:]
-                               if r.split(",")[header.index(name)] != "") for name in ("train/loss", "train/r2",
-                                                                                      "train/l0", "lr")}
+    steps_with = {
+        name: sorted(
+            int(r.split(",")[header.index("step")]) for r in rows[1:] if r.split(",")[header.index(name)] != ""
+        )
+        for name in ("train/loss", "train/r2", "train/l0", "lr")
+    }
     assert steps_with["train/loss"] == [2, 5], steps_with  # Lightning's rule: every 3rd optimiser step
     assert all(steps == steps_with["train/loss"] for steps in steps_with.values()), steps_with
-    l0_values = [float(r.split(",")[header.index("train/l0")]) for r in rows[1:] if r.split(",")[header.index("train/l0")]]
+    l0_values = [
+        float(r.split(",")[header.index("train/l0")]) for r in rows[1:] if r.split(",")[header.index("train/l0")]
+    ]
     assert l0_values == [4.0, 4.0]
 
 

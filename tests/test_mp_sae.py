@@ -1,4 +1,5 @@
 """MP-SAE against autograd through the plain Matching Pursuit loop of docs/design.md (float64)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,6 @@ from sae_pipeline.sae.mp_autograd import (
     prefer_gram,
     select_atoms,
 )
-
 
 
 def plain_loop(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -10,6 +10,7 @@ the one checkpoint reader maps it through the explicit table ``MOVED_MODULES``. 
 made here without the old code, from a real one with that name rewritten to its old path, and every
 command loads it; a path the table does not name is still refused, importing nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_checkpointing import SMALL, TOPK_DIGITS, error_lines, run
 
 from sae_pipeline.artifacts import CheckpointError, load_sae, read_checkpoint
 from sae_pipeline.artifacts.checkpoint import MOVED_MODULES, current_class_path
-from test_checkpointing import SMALL, TOPK_DIGITS, error_lines, run
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 OLD_MODULE_CLASS = "sae_pipeline.module.SAEModule"  # where SAEModule was before the move
@@ -42,9 +43,25 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with a real ``fit`` checkpoint (6 steps on the digits) at ``new.ckpt``, and ``old.ckpt``: the
     same with its model class stored under the pre-move module path."""
     cwd = tmp_path_factory.mktemp("old_ckpt")
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--config", TOPK_DIGITS, *SMALL,
-                             "--trainer.max_steps", "6", "--trainer.default_root_dir", "runs"],
-                            cwd=cwd, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--config",
+            TOPK_DIGITS,
+            *SMALL,
+            "--trainer.max_steps",
+            "6",
+            "--trainer.default_root_dir",
+            "runs",
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     fpath = cwd / "runs" / "topk_digits" / "version_0" / "checkpoints" / "last.ckpt"
     (cwd / "new.ckpt").write_bytes(fpath.read_bytes())
@@ -63,13 +80,16 @@ def test_a_checkpoint_and_an_export_store_no_module_path_that_can_move(trained: 
     assert not any(key.startswith("sae_pipeline.") for key in checkpoint["callbacks"])  # keyed by class name
     config = json.loads((export_checkpoint(trained / "new.ckpt", trained / "export") / "config.json").read_text())
     assert {s for s in stored_strings(config) if s.startswith("sae_pipeline.")} == {
-        "sae_pipeline.sae.TopKSAE", "sae_pipeline.export/1"}  # the class path and the format's name, as before
+        "sae_pipeline.sae.TopKSAE",
+        "sae_pipeline.export/1",
+    }  # the class path and the format's name, as before
 
 
 def test_moved_modules_map_to_modules_that_exist() -> None:
     assert current_class_path(OLD_MODULE_CLASS) == "sae_pipeline.training.module.SAEModule"
-    assert current_class_path("sae_pipeline.export.export_checkpoint") == \
-        "sae_pipeline.artifacts.export.export_checkpoint"
+    assert (
+        current_class_path("sae_pipeline.export.export_checkpoint") == "sae_pipeline.artifacts.export.export_checkpoint"
+    )
     assert current_class_path("sae_pipeline.sae.TopKSAE") == "sae_pipeline.sae.TopKSAE"
     for old, new in MOVED_MODULES.items():
         assert (REPO_DPATH / (new.replace(".", "/") + ".py")).is_file(), new
@@ -84,20 +104,42 @@ def test_the_reader_rewrites_the_old_path(trained: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["validate", "fit", "export", "export saelens", "features", "predict"])
-def test_every_command_loads_a_checkpoint_naming_moved_modules(command: str, trained: Path, tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_command_loads_a_checkpoint_naming_moved_modules(
+    command: str, trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     ckpt = str(trained / "old.ckpt")
     args = {
         "validate": ["validate", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", ckpt],
         "predict": ["predict", "--config", TOPK_DIGITS, *SMALL, "--ckpt_path", ckpt, "--codes.fpath", "codes.h5"],
-        "fit": ["fit", "--config", TOPK_DIGITS, *SMALL, "--trainer.max_steps", "6", "--trainer.default_root_dir",
-                "resumed", "--ckpt_path", ckpt],
+        "fit": [
+            "fit",
+            "--config",
+            TOPK_DIGITS,
+            *SMALL,
+            "--trainer.max_steps",
+            "6",
+            "--trainer.default_root_dir",
+            "resumed",
+            "--ckpt_path",
+            ckpt,
+        ],
         "export": ["export", "--ckpt_path", ckpt, "--out", "native"],
         "export saelens": ["export", "--ckpt_path", ckpt, "--out", "saelens", "--format", "saelens"],
-        "features": ["features", "--ckpt_path", ckpt, "--data.source", "digits", "--out", "site", "--atoms", "0",
-                     "1", "--top", "2"],
+        "features": [
+            "features",
+            "--ckpt_path",
+            ckpt,
+            "--data.source",
+            "digits",
+            "--out",
+            "site",
+            "--atoms",
+            "0",
+            "1",
+            "--top",
+            "2",
+        ],
     }[command]
     status, out, err = run(args, capsys)
     assert status == 0, err[-3000:]
@@ -117,9 +159,9 @@ def load_sae_from(ckpt_fpath: Path, out_dpath: Path):  # noqa: ANN201 -- SparseA
     return load_sae(export_checkpoint(ckpt_fpath, out_dpath))
 
 
-def test_an_old_path_the_table_does_not_name_is_refused(trained: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_old_path_the_table_does_not_name_is_refused(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint = torch.load(trained / "new.ckpt", map_location="cpu", weights_only=True)
     checkpoint["hyper_parameters"]["_class_path"] = "sae_pipeline.planted.SAEModule"
     torch.save(checkpoint, tmp_path / "planted.ckpt")

@@ -1,4 +1,5 @@
 """OMP-SAE against autograd through a plain per-token OMP loop (``torch.linalg.lstsq`` per step), float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae.omp import RANK_TOLERANCE, LeastSquaresFunction, OMPSAE, select_atoms
+from sae_pipeline.sae.omp import OMPSAE, RANK_TOLERANCE, LeastSquaresFunction, select_atoms
 
 
 def plain_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -36,8 +37,9 @@ def plain_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, 
             chosen.append(int(corr.argmax()))
             coefficients = torch.linalg.lstsq(W_dec[chosen].T, y[:, None]).solution[:, 0]
         all_indices.append(torch.tensor(chosen + [-1] * (k - len(chosen))))
-        all_codes.append(torch.zeros(d_sae, dtype=x.dtype).index_put((torch.tensor(chosen, dtype=torch.int64),),
-                                                                     coefficients))
+        all_codes.append(
+            torch.zeros(d_sae, dtype=x.dtype).index_put((torch.tensor(chosen, dtype=torch.int64),), coefficients)
+        )
     codes = torch.stack(all_codes)
     return torch.stack(all_indices), codes, codes @ W_dec + b_pre
 
@@ -96,8 +98,9 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("batch, d_in, d_sae, k, unit_norm", SHAPES)
-def test_matches_plain_loop_values_and_gradients(batch: int, d_in: int, d_sae: int, k: int, unit_norm: bool,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_matches_plain_loop_values_and_gradients(
+    batch: int, d_in: int, d_sae: int, k: int, unit_norm: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("sae_pipeline.sae.omp.CPU_CHUNK_ROWS", 16)
     sae = make_sae(d_in, d_sae, k, seed=batch + d_sae, unit_norm=unit_norm)
     x = torch.randn(batch, d_in, dtype=torch.float64) * 2.0
@@ -203,7 +206,7 @@ def test_no_batch_by_dictionary_tensor_is_saved_for_backward() -> None:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        sae.loss(x, sae(x)).loss
+        _ = sae.loss(x, sae(x)).loss
     assert shapes and all(torch.Size(s).numel() < batch * d_sae for s in shapes), shapes
 
 

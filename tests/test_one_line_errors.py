@@ -5,6 +5,7 @@ must end with exactly one ``error:`` line naming what is wrong, the right exit s
 traceback, and nothing already written damaged. Most run the commands' ``main`` in process
 (fast); the interruption tests start real processes and send real signals.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,24 +21,34 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from terminal import default_sigint
 import torch
 from PIL import Image
+from terminal import default_sigint
 
 from feature_extraction import shards as S
 from feature_extraction.__main__ import main as extraction_main
 from feature_extraction.h5cache import FORMAT_ATTR, TOKEN_CACHE_FORMAT
+from sae_pipeline.artifacts.export import export_checkpoint
+from sae_pipeline.artifacts.export import main as export_main
 from sae_pipeline.data.sources import open_source
 from sae_pipeline.evaluate.__main__ import main as evaluate_main
-from sae_pipeline.artifacts.export import export_checkpoint
-from sae_pipeline.sae.config import sae_config
-from sae_pipeline.artifacts.export import main as export_main
-from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import TopKSAE
+from sae_pipeline.sae.config import sae_config
+from sae_pipeline.training.module import SAEModule
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
-EXTRACT = ["--backbone", "vit_tiny", "--num_workers", "0", "--device", "cpu", "--progress", "false",
-           "--shard_size", "4"]
+EXTRACT = [
+    "--backbone",
+    "vit_tiny",
+    "--num_workers",
+    "0",
+    "--device",
+    "cpu",
+    "--progress",
+    "false",
+    "--shard_size",
+    "4",
+]
 
 
 def unwritable_dir(tmp_path: Path) -> Path:
@@ -77,14 +88,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--images", "{root}/a.png"], r"--images .*a\.png: is an image, not an image folder"),
-    (["--images", "{root}/x.npy"], r"--images .*x\.npy: is a \.npy file, not an image folder"),
-    (["--images", "{root}/missing"], r"--images .*missing: does not exist"),
-    (["--out", "{root}/afile"], r"--out .*afile: is a file, not a directory"),
-    (["--out", "{root}/afile/sub"], r"--out .*afile/sub: .*afile is a file, not a directory"),
-    (["--out", "{locked}/out"], r"--out .*out: .*(cannot create the directory|is not writable) \(permission denied\)"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--images", "{root}/a.png"], r"--images .*a\.png: is an image, not an image folder"),
+        (["--images", "{root}/x.npy"], r"--images .*x\.npy: is a \.npy file, not an image folder"),
+        (["--images", "{root}/missing"], r"--images .*missing: does not exist"),
+        (["--out", "{root}/afile"], r"--out .*afile: is a file, not a directory"),
+        (["--out", "{root}/afile/sub"], r"--out .*afile/sub: .*afile is a file, not a directory"),
+        (
+            ["--out", "{locked}/out"],
+            r"--out .*out: .*(cannot create the directory|is not writable) \(permission denied\)",
+        ),
+    ],
+)
 def test_extraction_bad_input(files: Path, tmp_path: Path, capsys, args, message) -> None:
     values = {"root": files, "locked": unwritable_dir(tmp_path)}
     argv = [*EXTRACT, "--images", "samples", "--out", str(tmp_path / "out")] + [a.format(**values) for a in args]
@@ -101,14 +118,17 @@ def _edit_manifest(dpath: Path, **fields) -> None:
     (dpath / S.MANIFEST_FNAME).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize(("source", "message"), [
-    ("{root}/x.npy", r"x\.npy: is a \.npy file, not a data source .*write_token_cache"),
-    ("{root}/a.png", r"a\.png: is a \.png file, not a data source"),
-    ("{root}/t3.h5", r"t3\.h5: dataset 'tokens' is 3-D \[2, 3, 4\], expected \[N, d\]"),
-    ("{copy}/manifest.json", r"pass the shard directory \(.*\), not its manifest"),
-    ("{copy}", r"field 'd' is 100 but the shards' statistics have 192 dimensions; .* finalize --out"),
-    ("{nest}", r"holds no manifest\.json but its sub-directories do; pass one of them: .*nest/vit_tiny"),
-])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("{root}/x.npy", r"x\.npy: is a \.npy file, not a data source .*write_token_cache"),
+        ("{root}/a.png", r"a\.png: is a \.png file, not a data source"),
+        ("{root}/t3.h5", r"t3\.h5: dataset 'tokens' is 3-D \[2, 3, 4\], expected \[N, d\]"),
+        ("{copy}/manifest.json", r"pass the shard directory \(.*\), not its manifest"),
+        ("{copy}", r"field 'd' is 100 but the shards' statistics have 192 dimensions; .* finalize --out"),
+        ("{nest}", r"holds no manifest\.json but its sub-directories do; pass one of them: .*nest/vit_tiny"),
+    ],
+)
 def test_data_source_bad_input(files: Path, tmp_path: Path, source: str, message: str) -> None:
     copy, nest = tmp_path / "copy", tmp_path / "nest"
     shutil.copytree(files / "shards", copy)
@@ -122,8 +142,19 @@ def test_data_source_bad_input(files: Path, tmp_path: Path, source: str, message
 def test_fit_data_source_error_is_exit_2_through_the_cli(files: Path, capsys) -> None:
     from sae_pipeline.__main__ import main as sae_main
 
-    status = sae_main(["fit", "--data.source", str(files / "x.npy"), "--model.sae.class_path", "TopKSAE",
-                       "--model.sae.init_args.d_sae", "8", "--model.sae.init_args.k", "2"])
+    status = sae_main(
+        [
+            "fit",
+            "--data.source",
+            str(files / "x.npy"),
+            "--model.sae.class_path",
+            "TopKSAE",
+            "--model.sae.init_args.d_sae",
+            "8",
+            "--model.sae.init_args.k",
+            "2",
+        ]
+    )
     assert status == 2
     assert "is a .npy file, not a data source" in one_error_line(capsys.readouterr().err)
 
@@ -139,18 +170,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "model.ckpt"
 
 
-@pytest.mark.parametrize(("out", "message"), [
-    ("{files}/afile", r"--out .*afile: is a file, not a directory"),
-    ("{locked}/export", r"--out .*export: cannot create the directory \(permission denied\)"),
-])
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("{files}/afile", r"--out .*afile: is a file, not a directory"),
+        ("{locked}/export", r"--out .*export: cannot create the directory \(permission denied\)"),
+    ],
+)
 def test_export_bad_out(files: Path, checkpoint: Path, tmp_path: Path, capsys, out: str, message: str) -> None:
     target = out.format(files=files, locked=unwritable_dir(tmp_path))
     assert export_main(["--ckpt_path", str(checkpoint), "--out", target]) == 2
     assert re.search(message, one_error_line(capsys.readouterr().err))
 
 
-def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path: Path, monkeypatch,
-                                                     capsys) -> None:
+def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     out = tmp_path / "export"
     export_checkpoint(checkpoint, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -167,8 +200,10 @@ def test_failed_export_leaves_the_previous_one_whole(checkpoint: Path, tmp_path:
     monkeypatch.setattr(export_files, "save_file", disk_full)
     assert export_main(["--ckpt_path", str(checkpoint), "--out", str(out)]) == 1
     line = one_error_line(capsys.readouterr().err)
-    assert line == (f"error: no space left on device writing {out / 'sae.safetensors'}; kept: the previous export in "
-                    f"{out}, unchanged; free space and rerun the same command")
+    assert line == (
+        f"error: no space left on device writing {out / 'sae.safetensors'}; kept: the previous export in "
+        f"{out}, unchanged; free space and rerun the same command"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary file left either
 
 
@@ -189,10 +224,13 @@ def test_mixed_or_damaged_exports_are_one_line(checkpoint: Path, tmp_path: Path,
     assert "not a readable safetensors file" in one_error_line(capsys.readouterr().err)
 
 
-@pytest.mark.parametrize(("out", "message"), [
-    ("{files}/afile", r"--out .*afile: is a file, not a directory"),
-    ("{files}/afile/sub", r"--out .*afile/sub: .*afile is a file"),
-])
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("{files}/afile", r"--out .*afile: is a file, not a directory"),
+        ("{files}/afile/sub", r"--out .*afile/sub: .*afile is a file"),
+    ],
+)
 def test_evaluate_bad_out(files: Path, checkpoint: Path, tmp_path: Path, capsys, out: str, message: str) -> None:
     export_checkpoint(checkpoint, tmp_path / "export")
     target = out.format(files=files)
@@ -217,21 +255,49 @@ def many_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow  # two real extraction processes, ~5 s each on a quiet 2-core box
-@pytest.mark.parametrize(("signum", "status", "line"), [
-    (signal.SIGINT, 130, "interrupted (Ctrl-C): finished shards are kept; rerun the same command to resume"),
-    (signal.SIGTERM, 143, "terminated (SIGTERM): finished shards are kept; rerun the same command to resume"),
-])
-def test_interrupted_extraction_is_one_line_and_keeps_finished_shards(many_images: Path, tmp_path: Path, signum,
-                                                                      status, line) -> None:
+@pytest.mark.parametrize(
+    ("signum", "status", "line"),
+    [
+        (signal.SIGINT, 130, "interrupted (Ctrl-C): finished shards are kept; rerun the same command to resume"),
+        (signal.SIGTERM, 143, "terminated (SIGTERM): finished shards are kept; rerun the same command to resume"),
+    ],
+)
+def test_interrupted_extraction_is_one_line_and_keeps_finished_shards(
+    many_images: Path, tmp_path: Path, signum, status, line
+) -> None:
     """The signal goes to the whole process group, as Ctrl-C in a terminal and `scancel` send it: the
     DataLoader worker and the shard writers get it too."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "feature_extraction", "--backbone", "vit_tiny", "--images", str(many_images),
-               "--out", str(out), "--num_workers", "1", "--device", "cpu", "--shard_size", "8", "--batch_size", "2",
-               "--progress", "false"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO_DPATH)},
-                               preexec_fn=default_sigint)
+    command = [
+        sys.executable,
+        "-m",
+        "feature_extraction",
+        "--backbone",
+        "vit_tiny",
+        "--images",
+        str(many_images),
+        "--out",
+        str(out),
+        "--num_workers",
+        "1",
+        "--device",
+        "cpu",
+        "--shard_size",
+        "8",
+        "--batch_size",
+        "2",
+        "--progress",
+        "false",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_DPATH)},
+        preexec_fn=default_sigint,
+    )
     deadline = time.monotonic() + 120
     while not (out / S.sidecar_fname(1)).exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
@@ -246,12 +312,19 @@ def test_interrupted_extraction_is_one_line_and_keeps_finished_shards(many_image
     assert not list(out.glob("*.tmp"))
 
 
-@pytest.mark.parametrize(("raise_it", "status", "line"), [
-    (lambda: os.kill(os.getpid(), signal.SIGINT), 130, "interrupted (Ctrl-C): runs kept"),
-    (lambda: os.kill(os.getpid(), signal.SIGTERM), 143, "terminated (SIGTERM): runs kept"),
-    (lambda: open("/nonexistent-dir/x", "w"), 1, "error: [Errno 2] No such file or directory: '/nonexistent-dir/x'"),
-    (lambda: int("x"), 2, "error: invalid literal for int() with base 10: 'x'"),
-])
+@pytest.mark.parametrize(
+    ("raise_it", "status", "line"),
+    [
+        (lambda: os.kill(os.getpid(), signal.SIGINT), 130, "interrupted (Ctrl-C): runs kept"),
+        (lambda: os.kill(os.getpid(), signal.SIGTERM), 143, "terminated (SIGTERM): runs kept"),
+        (
+            lambda: open("/nonexistent-dir/x", "w"),
+            1,
+            "error: [Errno 2] No such file or directory: '/nonexistent-dir/x'",
+        ),
+        (lambda: int("x"), 2, "error: invalid literal for int() with base 10: 'x'"),
+    ],
+)
 def test_exit_status_convention_with_real_signals(raise_it, status, line, capsys) -> None:
     """The convention evaluate, export and the extraction share (feature_extraction.exit_status)."""
     from feature_extraction.exit_status import run_command

@@ -6,6 +6,7 @@ The scripts are checked the way pip's wrapper runs them, ``sys.exit(main())`` wi
 installed metadata is not what this checkout declares. The wheel test builds this checkout (a copy,
 so no ``build/`` is left here) with setuptools' own PEP 517 backend and reads what the wheel holds.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -54,16 +55,17 @@ def test_pyproject_declares_both_console_scripts() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_console_script_help_exits_0(name: str, monkeypatch: pytest.MonkeyPatch,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_console_script_help_exits_0(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_as_console_script(name, "--help", monkeypatch=monkeypatch) == 0
     assert "usage:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("name", "args"), [("sae-pipeline", ["trian"]), ("sae-extract", ["--no_such_flag", "1"])])
-def test_console_script_bad_input_exits_2_with_one_error_line(name: str, args: list[str],
-                                                              monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_console_script_bad_input_exits_2_with_one_error_line(
+    name: str, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_as_console_script(name, *args, monkeypatch=monkeypatch) == 2  # main's int reaches the exit status
     err = capsys.readouterr().err
     assert err.startswith("error: ") and args[0] in err
@@ -83,10 +85,10 @@ def test_the_wheel_holds_the_markers_and_the_console_scripts(tmp_path: Path) -> 
         shutil.copy2(REPO_DPATH / name, source / name)
     for package in PACKAGES:
         shutil.copytree(REPO_DPATH / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
-    build = ("import sys; from setuptools import build_meta; "
-             "print(build_meta.build_wheel(sys.argv[1]))")
-    done = subprocess.run([sys.executable, "-c", build, str(tmp_path / "dist")], cwd=source, capture_output=True,
-                          text=True, timeout=300)
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path / "dist")], cwd=source, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with zipfile.ZipFile(tmp_path / "dist" / done.stdout.strip().splitlines()[-1]) as wheel:
         names = wheel.namelist()
@@ -94,5 +96,6 @@ def test_the_wheel_holds_the_markers_and_the_console_scripts(tmp_path: Path) -> 
     for package in PACKAGES:
         assert f"{package}/py.typed" in names
     scripts = entry_points.split("[console_scripts]", 1)[1].split("\n[", 1)[0]
-    assert {line.split("=")[0].strip(): line.split("=")[1].strip() for line in scripts.splitlines() if "=" in line} \
-        == SCRIPTS
+    assert {
+        line.split("=")[0].strip(): line.split("=")[1].strip() for line in scripts.splitlines() if "=" in line
+    } == SCRIPTS

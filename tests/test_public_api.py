@@ -5,6 +5,7 @@ import lines users copy; each documented package lists its public names in ``__a
 in either format, loaded with the one ``load_sae``, encodes raw activations as the trained module
 encodes them scaled (codes back in raw units).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,15 +16,30 @@ from typing import Any
 
 import pytest
 import torch
-
 from test_export import raw_data, trained_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 PUBLIC = {
-    "sae_pipeline.artifacts": ["CheckpointError", "ExportError", "export_checkpoint", "export_checkpoint_saelens",
-                               "load_sae", "read_checkpoint", "read_codes"],
-    "sae_pipeline.sae": ["BatchTopKSAE", "JumpReLUSAE", "MatchingPursuitSAE", "MatryoshkaBatchTopKSAE", "OMPSAE",
-                         "ReLUSAE", "SparseAutoencoder", "TopKSAE", "get_sae_class"],
+    "sae_pipeline.artifacts": [
+        "CheckpointError",
+        "ExportError",
+        "export_checkpoint",
+        "export_checkpoint_saelens",
+        "load_sae",
+        "read_checkpoint",
+        "read_codes",
+    ],
+    "sae_pipeline.sae": [
+        "BatchTopKSAE",
+        "JumpReLUSAE",
+        "MatchingPursuitSAE",
+        "MatryoshkaBatchTopKSAE",
+        "OMPSAE",
+        "ReLUSAE",
+        "SparseAutoencoder",
+        "TopKSAE",
+        "get_sae_class",
+    ],
     "sae_pipeline.data": ["ActivationDataModule", "validation_tokens"],
     "feature_extraction.shards": ["decode_sample", "iter_shard_samples", "iter_shard_tokens", "load_manifest"],
 }
@@ -51,8 +67,9 @@ def resolve(dotted: str) -> tuple[Any, str]:
     raise AssertionError(f"{dotted}: nothing of it imports")
 
 
-API_ENTRIES = re.findall(r"^::: (\S+)", (REPO_DPATH / "docs" / "reference" / "api.md").read_text(encoding="utf-8"),
-                         re.M)
+API_ENTRIES = re.findall(
+    r"^::: (\S+)", (REPO_DPATH / "docs" / "reference" / "api.md").read_text(encoding="utf-8"), re.M
+)
 
 
 @pytest.mark.parametrize("entry", API_ENTRIES)
@@ -60,13 +77,17 @@ def test_api_page_names_objects_where_users_import_them(entry: str) -> None:
     obj, module_name = resolve(entry)
     if not inspect.ismodule(obj):
         module = importlib.import_module(module_name)
-        assert entry == f"{module_name}.{entry.rpartition('.')[2]}" and entry.rpartition(".")[2] in module.__all__, \
+        assert entry == f"{module_name}.{entry.rpartition('.')[2]}" and entry.rpartition(".")[2] in module.__all__, (
             f"{entry}: document it where its package exports it (in __all__)"
+        )
 
 
 def test_api_page_lists_the_loading_api_from_its_package() -> None:
-    assert {"sae_pipeline.artifacts.load_sae", "sae_pipeline.artifacts.read_codes",
-            "sae_pipeline.artifacts.export_checkpoint"} <= set(API_ENTRIES)
+    assert {
+        "sae_pipeline.artifacts.load_sae",
+        "sae_pipeline.artifacts.read_codes",
+        "sae_pipeline.artifacts.export_checkpoint",
+    } <= set(API_ENTRIES)
 
 
 @pytest.mark.parametrize("name", ["topk", "jumprelu"])

@@ -6,6 +6,7 @@ SAE says in one line which one it resumes (sae_pipeline/training/ckpt_config.py)
 ``python -m sae_pipeline``'s ``main`` in-process (as tests/test_checkpointing.py does), one in a
 real subprocess, on the bundled digits with a small MP-SAE.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ from sae_pipeline.__main__ import main
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
 TOPK = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-         "--figures.every_n_val_epochs", "1000"]
+QUIET = [
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.enable_model_summary",
+    "false",
+    "--figures.every_n_val_epochs",
+    "1000",
+]
 D_SAE = "64"  # the checkpoint's; mpsae_digits.yaml says 1000
 
 
@@ -47,8 +54,10 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     previous = os.getcwd()
     os.chdir(cwd)
     try:
-        assert main(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET,
-                     "--trainer.max_steps", "2"]) == 0
+        assert (
+            main(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET, "--trainer.max_steps", "2"])
+            == 0
+        )
     finally:
         os.chdir(previous)
     return cwd
@@ -56,28 +65,41 @@ def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CKPT = "runs/mpsae_digits/version_0/checkpoints/last.ckpt"
 REFUSED = {
-    "another SAE class": (["fit", "--config", TOPK], ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
-                                                     "for TopKSAE(d_sae=1000, k=10)")),
-    "the config's d_sae": (["fit", "--config", MPSAE], ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks "
-                                                       "for MatchingPursuitSAE(d_sae=1000, k=10)")),
-    "an explicit d_sae flag": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", "500"],
-                               "but the config asks for MatchingPursuitSAE(d_sae=500, k=10)"),
-    "d_sae without a class": (["fit", "--data.source", "digits", "--model.sae.init_args.d_sae", "500"],
-                              ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for "
-                              "MatchingPursuitSAE(d_sae=500)")),
-    "k of the same class": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE,
-                             "--model.sae.init_args.k", "5"], "asks for MatchingPursuitSAE(d_sae=64, k=5)"),
-    "an explicit lr": (["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--model.lr", "0.01"],
-                       "was trained with model.lr=0.001 but the config asks for model.lr=0.01"),
-    "predict with another SAE": (["predict", "--config", TOPK, "--codes.fpath", "codes.h5"],
-                                 "holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for TopKSAE"),
+    "another SAE class": (
+        ["fit", "--config", TOPK],
+        ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for TopKSAE(d_sae=1000, k=10)"),
+    ),
+    "the config's d_sae": (
+        ["fit", "--config", MPSAE],
+        ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for MatchingPursuitSAE(d_sae=1000, k=10)"),
+    ),
+    "an explicit d_sae flag": (
+        ["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", "500"],
+        "but the config asks for MatchingPursuitSAE(d_sae=500, k=10)",
+    ),
+    "d_sae without a class": (
+        ["fit", "--data.source", "digits", "--model.sae.init_args.d_sae", "500"],
+        ("holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for MatchingPursuitSAE(d_sae=500)"),
+    ),
+    "k of the same class": (
+        ["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--model.sae.init_args.k", "5"],
+        "asks for MatchingPursuitSAE(d_sae=64, k=5)",
+    ),
+    "an explicit lr": (
+        ["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--model.lr", "0.01"],
+        "was trained with model.lr=0.001 but the config asks for model.lr=0.01",
+    ),
+    "predict with another SAE": (
+        ["predict", "--config", TOPK, "--codes.fpath", "codes.h5"],
+        "holds MatchingPursuitSAE(d_sae=64, k=10) but the config asks for TopKSAE",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_a_checkpoint_unlike_the_config_is_refused_in_one_line(case: str, mp_run: Path,
-                                                               capsys: pytest.CaptureFixture[str],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_unlike_the_config_is_refused_in_one_line(
+    case: str, mp_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(mp_run)
     before = sorted(str(p.relative_to(mp_run)) for p in mp_run.rglob("*"))
     trained_config = (mp_run / "runs/mpsae_digits/version_0/config.yaml").read_bytes()
@@ -87,20 +109,35 @@ def test_a_checkpoint_unlike_the_config_is_refused_in_one_line(case: str, mp_run
     lines = error_lines(err)
     assert len(lines) == 1, err
     assert f"--ckpt_path {CKPT} " in lines[0] and expected in lines[0], lines[0]
-    assert "pass the config the run was trained with (its version_N/config.yaml) or start a new run without " \
-           "--ckpt_path" in lines[0]
+    assert (
+        "pass the config the run was trained with (its version_N/config.yaml) or start a new run without "
+        "--ckpt_path" in lines[0]
+    )
     # Nothing written: no new run folder, the trained run's config.yaml as it was, no codes.
     assert sorted(str(p.relative_to(mp_run)) for p in mp_run.rglob("*")) == before
     assert (mp_run / "runs/mpsae_digits/version_0/config.yaml").read_bytes() == trained_config
 
 
-def test_the_config_the_run_was_trained_with_resumes_it(mp_run: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_config_the_run_was_trained_with_resumes_it(
+    mp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     ckpt = mp_run / CKPT
-    status, _out, err = run(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET,
-                            "--trainer.max_steps", "3", "--ckpt_path", str(ckpt)], capsys)
+    status, _out, err = run(
+        [
+            "fit",
+            "--config",
+            MPSAE,
+            "--model.sae.init_args.d_sae",
+            D_SAE,
+            *QUIET,
+            "--trainer.max_steps",
+            "3",
+            "--ckpt_path",
+            str(ckpt),
+        ],
+        capsys,
+    )
     assert status == 0, err[-3000:]
     resumed = torch.load(tmp_path / "runs/mpsae_digits/version_0/checkpoints/last.ckpt", weights_only=True)
     assert resumed["global_step"] == 3
@@ -112,14 +149,38 @@ def test_the_config_the_run_was_trained_with_resumes_it(mp_run: Path, tmp_path: 
 def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Path, tmp_path: Path) -> None:
     ckpt = mp_run / CKPT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--data.source", "digits",
-                             "--data.batch_size", "256", "--data.num_workers", "0", *QUIET,
-                             "--trainer.max_steps", "3", "--trainer.accelerator", "cpu", "--ckpt_path", str(ckpt)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--data.source",
+            "digits",
+            "--data.batch_size",
+            "256",
+            "--data.num_workers",
+            "0",
+            *QUIET,
+            "--trainer.max_steps",
+            "3",
+            "--trainer.accelerator",
+            "cpu",
+            "--ckpt_path",
+            str(ckpt),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if "resuming its" in line]
-    assert said == [(f"--ckpt_path {ckpt}: resuming its MatchingPursuitSAE(d_sae=64, k=10) (the config names no "
-                    "model.sae)")], result.stderr[-3000:]
+    assert said == [
+        (f"--ckpt_path {ckpt}: resuming its MatchingPursuitSAE(d_sae=64, k=10) (the config names no model.sae)")
+    ], result.stderr[-3000:]
     written = yaml.safe_load((tmp_path / "runs/sae/version_0/config.yaml").read_text())
     assert written["model"]["sae"]["class_path"] == "sae_pipeline.sae.MatchingPursuitSAE"
     assert written["model"]["sae"]["init_args"]["d_sae"] == 64
@@ -134,26 +195,58 @@ def test_a_requeued_slurm_job_without_sae_takes_its_hpc_checkpoints_model(mp_run
     job = tmp_path / "runs/sae/slurm-77"
     job.mkdir(parents=True)
     (job / "hpc_ckpt_1.ckpt").write_bytes((mp_run / CKPT).read_bytes())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")]),
-           "SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "localhost",
-           "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--data.source", "digits",
-                             "--data.batch_size", "256", "--data.num_workers", "0", *QUIET,
-                             "--trainer.max_steps", "3", "--trainer.accelerator", "cpu",
-                             "--ckpt_path", str(mp_run / CKPT)],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")]),
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--data.source",
+            "digits",
+            "--data.batch_size",
+            "256",
+            "--data.num_workers",
+            "0",
+            *QUIET,
+            "--trainer.max_steps",
+            "3",
+            "--trainer.accelerator",
+            "cpu",
+            "--ckpt_path",
+            str(mp_run / CKPT),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--ckpt_path runs/sae/slurm-77/hpc_ckpt_1.ckpt: resuming its MatchingPursuitSAE(d_sae=64, k=10)" \
+    assert (
+        "--ckpt_path runs/sae/slurm-77/hpc_ckpt_1.ckpt: resuming its MatchingPursuitSAE(d_sae=64, k=10)"
         in result.stderr
+    )
     written = yaml.safe_load((job / "config.yaml").read_text())
     assert written["model"]["sae"]["init_args"]["d_sae"] == 64
     assert (written["model"]["lr"], written["model"]["warmup_steps"]) == (1e-3, 20)  # mpsae_digits.yaml's
     assert torch.load(job / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
 
 
-def test_a_config_without_sae_or_data_names_what_is_missing(mp_run: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_config_without_sae_or_data_names_what_is_missing(
+    mp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     status, _out, err = run(["fit", *QUIET, "--ckpt_path", str(mp_run / CKPT)], capsys)
     assert status == 2

@@ -1,5 +1,6 @@
 """First-batch calibration (ReLU's ``initial_l0``, JumpReLU's θ) and per-parameter learning rates (JumpReLU's
 ``threshold_lr_scale``): each against a plain re-derivation, in one process and across two gloo ranks."""
+
 from __future__ import annotations
 
 import math
@@ -12,16 +13,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.vit_like_tokens import vit_like_tokens
-from sae_pipeline.training.module import param_groups
 from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, TopKSAE
 from sae_pipeline.sae.calibration import per_latent_cut, pooled_cut
+from sae_pipeline.training.module import param_groups
 
 D, P, L0 = 32, 256, 16
 
 
 def tokens(n: int = 1024, seed: int = 0) -> torch.Tensor:
     x = torch.from_numpy(vit_like_tokens(n, D, seed=seed))
-    return x * math.sqrt(D / float((x ** 2).sum(1).mean()))
+    return x * math.sqrt(D / float((x**2).sum(1).mean()))
 
 
 def relu(**kwargs: object) -> ReLUSAE:

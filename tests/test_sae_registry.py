@@ -1,17 +1,29 @@
 """The variant registry: one key per variant, what the package reads off a class, named loss terms."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from sae_variants_fixtures import BATCH, D_IN, D_SAE, K, batch, make
 from torch import Tensor
 
 import sae_pipeline.sae as sae_package
 from sae_pipeline.sae import (
-    SAE_ALIASES, SAE_REGISTRY, VARIANTS, BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SAELoss, TopKSAE,
-    display_label, get_sae_class, variant_key,
+    SAE_ALIASES,
+    SAE_REGISTRY,
+    VARIANTS,
+    BatchTopKSAE,
+    JumpReLUSAE,
+    MatchingPursuitSAE,
+    ReLUSAE,
+    SAELoss,
+    TopKSAE,
+    display_label,
+    get_sae_class,
+    variant_key,
 )
-from sae_variants_fixtures import BATCH, D_IN, D_SAE, K, batch, make
+
 
 def test_registry() -> None:
     assert get_sae_class("mpsae") is MatchingPursuitSAE and get_sae_class("relu") is ReLUSAE
@@ -65,8 +77,11 @@ def test_sparsity_init_args() -> None:
     assert JumpReLUSAE.sparsity_init_args(8) == {"target_l0": 8}
     relu = [ReLUSAE.sparsity_init_args(k)["l1_coefficient"] for k in (5, 10, 40)]
     assert relu[0] > relu[1] > relu[2] > 0 and relu[1] == 0.038
-    assert ReLUSAE.sparsity_init_args(10, "mnist_sample") == ReLUSAE.sparsity_init_args(10, "mnist") == \
-        {"l1_coefficient": 0.0085}
+    assert (
+        ReLUSAE.sparsity_init_args(10, "mnist_sample")
+        == ReLUSAE.sparsity_init_args(10, "mnist")
+        == {"l1_coefficient": 0.0085}
+    )
     assert ReLUSAE.sparsity_init_args(10, "shards/dinov2") == {"l1_coefficient": 0.038}
 
 

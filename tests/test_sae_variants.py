@@ -1,13 +1,15 @@
 """Every SAE variant against the shared contract (shapes, unit atoms, round trips, bad input)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from sae_variants_fixtures import BATCH, D_IN, D_SAE, KWARGS, batch, hyper_parameters, make
 
 from sae_pipeline.sae import SAE_REGISTRY, get_sae_class
 from sae_pipeline.sae.base import ShallowSAE
-from sae_variants_fixtures import BATCH, D_IN, D_SAE, KWARGS, batch, hyper_parameters, make
+
 
 @pytest.mark.parametrize("name", sorted(SAE_REGISTRY))
 def test_shapes_and_decoding(name: str) -> None:
@@ -25,8 +27,10 @@ def test_shapes_and_decoding(name: str) -> None:
     torch.testing.assert_close(losses.mse, F.mse_loss(out.x_hat, x))
     assert {"mse", "sparsity_loss", "aux_loss"} <= set(losses.terms)
     torch.testing.assert_close(losses.loss, sum(losses.terms.values()))
-    extra = sum((term for name, term in losses.terms.items() if name not in ("mse", "sparsity_loss", "aux_loss")),
-                losses.loss.new_zeros(()))  # a variant's own terms (Matryoshka's prefix MSEs)
+    extra = sum(
+        (term for name, term in losses.terms.items() if name not in ("mse", "sparsity_loss", "aux_loss")),
+        losses.loss.new_zeros(()),
+    )  # a variant's own terms (Matryoshka's prefix MSEs)
     torch.testing.assert_close(losses.loss, losses.mse + losses.sparsity + losses.aux + extra)
     losses.loss.backward()
     assert sae.W_dec.grad is not None and sae.W_dec.grad.abs().sum() > 0
@@ -90,7 +94,6 @@ def test_train_eval_do_not_change_hyper_parameters(name: str) -> None:
     sae.train()
     sae.eval()
     assert hyper_parameters(sae) == before
-
 
 
 BAD_HYPER_PARAMETERS = [

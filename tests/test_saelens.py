@@ -4,6 +4,7 @@ Our export loads in SAELens 6 and its encode / decode equal ours for every varia
 normalisation folded in); a SAE that SAELens itself made and saved loads into our evaluation,
 computes what SAELens computes, and gets R², L0 and Babel checked against plain formulas.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,17 +18,17 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from system_tools import REQUIRE_ENV
 from torch import Tensor
 
 from feature_extraction.h5cache import write_token_cache
 from sae_pipeline.__main__ import main as sae_pipeline_main
+from sae_pipeline.artifacts import ExportError, load_sae
+from sae_pipeline.artifacts.saelens import export_checkpoint_saelens, saelens_architecture, write_saelens
 from sae_pipeline.data import ActivationDataModule, validation_tokens
 from sae_pipeline.evaluate.__main__ import main as evaluate_main
-from sae_pipeline.artifacts import ExportError, load_sae
-from sae_pipeline.training.module import SAEModule
 from sae_pipeline.sae import SAE_REGISTRY, BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, TopKSAE
-from sae_pipeline.artifacts.saelens import export_checkpoint_saelens, saelens_architecture, write_saelens
-from system_tools import REQUIRE_ENV
+from sae_pipeline.training.module import SAEModule
 
 try:
     with warnings.catch_warnings():
@@ -47,8 +48,13 @@ KWARGS: dict[str, dict[str, Any]] = {name: cls.test_kwargs for name, cls in SAE_
     "jumprelu": {"initial_threshold": 0.3, "bandwidth": 0.1},
 }
 # The variants SAELens 6 represents, and its class for each; any other variant exports natively only.
-EXPECTED_SAELENS = {"relu": "StandardSAE", "jumprelu": "JumpReLUSAE", "topk": "TopKSAE", "batchtopk": "JumpReLUSAE",
-                    "mpsae": "MatchingPursuitSAE"}
+EXPECTED_SAELENS = {
+    "relu": "StandardSAE",
+    "jumprelu": "JumpReLUSAE",
+    "topk": "TopKSAE",
+    "batchtopk": "JumpReLUSAE",
+    "mpsae": "MatchingPursuitSAE",
+}
 
 
 def assert_equal_to_1e5(got: Tensor, expected: Tensor) -> None:
@@ -73,11 +79,21 @@ def train(name: str, source: Path, out_dpath: Path, d_sae: int = D_SAE, **kwargs
     torch.manual_seed(0)
     sae = SAE_REGISTRY[name](D_IN, d_sae, **{**KWARGS[name], **kwargs})
     module = SAEModule(sae, lr=1e-2, warmup_steps=0)
-    data = ActivationDataModule(str(source), batch_size=BATCH, num_workers=0, shuffle_buffer_tokens=256,
-                                val_fraction=VAL_FRACTION)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, default_root_dir=out_dpath)
+    data = ActivationDataModule(
+        str(source), batch_size=BATCH, num_workers=0, shuffle_buffer_tokens=256, val_fraction=VAL_FRACTION
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=out_dpath,
+    )
     trainer.fit(module, data)
     ckpt_fpath = out_dpath / f"{name}.ckpt"
     trainer.save_checkpoint(ckpt_fpath)
@@ -102,7 +118,8 @@ def test_every_variant_has_a_saelens_architecture_or_says_it_has_none() -> None:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_SAELENS))
 def test_our_export_loads_in_saelens_with_equal_encode_and_decode(
-        name: str, trained: dict[str, tuple[SAEModule, Path]], token_cache: Path, tmp_path: Path) -> None:
+    name: str, trained: dict[str, tuple[SAEModule, Path]], token_cache: Path, tmp_path: Path
+) -> None:
     module, ckpt_fpath = trained[name]
     scale = float(module.input_scale)
     assert abs(math.log(scale)) > 2  # raw units far from the training units: the fold is exercised
@@ -128,7 +145,11 @@ def test_config_fields_are_saelens_6(trained: dict[str, tuple[SAEModule, Path]],
     module, ckpt_fpath = trained["mpsae"]
     config = json.loads((export_checkpoint_saelens(ckpt_fpath, tmp_path / "mp") / "cfg.json").read_text())
     assert config["architecture"] == "matching_pursuit" and config["normalize_activations"] == "none"
-    assert (config["max_iterations"], config["residual_threshold"], config["stop_on_duplicate_support"]) == (K, 0, False)
+    assert (config["max_iterations"], config["residual_threshold"], config["stop_on_duplicate_support"]) == (
+        K,
+        0,
+        False,
+    )
     assert config["metadata"]["sae_lens_version"].startswith("6.")
     assert config["metadata"]["input_scale_folded"] == pytest.approx(float(module.input_scale))
     assert config["metadata"]["saelens_agreement_checked_on"]["n_tokens"] == 160  # 640 rows, val_fraction 0.25
@@ -139,13 +160,15 @@ def test_config_fields_are_saelens_6(trained: dict[str, tuple[SAEModule, Path]],
     assert isinstance(load_sae(tmp_path / "btk"), BatchTopKSAE) and float(threshold) > 0
 
 
-def test_mp_export_refused_where_saelens_would_clip(token_cache: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_mp_export_refused_where_saelens_would_clip(
+    token_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # 4 atoms in 12 dimensions: often every atom anti-correlates with a residual.
     module, ckpt_fpath = train("mpsae", token_cache, tmp_path, d_sae=4, k=3)
     out_dpath = tmp_path / "refused"
-    status = sae_pipeline_main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(out_dpath),
-                                "--format", "saelens"])
+    status = sae_pipeline_main(
+        ["export", "--ckpt_path", str(ckpt_fpath), "--out", str(out_dpath), "--format", "saelens"]
+    )
     error = capsys.readouterr().err.strip()
     assert status == 2 and "\n" not in error and "negative correlation" in error and "--format native" in error
     assert not out_dpath.exists()  # nothing written
@@ -159,10 +182,12 @@ def test_mp_export_refused_where_saelens_would_clip(token_cache: Path, tmp_path:
 
 
 def test_mp_export_through_the_command_line_checks_the_training_data(
-        trained: dict[str, tuple[SAEModule, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trained: dict[str, tuple[SAEModule, Path]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, ckpt_fpath = trained["mpsae"]
-    status = sae_pipeline_main(["export", "--ckpt_path", str(ckpt_fpath), "--out", str(tmp_path / "mp"),
-                                "--format", "saelens"])
+    status = sae_pipeline_main(
+        ["export", "--ckpt_path", str(ckpt_fpath), "--out", str(tmp_path / "mp"), "--format", "saelens"]
+    )
     assert status == 0 and "sae_weights.safetensors" in capsys.readouterr().out
     assert isinstance(sae_lens.SAE.load_from_disk(tmp_path / "mp"), sae_lens.MatchingPursuitSAE)
 
@@ -197,8 +222,11 @@ def saelens_made(kind: str, dpath: Path) -> Path:
         with torch.no_grad():
             sae.threshold.uniform_(-0.05, 0.3)  # some ≤ 0: SAELens's ReLU makes those plain ReLU latents
     else:
-        sae = sae_lens.MatchingPursuitSAE(sae_lens.MatchingPursuitSAEConfig(
-            residual_threshold=0.0, max_iterations=8, stop_on_duplicate_support=False, **common))
+        sae = sae_lens.MatchingPursuitSAE(
+            sae_lens.MatchingPursuitSAEConfig(
+                residual_threshold=0.0, max_iterations=8, stop_on_duplicate_support=False, **common
+            )
+        )
     with torch.no_grad():
         sae.b_dec.copy_(digits_mean())
         if hasattr(sae, "b_enc"):
@@ -207,8 +235,14 @@ def saelens_made(kind: str, dpath: Path) -> Path:
     return dpath
 
 
-OURS_FOR = {"standard": ReLUSAE, "standard_no_b_dec": ReLUSAE, "topk": TopKSAE, "jumprelu": JumpReLUSAE,
-            "batchtopk": BatchTopKSAE, "matching_pursuit": MatchingPursuitSAE}
+OURS_FOR = {
+    "standard": ReLUSAE,
+    "standard_no_b_dec": ReLUSAE,
+    "topk": TopKSAE,
+    "jumprelu": JumpReLUSAE,
+    "batchtopk": BatchTopKSAE,
+    "matching_pursuit": MatchingPursuitSAE,
+}
 
 
 @pytest.mark.parametrize("kind", sorted(OURS_FOR))
@@ -234,8 +268,12 @@ def test_saelens_made_sae_gets_r2_l0_and_babel_in_our_evaluation(kind: str, tmp_
     x = validation_tokens("digits", 0.1)
     with torch.no_grad():
         codes, x_hat = theirs.encode(x), theirs(x)
-    assert evaluate_main(["sae", "--sae", str(sae_dpath), "--data", "digits", "--out", str(tmp_path / "eval"),
-                          "--r_max", "8"]) == 0
+    assert (
+        evaluate_main(
+            ["sae", "--sae", str(sae_dpath), "--data", "digits", "--out", str(tmp_path / "eval"), "--r_max", "8"]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "eval" / "results.json").read_text())["saes"][kind]
     # Plain references from SAELens's own outputs and weights.
     r2 = 1 - (x - x_hat).square().sum() / (x - x.mean(0)).square().sum()
@@ -255,16 +293,20 @@ def test_saelens_made_sae_gets_r2_l0_and_babel_in_our_evaluation(kind: str, tmp_
     assert (tmp_path / "eval" / "figures" / f"sae_{kind}_babel.png").is_file()
 
 
-@pytest.mark.parametrize(("kind", "change", "message"), [
-    ("standard", {"normalize_activations": "layer_norm"}, "normalize_activations"),
-    ("standard", {"architecture": "gated"}, "architecture 'gated'"),
-    ("matching_pursuit", {"stop_on_duplicate_support": True}, "stop_on_duplicate_support"),
-    ("matching_pursuit", {"residual_threshold": 0.01}, "residual_threshold"),
-    ("matching_pursuit", {"max_iterations": None}, "max_iterations"),
-    ("topk", {"rescale_acts_by_decoder_norm": True}, "rescale_acts_by_decoder_norm"),
-])
+@pytest.mark.parametrize(
+    ("kind", "change", "message"),
+    [
+        ("standard", {"normalize_activations": "layer_norm"}, "normalize_activations"),
+        ("standard", {"architecture": "gated"}, "architecture 'gated'"),
+        ("matching_pursuit", {"stop_on_duplicate_support": True}, "stop_on_duplicate_support"),
+        ("matching_pursuit", {"residual_threshold": 0.01}, "residual_threshold"),
+        ("matching_pursuit", {"max_iterations": None}, "max_iterations"),
+        ("topk", {"rescale_acts_by_decoder_norm": True}, "rescale_acts_by_decoder_norm"),
+    ],
+)
 def test_saelens_settings_we_cannot_compute_are_refused_in_one_line(
-        kind: str, change: dict[str, Any], message: str, tmp_path: Path) -> None:
+    kind: str, change: dict[str, Any], message: str, tmp_path: Path
+) -> None:
     sae_dpath = saelens_made(kind, tmp_path / kind)
     cfg_fpath = sae_dpath / "cfg.json"
     cfg_fpath.write_text(json.dumps({**json.loads(cfg_fpath.read_text()), **change}))

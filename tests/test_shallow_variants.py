@@ -1,4 +1,5 @@
 """Each shallow variant's own behaviour against a plain re-derivation (TopK, BatchTopK, JumpReLU, ReLU, AuxK)."""
+
 from __future__ import annotations
 
 import math
@@ -6,10 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from sae_variants_fixtures import D_IN, D_SAE, K, batch, make
 from torch import Tensor
 
 from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, TopKSAE
-from sae_variants_fixtures import D_IN, D_SAE, K, batch, make
+
 
 def test_init_b_pre_and_dead_bookkeeping() -> None:
     sae = make("topk", dead_after_tokens=100)

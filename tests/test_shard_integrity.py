@@ -5,6 +5,7 @@ flipping bytes inside one sample's ``tokens.npy`` payload, keeping the file's si
 size-only completeness check cannot see. Checksums are compared with a plain reference: xxh3-64
 of each member's bytes as ``tarfile`` reads them.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,24 @@ from feature_extraction.__main__ import main as extraction_main
 from sae_pipeline.data.sources import ShardSource, ShardUnit
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
-EXTRACT = ["--backbone", "vit_tiny", "--images", "samples", "--shard_size", "4", "--batch_size", "4",
-           "--num_workers", "0", "--num_writers", "1", "--device", "cpu", "--progress", "false"]
+EXTRACT = [
+    "--backbone",
+    "vit_tiny",
+    "--images",
+    "samples",
+    "--shard_size",
+    "4",
+    "--batch_size",
+    "4",
+    "--num_workers",
+    "0",
+    "--num_writers",
+    "1",
+    "--device",
+    "cpu",
+    "--progress",
+    "false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +94,25 @@ def test_sidecars_record_xxh3_of_every_member_as_tarfile_reads_it(extracted: Pat
 
 def test_positions_are_checksummed_and_checked(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    samples = [(f"img{i}", rng.standard_normal((3, 8)).astype(np.float16), {}, np.array([0, 2 + i, 4], np.int16))
-               for i in range(2)]
+    samples = [
+        (f"img{i}", rng.standard_normal((3, 8)).astype(np.float16), {}, np.array([0, 2 + i, 4], np.int16))
+        for i in range(2)
+    ]
     sidecar = S.write_shard(tmp_path, 0, samples)
     tar = members(tmp_path / S.shard_fname(0))
     assert sidecar["sample_checksums"]["positions.npy"] == [
-        xxhash.xxh3_64_hexdigest(data) for name, data in tar if name.endswith(".positions.npy")]
-    S.write_manifest(tmp_path, n_shards=1, spec={"name": "fake"}, layer=0, tokens_per_image=3,
-                     n_prefix_tokens=1, grid=(2, 2),
-                        token_selection={"patches_per_image": 2, "keep_prefix_tokens": True, "seed": 0})
+        xxhash.xxh3_64_hexdigest(data) for name, data in tar if name.endswith(".positions.npy")
+    ]
+    S.write_manifest(
+        tmp_path,
+        n_shards=1,
+        spec={"name": "fake"},
+        layer=0,
+        tokens_per_image=3,
+        n_prefix_tokens=1,
+        grid=(2, 2),
+        token_selection={"patches_per_image": 2, "keep_prefix_tokens": True, "seed": 0},
+    )
     assert len(read_all(tmp_path, with_ids=True)) == 2
     with tarfile.open(tmp_path / S.shard_fname(0)) as tar_file:
         member = [m for m in tar_file if m.name.endswith(".positions.npy")][1]
@@ -101,13 +128,41 @@ def test_flipped_payload_bytes_stop_fit_with_one_line_naming_shard_and_repair(sh
     flip_tokens_payload(shards / S.shard_fname(1))
     assert S.shard_is_complete(shards, 1)  # same size: the old completeness test does not see it
     completed = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", "fit", "--data.source", str(shards), "--data.batch_size", "16",
-         "--data.val_fraction", "0.25", "--data.shuffle_buffer_tokens", "64", "--trainer.max_epochs", "2",
-         "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-         "--checkpoint.dirpath", str(tmp_path / "ckpt"),
-         "--model.sae.class_path", "sae_pipeline.sae.TopKSAE", "--model.sae.init_args.d_sae", "16",
-         "--model.sae.init_args.k", "2"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--data.source",
+            str(shards),
+            "--data.batch_size",
+            "16",
+            "--data.val_fraction",
+            "0.25",
+            "--data.shuffle_buffer_tokens",
+            "64",
+            "--trainer.max_epochs",
+            "2",
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--checkpoint.dirpath",
+            str(tmp_path / "ckpt"),
+            "--model.sae.class_path",
+            "sae_pipeline.sae.TopKSAE",
+            "--model.sae.init_args.d_sae",
+            "16",
+            "--model.sae.init_args.k",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert "Traceback" not in completed.stderr
     line = completed.stderr.strip().splitlines()[-1]
@@ -132,8 +187,9 @@ def test_stream_fails_on_the_damaged_sample_and_reads_clean_shards(shards: Path)
         ShardUnit.verify = True
 
 
-def test_extraction_rerun_redoes_the_corrupt_shard_byte_identically(shards: Path, extracted: Path,
-                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_extraction_rerun_redoes_the_corrupt_shard_byte_identically(
+    shards: Path, extracted: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     flip_tokens_payload(shards / S.shard_fname(1))
     assert extraction_main([*EXTRACT, "--out", str(shards)]) == 0
     assert "shards 1: their bytes no longer match their sidecars" in caplog.text

@@ -1,4 +1,5 @@
 """The training stream's random-access shard reader against webdataset's own reader."""
+
 from __future__ import annotations
 
 import io
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 from webdataset.tariterators import base_plus_ext
 
-from feature_extraction.shards import read as R
 from feature_extraction import shards as S
+from feature_extraction.shards import read as R
 
 
 def write(dpath: Path, keys: list[str], seed: int = 0, n_tokens: int = 5, d: int = 8) -> Path:
@@ -24,10 +25,13 @@ def webdataset_tokens(fpath: Path) -> list[tuple[str, np.ndarray]]:
     return [(key, tokens) for key, tokens, _ in R.iter_shard_samples([fpath])]
 
 
-@pytest.mark.parametrize("keys", [
-    [f"img{i:03d}" for i in range(7)],
-    ["n01440764_10026", "x" * 180, "sub%2Edir%2Fname", "é-ünï-çødé", "z" * 99],  # long (pax) and non-ASCII keys
-])
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [f"img{i:03d}" for i in range(7)],
+        ["n01440764_10026", "x" * 180, "sub%2Edir%2Fname", "é-ünï-çødé", "z" * 99],  # long (pax) and non-ASCII keys
+    ],
+)
 def test_same_samples_as_webdataset(tmp_path: Path, keys: list[str]) -> None:
     fpath = write(tmp_path, keys)
     expected = webdataset_tokens(fpath)

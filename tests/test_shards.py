@@ -1,4 +1,5 @@
 """The webdataset shard format: round trips, determinism, task split, stats, manifest checks, crash safety."""
+
 from __future__ import annotations
 
 import errno
@@ -16,9 +17,9 @@ import webdataset as wds
 
 import feature_extraction
 from feature_extraction import shards as S
+from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards import read as R
 from feature_extraction.shards import write as W
-from feature_extraction.running_stats import RunningStats
 
 D = 8
 N_TOKENS = 5  # 1 prefix token + a 2x2 grid
@@ -29,8 +30,14 @@ SPEC = {"name": "fake", "library": "timm", "model_name": "vit_tiny"}
 def make_samples(n_images: int, seed: int = 0) -> list[tuple[str, np.ndarray, dict]]:
     rng = np.random.default_rng(seed)
     ids = [f"n{rng.integers(1e6):06d}_{i}" for i in range(n_images)]
-    return [(key, (3 * rng.standard_normal((N_TOKENS, D))).astype(np.float16),
-             {"label": int(rng.integers(10)), "source": f"/images/{key}.jpg"}) for key in ids]
+    return [
+        (
+            key,
+            (3 * rng.standard_normal((N_TOKENS, D))).astype(np.float16),
+            {"label": int(rng.integers(10)), "source": f"/images/{key}.jpg"},
+        )
+        for key in ids
+    ]
 
 
 def write_dataset(dpath: Path, samples: list, shard_size: int) -> list[list[str]]:
@@ -42,8 +49,16 @@ def write_dataset(dpath: Path, samples: list, shard_size: int) -> list[list[str]
 
 
 def write_test_manifest(dpath: Path, n_shards: int) -> dict:
-    return S.write_manifest(dpath, n_shards=n_shards, spec=SPEC, layer=11, tokens_per_image=N_TOKENS,
-                            n_prefix_tokens=1, grid=GRID, skipped=[{"image_id": "bad", "reason": "decode"}])
+    return S.write_manifest(
+        dpath,
+        n_shards=n_shards,
+        spec=SPEC,
+        layer=11,
+        tokens_per_image=N_TOKENS,
+        n_prefix_tokens=1,
+        grid=GRID,
+        skipped=[{"image_id": "bad", "reason": "decode"}],
+    )
 
 
 @pytest.fixture
@@ -197,15 +212,18 @@ def _flip_last_data_byte(fpath: Path) -> None:
     fpath.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, verify, named", [
-    (lambda d: (d / S.MANIFEST_FNAME).unlink(), False, "finalize"),
-    (lambda d: (d / S.shard_fname(1)).unlink(), False, S.shard_fname(1)),
-    (lambda d: _append_zeros(d / S.shard_fname(2)), False, S.shard_fname(2)),
-    (lambda d: _flip_last_data_byte(d / S.shard_fname(0)), True, S.shard_fname(0)),
-    (lambda d: _rewrite_manifest(d, dtype="float32"), False, "'dtype'"),
-    (lambda d: _rewrite_manifest(d, stats=None), False, "'stats'"),
-    (lambda d: _rewrite_manifest(d, schema_version=99), False, "'schema_version'"),
-])
+@pytest.mark.parametrize(
+    "damage, verify, named",
+    [
+        (lambda d: (d / S.MANIFEST_FNAME).unlink(), False, "finalize"),
+        (lambda d: (d / S.shard_fname(1)).unlink(), False, S.shard_fname(1)),
+        (lambda d: _append_zeros(d / S.shard_fname(2)), False, S.shard_fname(2)),
+        (lambda d: _flip_last_data_byte(d / S.shard_fname(0)), True, S.shard_fname(0)),
+        (lambda d: _rewrite_manifest(d, dtype="float32"), False, "'dtype'"),
+        (lambda d: _rewrite_manifest(d, stats=None), False, "'stats'"),
+        (lambda d: _rewrite_manifest(d, schema_version=99), False, "'schema_version'"),
+    ],
+)
 def test_load_manifest_errors_name_the_file(dataset, damage, verify, named):
     dpath = dataset[0]
     damage(dpath)
@@ -232,8 +250,13 @@ def _member_cuts(fpath: Path) -> dict[str, int]:
     with tarfile.open(fpath) as tar:
         members = tar.getmembers()
     last_end = members[-1].offset_data + (members[-1].size + 511) // 512 * 512
-    return {"mid_header": members[1].offset + 100, "mid_data": members[1].offset_data + 7,
-            "between_members": members[2].offset, "no_end_marker": last_end, "empty": 0}
+    return {
+        "mid_header": members[1].offset + 100,
+        "mid_data": members[1].offset_data + 7,
+        "between_members": members[2].offset,
+        "no_end_marker": last_end,
+        "empty": 0,
+    }
 
 
 @pytest.mark.parametrize("where", ["mid_header", "mid_data", "between_members", "no_end_marker", "empty"])
@@ -252,10 +275,12 @@ def test_corrupt_samples_raise_naming_the_key():
     np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
     good = io.BytesIO()
     np.save(good, np.zeros((2, 3), np.float16))
-    for sample in [{"tokens.npy": b"garbage", "meta.json": b"{}"},
-                   {"tokens.npy": buf.getvalue(), "meta.json": b"{}"},  # pickled payload: refused, not loaded
-                   {"tokens.npy": good.getvalue(), "meta.json": b"{not json"},
-                   {"meta.json": b"{}"}]:
+    for sample in [
+        {"tokens.npy": b"garbage", "meta.json": b"{}"},
+        {"tokens.npy": buf.getvalue(), "meta.json": b"{}"},  # pickled payload: refused, not loaded
+        {"tokens.npy": good.getvalue(), "meta.json": b"{not json"},
+        {"meta.json": b"{}"},
+    ]:
         with pytest.raises(S.ShardFormatError, match="img7.*shard-000003.tar"):
             R.decode_sample({"__key__": "img7", "__url__": "/x/shard-000003.tar", **sample})
 
@@ -293,13 +318,16 @@ def test_shard_is_complete_needs_tar_sidecar_and_matching_size(tmp_path):
     assert S.shard_is_complete(tmp_path, 2)  # the cheap check is size only, by design
 
 
-@pytest.mark.parametrize("tokens, match", [
-    (np.zeros((N_TOKENS, D), np.float32), "float16"),
-    (np.zeros(D, np.float16), "shape"),
-    (np.zeros((N_TOKENS, D + 1), np.float16), "d="),
-    (np.full((N_TOKENS, D), np.inf, np.float16), "inf"),
-    (np.full((N_TOKENS, D), np.nan, np.float16), "nan"),
-])
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        (np.zeros((N_TOKENS, D), np.float32), "float16"),
+        (np.zeros(D, np.float16), "shape"),
+        (np.zeros((N_TOKENS, D + 1), np.float16), "d="),
+        (np.full((N_TOKENS, D), np.inf, np.float16), "inf"),
+        (np.full((N_TOKENS, D), np.nan, np.float16), "nan"),
+    ],
+)
 def test_write_shard_rejects_bad_tokens_naming_the_key(tmp_path, tokens, match):
     first = make_samples(1)[0]
     with pytest.raises(ValueError, match=f"bad_key.*{match}"):

@@ -7,6 +7,7 @@ the signal once (Ctrl-C to the whole group, SIGTERM to the process) and checks t
 one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line, and the files left.
 ``fit`` itself is covered by tests/test_interrupts.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,22 @@ class Command:
     """A running ``python -m MODULE ARGS`` whose stdout and stderr are read as they come."""
 
     def __init__(self, cwd: Path, *args: str, module: str = "sae_pipeline", env: dict | None = None) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env or ENV,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        start_new_session=True, preexec_fn=default_sigint)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=cwd,
+            env=env or ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=default_sigint,
+        )
         self.out: list[str] = []
         self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+            for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -54,7 +64,9 @@ class Command:
     def wait_for(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + TIMEOUT_S
         while not ready():
-            assert self.process.poll() is None, f"exited {self.process.returncode} before {what}:\n{self.text()[-3000:]}"
+            assert self.process.poll() is None, (
+                f"exited {self.process.returncode} before {what}:\n{self.text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.02)
 
@@ -94,14 +106,52 @@ def files(dpath: Path) -> dict[str, bytes]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A working directory with one fit run (``--ckpt_path last``) and a previous feature site."""
     cwd = tmp_path_factory.mktemp("signals")
-    fit = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--config", MPSAE_DIGITS,
-                          "--trainer.max_steps", "4", "--trainer.enable_progress_bar", "false",
-                          "--trainer.enable_model_summary", "false"],
-                         cwd=cwd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    fit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--config",
+            MPSAE_DIGITS,
+            "--trainer.max_steps",
+            "4",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
-    site = subprocess.run([sys.executable, "-m", "sae_pipeline", "features", "--config", MPSAE_DIGITS,
-                           "--ckpt_path", "last", "--out", "site", "--atoms", "0", "1", "--top", "2"],
-                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    site = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "features",
+            "--config",
+            MPSAE_DIGITS,
+            "--ckpt_path",
+            "last",
+            "--out",
+            "site",
+            "--atoms",
+            "0",
+            "1",
+            "--top",
+            "2",
+        ],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert site.returncode == 0, site.stderr[-3000:]
     (cwd / "fit.log").write_text(fit.stdout + fit.stderr)
     (cwd / "features.log").write_text(site.stdout + site.stderr)
@@ -125,16 +175,31 @@ def site_being_written(cwd: Path) -> Callable[[], bool]:
 
 CASES = {
     # name: (arguments, when it is working, what the line says)
-    "predict": (["predict", *SLOW, "--codes.fpath", "codes.h5", "--trainer.enable_progress_bar", "false"],
-                codes_being_written, "no codes written, codes.h5 not created"),
-    "validate": (["validate", *SLOW, "--data.val_fraction", "0.9", "--trainer.enable_progress_bar", "false"],
-                 lambda cwd: None, "nothing was written"),
-    "test": (["test", *SLOW, "--data.val_fraction", "0.9", "--trainer.enable_progress_bar", "false"],
-             lambda cwd: None, "nothing was written"),
-    "features-pass": (["features", *SLOW, "--out", "site"], lambda cwd: None,
-                      "no site written to site (the previous site there is unchanged)"),
-    "features-site": (["features", "--config", MPSAE_DIGITS, "--ckpt_path", "last", "--out", "site"],
-                      site_being_written, "no site written to site (the previous site there is unchanged)"),
+    "predict": (
+        ["predict", *SLOW, "--codes.fpath", "codes.h5", "--trainer.enable_progress_bar", "false"],
+        codes_being_written,
+        "no codes written, codes.h5 not created",
+    ),
+    "validate": (
+        ["validate", *SLOW, "--data.val_fraction", "0.9", "--trainer.enable_progress_bar", "false"],
+        lambda cwd: None,
+        "nothing was written",
+    ),
+    "test": (
+        ["test", *SLOW, "--data.val_fraction", "0.9", "--trainer.enable_progress_bar", "false"],
+        lambda cwd: None,
+        "nothing was written",
+    ),
+    "features-pass": (
+        ["features", *SLOW, "--out", "site"],
+        lambda cwd: None,
+        "no site written to site (the previous site there is unchanged)",
+    ),
+    "features-site": (
+        ["features", "--config", MPSAE_DIGITS, "--ckpt_path", "last", "--out", "site"],
+        site_being_written,
+        "no site written to site (the previous site there is unchanged)",
+    ),
 }
 # validate / test / the features pass write nothing while they work: they are working once the
 # checkpoint is loaded (validate, test) or the pass's Trainer is built (its device line).
@@ -178,10 +243,24 @@ def test_second_ctrl_c_during_a_checkpoint_save_exits_130_and_keeps_the_previous
     from pause_io import env_with_repo_root, pause_in_save_args
 
     marker = tmp_path / "in-save"
-    command = Command(tmp_path, "fit", "--config", MPSAE_DIGITS, "--trainer.max_steps", "40", "--trainer.max_epochs",
-                      "-1", "--checkpoint.every_n_train_steps", "2", "--trainer.enable_progress_bar", "false",
-                      "--trainer.enable_model_summary", "false",
-                      *pause_in_save_args(4, marker), env=env_with_repo_root(ENV))  # the save at step 4 stops half-way
+    command = Command(
+        tmp_path,
+        "fit",
+        "--config",
+        MPSAE_DIGITS,
+        "--trainer.max_steps",
+        "40",
+        "--trainer.max_epochs",
+        "-1",
+        "--checkpoint.every_n_train_steps",
+        "2",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
+        *pause_in_save_args(4, marker),
+        env=env_with_repo_root(ENV),
+    )  # the save at step 4 stops half-way
     command.wait_for(marker.exists, "the paused save")
     checkpoints = tmp_path / "runs" / "mpsae_digits" / "version_0" / "checkpoints"
     command.signal(signal.SIGINT)
@@ -197,12 +276,18 @@ def test_second_ctrl_c_during_a_checkpoint_save_exits_130_and_keeps_the_previous
 
 
 def test_an_unknown_command_lists_every_command(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "trian"], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", "trian"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS
 
-    line, = result.stderr.splitlines()
+    (line,) = result.stderr.splitlines()
     assert line.startswith("error: ") and "'trian'" in line
     assert all(name in line for name in [*LIGHTNING_COMMANDS, *COMMANDS]), line
 
@@ -222,35 +307,86 @@ def test_lightning_noise_is_silenced_and_the_features_pass_has_its_name(trained:
 @pytest.mark.slow
 def test_resuming_a_run_already_at_max_steps_says_so(trained: Path, tmp_path: Path) -> None:
     ckpt = trained / "runs" / "mpsae_digits" / "version_0" / "checkpoints" / "last.ckpt"
-    result = subprocess.run([sys.executable, "-m", "sae_pipeline", "fit", "--config", MPSAE_DIGITS, "--ckpt_path",
-                             str(ckpt), "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path),
-                             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"],
-                            cwd=trained, env=ENV, capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sae_pipeline",
+            "fit",
+            "--config",
+            MPSAE_DIGITS,
+            "--ckpt_path",
+            str(ckpt),
+            "--trainer.max_steps",
+            "4",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ],
+        cwd=trained,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"Nothing to train: {ckpt} is already at global step 4 (--trainer.max_steps 4); raise it to train "
-            "further") in result.stdout, result.stdout
+    assert (
+        f"Nothing to train: {ckpt} is already at global step 4 (--trainer.max_steps 4); raise it to train further"
+    ) in result.stdout, result.stdout
     assert "fast_dev_run" not in result.stdout
 
 
 @pytest.mark.slow
 def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path: Path) -> None:
     out, name, steps = tmp_path / "study", "mpsae_p2000_k4", 200
-    args = ["expressivity", "--data", "digits", "--out", str(out), "--variants", "mpsae", "--k", "4", "--k_main", "4",
-            "--p", "2000", "--p_main", "2000", "--max_steps", str(steps), "--k_infer", "4", "--r_max", "4",
-            "--config_dir", str(REPO_DPATH / "configs")]
+    args = [
+        "expressivity",
+        "--data",
+        "digits",
+        "--out",
+        str(out),
+        "--variants",
+        "mpsae",
+        "--k",
+        "4",
+        "--k_main",
+        "4",
+        "--p",
+        "2000",
+        "--p_main",
+        "2000",
+        "--max_steps",
+        str(steps),
+        "--k_infer",
+        "4",
+        "--r_max",
+        "4",
+        "--config_dir",
+        str(REPO_DPATH / "configs"),
+    ]
     run_dpath = out / "runs" / name
     command = Command(tmp_path, *args, module="sae_pipeline.evaluate")
     command.wait_for(lambda: any(run_dpath.glob("version_0/events.out.tfevents*")), "training under way")
     command.signal(signal.SIGINT)
     assert command.finish() == 130, command.text()[-3000:]
     line = the_line(command, signal.SIGINT)
-    assert f"finished runs in {out} are kept" in line and "continues the interrupted run from its last checkpoint" \
-        in line, line
+    assert (
+        f"finished runs in {out} are kept" in line and "continues the interrupted run from its last checkpoint" in line
+    ), line
     saved = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 1 <= saved < steps
 
-    rerun = subprocess.run([sys.executable, "-m", "sae_pipeline.evaluate", *args], cwd=tmp_path, env=ENV,
-                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline.evaluate", *args],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     record = (out / "models" / name / "study_run.json").read_text()
     assert f"--ckpt_path {run_dpath / 'checkpoints' / 'last.ckpt'}" in record  # resumed, not retrained
@@ -262,11 +398,25 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
 def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_path: Path) -> None:
     """``docker stop`` / ``timeout`` signal only the launcher (rank 0): it forwards to the rank it started."""
     codes = tmp_path / "codes.h5"
-    command = Command(trained, "predict", *SLOW, "--codes.fpath", str(codes), "--trainer.enable_progress_bar", "false",
-                      "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")
+    command = Command(
+        trained,
+        "predict",
+        *SLOW,
+        "--codes.fpath",
+        str(codes),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+    )
     command.wait_for(lambda: len(list(tmp_path.glob("codes.h5.rank*.tmp"))) == 2, "both ranks writing their part")
-    rank1, = [int(pid) for pid in Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text()
-              .split()]
+    (rank1,) = [
+        int(pid) for pid in Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text().split()
+    ]
     command.signal(signal.SIGTERM)
     assert command.finish() == 143, command.text()[-3000:]
     assert "no codes written" in the_line(command, signal.SIGTERM)  # printed once, by rank 0

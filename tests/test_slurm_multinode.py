@@ -11,6 +11,7 @@ One job does it all (about 2 minutes on a quiet 2-core box): it trains, gets SIG
 (`scancel --signal=USR1`), requeues itself, resumes on both nodes from the hpc checkpoint and
 finishes; its final validation R² must equal a single process's validation of the final weights.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -20,11 +21,10 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 import system_tools
+import torch
 from slurm_cluster import MULTINODE_EXECUTABLES, MULTINODE_INSTALL_HINT, SlurmCluster
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TRAIN_SH = REPO_DPATH / "slurm" / "train.sh"
@@ -34,8 +34,9 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 
 
 def job_fields(cluster: SlurmCluster, job_id: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=cluster.env, capture_output=True,
-                           text=True).stdout
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], env=cluster.env, capture_output=True, text=True
+    ).stdout
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
@@ -65,14 +66,29 @@ def test_two_node_job_trains_across_the_bridge_requeues_and_resumes_on_both_node
     (workdir / "logs").mkdir(parents=True)
     # The interpreter as train.sh starts it on each node, saying first where it runs.
     python = tmp_path / "python"
-    python.write_text('#!/bin/sh\necho "task $SLURM_PROCID/$SLURM_NTASKS node $SLURM_NODEID host $(hostname) '
-                      'address $(getent hosts "$(hostname)" | cut -d" " -f1) restart ${SLURM_RESTART_COUNT:-0}" >&2\n'
-                      f'exec {sys.executable} "$@"\n')
+    python.write_text(
+        '#!/bin/sh\necho "task $SLURM_PROCID/$SLURM_NTASKS node $SLURM_NODEID host $(hostname) '
+        'address $(getent hosts "$(hostname)" | cut -d" " -f1) restart ${SLURM_RESTART_COUNT:-0}" >&2\n'
+        f'exec {sys.executable} "$@"\n'
+    )
     python.chmod(0o755)
     env = {"PYTHON": str(python), "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none", "PYTHONWARNINGS": "ignore"}
-    args = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G", f"--output={workdir}/logs/%x-%j.out",
-            str(TRAIN_SH), str(DIGITS_CONFIG), "--trainer.max_epochs", str(EPOCHS), "--trainer.check_val_every_n_epoch",
-            str(VAL_EVERY), "--checkpoint.every_n_train_steps", "5", *QUIET]
+    args = [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=1",
+        "--mem=1G",
+        f"--output={workdir}/logs/%x-%j.out",
+        str(TRAIN_SH),
+        str(DIGITS_CONFIG),
+        "--trainer.max_epochs",
+        str(EPOCHS),
+        "--trainer.check_val_every_n_epoch",
+        str(VAL_EVERY),
+        "--checkpoint.every_n_train_steps",
+        "5",
+        *QUIET,
+    ]
 
     def log() -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted((workdir / "logs").glob("*.out")))
@@ -83,14 +99,16 @@ def test_two_node_job_trains_across_the_bridge_requeues_and_resumes_on_both_node
         run_dpath = workdir / "runs" / "mpsae_digits"
         deadline = time.time() + 400
         while not list(run_dpath.rglob("last.ckpt")):  # training is under way on both nodes (step >= 5)
-            assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), \
-                log()[-3000:]
+            assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), log()[
+                -3000:
+            ]
             time.sleep(0.2)
         # To every task on both nodes (no --batch), as SLURM's --signal=SIGUSR1@90 does.
         subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
         while (fields := job_fields(cluster, job_id))["Restarts"] == "0" or fields["JobState"] != "PENDING":
-            assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), \
+            assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), (
                 f"{fields}\n{log()[-3000:]}"
+            )
             time.sleep(0.2)
         # Release the requeued job (SLURM holds it ~2 minutes) once both nodes cleaned up, a second later
         # (a launch within the second of the credential's revocation is killed; see test_slurm_train.py).
@@ -139,7 +157,8 @@ def test_two_node_job_trains_across_the_bridge_requeues_and_resumes_on_both_node
 
     module = SAEModule.load_from_checkpoint(last_fpath, weights_only=True)
     datamodule = ActivationDataModule("digits", batch_size=256, num_workers=0, shuffle_buffer_tokens=2048)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     single = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     assert single["val/r2"] == pytest.approx(val_r2[-1][1], abs=1e-6)

@@ -5,6 +5,7 @@ One cluster and one set of shards (made by the extraction command) serve the who
 The training runs are the demo's (configs/demo_shards.yaml): 6 training shards of 34 tokens,
 batch 32 per rank, 2 ranks -> 3 steps per epoch.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 import system_tools
+import torch
 from slurm_cluster import EXECUTABLES, INSTALL_HINT, SlurmCluster
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TRAIN_SH, SWEEP_SH = REPO_DPATH / "slurm" / "train.sh", REPO_DPATH / "slurm" / "sweep.sh"
@@ -45,10 +45,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """7 shards of 2 photos (vit_tiny, 17 tokens x 192-d per photo) from `python -m feature_extraction`."""
     out = tmp_path_factory.mktemp("shards") / "vit_tiny"
-    result = subprocess.run([sys.executable, "-m", "feature_extraction", "--config",
-                             str(REPO_DPATH / "configs" / "extract_demo.yaml"), "--out", str(out), "--shard_size", "2",
-                             "--progress", "false"], capture_output=True, text=True, env={**os.environ,
-                                                                                         "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "feature_extraction",
+            "--config",
+            str(REPO_DPATH / "configs" / "extract_demo.yaml"),
+            "--out",
+            str(out),
+            "--shard_size",
+            "2",
+            "--progress",
+            "false",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return out
 
@@ -56,15 +70,24 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def submit(cluster: SlurmCluster, workdir: Path, args: list[str], tasks: int = 2) -> str:
     """sbatch in `workdir` (CPU-only node: no GPU, 1 CPU per task); the log is workdir/logs/<name>-<id>.out."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    env = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none", "PYTHONWARNINGS": "ignore",
-           "MASTER_PORT": str(_free_port())}  # Lightning's default port (from the job id) may be taken here
-    return cluster.sbatch([f"--ntasks-per-node={tasks}", "--cpus-per-task=1", "--mem=1G",
-                           f"--output={workdir}/logs/%x-%j.out", *args], env=env, cwd=workdir)
+    env = {
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "SBATCH_GRES": "none",
+        "PYTHONWARNINGS": "ignore",
+        "MASTER_PORT": str(_free_port()),
+    }  # Lightning's default port (from the job id) may be taken here
+    return cluster.sbatch(
+        [f"--ntasks-per-node={tasks}", "--cpus-per-task=1", "--mem=1G", f"--output={workdir}/logs/%x-%j.out", *args],
+        env=env,
+        cwd=workdir,
+    )
 
 
 def job_fields(cluster: SlurmCluster, job_id: str) -> dict[str, str]:
-    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=cluster.env, capture_output=True,
-                           text=True).stdout
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], env=cluster.env, capture_output=True, text=True
+    ).stdout
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
@@ -84,8 +107,20 @@ def log_text(workdir: Path) -> str:
 
 
 def train_args(shards: Path, *extra: str) -> list[str]:
-    return [str(TRAIN_SH), str(DEMO_CONFIG), "--data.source", str(shards), "--trainer.max_epochs", str(EPOCHS),
-            "--trainer.check_val_every_n_epoch", "50", "--checkpoint.every_n_train_steps", "10", *QUIET, *extra]
+    return [
+        str(TRAIN_SH),
+        str(DEMO_CONFIG),
+        "--data.source",
+        str(shards),
+        "--trainer.max_epochs",
+        str(EPOCHS),
+        "--trainer.check_val_every_n_epoch",
+        "50",
+        "--checkpoint.every_n_train_steps",
+        "10",
+        *QUIET,
+        *extra,
+    ]
 
 
 def logged_steps(run_dpath: Path, tag: str = "train/loss") -> list[list[int]]:
@@ -123,21 +158,24 @@ def test_two_task_job_trains_with_lightning_ddp(uninterrupted: tuple[Path, str])
 
 
 @pytest.mark.slow
-def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluster, shards: Path, tmp_path: Path,
-                                                             uninterrupted: tuple[Path, str]) -> None:
+def test_usr1_requeues_and_the_job_resumes_where_it_stopped(
+    cluster: SlurmCluster, shards: Path, tmp_path: Path, uninterrupted: tuple[Path, str]
+) -> None:
     job_id = submit(cluster, tmp_path, train_args(shards))
     run_dpath = tmp_path / "runs" / "demo_shards"
     deadline = time.time() + 240
     last_fpath = run_dpath / f"slurm-{job_id}" / "checkpoints" / "last.ckpt"
     while not last_fpath.exists():  # training is under way (step >= 10)
-        assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), \
-            log_text(tmp_path)[-3000:]
+        assert time.time() < deadline and job_fields(cluster, job_id)["JobState"] in ("PENDING", "RUNNING"), log_text(
+            tmp_path
+        )[-3000:]
         time.sleep(0.2)
     # No --batch: the signal goes to the srun tasks (the Python ranks), as --signal=SIGUSR1@90 does.
     subprocess.run(["scancel", "--signal=USR1", job_id], env=cluster.env, check=True)
     while (fields := job_fields(cluster, job_id))["Restarts"] == "0" or fields["JobState"] != "PENDING":
-        assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), \
+        assert time.time() < deadline and fields["JobState"] in ("RUNNING", "COMPLETING", "REQUEUED", "PENDING"), (
             f"{fields}\n{log_text(tmp_path)[-3000:]}"
+        )
         time.sleep(0.2)
     # SLURM holds a requeued job back for about two minutes (Reason=BeginTime); release it sooner, but
     # only once the node has cleaned up the first run and a second has passed: slurmd revokes the
@@ -184,12 +222,13 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(cluster: SlurmCluste
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["no config", "missing config", "too few shards"])
-def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Path, tmp_path: Path,
-                                               case: str) -> None:
-    args = {"no config": [str(TRAIN_SH)],
-            "missing config": [str(TRAIN_SH), "configs/nope.yaml"],
-            # 6 training shards < 2 ranks x 4 workers
-            "too few shards": train_args(shards, "--data.num_workers", "4")}[case]
+def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Path, tmp_path: Path, case: str) -> None:
+    args = {
+        "no config": [str(TRAIN_SH)],
+        "missing config": [str(TRAIN_SH), "configs/nope.yaml"],
+        # 6 training shards < 2 ranks x 4 workers
+        "too few shards": train_args(shards, "--data.num_workers", "4"),
+    }[case]
     job_id = submit(cluster, tmp_path, args)
     states = cluster.wait(job_id, timeout=120)  # a DDP hang would end here
     log = log_text(tmp_path)
@@ -199,9 +238,11 @@ def test_bad_input_fails_at_once_with_one_line(cluster: SlurmCluster, shards: Pa
     # (rank > 0 waits a few seconds first, see sae_pipeline/__main__.py): the same line then.
     assert len(set(errors)) == 1 and len(errors) <= 2, log[-3000:]
     assert "Traceback" not in log
-    expected = {"no config": "error: missing config file; usage: sbatch slurm/train.sh CONFIG.yaml",
-                "missing config": "error: config file 'configs/nope.yaml' not found",
-                "too few shards": "6 training shards < ranks x workers = 2 x 4 = 8; lower --data.num_workers"}[case]
+    expected = {
+        "no config": "error: missing config file; usage: sbatch slurm/train.sh CONFIG.yaml",
+        "missing config": "error: config file 'configs/nope.yaml' not found",
+        "too few shards": "6 training shards < ranks x workers = 2 x 4 = 8; lower --data.num_workers",
+    }[case]
     assert expected in errors[0], errors[0]
 
 
@@ -213,13 +254,33 @@ def test_sweep_trains_each_entry_into_its_own_run(cluster: SlurmCluster, shards:
     sweep_list = tmp_path / "sweep.txt"
     sweep_list.write_text(f"# two configs\n{DEMO_CONFIG}\n\n{mp_config} --model.sae.init_args.k 4\n")
     (tmp_path / "logs").mkdir()
-    env = {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "SBATCH_GRES": "none", "PYTHONWARNINGS": "ignore",
-           "TRAIN_SCRIPT": str(TRAIN_SH)}
+    env = {
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "SBATCH_GRES": "none",
+        "PYTHONWARNINGS": "ignore",
+        "TRAIN_SCRIPT": str(TRAIN_SH),
+    }
     # One task per array element (1 CPU each): both run at once on the 2-CPU node.
-    job_id = cluster.sbatch(["--array=0-1", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=1G",
-                             f"--output={tmp_path}/logs/%x-%A_%a.out", str(SWEEP_SH), str(sweep_list), "--",
-                             "--data.source", str(shards), "--trainer.max_epochs", "4", *QUIET], env=env,
-                            cwd=tmp_path)
+    job_id = cluster.sbatch(
+        [
+            "--array=0-1",
+            "--ntasks-per-node=1",
+            "--cpus-per-task=1",
+            "--mem=1G",
+            f"--output={tmp_path}/logs/%x-%A_%a.out",
+            str(SWEEP_SH),
+            str(sweep_list),
+            "--",
+            "--data.source",
+            str(shards),
+            "--trainer.max_epochs",
+            "4",
+            *QUIET,
+        ],
+        env=env,
+        cwd=tmp_path,
+    )
     states = cluster.wait(job_id, timeout=300)
     log = log_text(tmp_path)
     assert sorted(states.values()) == ["COMPLETED 0:0"] * 2, f"{states}\n{log[-4000:]}"
@@ -229,8 +290,9 @@ def test_sweep_trains_each_entry_into_its_own_run(cluster: SlurmCluster, shards:
         assert logged_steps(tmp_path / "runs" / name / version)[-1], name  # its own TensorBoard events
         checkpoint = torch.load(tmp_path / "runs" / name / version / "checkpoints" / "last.ckpt", weights_only=True)
         assert checkpoint["global_step"] == 4 * 6  # 1 rank: 6 steps per epoch
-    mp = torch.load(tmp_path / "runs" / "mp_shards-k4" / expected["mp_shards-k4"] / "checkpoints" / "last.ckpt",
-                    weights_only=True)
+    mp = torch.load(
+        tmp_path / "runs" / "mp_shards-k4" / expected["mp_shards-k4"] / "checkpoints" / "last.ckpt", weights_only=True
+    )
     assert mp["sae_config"]["class_path"].endswith("MatchingPursuitSAE") and mp["sae_config"]["init_args"]["k"] == 4
 
 
@@ -242,11 +304,21 @@ def test_sweep_submits_itself_with_one_task_per_entry(tmp_path: Path) -> None:
     sweep_list.write_text("a.yaml --model.sae.init_args.k 16\n# comment\n\nb.yaml\nc.yaml --model.lr=1e-3\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
-    result = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"], env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["--array=0-2", str(SWEEP_SH), str(sweep_list), "--",
-                                          "--trainer.max_epochs", "2"]
+    assert result.stdout.splitlines() == [
+        "--array=0-2",
+        str(SWEEP_SH),
+        str(sweep_list),
+        "--",
+        "--trainer.max_epochs",
+        "2",
+    ]
     empty = subprocess.run(["bash", str(SWEEP_SH)], env=env, capture_output=True, text=True)
     assert empty.returncode == 2 and empty.stderr.startswith("error: no configs given")
 
@@ -257,14 +329,29 @@ def test_sweep_task_runs_train_sh_with_its_entry(tmp_path: Path) -> None:
     sweep_list = tmp_path / "k.txt"
     sweep_list.write_text("a.yaml --model.sae.init_args.k 16\nconfigs/c.yaml --model.lr=1e-3 --seed_everything 1\n")
     env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1", "TRAIN_SCRIPT": str(fake_train)}
-    result = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"], env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(SWEEP_SH), str(sweep_list), "--", "--trainer.max_epochs", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["configs/c.yaml", "--trainer.logger.init_args.name",
-                                          "c-lr1e-3_seed_everything1", "--model.lr=1e-3", "--seed_everything", "1",
-                                          "--trainer.max_epochs", "2"]
-    beyond = subprocess.run(["bash", str(SWEEP_SH), str(sweep_list)], capture_output=True, text=True,
-                            env={**env, "SLURM_ARRAY_TASK_ID": "2"})
+    assert result.stdout.splitlines() == [
+        "configs/c.yaml",
+        "--trainer.logger.init_args.name",
+        "c-lr1e-3_seed_everything1",
+        "--model.lr=1e-3",
+        "--seed_everything",
+        "1",
+        "--trainer.max_epochs",
+        "2",
+    ]
+    beyond = subprocess.run(
+        ["bash", str(SWEEP_SH), str(sweep_list)],
+        capture_output=True,
+        text=True,
+        env={**env, "SLURM_ARRAY_TASK_ID": "2"},
+    )
     assert beyond.returncode == 2 and "only 2 entries; use --array=0-1" in beyond.stderr
 
 
@@ -272,34 +359,71 @@ def test_train_sh_passes_the_allocation_and_extra_flags(tmp_path: Path) -> None:
     fake_srun = tmp_path / "srun"
     fake_srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     fake_srun.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_NTASKS": "8", "SRUN_ARGS": "--cpu-bind=none"}
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NTASKS": "8",
+        "SRUN_ARGS": "--cpu-bind=none",
+    }
     env.pop("SLURM_NTASKS_PER_NODE", None)
-    result = subprocess.run(["bash", str(TRAIN_SH), str(DEMO_CONFIG), "--model.lr", "1e-3"], env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["bash", str(TRAIN_SH), str(DEMO_CONFIG), "--model.lr", "1e-3"], env=env, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["--kill-on-bad-exit=1", "--cpu-bind=none", "python", "-m", "sae_pipeline",
-                                          "fit", "--config", str(DEMO_CONFIG), "--trainer.num_nodes", "2",
-                                          "--trainer.devices", "4", "--model.lr", "1e-3"]
+    assert result.stdout.splitlines() == [
+        "--kill-on-bad-exit=1",
+        "--cpu-bind=none",
+        "python",
+        "-m",
+        "sae_pipeline",
+        "fit",
+        "--config",
+        str(DEMO_CONFIG),
+        "--trainer.num_nodes",
+        "2",
+        "--trainer.devices",
+        "4",
+        "--model.lr",
+        "1e-3",
+    ]
     header = [line.split()[1] for line in TRAIN_SH.read_text().splitlines() if line.startswith("#SBATCH")]
     assert "--signal=SIGUSR1@90" in header and "--requeue" in header and "--open-mode=append" in header
 
 
 @pytest.mark.parametrize("resume_step", [8, 12])  # epoch 1 after 2 of 6 batches; the end of epoch 1
-def test_resumed_fit_ends_like_the_uninterrupted_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     resume_step: int) -> None:
+def test_resumed_fit_ends_like_the_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume_step: int
+) -> None:
     """What a requeued job relies on, without SLURM: resuming from a checkpoint taken mid-epoch or at an
     epoch's last batch gives the uninterrupted run's weights (data order, optimiser, schedule, clock)."""
     from sae_pipeline.cli import cli_main
 
     monkeypatch.chdir(tmp_path)
-    args = ["fit", "--config", str(REPO_DPATH / "configs" / "mpsae_digits.yaml"), "--trainer.max_epochs", "3",
-            "--checkpoint.every_n_train_steps", "2", "--checkpoint.save_top_k", "-1", *QUIET]
+    args = [
+        "fit",
+        "--config",
+        str(REPO_DPATH / "configs" / "mpsae_digits.yaml"),
+        "--trainer.max_epochs",
+        "3",
+        "--checkpoint.every_n_train_steps",
+        "2",
+        "--checkpoint.save_top_k",
+        "-1",
+        *QUIET,
+    ]
     cli_main([*args, "--checkpoint.dirpath", "full"])
     saved = torch.load(next((tmp_path / "full").glob(f"*-step={resume_step}.ckpt")), weights_only=True)
     assert saved["global_step"] == resume_step
-    cli_main([*args, "--checkpoint.dirpath", "resumed", "--ckpt_path",
-              str(next((tmp_path / "full").glob(f"*-step={resume_step}.ckpt")))])
+    cli_main(
+        [
+            *args,
+            "--checkpoint.dirpath",
+            "resumed",
+            "--ckpt_path",
+            str(next((tmp_path / "full").glob(f"*-step={resume_step}.ckpt"))),
+        ]
+    )
     full = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed" / "last.ckpt", weights_only=True)
     assert full["global_step"] == resumed["global_step"] == 18  # 6 batches x 3 epochs

@@ -1,5 +1,6 @@
 """The sparse path of the shallow SAEs against a plain dense re-derivation (codes, x_hat, loss and
 every gradient, AuxK and the parallel-gradient removal included), and its building blocks."""
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,9 @@ MAKERS = {
     "topk": lambda: TopKSAE(D_IN, D_SAE, k=K, k_aux=6, aux_coefficient=0.5, dead_after_tokens=10),
     "batchtopk": lambda: BatchTopKSAE(D_IN, D_SAE, k=K, k_aux=6, aux_coefficient=0.5, dead_after_tokens=10),
     "relu": lambda: ReLUSAE(D_IN, D_SAE, l1_coefficient=0.01, dead_after_tokens=10),
-    "jumprelu": lambda: JumpReLUSAE(D_IN, D_SAE, sparsity_coefficient=0.01, bandwidth=0.3, initial_threshold=0.4,
-                                    dead_after_tokens=10),
+    "jumprelu": lambda: JumpReLUSAE(
+        D_IN, D_SAE, sparsity_coefficient=0.01, bandwidth=0.3, initial_threshold=0.4, dead_after_tokens=10
+    ),
 }
 
 
@@ -170,8 +172,9 @@ def test_no_dense_tensor_saved_for_backward_and_codes_built_only_on_demand() -> 
         out = sae(x)
         loss = sae.loss(x, out).loss
     assert out.sparse is not None and out._codes is None  # nothing densified the codes
-    assert saved and all(32 * 1024 not in (shape[0] * shape[-1] if shape else 1, ) or shape in ((64, 1024), (1024, 64))
-                         for shape in saved), saved  # parameters and [B, d_in] / [nnz] tensors only
+    assert saved and all(
+        32 * 1024 not in (shape[0] * shape[-1] if shape else 1,) or shape in ((64, 1024), (1024, 64)) for shape in saved
+    ), saved  # parameters and [B, d_in] / [nnz] tensors only
     loss.backward()
     assert out.codes.shape == (32, 1024) and int((out.codes != 0).sum(1).max()) <= 8
 

@@ -1,4 +1,5 @@
 """`--tokens_per_image N`: a seeded per-image token subset, stored with its positions and read back everywhere."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,17 +11,21 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from test_cli import QUIET, REPO_DPATH, run_cli
+from test_extract import make_folder, run, shard_bytes, without_time
 
-from feature_extraction.shards import read as R
 from feature_extraction import shards as S
 from feature_extraction.__main__ import main
 from feature_extraction.shards import image_id_from_key
+from feature_extraction.shards import read as R
 from feature_extraction.token_selection import (
-    grid_cell, make_selection, patch_scores, selected_positions, token_kinds,
+    grid_cell,
+    make_selection,
+    patch_scores,
+    selected_positions,
+    token_kinds,
 )
 from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
-from test_cli import QUIET, REPO_DPATH, run_cli
-from test_extract import make_folder, run, shard_bytes, without_time
 
 BACKBONE = "dinov2_tiny"  # CLS + 4 registers, 4x4 patches, d 64
 N_PREFIX, GRID, N = 5, (4, 4), 6
@@ -89,13 +94,16 @@ def test_positions_are_seeded_per_image_and_spread_evenly() -> None:
     assert selected_positions(ids[:1], no_prefix, 5, (16, 16))[0].tolist() == sorted(lowest.tolist())
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    ((None, True, 0, 5, (4, 4)), None),  # every token
-    ((16, True, 0, 5, (4, 4)), None),  # N = all patches, prefix kept: the same as every token
-    ((None, False, 0, 0, (4, 4)), None),  # no prefix to drop (SigLIP)
-    ((None, False, 2, 5, (4, 4)), {"patches_per_image": 16, "keep_prefix_tokens": False, "seed": 2}),
-    ((4, True, 2, 5, (4, 4)), {"patches_per_image": 4, "keep_prefix_tokens": True, "seed": 2}),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((None, True, 0, 5, (4, 4)), None),  # every token
+        ((16, True, 0, 5, (4, 4)), None),  # N = all patches, prefix kept: the same as every token
+        ((None, False, 0, 0, (4, 4)), None),  # no prefix to drop (SigLIP)
+        ((None, False, 2, 5, (4, 4)), {"patches_per_image": 16, "keep_prefix_tokens": False, "seed": 2}),
+        ((4, True, 2, 5, (4, 4)), {"patches_per_image": 4, "keep_prefix_tokens": True, "seed": 2}),
+    ],
+)
 def test_selection_record(args, expected) -> None:
     assert make_selection(*args) == expected
     kinds = token_kinds(args[3], args[4], expected)
@@ -131,8 +139,7 @@ def test_subset_is_the_full_tokens_at_the_stored_positions(full, subset) -> None
     np.testing.assert_allclose(manifest["stats"]["mean"], np.concatenate(all_tokens).mean(0), rtol=1e-9, atol=1e-12)
     # The fast training reader agrees with webdataset's, positions included.
     fast = [s for fpath in S.shard_fpaths(subset, manifest) for s in R.iter_shard_tokens(fpath, with_positions=True)]
-    assert [(k, t.tobytes(), p.tolist()) for k, t, p in fast] == [(k, t.tobytes(), p.tolist())
-                                                                for k, t, _, p in stored]
+    assert [(k, t.tobytes(), p.tolist()) for k, t, p in fast] == [(k, t.tobytes(), p.tolist()) for k, t, _, p in stored]
     # Any webdataset pipeline sees positions.npy as one more field of the sample.
     dataset = wds.WebDataset([str(p) for p in S.shard_fpaths(subset, manifest)], shardshuffle=False)
     first = next(iter(dataset))
@@ -142,8 +149,17 @@ def test_subset_is_the_full_tokens_at_the_stored_positions(full, subset) -> None
 def test_task_splits_and_reruns_store_the_same_subset(images, subset, tmp_path) -> None:
     out = tmp_path / "shards"
     for task in range(2):
-        run(images, out, backbone=BACKBONE, num_writers=2, tokens_per_image=N, seed=3, task_index=task, num_tasks=2,
-            batch_size=3 if task else 2)
+        run(
+            images,
+            out,
+            backbone=BACKBONE,
+            num_writers=2,
+            tokens_per_image=N,
+            seed=3,
+            task_index=task,
+            num_tasks=2,
+            batch_size=3 if task else 2,
+        )
     assert shard_bytes(out) == shard_bytes(subset)
     assert without_time(S.load_manifest(out)) == without_time(S.load_manifest(subset))
     assert run(images, out, backbone=BACKBONE, tokens_per_image=N, seed=3)["shards_written"] == []
@@ -151,10 +167,12 @@ def test_task_splits_and_reruns_store_the_same_subset(images, subset, tmp_path) 
 
 def test_rerun_with_other_token_settings_is_refused(images, full, subset) -> None:
     before = shard_bytes(subset)
-    for kwargs, message in [(dict(tokens_per_image=N + 1, seed=3), "'patches_per_image': 7"),
-                            (dict(tokens_per_image=N, seed=4), "'seed': 4"),
-                            (dict(tokens_per_image=N, seed=3, keep_prefix_tokens=False), "'keep_prefix_tokens': False"),
-                            (dict(seed=3), r"token_selection \(--tokens_per_image, --keep_prefix_tokens, --seed\): .* there, None now")]:
+    for kwargs, message in [
+        (dict(tokens_per_image=N + 1, seed=3), "'patches_per_image': 7"),
+        (dict(tokens_per_image=N, seed=4), "'seed': 4"),
+        (dict(tokens_per_image=N, seed=3, keep_prefix_tokens=False), "'keep_prefix_tokens': False"),
+        (dict(seed=3), r"token_selection \(--tokens_per_image, --keep_prefix_tokens, --seed\): .* there, None now"),
+    ]:
         with pytest.raises(ValueError, match=f"other settings .*{message}"):
             run(images, subset, backbone=BACKBONE, **kwargs)
     with pytest.raises(ValueError, match=r"token_selection \(.*\): None there"):
@@ -162,14 +180,29 @@ def test_rerun_with_other_token_settings_is_refused(images, full, subset) -> Non
     assert shard_bytes(subset) == before
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("0", r"--tokens_per_image must be an integer in \[1, 16\] \(the 4x4 patches of dinov2_tiny\), got 0"),
-    ("17", r"--tokens_per_image must be an integer in \[1, 16\] .* got 17; omit it to keep every token"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", r"--tokens_per_image must be an integer in \[1, 16\] \(the 4x4 patches of dinov2_tiny\), got 0"),
+        ("17", r"--tokens_per_image must be an integer in \[1, 16\] .* got 17; omit it to keep every token"),
+    ],
+)
 def test_bad_tokens_per_image_is_a_one_line_error(images, tmp_path, capsys, value, message) -> None:
     out = tmp_path / "out"
-    argv = ["--backbone", BACKBONE, "--images", str(images), "--out", str(out), "--device", "cpu",
-            "--progress", "false", "--tokens_per_image", value]
+    argv = [
+        "--backbone",
+        BACKBONE,
+        "--images",
+        str(images),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--progress",
+        "false",
+        "--tokens_per_image",
+        value,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("error: ") and re.search(message, err), err
@@ -189,9 +222,11 @@ def test_training_and_predict_streams_use_the_stored_positions(subset) -> None:
     dm = ActivationDataModule(str(subset), batch_size=8, num_workers=0, val_fraction=0.25)
     assert dm.d_in == 64
     manifest = S.load_manifest(subset)
-    stored = {(key, int(p)): tokens[j].tobytes()
-              for key, tokens, _, positions in R.iter_shard_samples(S.shard_fpaths(subset, manifest), True)
-              for j, p in enumerate(positions)}
+    stored = {
+        (key, int(p)): tokens[j].tobytes()
+        for key, tokens, _, positions in R.iter_shard_samples(S.shard_fpaths(subset, manifest), True)
+        for j, p in enumerate(positions)
+    }
     seen = {}
     for batch in TokenLoader(dm.predict_dataset(), num_workers=0):
         for key, position, x in zip(batch["image_ids"], batch["token_positions"].tolist(), batch["x"]):
@@ -199,7 +234,8 @@ def test_training_and_predict_streams_use_the_stored_positions(subset) -> None:
     assert seen == stored  # every stored token once, at its full-sequence position
     train = [x for batch in TrainTokenLoader(dm.train_dataset()) for x in batch["x"]]
     n_train_tokens = sum(e["n_tokens"] for e in manifest["shards"]) - sum(
-        u.n_tokens for u in dm.data_source.units("val", 0.25))
+        u.n_tokens for u in dm.data_source.units("val", 0.25)
+    )
     assert len(train) == n_train_tokens // 8 * 8
 
 
@@ -254,8 +290,11 @@ def test_fit_and_predict_commands_on_subset_shards(subset, tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     codes = read_codes(tmp_path / "codes.h5")
     manifest = S.load_manifest(subset)
-    expected = [(key, int(p)) for key, _, _, positions in
-                R.iter_shard_samples(S.shard_fpaths(subset, manifest), with_positions=True) for p in positions]
+    expected = [
+        (key, int(p))
+        for key, _, _, positions in R.iter_shard_samples(S.shard_fpaths(subset, manifest), with_positions=True)
+        for p in positions
+    ]
     assert list(zip(codes["image_ids"].tolist(), codes["token_positions"].tolist())) == expected
 
 
@@ -264,14 +303,20 @@ def test_docs_disk_table_follows_from_the_backbone_specs() -> None:
 
     text = (REPO_DPATH / "docs" / "extraction.md").read_text(encoding="utf-8")
     section = text.split("## Disk per backbone", 1)[1].split("\n#", 1)[0]
-    rows = [[c.strip().strip("`") for c in line.strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| `")]
+    rows = [
+        [c.strip().strip("`") for c in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| `")
+    ]
     n_images = 1_281_167
     assert {row[0] for row in rows} == {name for name in BACKBONES if not name.endswith("_tiny")}
     for name, layout, d, all_gb, n_stored, subset_gb, saving in rows:
         spec = BACKBONES[name]
-        stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, make_selection(
-            64, True, 0, spec.n_prefix_tokens, spec.grid)).values())
+        stored = sum(
+            token_kinds(
+                spec.n_prefix_tokens, spec.grid, make_selection(64, True, 0, spec.n_prefix_tokens, spec.grid)
+            ).values()
+        )
         assert layout == f"{spec.n_prefix_tokens} + {spec.grid[0]}×{spec.grid[1]} = {spec.n_tokens}"
         assert (int(d), int(n_stored)) == (spec.d, stored)
         assert all_gb == f"{n_images * spec.n_tokens * spec.d * 2 / 1e9:,.0f} GB"
@@ -279,9 +324,15 @@ def test_docs_disk_table_follows_from_the_backbone_specs() -> None:
         assert saving == f"{spec.n_tokens / stored:.1f}×"
 
 
-@pytest.mark.parametrize("selection", [{"patches_per_image": 0, "keep_prefix_tokens": True, "seed": 0},
-                                       {"patches_per_image": "6", "keep_prefix_tokens": True, "seed": 0},
-                                       {"patches_per_image": 6}, [6]])
+@pytest.mark.parametrize(
+    "selection",
+    [
+        {"patches_per_image": 0, "keep_prefix_tokens": True, "seed": 0},
+        {"patches_per_image": "6", "keep_prefix_tokens": True, "seed": 0},
+        {"patches_per_image": 6},
+        [6],
+    ],
+)
 def test_malformed_token_selection_is_named(subset, tmp_path, selection) -> None:
     import shutil
 

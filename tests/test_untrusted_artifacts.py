@@ -7,6 +7,7 @@ for real from inside such a folder; the planted module writes a marker file when
 must never appear. The user's own subclass still loads when they allow its module
 (``SAE_PIPELINE_TRUSTED_MODULES``), which also shows the plant works (so the test can fail).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_export import trained_checkpoint
 
 from sae_pipeline.artifacts.export import export_checkpoint
 from sae_pipeline.sae.config import TRUSTED_MODULES_ENV, ExportError, build_sae
-from test_export import trained_checkpoint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 EVIL_CLASS_PATH = "evilmod.EvilSAE"
@@ -57,25 +58,73 @@ def evil_dpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_in(dpath: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items() if key != TRUSTED_MODULES_ENV}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DPATH), environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, *args], cwd=dpath, env=environ | env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], cwd=dpath, env=environ | env, capture_output=True, text=True, timeout=300
+    )
 
 
 CONFIG = str(REPO_DPATH / "configs" / "topk_digits.yaml")
 READERS = {
     "evaluate sae": ["-m", "sae_pipeline.evaluate", "sae", "--sae", ".", "--data", "digits", "--out", "out"],
     "features --sae": ["-m", "sae_pipeline", "features", "--sae", ".", "--data.source", "digits", "--out", "site"],
-    "features --ckpt_path": ["-m", "sae_pipeline", "features", "--ckpt_path", "evil.ckpt", "--data.source", "digits",
-                             "--out", "site"],
+    "features --ckpt_path": [
+        "-m",
+        "sae_pipeline",
+        "features",
+        "--ckpt_path",
+        "evil.ckpt",
+        "--data.source",
+        "digits",
+        "--out",
+        "site",
+    ],
     "export": ["-m", "sae_pipeline", "export", "--ckpt_path", "evil.ckpt", "--out", "exported"],
-    "export saelens": ["-m", "sae_pipeline", "export", "--ckpt_path", "evil.ckpt", "--out", "exported",
-                       "--format", "saelens"],
-    "fit --ckpt_path": ["-m", "sae_pipeline", "fit", "--config", CONFIG, "--ckpt_path", "evil.ckpt",
-                        "--trainer.default_root_dir", "runs"],
-    "validate": ["-m", "sae_pipeline", "validate", "--config", CONFIG, "--ckpt_path", "evil.ckpt",
-                 "--trainer.default_root_dir", "runs"],
-    "predict": ["-m", "sae_pipeline", "predict", "--config", CONFIG, "--ckpt_path", "evil.ckpt",
-                "--trainer.default_root_dir", "runs", "--codes.fpath", "codes.h5"],
+    "export saelens": [
+        "-m",
+        "sae_pipeline",
+        "export",
+        "--ckpt_path",
+        "evil.ckpt",
+        "--out",
+        "exported",
+        "--format",
+        "saelens",
+    ],
+    "fit --ckpt_path": [
+        "-m",
+        "sae_pipeline",
+        "fit",
+        "--config",
+        CONFIG,
+        "--ckpt_path",
+        "evil.ckpt",
+        "--trainer.default_root_dir",
+        "runs",
+    ],
+    "validate": [
+        "-m",
+        "sae_pipeline",
+        "validate",
+        "--config",
+        CONFIG,
+        "--ckpt_path",
+        "evil.ckpt",
+        "--trainer.default_root_dir",
+        "runs",
+    ],
+    "predict": [
+        "-m",
+        "sae_pipeline",
+        "predict",
+        "--config",
+        CONFIG,
+        "--ckpt_path",
+        "evil.ckpt",
+        "--trainer.default_root_dir",
+        "runs",
+        "--codes.fpath",
+        "codes.h5",
+    ],
     "load_sae": ["-c", "from sae_pipeline.artifacts import load_sae; load_sae('.')"],
 }
 
@@ -113,12 +162,21 @@ def test_a_module_the_user_trusts_is_imported(evil_dpath: Path, tmp_path: Path) 
     assert allowed.stdout.strip() == "EvilSAE" and marker.exists()
 
 
-@pytest.mark.parametrize("config, expected", [
-    ({"class_path": "evilmod.EvilSAE", "variant": "topk", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
-    ({"class_path": "sae_pipeline.sae.topk.TopKSAE", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
-    ({"class_path": "sae_pipeline.sae.MatchingPursuitSAE", "variant": "mp",
-      "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "MatchingPursuitSAE"),
-])
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({"class_path": "evilmod.EvilSAE", "variant": "topk", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
+        ({"class_path": "sae_pipeline.sae.topk.TopKSAE", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
+        (
+            {
+                "class_path": "sae_pipeline.sae.MatchingPursuitSAE",
+                "variant": "mp",
+                "init_args": {"d_in": 4, "d_sae": 8, "k": 2},
+            },
+            "MatchingPursuitSAE",
+        ),
+    ],
+)
 def test_registered_variants_resolve_by_key_first(config: dict, expected: str) -> None:
     """An artifact's registry key wins over its class path, so a registered variant never imports."""
     assert type(build_sae(config)).__name__ == expected

@@ -1,4 +1,5 @@
 """The one integer / number check of every setting: what passes, what fails, and the message."""
+
 from __future__ import annotations
 
 import math
@@ -16,22 +17,33 @@ def test_int_in_range_passes_as_int(value: object) -> None:
     assert out == value and type(out) is int
 
 
-@pytest.mark.parametrize(("value", "shown"), [
-    (True, "True"), (False, "False"), (1.0, "1.0"), ("3", "'3'"), (None, "None"), (math.nan, "nan"),
-    (np.float64(2.0), "np.float64(2.0)"),
-])
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (True, "True"),
+        (False, "False"),
+        (1.0, "1.0"),
+        ("3", "'3'"),
+        (None, "None"),
+        (math.nan, "nan"),
+        (np.float64(2.0), "np.float64(2.0)"),
+    ],
+)
 def test_int_rejects_bools_floats_strings(value: object, shown: str) -> None:
     with pytest.raises(ValueError, match=rf"^n must be an integer >= 0, got {re.escape(shown)}$"):
         check_int("n", value, 0)
 
 
-@pytest.mark.parametrize(("minimum", "maximum", "value", "message"), [
-    (1, None, 0, "k must be an integer >= 1, got 0"),
-    (None, 4, 5, "k must be an integer <= 4, got 5"),
-    (1, 10, 11, "k must be an integer in [1, 10], got 11"),
-    (1, 10, 0, "k must be an integer in [1, 10], got 0"),
-    (0, None, -1, "k must be an integer >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    ("minimum", "maximum", "value", "message"),
+    [
+        (1, None, 0, "k must be an integer >= 1, got 0"),
+        (None, 4, 5, "k must be an integer <= 4, got 5"),
+        (1, 10, 11, "k must be an integer in [1, 10], got 11"),
+        (1, 10, 0, "k must be an integer in [1, 10], got 0"),
+        (0, None, -1, "k must be an integer >= 0, got -1"),
+    ],
+)
 def test_int_bounds_are_closed(minimum: int | None, maximum: int | None, value: int, message: str) -> None:
     with pytest.raises(ValueError) as caught:
         check_int("k", value, minimum, maximum)

@@ -1,5 +1,6 @@
 """One version number: pyproject.toml's, read through the installed metadata, the same in both packages,
 and still readable from an uninstalled checkout."""
+
 from __future__ import annotations
 
 import re

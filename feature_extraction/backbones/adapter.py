@@ -40,8 +40,9 @@ class Built(NamedTuple):
 class Adapter(Protocol):
     """A library adapter (a module): see the module docstring for the contract."""
 
-    def build(self, spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | None,
-              checkpoint_path: str | None) -> Built: ...
+    def build(
+        self, spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | None, checkpoint_path: str | None
+    ) -> Built: ...
 
     def tokens(self, model: nn.Module, images: Tensor, layer: int, final_norm: bool) -> Tensor: ...
 

@@ -24,9 +24,16 @@ ADAPTERS: dict[str, Adapter] = {"timm": timm_adapter, "open_clip": open_clip_ada
 class Backbone(nn.Module):
     """A frozen backbone that returns all tokens of one layer, `[B, n_tokens, d]`."""
 
-    def __init__(self, spec: BackboneSpec, model: nn.Module, layer: int,
-                 preprocess: Callable[[Image.Image], Tensor], preprocess_config: dict,
-                 pretrained: bool, checkpoint_path: str | None) -> None:
+    def __init__(
+        self,
+        spec: BackboneSpec,
+        model: nn.Module,
+        layer: int,
+        preprocess: Callable[[Image.Image], Tensor],
+        preprocess_config: dict,
+        pretrained: bool,
+        checkpoint_path: str | None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.model = model.eval().requires_grad_(False)
@@ -49,20 +56,28 @@ class Backbone(nn.Module):
         """Tokens of `self.layer`: prefix tokens first, then patches row-major."""
         size = self.spec.image_size
         if images.ndim != 4 or tuple(images.shape[1:]) != (3, size, size):
-            raise ValueError(f"images must have shape [B, 3, {size}, {size}] for backbone "
-                             f"{self.spec.name!r}, got {list(images.shape)}; "
-                             f"use Backbone.preprocess")
+            raise ValueError(
+                f"images must have shape [B, 3, {size}, {size}] for backbone "
+                f"{self.spec.name!r}, got {list(images.shape)}; "
+                f"use Backbone.preprocess"
+            )
         return ADAPTERS[self.spec.library].tokens(self.model, images, self.layer, self.final_norm)
 
     def to_json(self) -> dict:
         """The manifest record: spec, resolved layer, preprocessing and weight source."""
-        return {**self.spec.to_json(), "layer": self.layer, "final_norm": self.final_norm,
-                "preprocess": self.preprocess_config, "pretrained": self.pretrained,
-                "checkpoint_path": self.checkpoint_path}
+        return {
+            **self.spec.to_json(),
+            "layer": self.layer,
+            "final_norm": self.final_norm,
+            "preprocess": self.preprocess_config,
+            "pretrained": self.pretrained,
+            "checkpoint_path": self.checkpoint_path,
+        }
 
 
-def load_backbone(name: str, *, pretrained: bool = False, checkpoint_path: str | None = None,
-                  layer: int = -1) -> Backbone:
+def load_backbone(
+    name: str, *, pretrained: bool = False, checkpoint_path: str | None = None, layer: int = -1
+) -> Backbone:
     """Build backbone `name` with random, downloaded (`pretrained`) or local weights.
 
     `layer` indexes the transformer blocks (negative counts from the end); the last
@@ -72,25 +87,32 @@ def load_backbone(name: str, *, pretrained: bool = False, checkpoint_path: str |
     """
     spec = get_backbone_spec(name)
     if not -spec.n_blocks <= layer < spec.n_blocks:
-        raise ValueError(f"layer {layer} is out of range for backbone {name!r} with "
-                         f"{spec.n_blocks} blocks; valid: -{spec.n_blocks}..{spec.n_blocks - 1} "
-                         f"(-1 = final block after the final norm)")
+        raise ValueError(
+            f"layer {layer} is out of range for backbone {name!r} with "
+            f"{spec.n_blocks} blocks; valid: -{spec.n_blocks}..{spec.n_blocks - 1} "
+            f"(-1 = final block after the final norm)"
+        )
     if pretrained and checkpoint_path is not None:
         raise ValueError("can't provide both --pretrained true and --checkpoint_path; choose one")
     if pretrained and spec.pretrained_tag is None:
-        raise ValueError(f"backbone {name!r} is a test entry without pretrained weights; "
-                         f"use --pretrained false or --checkpoint_path FILE")
+        raise ValueError(
+            f"backbone {name!r} is a test entry without pretrained weights; "
+            f"use --pretrained false or --checkpoint_path FILE"
+        )
     state_dict = read_state_dict(checkpoint_path) if checkpoint_path is not None else None
     adapter = ADAPTERS[spec.library]
     built = adapter.build(spec, pretrained, state_dict, checkpoint_path)
     check_architecture(spec, adapter.layout(built.model))
-    return Backbone(spec, built.model, layer % spec.n_blocks, built.preprocess,
-                    built.preprocess_config, pretrained, checkpoint_path)
+    return Backbone(
+        spec, built.model, layer % spec.n_blocks, built.preprocess, built.preprocess_config, pretrained, checkpoint_path
+    )
 
 
 def check_architecture(spec: BackboneSpec, built: Layout) -> None:
     """Fail if the library built something other than what the registry (and manifest) says."""
     expected = (spec.n_prefix_tokens, spec.grid, spec.d, spec.n_blocks)
     if built != expected:
-        raise RuntimeError(f"backbone {spec.name!r}: {spec.library} built (prefix, grid, d, "
-                           f"blocks)={built} but the registry says {expected}; update BACKBONES")
+        raise RuntimeError(
+            f"backbone {spec.name!r}: {spec.library} built (prefix, grid, d, "
+            f"blocks)={built} but the registry says {expected}; update BACKBONES"
+        )

@@ -35,8 +35,9 @@ def require_hub_reachable(spec: BackboneSpec) -> None:
     """
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in (
-            "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    if constants.HF_HUB_OFFLINE or any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    ):
         return
     url = urlparse(constants.ENDPOINT)
     try:
@@ -51,4 +52,5 @@ def download_error(spec: BackboneSpec, error: BaseException) -> RuntimeError:
         f"could not download pretrained weights for backbone {spec.name!r} ({spec.model_name}, "
         f"tag {spec.pretrained_tag}): {type(error).__name__}: {detail}. Offline, pass "
         f"--checkpoint_path FILE (local .safetensors or state dict) with --pretrained false, or "
-        f"set HF_HUB_OFFLINE=1 to use weights already in the Hugging Face cache")
+        f"set HF_HUB_OFFLINE=1 to use weights already in the Hugging Face cache"
+    )

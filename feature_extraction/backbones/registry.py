@@ -29,11 +29,23 @@ from typing import Any
 from feature_extraction.backbones.spec import BackboneSpec, Library
 
 
-def _spec(name: str, library: Library, model_name: str, tag: str | None,
-          n_prefix: int, grid: int, d: int, image_size: int, n_blocks: int, *,
-          has_configs: bool = False, **model_kwargs: Any) -> BackboneSpec:
-    return BackboneSpec(name, library, model_name, tag, n_prefix, (grid, grid), d, image_size,
-                        n_blocks, model_kwargs, has_configs)
+def _spec(
+    name: str,
+    library: Library,
+    model_name: str,
+    tag: str | None,
+    n_prefix: int,
+    grid: int,
+    d: int,
+    image_size: int,
+    n_blocks: int,
+    *,
+    has_configs: bool = False,
+    **model_kwargs: Any,
+) -> BackboneSpec:
+    return BackboneSpec(
+        name, library, model_name, tag, n_prefix, (grid, grid), d, image_size, n_blocks, model_kwargs, has_configs
+    )
 
 
 _TINY_TIMM = dict(depth=2, embed_dim=64, num_heads=2)
@@ -48,30 +60,32 @@ BACKBONES: dict[str, BackboneSpec] = {
     for spec in [
         # The paper's four backbones (ViT-B), with extraction and training configs.
         # DINOv2 at 224 px: 16x16 patches + CLS + 4 registers = 261 tokens.
-        _spec("dinov2", "timm", "vit_base_patch14_reg4_dinov2", "lvd142m", 5, 16, 768, 224, 12,
-              has_configs=True, img_size=224),
-        _spec("siglip", "timm", "vit_base_patch16_siglip_224", "webli", 0, 14, 768, 224, 12,
-              has_configs=True),
-        _spec("clip", "open_clip", "ViT-B-16", "openai", 1, 14, 768, 224, 12,
-              has_configs=True),
-        _spec("vit", "timm", "vit_base_patch16_224", "augreg2_in21k_ft_in1k", 1, 14, 768, 224, 12,
-              has_configs=True),
+        _spec(
+            "dinov2",
+            "timm",
+            "vit_base_patch14_reg4_dinov2",
+            "lvd142m",
+            5,
+            16,
+            768,
+            224,
+            12,
+            has_configs=True,
+            img_size=224,
+        ),
+        _spec("siglip", "timm", "vit_base_patch16_siglip_224", "webli", 0, 14, 768, 224, 12, has_configs=True),
+        _spec("clip", "open_clip", "ViT-B-16", "openai", 1, 14, 768, 224, 12, has_configs=True),
+        _spec("vit", "timm", "vit_base_patch16_224", "augreg2_in21k_ft_in1k", 1, 14, 768, 224, 12, has_configs=True),
         # ViT-L sizes (no configs of their own).
-        _spec("dinov2_large", "timm", "vit_large_patch14_reg4_dinov2", "lvd142m", 5, 16, 1024, 224,
-              24, img_size=224),
-        _spec("siglip_large", "timm", "vit_large_patch16_siglip_256", "webli", 0, 16, 1024, 256,
-              24),
+        _spec("dinov2_large", "timm", "vit_large_patch14_reg4_dinov2", "lvd142m", 5, 16, 1024, 224, 24, img_size=224),
+        _spec("siglip_large", "timm", "vit_large_patch16_siglip_256", "webli", 0, 16, 1024, 256, 24),
         _spec("clip_large", "open_clip", "ViT-L-14", "openai", 1, 16, 1024, 224, 24),
-        _spec("vit_large", "timm", "vit_large_patch16_224", "augreg_in21k_ft_in1k", 1, 14, 1024,
-              224, 24),
+        _spec("vit_large", "timm", "vit_large_patch16_224", "augreg_in21k_ft_in1k", 1, 14, 1024, 224, 24),
         # Test entries: random weights only.
-        _spec("dinov2_tiny", "timm", "vit_small_patch14_reg4_dinov2", None, 5, 4, 64, 56, 2,
-              img_size=56, **_TINY_TIMM),
-        _spec("siglip_tiny", "timm", "vit_base_patch16_siglip_224", None, 0, 4, 64, 64, 2,
-              img_size=64, **_TINY_TIMM),
+        _spec("dinov2_tiny", "timm", "vit_small_patch14_reg4_dinov2", None, 5, 4, 64, 56, 2, img_size=56, **_TINY_TIMM),
+        _spec("siglip_tiny", "timm", "vit_base_patch16_siglip_224", None, 0, 4, 64, 64, 2, img_size=64, **_TINY_TIMM),
         _spec("clip_tiny", "open_clip", "ViT-B-16", None, 1, 4, 64, 32, 2, **_TINY_CLIP),
-        _spec("vit_tiny", "timm", "vit_tiny_patch16_224", None, 1, 4, 192, 64, 2, img_size=64,
-              depth=2),
+        _spec("vit_tiny", "timm", "vit_tiny_patch16_224", None, 1, 4, 192, 64, 2, img_size=64, depth=2),
     ]
 }
 

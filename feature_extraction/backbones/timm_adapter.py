@@ -19,8 +19,9 @@ from feature_extraction.backbones.spec import BackboneSpec
 from feature_extraction.backbones.weights import load_strict
 
 
-def build(spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | None,
-          checkpoint_path: str | None) -> Built:
+def build(
+    spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | None, checkpoint_path: str | None
+) -> Built:
     import timm
     from timm.data import create_transform, resolve_model_data_config
     from timm.models.vision_transformer import checkpoint_filter_fn
@@ -30,8 +31,7 @@ def build(spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | 
     size = spec.image_size  # the data config must describe the size the model is built at
     kwargs["pretrained_cfg_overlay"] = dict(input_size=(3, size, size))
     if pretrained:
-        model = download(spec, lambda: timm.create_model(full_name, pretrained=True,
-                                                         num_classes=0, **kwargs))
+        model = download(spec, lambda: timm.create_model(full_name, pretrained=True, num_classes=0, **kwargs))
     else:
         model = timm.create_model(full_name, pretrained=False, num_classes=0, **kwargs)
     if state_dict is not None:
@@ -39,15 +39,18 @@ def build(spec: BackboneSpec, pretrained: bool, state_dict: dict[str, Tensor] | 
         # (e.g. a 518 px checkpoint into our 224 px model).
         state_dict = checkpoint_filter_fn(state_dict, model)
         own_keys = model.state_dict().keys()
-        state_dict = {k: v for k, v in state_dict.items()
-                      if k in own_keys or not k.startswith("head.")}  # classifier not kept
+        state_dict = {
+            k: v for k, v in state_dict.items() if k in own_keys or not k.startswith("head.")
+        }  # classifier not kept
         load_strict(model, state_dict, checkpoint_path)
     config = resolve_model_data_config(model)
     preprocess = create_transform(**config, is_training=False)
     preprocess_config = {
-        "library": "timm", "size": list(config["input_size"][1:]),
+        "library": "timm",
+        "size": list(config["input_size"][1:]),
         "crop": {"crop_pct": config["crop_pct"], "crop_mode": config["crop_mode"]},
-        "mean": list(config["mean"]), "std": list(config["std"]),
+        "mean": list(config["mean"]),
+        "std": list(config["std"]),
         "interpolation": config["interpolation"],
     }
     return Built(model, preprocess, preprocess_config)
@@ -57,8 +60,14 @@ def tokens(model: nn.Module, images: Tensor, layer: int, final_norm: bool) -> Te
     if final_norm:
         return model.forward_features(images)
     (taken,) = model.forward_intermediates(
-        images, indices=[layer], return_prefix_tokens=True, norm=False,
-        stop_early=True, output_fmt="NLC", intermediates_only=True)
+        images,
+        indices=[layer],
+        return_prefix_tokens=True,
+        norm=False,
+        stop_early=True,
+        output_fmt="NLC",
+        intermediates_only=True,
+    )
     if isinstance(taken, tuple):  # (patches, prefix) when the model has prefix tokens
         patches, prefix = taken
         return torch.cat([prefix, patches], dim=1)
@@ -66,5 +75,4 @@ def tokens(model: nn.Module, images: Tensor, layer: int, final_norm: bool) -> Te
 
 
 def layout(model: nn.Module) -> Layout:
-    return (model.num_prefix_tokens, tuple(model.patch_embed.grid_size), model.embed_dim,
-            len(model.blocks))
+    return (model.num_prefix_tokens, tuple(model.patch_embed.grid_size), model.embed_dim, len(model.blocks))

@@ -19,22 +19,68 @@ side, the feature browser and the evaluation read through it.
 - ``finalize.py``: the extraction's record (``extraction.json``) and ``finalize``: verify
   the shards and write the manifest once, under a lock, when every shard exists.
 """
+
 from feature_extraction.shards.layout import (
-    DTYPE, EXTRACTION_FNAME, LOCK_FNAME, MANIFEST_FNAME, SCHEMA_VERSION, ShardFormatError, assign_shards, check_key,
-    image_id_from_key, image_key, shard_fname, shards_for_task, sidecar_fname, skipped_fname,
+    DTYPE,
+    EXTRACTION_FNAME,
+    LOCK_FNAME,
+    MANIFEST_FNAME,
+    SCHEMA_VERSION,
+    ShardFormatError,
+    assign_shards,
+    check_key,
+    image_id_from_key,
+    image_key,
+    shard_fname,
+    shards_for_task,
+    sidecar_fname,
+    skipped_fname,
 )
 from feature_extraction.shards.manifest import (
-    REQUIRED_FIELDS, SHARD_FIELDS, backbone_name, format_indices, load_manifest, manifest_sha256, peek_manifest,
-    shard_fpaths, write_manifest,
+    REQUIRED_FIELDS,
+    SHARD_FIELDS,
+    backbone_name,
+    format_indices,
+    load_manifest,
+    manifest_sha256,
+    peek_manifest,
+    shard_fpaths,
+    write_manifest,
 )
 from feature_extraction.shards.read import decode_sample, iter_shard_samples, iter_shard_tokens, read_shard_samples
 from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete, shard_is_intact
 from feature_extraction.shards.write import write_shard
 
 __all__ = [
-    "DTYPE", "EXTRACTION_FNAME", "LOCK_FNAME", "MANIFEST_FNAME", "REQUIRED_FIELDS", "SCHEMA_VERSION", "SHARD_FIELDS",
-    "ShardFormatError", "assign_shards", "backbone_name", "check_key", "decode_sample", "format_indices",
-    "image_id_from_key", "image_key", "iter_shard_samples", "iter_shard_tokens", "load_manifest", "manifest_sha256",
-    "peek_manifest", "read_shard_samples", "read_sidecar", "shard_fname", "shard_fpaths", "shard_is_complete",
-    "shard_is_intact", "shards_for_task", "sidecar_fname", "skipped_fname", "write_manifest", "write_shard",
+    "DTYPE",
+    "EXTRACTION_FNAME",
+    "LOCK_FNAME",
+    "MANIFEST_FNAME",
+    "REQUIRED_FIELDS",
+    "SCHEMA_VERSION",
+    "SHARD_FIELDS",
+    "ShardFormatError",
+    "assign_shards",
+    "backbone_name",
+    "check_key",
+    "decode_sample",
+    "format_indices",
+    "image_id_from_key",
+    "image_key",
+    "iter_shard_samples",
+    "iter_shard_tokens",
+    "load_manifest",
+    "manifest_sha256",
+    "peek_manifest",
+    "read_shard_samples",
+    "read_sidecar",
+    "shard_fname",
+    "shard_fpaths",
+    "shard_is_complete",
+    "shard_is_intact",
+    "shards_for_task",
+    "sidecar_fname",
+    "skipped_fname",
+    "write_manifest",
+    "write_shard",
 ]

@@ -6,6 +6,7 @@ finds every shard complete assembles `manifest.json` (`finalize`, also a subcomm
 a command it first reads every shard and checks it against its sidecar, `integrity`).
 Several tasks may finish at once, so the manifest is written under a lock file.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,13 @@ from pathlib import Path
 from feature_extraction.atomic_files import write_json_atomic
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
-    EXTRACTION_FNAME, LOCK_FNAME, SHARD_FILES_GLOB, ShardFormatError, shard_fname, sidecar_fname, skipped_fname,
+    EXTRACTION_FNAME,
+    LOCK_FNAME,
+    SHARD_FILES_GLOB,
+    ShardFormatError,
+    shard_fname,
+    sidecar_fname,
+    skipped_fname,
 )
 from feature_extraction.shards.manifest import format_indices, load_manifest, write_manifest
 from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete
@@ -46,22 +53,31 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
     fpath = out_dpath / EXTRACTION_FNAME
     if not fpath.exists():
         if any(out_dpath.glob(SHARD_FILES_GLOB)):
-            raise ValueError(f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
-                             "by this command; use an empty --out directory")
+            raise ValueError(
+                f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
+                "by this command; use an empty --out directory"
+            )
         write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
     try:
         old = json.loads(fpath.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exn:
         raise ValueError(f"{fpath} cannot be read ({exn}); delete it if --out holds no shards") from None
     if (old.get("backbone"), old.get("layer")) != (record["backbone"], record["layer"]):
-        raise ValueError(f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
-                         f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
-                         "use another --out (e.g. one directory per backbone and layer)")
-    differ = [f"{_FLAG_HINTS.get(k, k)}: {old.get(k)!r} there, {record[k]!r} now" for k in _COMPARED_FIELDS
-              if old.get(k) != record[k]]
+        raise ValueError(
+            f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
+            f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
+            "use another --out (e.g. one directory per backbone and layer)"
+        )
+    differ = [
+        f"{_FLAG_HINTS.get(k, k)}: {old.get(k)!r} there, {record[k]!r} now"
+        for k in _COMPARED_FIELDS
+        if old.get(k) != record[k]
+    ]
     if differ:
-        raise ValueError(f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
-                         "rerun with the same settings and images, or use another --out")
+        raise ValueError(
+            f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
+            "rerun with the same settings and images, or use another --out"
+        )
 
 
 def _read_record(out_dpath: Path) -> dict:
@@ -77,8 +93,9 @@ def _read_record(out_dpath: Path) -> dict:
 def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
     try:
         manifest = load_manifest(out_dpath)
-        return [e["sha256"] for e in manifest["shards"]] == [read_sidecar(out_dpath, i)["sha256"]
-                                                               for i in range(n_shards)]
+        return [e["sha256"] for e in manifest["shards"]] == [
+            read_sidecar(out_dpath, i)["sha256"] for i in range(n_shards)
+        ]
     except (ShardFormatError, OSError, KeyError):
         return False
 
@@ -103,8 +120,11 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
             write_json_atomic(out_dpath / sidecar_fname(index), upgraded)
             logger.info("shard %d: per-sample checksums added to its sidecar", index)
     if corrupt:
-        what = f"shard {corrupt[0]} no longer matches its sidecar" if len(corrupt) == 1 else \
-            f"shards {format_indices(corrupt)} no longer match their sidecars"
+        what = (
+            f"shard {corrupt[0]} no longer matches its sidecar"
+            if len(corrupt) == 1
+            else f"shards {format_indices(corrupt)} no longer match their sidecars"
+        )
         raise ShardFormatError(f"{out_dpath}: {what} (corrupt on disk); {integrity.repair_command(out_dpath)}")
 
 
@@ -134,8 +154,10 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         except FileNotFoundError:  # released meanwhile
             age = math.inf
         if not force and age < STALE_LOCK_SECONDS:
-            raise RuntimeError(f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
-                               "pass --force true if it died") from None
+            raise RuntimeError(
+                f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
+                "pass --force true if it died"
+            ) from None
         lock_fpath.touch()
     else:
         os.close(fd)
@@ -150,12 +172,21 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         backbone = record["backbone_record"]
         selection = record.get("token_selection")
         return write_manifest(
-            out_dpath, n_shards=n_shards, spec=backbone, layer=record["layer"],
+            out_dpath,
+            n_shards=n_shards,
+            spec=backbone,
+            layer=record["layer"],
             tokens_per_image=sum(token_kinds(backbone["n_prefix_tokens"], backbone["grid"], selection).values()),
-            n_prefix_tokens=backbone["n_prefix_tokens"], grid=tuple(backbone["grid"]), skipped=skipped,
+            n_prefix_tokens=backbone["n_prefix_tokens"],
+            grid=tuple(backbone["grid"]),
+            skipped=skipped,
             token_selection=selection,
-            extra={"extraction": {k: record[k] for k in ("images", "shard_size", "weights", "key_scheme",
-                                                           "ids_sha256", "n_images")}})
+            extra={
+                "extraction": {
+                    k: record[k] for k in ("images", "shard_size", "weights", "key_scheme", "ids_sha256", "n_images")
+                }
+            },
+        )
     finally:
         lock_fpath.unlink(missing_ok=True)
 

@@ -26,6 +26,7 @@ the stream checks each one's sha256 once per process before reading it (slower, 
 and ``python -m feature_extraction finalize --out DIR`` adds the per-sample checksums to
 their sidecars after checking the sha256 (one read of each shard).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,24 @@ import xxhash
 
 from feature_extraction.file_hashes import file_digests, file_xxh3
 from feature_extraction.shards.layout import (
-    EXTRACTION_FNAME, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
+    EXTRACTION_FNAME,
+    POSITIONS_SUFFIX,
+    TOKENS_SUFFIX,
+    ShardFormatError,
+    member_key,
 )
 from feature_extraction.shards.tar_scan import iter_members
 
-__all__ = ["ALGORITHM", "SampleChecksums", "add_sample_checksums", "digest", "load_sample_checksums", "repair_command",
-           "shard_is_intact", "verify_sha256_once"]
+__all__ = [
+    "ALGORITHM",
+    "SampleChecksums",
+    "add_sample_checksums",
+    "digest",
+    "load_sample_checksums",
+    "repair_command",
+    "shard_is_intact",
+    "verify_sha256_once",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +99,18 @@ def repair_command(shards_dpath: Path) -> str:
         record = json.loads((shards_dpath / EXTRACTION_FNAME).read_text(encoding="utf-8"))
         weights = record.get("weights") or {}
         selection = record.get("token_selection")
-        flags = ["--backbone", record["backbone"], "--images", str(record["images"]), "--out", str(shards_dpath),
-                 "--layer", str(record["layer"]), "--shard_size", str(record["shard_size"])]
+        flags = [
+            "--backbone",
+            record["backbone"],
+            "--images",
+            str(record["images"]),
+            "--out",
+            str(shards_dpath),
+            "--layer",
+            str(record["layer"]),
+            "--shard_size",
+            str(record["shard_size"]),
+        ]
         if weights.get("pretrained"):
             flags += ["--pretrained", "true"]
         if weights.get("checkpoint_path"):
@@ -96,14 +119,22 @@ def repair_command(shards_dpath: Path) -> str:
         if seed is not None:
             flags += ["--seed", str(seed)]
         if selection:
-            flags += ["--tokens_per_image", str(selection["patches_per_image"]),
-                      "--keep_prefix_tokens", str(bool(selection["keep_prefix_tokens"])).lower()]
+            flags += [
+                "--tokens_per_image",
+                str(selection["patches_per_image"]),
+                "--keep_prefix_tokens",
+                str(bool(selection["keep_prefix_tokens"])).lower(),
+            ]
     except (OSError, ValueError, KeyError, TypeError):
-        return (f"rerun the extraction that wrote {shards_dpath} with its settings (it redoes shards whose bytes no "
-                "longer match their sidecar), then `python -m feature_extraction finalize --out "
-                f"{shlex.quote(str(shards_dpath))}`")
-    return ("rerun `python -m feature_extraction " + shlex.join(flags) + "` (or the array job that wrote it; "
-            "it redoes shards whose bytes no longer match their sidecar and rewrites the manifest)")
+        return (
+            f"rerun the extraction that wrote {shards_dpath} with its settings (it redoes shards whose bytes no "
+            "longer match their sidecar), then `python -m feature_extraction finalize --out "
+            f"{shlex.quote(str(shards_dpath))}`"
+        )
+    return (
+        "rerun `python -m feature_extraction " + shlex.join(flags) + "` (or the array job that wrote it; "
+        "it redoes shards whose bytes no longer match their sidecar and rewrites the manifest)"
+    )
 
 
 def load_sample_checksums(sidecar: dict, where: Path) -> SampleChecksums | None:
@@ -120,8 +151,9 @@ def load_sample_checksums(sidecar: dict, where: Path) -> SampleChecksums | None:
         if len(tokens) != sidecar["count"] or (positions is not None and len(positions) != len(tokens)):
             raise ValueError(f"{len(tokens)} entries for {sidecar['count']} samples")
     except (KeyError, TypeError, ValueError) as exn:
-        raise ShardFormatError(f"{where}: field 'sample_checksums' is malformed ({exn}); "
-                               f"{repair_command(where.parent)}") from None
+        raise ShardFormatError(
+            f"{where}: field 'sample_checksums' is malformed ({exn}); {repair_command(where.parent)}"
+        ) from None
     return SampleChecksums(tokens, positions)
 
 
@@ -132,12 +164,16 @@ def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
     if key in _SHA256_VERIFIED:
         return
     if not _SHA256_VERIFIED:
-        logger.warning("%s: shards without per-sample checksums; checking each one's sha256 before reading it "
-                       "(slow). `python -m feature_extraction finalize --out %s` adds the checksums.",
-                       tar_fpath.parent, tar_fpath.parent)
+        logger.warning(
+            "%s: shards without per-sample checksums; checking each one's sha256 before reading it "
+            "(slow). `python -m feature_extraction finalize --out %s` adds the checksums.",
+            tar_fpath.parent,
+            tar_fpath.parent,
+        )
     if file_digests(tar_fpath)[0] != sha256:
-        raise ShardFormatError(f"{tar_fpath}: corrupt shard (its sha256 differs from its sidecar's); "
-                               f"{repair_command(tar_fpath.parent)}")
+        raise ShardFormatError(
+            f"{tar_fpath}: corrupt shard (its sha256 differs from its sidecar's); {repair_command(tar_fpath.parent)}"
+        )
     _SHA256_VERIFIED.add(key)
 
 

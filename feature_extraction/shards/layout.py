@@ -18,20 +18,42 @@ Samples (one per image): ``__key__`` = the image id percent-escaped (``image_key
 for a token subset, ``positions.npy``. Images go to shards by sorted key and a fixed shard
 size (``assign_shards``); task t of T writes shards t, t + T, ... (``shards_for_task``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 from urllib.parse import unquote
 
 from feature_extraction.atomic_files import TMP_SUFFIX  # a file being written; a rerun overwrites it
 from feature_extraction.validate import check_int
 
 __all__ = [
-    "DTYPE", "EXTRACTION_FNAME", "LOCK_FNAME", "MANIFEST_FNAME", "META_SUFFIX", "POSITIONS_SUFFIX", "SCHEMA_VERSION",
-    "SHARD_FILES_GLOB", "SIDECAR_GLOB", "TAR_MTIME", "TMP_SUFFIX", "TOKENS_SUFFIX", "ShardFormatError", "assign_shards",
-    "check_key", "image_id_from_key", "image_key", "member_key", "shard_fname", "shards_for_task", "sidecar_fname",
-    "sidecar_fpath", "sidecar_index", "skipped_fname", "tmp_fpath",
+    "DTYPE",
+    "EXTRACTION_FNAME",
+    "LOCK_FNAME",
+    "MANIFEST_FNAME",
+    "META_SUFFIX",
+    "POSITIONS_SUFFIX",
+    "SCHEMA_VERSION",
+    "SHARD_FILES_GLOB",
+    "SIDECAR_GLOB",
+    "TAR_MTIME",
+    "TMP_SUFFIX",
+    "TOKENS_SUFFIX",
+    "ShardFormatError",
+    "assign_shards",
+    "check_key",
+    "image_id_from_key",
+    "image_key",
+    "member_key",
+    "shard_fname",
+    "shards_for_task",
+    "sidecar_fname",
+    "sidecar_fpath",
+    "sidecar_index",
+    "skipped_fname",
+    "tmp_fpath",
 ]
 
 SCHEMA_VERSION = 1  # of manifest.json

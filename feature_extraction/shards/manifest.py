@@ -11,6 +11,7 @@ Design choices:
 - ``manifest_sha256`` names the data (``created_at`` left out), so exports and checkpoints
   record which manifest they were trained on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,20 +23,49 @@ from feature_extraction.atomic_files import write_json_atomic
 from feature_extraction.file_hashes import file_sha256
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards.layout import (
-    DTYPE, EXTRACTION_FNAME, MANIFEST_FNAME, SCHEMA_VERSION, SIDECAR_GLOB, ShardFormatError, shard_fname,
-    sidecar_fname, sidecar_index,
+    DTYPE,
+    EXTRACTION_FNAME,
+    MANIFEST_FNAME,
+    SCHEMA_VERSION,
+    SIDECAR_GLOB,
+    ShardFormatError,
+    shard_fname,
+    sidecar_fname,
+    sidecar_index,
 )
 from feature_extraction.shards.manifest_stats import check_manifest_stats
 from feature_extraction.shards.sidecar import read_json_object, read_sidecar, shard_is_complete
 from feature_extraction.token_selection import full_token_count, token_kinds
 from feature_extraction.validate import check_int
 
-__all__ = ["REQUIRED_FIELDS", "SHARD_FIELDS", "backbone_name", "format_indices", "load_manifest", "manifest_sha256",
-           "peek_manifest", "shard_fpaths", "write_manifest"]
+__all__ = [
+    "REQUIRED_FIELDS",
+    "SHARD_FIELDS",
+    "backbone_name",
+    "format_indices",
+    "load_manifest",
+    "manifest_sha256",
+    "peek_manifest",
+    "shard_fpaths",
+    "write_manifest",
+]
 
 REQUIRED_FIELDS = (
-    "schema_version", "backbone", "layer", "d", "dtype", "tokens_per_image", "n_prefix_tokens",
-    "grid", "n_images", "n_tokens", "shards", "stats", "skipped", "package_version", "created_at",
+    "schema_version",
+    "backbone",
+    "layer",
+    "d",
+    "dtype",
+    "tokens_per_image",
+    "n_prefix_tokens",
+    "grid",
+    "n_images",
+    "n_tokens",
+    "shards",
+    "stats",
+    "skipped",
+    "package_version",
+    "created_at",
 )
 SHARD_FIELDS = ("fname", "count", "n_tokens", "sha256", "bytes")
 
@@ -45,9 +75,19 @@ def format_indices(indices: list[int], limit: int = 20) -> str:
     return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
 
 
-def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int, tokens_per_image: int,
-                   n_prefix_tokens: int, grid: tuple[int, int], skipped: list[dict] | None = None,
-                      extra: dict | None = None, token_selection: dict | None = None) -> dict:
+def write_manifest(
+    shards_dpath: Path,
+    *,
+    n_shards: int,
+    spec: dict,
+    layer: int,
+    tokens_per_image: int,
+    n_prefix_tokens: int,
+    grid: tuple[int, int],
+    skipped: list[dict] | None = None,
+    extra: dict | None = None,
+    token_selection: dict | None = None,
+) -> dict:
     """Merge all sidecars into ``manifest.json`` (written atomically) and return it.
 
     ``n_prefix_tokens`` and ``grid`` are the backbone's full layout; ``tokens_per_image``
@@ -63,9 +103,11 @@ def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int,
     grid = (int(grid[0]), int(grid[1]))
     kinds = token_kinds(n_prefix_tokens, grid, token_selection)
     if n_prefix_tokens < 0 or tokens_per_image != sum(kinds.values()):
-        raise ValueError(f"tokens_per_image={tokens_per_image} must equal the stored token kinds {kinds} "
-                         f"(n_prefix_tokens={n_prefix_tokens}, grid {grid[0]}x{grid[1]}, "
-                         f"token_selection={token_selection})")
+        raise ValueError(
+            f"tokens_per_image={tokens_per_image} must equal the stored token kinds {kinds} "
+            f"(n_prefix_tokens={n_prefix_tokens}, grid {grid[0]}x{grid[1]}, "
+            f"token_selection={token_selection})"
+        )
     for name, value in (("spec", spec), ("skipped", skipped), ("extra", extra)):
         try:
             json.dumps(value, allow_nan=False)
@@ -73,19 +115,25 @@ def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int,
             raise ValueError(f"write_manifest {name} must be JSON-serialisable ({exn})") from None
     missing = [i for i in range(n_shards) if not shard_is_complete(shards_dpath, i)]
     if missing:
-        raise ShardFormatError(f"{shards_dpath}: shards {format_indices(missing)} of {n_shards} are incomplete; "
-                               "run the extraction tasks that own them")
+        raise ShardFormatError(
+            f"{shards_dpath}: shards {format_indices(missing)} of {n_shards} are incomplete; "
+            "run the extraction tasks that own them"
+        )
     strays = sorted(i for p in shards_dpath.glob(SIDECAR_GLOB) if (i := sidecar_index(p)) is not None and i >= n_shards)
     if strays:
-        raise ShardFormatError(f"{shards_dpath}: found shards {format_indices(strays)} beyond n_shards={n_shards}; "
-                               "pass the right n_shards or remove them")
+        raise ShardFormatError(
+            f"{shards_dpath}: found shards {format_indices(strays)} beyond n_shards={n_shards}; "
+            "pass the right n_shards or remove them"
+        )
     stats = RunningStats(0)
     entries = []
     for i in range(n_shards):
         sidecar = read_sidecar(shards_dpath, i)
         if sidecar["n_tokens"] != sidecar["count"] * tokens_per_image:
-            raise ShardFormatError(f"{shards_dpath / sidecar_fname(i)}: field 'n_tokens' is {sidecar['n_tokens']}, "
-                                   f"expected count*tokens_per_image = {sidecar['count']}*{tokens_per_image}")
+            raise ShardFormatError(
+                f"{shards_dpath / sidecar_fname(i)}: field 'n_tokens' is {sidecar['n_tokens']}, "
+                f"expected count*tokens_per_image = {sidecar['count']}*{tokens_per_image}"
+            )
         try:
             stats = stats.merge(RunningStats.from_json(sidecar["stats"]))
         except ValueError as exn:
@@ -94,13 +142,24 @@ def write_manifest(shards_dpath: Path, *, n_shards: int, spec: dict, layer: int,
     if stats.n_tokens == 0:
         raise ShardFormatError(f"{shards_dpath}: the shards hold no tokens; check the image source")
     manifest = {
-        "schema_version": SCHEMA_VERSION, "backbone": spec, "layer": int(layer), "d": stats.d, "dtype": DTYPE,
-        "tokens_per_image": int(tokens_per_image), "n_prefix_tokens": int(n_prefix_tokens), "grid": list(grid),
-        "token_selection": token_selection, "token_kinds": kinds,
-        "n_images": sum(e["count"] for e in entries), "n_tokens": stats.n_tokens, "shards": entries,
+        "schema_version": SCHEMA_VERSION,
+        "backbone": spec,
+        "layer": int(layer),
+        "d": stats.d,
+        "dtype": DTYPE,
+        "tokens_per_image": int(tokens_per_image),
+        "n_prefix_tokens": int(n_prefix_tokens),
+        "grid": list(grid),
+        "token_selection": token_selection,
+        "token_kinds": kinds,
+        "n_images": sum(e["count"] for e in entries),
+        "n_tokens": stats.n_tokens,
+        "shards": entries,
         "stats": {"mean": stats.mean().tolist(), "mean_sq_norm": stats.mean_sq_norm(), "n_tokens": stats.n_tokens},
-        "skipped": list(skipped or []), "package_version": __version__,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "extra": dict(extra or {}),
+        "skipped": list(skipped or []),
+        "package_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "extra": dict(extra or {}),
     }
     write_json_atomic(shards_dpath / MANIFEST_FNAME, manifest)
     return manifest
@@ -121,8 +180,10 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         raise ShardFormatError(_no_manifest_advice(shards_dpath))
     manifest = read_json_object(fpath, "manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ShardFormatError(f"{fpath}: field 'schema_version' is {manifest.get('schema_version')!r}, this version "
-                               f"reads {SCHEMA_VERSION}; re-extract or use a matching feature_extraction")
+        raise ShardFormatError(
+            f"{fpath}: field 'schema_version' is {manifest.get('schema_version')!r}, this version "
+            f"reads {SCHEMA_VERSION}; re-extract or use a matching feature_extraction"
+        )
     for field in REQUIRED_FIELDS:
         if field not in manifest:
             raise ShardFormatError(f"{fpath}: missing field {field!r}; re-run finalize")
@@ -130,14 +191,21 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
         raise ShardFormatError(f"{fpath}: field 'dtype' is {manifest['dtype']!r}, must be {DTYPE!r}")
     _check_token_layout(manifest, fpath)
     stats = manifest["stats"]
-    if not isinstance(stats, dict) or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens")) \
-            or not isinstance(stats["mean"], list):
-        raise ShardFormatError(f"{fpath}: field 'stats' needs mean [d], mean_sq_norm, n_tokens; the manifest was "
-                               f"edited or damaged: run `python -m feature_extraction finalize --out {shards_dpath}`")
+    if (
+        not isinstance(stats, dict)
+        or not all(k in stats for k in ("mean", "mean_sq_norm", "n_tokens"))
+        or not isinstance(stats["mean"], list)
+    ):
+        raise ShardFormatError(
+            f"{fpath}: field 'stats' needs mean [d], mean_sq_norm, n_tokens; the manifest was "
+            f"edited or damaged: run `python -m feature_extraction finalize --out {shards_dpath}`"
+        )
     if isinstance(manifest["d"], bool) or not isinstance(manifest["d"], int) or manifest["d"] != len(stats["mean"]):
-        raise ShardFormatError(f"{fpath}: field 'd' is {manifest['d']!r} but the shards' statistics have "
-                               f"{len(stats['mean'])} dimensions; the manifest was edited: run "
-                               f"`python -m feature_extraction finalize --out {shards_dpath}` to rewrite it")
+        raise ShardFormatError(
+            f"{fpath}: field 'd' is {manifest['d']!r} but the shards' statistics have "
+            f"{len(stats['mean'])} dimensions; the manifest was edited: run "
+            f"`python -m feature_extraction finalize --out {shards_dpath}` to rewrite it"
+        )
     if not isinstance(manifest["shards"], list) or not manifest["shards"]:
         raise ShardFormatError(f"{fpath}: field 'shards' must be a non-empty list")
     for entry in manifest["shards"]:
@@ -152,15 +220,21 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     for entry in manifest["shards"]:
         shard_fpath = shards_dpath / entry["fname"]
         if not shard_fpath.is_file():
-            raise ShardFormatError(f"{shard_fpath}: listed in {MANIFEST_FNAME} field 'shards' but missing; "
-                                   "restore it or re-run its extraction task")
+            raise ShardFormatError(
+                f"{shard_fpath}: listed in {MANIFEST_FNAME} field 'shards' but missing; "
+                "restore it or re-run its extraction task"
+            )
         size = shard_fpath.stat().st_size
         if size != entry["bytes"]:
-            raise ShardFormatError(f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
-                                   f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it")
+            raise ShardFormatError(
+                f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
+                f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it"
+            )
         if verify and file_sha256(shard_fpath) != entry["sha256"]:
-            raise ShardFormatError(f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
-                                   "the file is corrupt, re-extract it")
+            raise ShardFormatError(
+                f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
+                "the file is corrupt, re-extract it"
+            )
     check_manifest_stats(shards_dpath, manifest)  # a hand-edited 'stats' would train on the wrong scale
     return manifest
 
@@ -197,34 +271,47 @@ def _no_manifest_advice(shards_dpath: Path) -> str:
     """Why ``shards_dpath`` has no manifest, and the fix that works there (not a finalize that would fail)."""
     fpath = shards_dpath / MANIFEST_FNAME
     if (shards_dpath / EXTRACTION_FNAME).is_file():
-        return (f"{fpath}: missing, the extraction is unfinished; finish its tasks (rerun the extraction) or run "
-                f"`python -m feature_extraction finalize --out {shards_dpath}` once every shard exists")
+        return (
+            f"{fpath}: missing, the extraction is unfinished; finish its tasks (rerun the extraction) or run "
+            f"`python -m feature_extraction finalize --out {shards_dpath}` once every shard exists"
+        )
     if any(shards_dpath.glob(SIDECAR_GLOB)):
-        return (f"{fpath}: missing, and without {EXTRACTION_FNAME} `finalize` cannot rebuild it; write it with "
-                "feature_extraction.shards.write_manifest (as the code that wrote these shards should) or re-extract")
+        return (
+            f"{fpath}: missing, and without {EXTRACTION_FNAME} `finalize` cannot rebuild it; write it with "
+            "feature_extraction.shards.write_manifest (as the code that wrote these shards should) or re-extract"
+        )
     nested = sorted(p.parent for p in shards_dpath.glob(f"*/{MANIFEST_FNAME}"))
     if nested:
         names = ", ".join(str(p) for p in nested[:5]) + (", ..." if len(nested) > 5 else "")
-        return (f"{shards_dpath}: holds no {MANIFEST_FNAME} but its sub-directories do; pass one of them: {names}")
-    return (f"{shards_dpath}: not a shard directory (no {MANIFEST_FNAME}); pass the --out directory of a "
-            "finished `python -m feature_extraction` run, or extract into it first")
+        return f"{shards_dpath}: holds no {MANIFEST_FNAME} but its sub-directories do; pass one of them: {names}"
+    return (
+        f"{shards_dpath}: not a shard directory (no {MANIFEST_FNAME}); pass the --out directory of a "
+        "finished `python -m feature_extraction` run, or extract into it first"
+    )
 
 
 def _check_token_layout(manifest: dict, fpath: Path) -> None:
     """Check ``token_selection`` / ``token_kinds``; a manifest older than them is filled in as all tokens."""
     selection = manifest.setdefault("token_selection", None)
     n_patches = int(manifest["grid"][0]) * int(manifest["grid"][1])
-    if selection is not None and (not isinstance(selection, dict) or set(selection) != {
-            "patches_per_image", "keep_prefix_tokens", "seed"} or not isinstance(selection["patches_per_image"], int)
-            or not 1 <= selection["patches_per_image"] <= n_patches):
-        raise ShardFormatError(f"{fpath}: field 'token_selection' must be null or {{patches_per_image in [1, "
-                               f"{n_patches}], keep_prefix_tokens, seed}}, got {selection!r}; re-run finalize")
+    if selection is not None and (
+        not isinstance(selection, dict)
+        or set(selection) != {"patches_per_image", "keep_prefix_tokens", "seed"}
+        or not isinstance(selection["patches_per_image"], int)
+        or not 1 <= selection["patches_per_image"] <= n_patches
+    ):
+        raise ShardFormatError(
+            f"{fpath}: field 'token_selection' must be null or {{patches_per_image in [1, "
+            f"{n_patches}], keep_prefix_tokens, seed}}, got {selection!r}; re-run finalize"
+        )
     kinds = token_kinds(manifest["n_prefix_tokens"], manifest["grid"], selection)
     if manifest.setdefault("token_kinds", kinds) != kinds or manifest["tokens_per_image"] != sum(kinds.values()):
-        raise ShardFormatError(f"{fpath}: fields 'tokens_per_image' {manifest['tokens_per_image']} and "
-                               f"'token_kinds' {manifest['token_kinds']} disagree with the layout {kinds} of "
-                               f"'token_selection' ({full_token_count(manifest['n_prefix_tokens'], manifest['grid'])}"
-                               " tokens in all); re-run finalize")
+        raise ShardFormatError(
+            f"{fpath}: fields 'tokens_per_image' {manifest['tokens_per_image']} and "
+            f"'token_kinds' {manifest['token_kinds']} disagree with the layout {kinds} of "
+            f"'token_selection' ({full_token_count(manifest['n_prefix_tokens'], manifest['grid'])}"
+            " tokens in all); re-run finalize"
+        )
 
 
 def shard_fpaths(shards_dpath: Path | str, manifest: dict) -> list[Path]:

@@ -16,6 +16,7 @@ agree exactly; the bound only absorbs another summation order. ``n_tokens`` must
 times the tokens' root-mean-square per dimension, ``sqrt(E‖x‖² / d)`` (a relative test would
 fail on a dimension whose mean is ~0).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,10 @@ def sidecar_stats(shards_dpath: Path, manifest: dict) -> RunningStats:
     for entry in manifest["shards"]:
         fpath = sidecar_fpath(Path(shards_dpath) / entry["fname"])
         if not fpath.is_file():
-            raise ShardFormatError(f"{fpath}: sidecar missing, so the statistics in {MANIFEST_FNAME} cannot be "
-                                   f"checked; restore it or re-extract the shard")
+            raise ShardFormatError(
+                f"{fpath}: sidecar missing, so the statistics in {MANIFEST_FNAME} cannot be "
+                f"checked; restore it or re-extract the shard"
+            )
         sidecar = read_json_object(fpath, "sidecar")
         try:
             stats = stats.merge(RunningStats.from_json(sidecar["stats"]))
@@ -71,8 +74,9 @@ def check_manifest_stats(shards_dpath: Path | str, manifest: dict) -> None:
     except (TypeError, ValueError):
         written_mean = np.full(1, np.nan)
     if written_mean.shape != expected_mean.shape:
-        raise ShardFormatError(f"{where % ('mean', f'{written_mean.size} numbers', f'{expected_mean.size}')}; "
-                               f"{_fix(shards_dpath)}")
+        raise ShardFormatError(
+            f"{where % ('mean', f'{written_mean.size} numbers', f'{expected_mean.size}')}; {_fix(shards_dpath)}"
+        )
     scale = RTOL * math.sqrt(expected_sq / max(1, expected_mean.size))
     off = np.abs(written_mean - expected_mean)
     off[~np.isfinite(off)] = np.inf
@@ -91,8 +95,12 @@ def _number(value: object) -> float:
 def _fix(shards_dpath: Path) -> str:
     """Rewrite the manifest from the sidecars: ``finalize`` where the directory has its extraction record."""
     if (shards_dpath / EXTRACTION_FNAME).is_file():
-        return (f"the manifest was edited or is stale: run `python -m feature_extraction finalize --out "
-                f"{shards_dpath}` to rewrite it from the sidecars")
-    return (f"the manifest was edited or is stale, and without {EXTRACTION_FNAME} `finalize` cannot rebuild it: "
-            "rewrite it with feature_extraction.shards.write_manifest (as the code that wrote these shards did) or "
-            "re-extract")
+        return (
+            f"the manifest was edited or is stale: run `python -m feature_extraction finalize --out "
+            f"{shards_dpath}` to rewrite it from the sidecars"
+        )
+    return (
+        f"the manifest was edited or is stale, and without {EXTRACTION_FNAME} `finalize` cannot rebuild it: "
+        "rewrite it with feature_extraction.shards.write_manifest (as the code that wrote these shards did) or "
+        "re-extract"
+    )

@@ -14,6 +14,7 @@ webdataset's rule (the name up to the first dot of its last path component), and
 sample whose tokens are missing, malformed or cut short raises ``ShardFormatError``
 naming the shard.
 """
+
 from __future__ import annotations
 
 import io
@@ -27,12 +28,15 @@ import xxhash
 
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
-    META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key,
+    META_SUFFIX,
+    POSITIONS_SUFFIX,
+    TOKENS_SUFFIX,
+    ShardFormatError,
+    member_key,
 )
 from feature_extraction.shards.tar_scan import check_tar_end, iter_members
 
-__all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens",
-           "read_shard_samples"]
+__all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "read_shard_samples"]
 
 NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
 _HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
@@ -60,21 +64,30 @@ def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bytes]:  # noqa: A
         try:
             buffer = io.BytesIO(header)
             version = np.lib.format.read_magic(buffer)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran_order, dtype = read_header(buffer)
         except (ValueError, SyntaxError) as exn:
             raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
         if dtype != np.float16 or len(shape) != 2 or fortran_order:
-            raise ShardFormatError(f"{where} is {dtype} {list(shape)}{' (Fortran order)' if fortran_order else ''}, "
-                                   "expected C-ordered float16 [n_tokens, d]; re-extract the shard")
+            raise ShardFormatError(
+                f"{where} is {dtype} {list(shape)}{' (Fortran order)' if fortran_order else ''}, "
+                "expected C-ordered float16 [n_tokens, d]; re-extract the shard"
+            )
         if len(_HEADERS) >= 64:
             _HEADERS.clear()
         parsed = _HEADERS[header] = shape
     return parsed, header
 
 
-def _read_tokens(stream, where: str, offset: int, size: int,  # noqa: ANN001 (binary file)
-                 checksum: int | None = None) -> np.ndarray:
+def _read_tokens(
+    stream,
+    where: str,
+    offset: int,
+    size: int,  # noqa: ANN001 (binary file)
+    checksum: int | None = None,
+) -> np.ndarray:
     """The float16 ``[n, d]`` array of one ``tokens.npy`` member, read once into place.
 
     With ``checksum`` (the sidecar's xxh3-64 of the member), the bytes read are checked
@@ -84,8 +97,9 @@ def _read_tokens(stream, where: str, offset: int, size: int,  # noqa: ANN001 (bi
     shape, header = _npy_header(stream, where)
     tokens = np.empty(shape, np.float16)
     if len(header) + tokens.nbytes > size:
-        raise ShardFormatError(f"{where}: its .npy header promises more bytes than the member holds; "
-                               "re-extract the shard")
+        raise ShardFormatError(
+            f"{where}: its .npy header promises more bytes than the member holds; re-extract the shard"
+        )
     data = memoryview(tokens).cast("B")
     if stream.readinto(data) != tokens.nbytes:
         raise ShardFormatError(f"{where} is cut short; re-extract the shard")
@@ -99,8 +113,10 @@ def _read_tokens(stream, where: str, offset: int, size: int,  # noqa: ANN001 (bi
 
 def _mismatch(where: str) -> ShardFormatError:
     fpath = Path(where.split(": member ", 1)[0])
-    return ShardFormatError(f"{where} does not match its checksum in {fpath.with_suffix('.json').name}: the shard "
-                            f"is corrupt; {integrity.repair_command(fpath.parent)}")
+    return ShardFormatError(
+        f"{where} does not match its checksum in {fpath.with_suffix('.json').name}: the shard "
+        f"is corrupt; {integrity.repair_command(fpath.parent)}"
+    )
 
 
 def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
@@ -109,17 +125,25 @@ def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
         positions = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exn:
         raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
-    if not isinstance(positions, np.ndarray) or positions.dtype not in (np.int16, np.int32) \
-            or positions.shape != (n_tokens,):
+    if (
+        not isinstance(positions, np.ndarray)
+        or positions.dtype not in (np.int16, np.int32)
+        or positions.shape != (n_tokens,)
+    ):
         got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, np.ndarray) else "an .npz"
-        raise ShardFormatError(f"{where} is {got}, expected int16/int32 [{n_tokens}] (one per stored token); "
-                               "re-extract the shard")
+        raise ShardFormatError(
+            f"{where} is {got}, expected int16/int32 [{n_tokens}] (one per stored token); re-extract the shard"
+        )
     return positions
 
 
-def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None,
-                      with_positions: bool = False,
-                      checksums: integrity.SampleChecksums | None = None) -> Iterator[tuple]:
+def iter_shard_tokens(
+    fpath: Path | str,
+    first: int = 0,
+    last: int | None = None,
+    with_positions: bool = False,
+    checksums: integrity.SampleChecksums | None = None,
+) -> Iterator[tuple]:
     """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
 
     With ``with_positions``, yield ``(key, tokens, positions)``: the sample's
@@ -148,8 +172,13 @@ def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None
                     continue
                 if checksums is not None and index >= len(checksums.tokens):
                     raise _mismatch(f"{fpath}: member {name!r} (sample {index + 1} of {len(checksums.tokens)})")
-                tokens = _read_tokens(stream, f"{fpath}: member {name!r}", offset, size,
-                                      None if checksums is None else checksums.tokens[index])
+                tokens = _read_tokens(
+                    stream,
+                    f"{fpath}: member {name!r}",
+                    offset,
+                    size,
+                    None if checksums is None else checksums.tokens[index],
+                )
                 if not with_positions:
                     yield key, tokens
                 elif positions is None or positions[0] != key:
@@ -160,8 +189,11 @@ def iter_shard_tokens(fpath: Path | str, first: int = 0, last: int | None = None
                     where = f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}"
                     stream.seek(positions[1])
                     data = stream.read(positions[2])
-                    if checksums is not None and checksums.positions is not None \
-                            and xxhash.xxh3_64_intdigest(data) != checksums.positions[index]:
+                    if (
+                        checksums is not None
+                        and checksums.positions is not None
+                        and xxhash.xxh3_64_intdigest(data) != checksums.positions[index]
+                    ):
                         raise _mismatch(where)
                     yield key, tokens, decode_positions(data, len(tokens), where)
                 if last is not None and index >= last:
@@ -226,8 +258,14 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
                     elif POSITIONS_SUFFIX not in sample:
                         yield key, tokens, meta, None
                     else:
-                        yield key, tokens, meta, decode_positions(sample[POSITIONS_SUFFIX], len(tokens),
-                                                                  f"sample {key!r} in {fpath}: 'positions.npy'")
+                        yield (
+                            key,
+                            tokens,
+                            meta,
+                            decode_positions(
+                                sample[POSITIONS_SUFFIX], len(tokens), f"sample {key!r} in {fpath}: 'positions.npy'"
+                            ),
+                        )
         except ShardFormatError:
             raise
         except (tarfile.TarError, OSError, EOFError, ValueError) as exn:
@@ -236,9 +274,9 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             raise ShardFormatError(f"{fpath}: corrupt tar ({reason}); re-extract the shard") from None
 
 
-
-def read_shard_samples(fpath: Path | str, indices: Sequence[int]) -> Iterator[tuple[int, str, np.ndarray,
-                                                                                     np.ndarray | None, dict]]:
+def read_shard_samples(
+    fpath: Path | str, indices: Sequence[int]
+) -> Iterator[tuple[int, str, np.ndarray, np.ndarray | None, dict]]:
     """Yield ``(index, key, tokens, positions or None, meta)`` of the samples ``indices`` of one shard, in order.
 
     For readers that need a few samples of many shards (the feature browser re-reads the
@@ -272,16 +310,21 @@ def read_shard_samples(fpath: Path | str, indices: Sequence[int]) -> Iterator[tu
                 positions = None
                 if POSITIONS_SUFFIX in members:
                     stream.seek(members[POSITIONS_SUFFIX][0])
-                    positions = decode_positions(stream.read(members[POSITIONS_SUFFIX][1]), len(tokens),
-                                                 f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}")
+                    positions = decode_positions(
+                        stream.read(members[POSITIONS_SUFFIX][1]),
+                        len(tokens),
+                        f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}",
+                    )
                 meta: dict = {}
                 if META_SUFFIX in members:
                     stream.seek(members[META_SUFFIX][0])
                     try:
                         meta = json.loads(stream.read(members[META_SUFFIX][1]))
                     except (ValueError, UnicodeDecodeError) as exn:
-                        raise ShardFormatError(f"{fpath}: member {key + '.' + META_SUFFIX!r} is not valid JSON "
-                                               f"({exn}); re-extract the shard") from None
+                        raise ShardFormatError(
+                            f"{fpath}: member {key + '.' + META_SUFFIX!r} is not valid JSON "
+                            f"({exn}); re-extract the shard"
+                        ) from None
                 yield index, key, tokens, positions, meta if isinstance(meta, dict) else {}
                 wanted.pop(0)
                 if not wanted:

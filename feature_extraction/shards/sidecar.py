@@ -4,6 +4,7 @@ Why the sidecar decides: it is written after the tar's rename, and records the t
 and checksums, so "tar and sidecar exist, sizes agree" is true only for a shard written to
 its end; a rerun skips such shards and redoes every other one.
 """
+
 from __future__ import annotations
 
 import json

@@ -2,10 +2,11 @@
 
 The training stream's reader (``read.py``) reads samples at random and ``finalize`` hashes the
 members of shards written before per-sample checksums (``integrity.py``); both need only each
-member's name, data offset and size, so the scan is its own module below both. Our writer's plain ustar headers are parsed here directly
-(tarfile's parser was a third of the reader's time); anything else is left to tarfile. A cut or
+member's name, data offset and size, so the scan is its own module below both. Our writer's plain ustar headers are
+parsed here directly (tarfile's parser was a third of the reader's time); anything else is left to tarfile. A cut or
 corrupt archive raises ``ShardFormatError`` naming the shard.
 """
+
 from __future__ import annotations
 
 import tarfile

@@ -14,13 +14,15 @@ Design choices:
   ``positions.npy`` (``integrity``), and float64 running sums, so the manifest gets the
   normalisation statistics without re-reading the tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 import numpy as np
 import xxhash
@@ -29,7 +31,14 @@ from feature_extraction.atomic_files import atomic_path, write_json_atomic
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import (
-    META_SUFFIX, POSITIONS_SUFFIX, TAR_MTIME, TOKENS_SUFFIX, check_key, shard_fname, sidecar_fname, tmp_fpath,
+    META_SUFFIX,
+    POSITIONS_SUFFIX,
+    TAR_MTIME,
+    TOKENS_SUFFIX,
+    check_key,
+    shard_fname,
+    sidecar_fname,
+    tmp_fpath,
 )
 
 __all__ = ["write_shard"]
@@ -61,8 +70,11 @@ class _HashingWriter:
 
 def _encode_positions(key: str, positions: np.ndarray, n_tokens: int) -> bytes:
     """``positions.npy`` of a sample holding a token subset: int16/int32 ``[n_tokens]``, strictly ascending."""
-    if not isinstance(positions, np.ndarray) or positions.dtype not in (np.int16, np.int32) \
-            or positions.shape != (n_tokens,):
+    if (
+        not isinstance(positions, np.ndarray)
+        or positions.dtype not in (np.int16, np.int32)
+        or positions.shape != (n_tokens,)
+    ):
         got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, np.ndarray) else type(positions)
         raise ValueError(f"sample {key!r}: positions must be int16 or int32 [{n_tokens}], got {got}")
     if positions[0] < 0 or (n_tokens > 1 and not (np.diff(positions) > 0).all()):
@@ -72,8 +84,9 @@ def _encode_positions(key: str, positions: np.ndarray, n_tokens: int) -> bytes:
     return buf.getvalue()
 
 
-def _encode_sample(key: str, tokens: np.ndarray, meta: dict, d: int | None, n_tokens: int | None,
-                   positions: np.ndarray | None = None) -> dict:
+def _encode_sample(
+    key: str, tokens: np.ndarray, meta: dict, d: int | None, n_tokens: int | None, positions: np.ndarray | None = None
+) -> dict:
     check_key(key)
     if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16:
         got = tokens.dtype if isinstance(tokens, np.ndarray) else type(tokens).__name__
@@ -130,8 +143,9 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
                     sample_stats = RunningStats(d)
                     sample_stats.update(tokens)
                     if not np.isfinite(sample_stats.sum_sq_norm):  # cheaper than np.isfinite(tokens).all()
-                        raise ValueError(f"sample {key!r}: tokens contain inf/nan (float16 overflow?); "
-                                         "check the backbone output")
+                        raise ValueError(
+                            f"sample {key!r}: tokens contain inf/nan (float16 overflow?); check the backbone output"
+                        )
                     stats = stats.merge(sample_stats)
                     for member in checksums:
                         if member in sample:
@@ -141,9 +155,15 @@ def write_shard(shards_dpath: Path, index: int, samples: Iterable[tuple]) -> dic
         (shards_dpath / sidecar_fname(index)).unlink(missing_ok=True)
     if len(checksums[POSITIONS_SUFFIX]) != len(seen):  # all-token extraction: no positions.npy
         del checksums[POSITIONS_SUFFIX]
-    sidecar = {"index": int(index), "count": len(seen), "n_tokens": stats.n_tokens,
-               "sha256": hashing.sha256.hexdigest(), integrity.ALGORITHM: hashing.xxh3.hexdigest(),
-               "bytes": hashing.n_bytes, "stats": stats.to_json(),
-               "sample_checksums": {"algorithm": integrity.ALGORITHM, **checksums}}
+    sidecar = {
+        "index": int(index),
+        "count": len(seen),
+        "n_tokens": stats.n_tokens,
+        "sha256": hashing.sha256.hexdigest(),
+        integrity.ALGORITHM: hashing.xxh3.hexdigest(),
+        "bytes": hashing.n_bytes,
+        "stats": stats.to_json(),
+        "sample_checksums": {"algorithm": integrity.ALGORITHM, **checksums},
+    }
     write_json_atomic(shards_dpath / sidecar_fname(index), sidecar)
     return sidecar

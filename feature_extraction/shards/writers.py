@@ -6,6 +6,7 @@ Writing a ViT-B sample costs about 1-3 ms (float64 statistics, sha256, tar heade
 on with the next forward. Each shard's list of undecodable images is written here too,
 before the shard's tar is renamed into place, so a complete shard always has its list.
 """
+
 from __future__ import annotations
 
 import queue
@@ -103,8 +104,12 @@ class ShardWriters:
         self.queues = [ctx.Queue(maxsize=max_batches) for _ in range(n_processes)]
         self.results = ctx.Queue()
         self.errors: list[tuple] = []
-        self.processes = [ctx.Process(target=_writer_process, args=(str(out_dpath), q, self.results), daemon=True,
-                                      name=f"shard-writer-{n}") for n, q in enumerate(self.queues)]
+        self.processes = [
+            ctx.Process(
+                target=_writer_process, args=(str(out_dpath), q, self.results), daemon=True, name=f"shard-writer-{n}"
+            )
+            for n, q in enumerate(self.queues)
+        ]
         for process in self.processes:
             process.start()
 
@@ -119,11 +124,14 @@ class ShardWriters:
                 return
             except queue.Full:
                 if not self.processes[number].is_alive():
-                    raise RuntimeError(f"shard writer process {number} died with exit code "
-                                       f"{self.processes[number].exitcode}; rerun to redo its shards") from None
+                    raise RuntimeError(
+                        f"shard writer process {number} died with exit code "
+                        f"{self.processes[number].exitcode}; rerun to redo its shards"
+                    ) from None
 
-    def send_samples(self, position: int, tokens: Tensor, keys: list[str], metas: list[dict],
-                     positions: np.ndarray | None = None) -> None:
+    def send_samples(
+        self, position: int, tokens: Tensor, keys: list[str], metas: list[dict], positions: np.ndarray | None = None
+    ) -> None:
         """Queue a batch; `positions [b, n]` (full-sequence positions) when the tokens are a subset."""
         shared = torch.empty(tokens.shape, dtype=tokens.dtype).share_memory_()
         shared.copy_(tokens)
@@ -139,11 +147,16 @@ class ShardWriters:
             return
         index, kind, errno_, reason = min(self.errors, key=lambda e: e[0])
         if kind == "OSError" and errno_ in OUT_OF_SPACE_ERRNOS:
-            raise DiskFullError(self.out_dpath / shard_fname(index), f"the complete shards in {self.out_dpath} "
-                                "(a rerun resumes after them; the partial shard was removed)")
+            raise DiskFullError(
+                self.out_dpath / shard_fname(index),
+                f"the complete shards in {self.out_dpath} (a rerun resumes after them; the partial shard was removed)",
+            )
         if kind == "OSError":
-            raise OSError(errno_, f"could not write shard {index} in {self.out_dpath}: {reason}; free space or fix "
-                                  "the output directory and rerun (complete shards are kept)")
+            raise OSError(
+                errno_,
+                f"could not write shard {index} in {self.out_dpath}: {reason}; free space or fix "
+                "the output directory and rerun (complete shards are kept)",
+            )
         raise (ValueError if kind == "ValueError" else RuntimeError)(f"shard {index}: {reason}")
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ The public API, importable from here::
 This package sits above :mod:`sae_pipeline.sae` and :mod:`sae_pipeline.data` (and ``feature_extraction``)
 and below training and the commands.
 """
+
 from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint, sae_from_checkpoint
 from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.artifacts.export import export_checkpoint
@@ -21,5 +22,13 @@ from sae_pipeline.artifacts.load import load_sae
 from sae_pipeline.artifacts.saelens import export_checkpoint_saelens
 from sae_pipeline.sae.config import ExportError
 
-__all__ = ["CheckpointError", "ExportError", "export_checkpoint", "export_checkpoint_saelens", "load_sae",
-           "read_checkpoint", "read_codes", "sae_from_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "ExportError",
+    "export_checkpoint",
+    "export_checkpoint_saelens",
+    "load_sae",
+    "read_checkpoint",
+    "read_codes",
+    "sae_from_checkpoint",
+]

@@ -24,6 +24,7 @@ one. It is an allow-list written here: an old path is rewritten because this tab
 module is imported only when this table names it as the new home of a moved one, never because a
 file names it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -36,8 +37,15 @@ import torch
 from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths
 
-__all__ = ["CheckpointError", "MOVED_MODULES", "checkpoint_d_in", "checkpoint_input_scale", "current_class_path",
-           "read_checkpoint", "sae_from_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "MOVED_MODULES",
+    "checkpoint_d_in",
+    "checkpoint_input_scale",
+    "current_class_path",
+    "read_checkpoint",
+    "sae_from_checkpoint",
+]
 
 FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
 REQUIRED_KEYS = ("state_dict", "sae_config")  # what every reader needs
@@ -47,9 +55,21 @@ LAST_HINT = f"{HINT} or `last` for the newest"
 
 #: ``{module before the layout move: its module now}``; see the module docstring.
 MOVED_MODULES: dict[str, str] = {
-    **{f"sae_pipeline.{name}": f"sae_pipeline.training.{name}"
-       for name in ("callbacks", "checkpointing", "ckpt_config", "interrupts", "lightning_compat", "lightning_noise",
-                    "module", "predict", "requeue", "step_boundary")},
+    **{
+        f"sae_pipeline.{name}": f"sae_pipeline.training.{name}"
+        for name in (
+            "callbacks",
+            "checkpointing",
+            "ckpt_config",
+            "interrupts",
+            "lightning_compat",
+            "lightning_noise",
+            "module",
+            "predict",
+            "requeue",
+            "step_boundary",
+        )
+    },
     **{f"sae_pipeline.{name}": f"sae_pipeline.artifacts.{name}" for name in ("codes", "export", "saelens")},
 }
 
@@ -62,9 +82,16 @@ class CheckpointError(ExportError):
     """
 
 
-def read_checkpoint(fpath: str | Path, *, need: tuple[str, ...] = (), for_fit: bool = False,
-                    flag: str = "--ckpt_path", last: bool = False, mmap: bool = False,
-                    map_location: Any = "cpu") -> dict[str, Any]:
+def read_checkpoint(
+    fpath: str | Path,
+    *,
+    need: tuple[str, ...] = (),
+    for_fit: bool = False,
+    flag: str = "--ckpt_path",
+    last: bool = False,
+    mmap: bool = False,
+    map_location: Any = "cpu",
+) -> dict[str, Any]:
     """The checkpoint in ``fpath``, checked: an ``SAEModule`` checkpoint holding ``need`` too (and a
     training state when ``for_fit``), whose saved configs name only classes that load without
     importing what the file chose (class paths of moved modules rewritten to their new path).
@@ -81,12 +108,15 @@ def read_checkpoint(fpath: str | Path, *, need: tuple[str, ...] = (), for_fit: b
     try:
         checkpoint = torch.load(fpath, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exn:  # noqa: BLE001 -- torch raises many types; its message advises weights_only=False
-        raise CheckpointError(f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
-                              f"{type(exn).__name__}); {hint}") from None
+        raise CheckpointError(
+            f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
+            f"{type(exn).__name__}); {hint}"
+        ) from None
     missing = [key for key in (*REQUIRED_KEYS, *need) if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
-        raise CheckpointError(f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); "
-                              f"{hint}")
+        raise CheckpointError(
+            f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); {hint}"
+        )
     configs = {key: checkpoint.get(key) for key in CONFIG_KEYS}
     _upgrade_class_paths(configs)
     try:
@@ -94,8 +124,10 @@ def read_checkpoint(fpath: str | Path, *, need: tuple[str, ...] = (), for_fit: b
     except ExportError as exn:
         raise CheckpointError(str(exn)) from None
     if for_fit and any(key not in checkpoint for key in FIT_KEYS):
-        raise CheckpointError(f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
-                              "without --ckpt_path, or use this file with validate, predict or export")
+        raise CheckpointError(
+            f"{flag} {fpath}: holds weights only, no training state to resume; start a new run "
+            "without --ckpt_path, or use this file with validate, predict or export"
+        )
     return checkpoint
 
 
@@ -126,7 +158,7 @@ def sae_from_checkpoint(checkpoint: dict[str, Any]) -> SparseAutoencoder:
     """The trained SAE of a checkpoint from :func:`read_checkpoint` (input scale *not* folded)."""
     sae = build_sae(checkpoint["sae_config"])
     prefix = "sae."
-    state = {key[len(prefix):]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
+    state = {key[len(prefix) :]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
     try:
         sae.load_state_dict(state, strict=True)
     except RuntimeError as exn:
@@ -142,8 +174,10 @@ def checkpoint_input_scale(checkpoint: dict[str, Any], where: str) -> float:
     except (TypeError, ValueError):
         value = math.nan
     if isinstance(scale, bool) or not (math.isfinite(value) and value > 0):
-        raise CheckpointError(f"{where}: input_scale is {scale!r}, must be finite and > 0; the checkpoint is damaged, "
-                              "pass another one written by `fit`")
+        raise CheckpointError(
+            f"{where}: input_scale is {scale!r}, must be finite and > 0; the checkpoint is damaged, "
+            "pass another one written by `fit`"
+        )
     return value
 
 

@@ -15,11 +15,13 @@ resizable datasets ``image_ids``, ``token_positions``, ``indices``, ``values``. 
   device`` line first, and the temporary file is removed.
 - ``merge_codes`` joins the per-rank parts of a DDP ``predict`` in rank order, chunk by chunk.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import h5py
 import numpy as np
@@ -62,8 +64,11 @@ class CodesWriter:
 
     def __enter__(self) -> CodesWriter:
         self.fpath.parent.mkdir(parents=True, exist_ok=True)
-        self._kept = (f"the previous {self.fpath}, unchanged" if self.fpath.exists() else
-                      f"no codes file (the partial {self.fpath.name}.tmp was removed)")
+        self._kept = (
+            f"the previous {self.fpath}, unchanged"
+            if self.fpath.exists()
+            else f"no codes file (the partial {self.fpath.name}.tmp was removed)"
+        )
         check_free_space(self.fpath, H5_RESERVE_BYTES, self._kept)
         with ExitStack() as stack:  # unwound here (temporary file removed) only if setting up the file fails
             tmp = stack.enter_context(atomic_path(self.fpath, kept=self._kept))
@@ -74,15 +79,16 @@ class CodesWriter:
             opts = {"compression": "gzip", "compression_opts": 4}
             h5.create_dataset("image_ids", (0,), h5py.string_dtype(), maxshape=(None,), chunks=(rows,), **opts)
             h5.create_dataset("token_positions", (0,), np.int32, maxshape=(None,), chunks=(rows,), **opts)
-            h5.create_dataset("indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1,
-                              **opts)
-            h5.create_dataset("values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols),
-                              fillvalue=0.0, **opts)
+            h5.create_dataset(
+                "indices", (0, 0), np.int32, maxshape=(None, None), chunks=(rows, cols), fillvalue=-1, **opts
+            )
+            h5.create_dataset(
+                "values", (0, 0), np.float32, maxshape=(None, None), chunks=(rows, cols), fillvalue=0.0, **opts
+            )
             self._h5, self._stack = h5, stack.pop_all()
         return self
 
-    def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray,
-              values: np.ndarray) -> None:
+    def write(self, image_ids: list[str], token_positions: np.ndarray, indices: np.ndarray, values: np.ndarray) -> None:
         """Append ``n`` tokens: ids ``[n]``, positions ``[n]`` int, indices ``[n, k]`` int (-1 pads),
         values ``[n, k]`` float."""
         if self._h5 is None:
@@ -93,11 +99,14 @@ class CodesWriter:
         if indices.ndim != 2 or indices.shape[0] != n or not np.issubdtype(indices.dtype, np.integer):
             raise ValueError(f"indices must be integers [n={n}, k], got {indices.dtype} {list(indices.shape)}")
         if values.shape != indices.shape or not np.issubdtype(values.dtype, np.floating):
-            raise ValueError(f"values must be floats of the indices' shape {list(indices.shape)}, "
-                             f"got {values.dtype} {list(values.shape)}")
+            raise ValueError(
+                f"values must be floats of the indices' shape {list(indices.shape)}, "
+                f"got {values.dtype} {list(values.shape)}"
+            )
         if token_positions.shape != (n,) or not np.issubdtype(token_positions.dtype, np.integer):
-            raise ValueError(f"token_positions must be integers [n={n}], got {token_positions.dtype} "
-                             f"{list(token_positions.shape)}")
+            raise ValueError(
+                f"token_positions must be integers [n={n}], got {token_positions.dtype} {list(token_positions.shape)}"
+            )
         if indices.size and (indices.min() < -1 or (self.d_sae is not None and indices.max() >= self.d_sae)):
             raise ValueError(f"indices must be in [-1, d_sae={self.d_sae}), got [{indices.min()}, {indices.max()}]")
         n_bytes = indices.nbytes + values.nbytes + token_positions.nbytes + sum(len(str(i)) + 16 for i in image_ids)
@@ -155,7 +164,11 @@ def merge_codes(part_fpaths: Sequence[Path], out_fpath: Path) -> int:
                 n = h5["token_positions"].shape[0]
                 for start in range(0, n, MERGE_CHUNK_ROWS):
                     stop = min(start + MERGE_CHUNK_ROWS, n)
-                    writer.write(list(h5["image_ids"].asstr()[start:stop]), h5["token_positions"][start:stop],
-                                 h5["indices"][start:stop], h5["values"][start:stop])
+                    writer.write(
+                        list(h5["image_ids"].asstr()[start:stop]),
+                        h5["token_positions"][start:stop],
+                        h5["indices"][start:stop],
+                        h5["values"][start:stop],
+                    )
                 n_rows += n
     return n_rows

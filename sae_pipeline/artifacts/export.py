@@ -24,6 +24,7 @@ format of a folder and is what users call. ``config.json``'s ``format`` is ``sae
 a name of the format, not of this module (exports written between the layout move and its fix say
 ``sae_pipeline.artifacts.export/1``; the two are the same format).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,11 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
     sae = sae_from_checkpoint(checkpoint)
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
-    hyper_parameters = {key: value for key, value in dict(checkpoint.get("hyper_parameters") or {}).items()
-                        if not key.startswith("_") and key != "sae"}
+    hyper_parameters = {
+        key: value
+        for key, value in dict(checkpoint.get("hyper_parameters") or {}).items()
+        if not key.startswith("_") and key != "sae"
+    }
     config = {
         "format": EXPORT_FORMAT,
         "variant": variant_key(type(sae)),
@@ -82,8 +86,9 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
         "trained_with_package_version": checkpoint.get("sae_pipeline_version"),
     }
     tensors = {key: value.detach().contiguous() for key, value in sae.state_dict().items()}
-    write_export_files(out_dpath, WEIGHTS_FNAME, tensors, {"format": EXPORT_FORMAT}, CONFIG_FNAME, config,
-                       record_sha256=True)
+    write_export_files(
+        out_dpath, WEIGHTS_FNAME, tensors, {"format": EXPORT_FORMAT}, CONFIG_FNAME, config, record_sha256=True
+    )
     return out_dpath
 
 
@@ -102,8 +107,10 @@ def check_export(dpath: Path | str) -> None:
         raise ExportError(f"{config_fpath}: not a JSON object; {fix}")
     if "weights_sha256" in config:
         if not weights_fpath.is_file() or file_sha256(weights_fpath) != config["weights_sha256"]:
-            raise ExportError(f"{weights_fpath}: missing or its sha256 differs from {CONFIG_FNAME}'s "
-                              f"'weights_sha256' (damaged); {fix}")
+            raise ExportError(
+                f"{weights_fpath}: missing or its sha256 differs from {CONFIG_FNAME}'s "
+                f"'weights_sha256' (damaged); {fix}"
+            )
         return
     try:
         with safe_open(str(weights_fpath), framework="pt") as f:
@@ -119,8 +126,10 @@ def load_native(dpath: Path | str, map_location: str | torch.device = "cpu") -> 
     config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
     for fpath in (config_fpath, weights_fpath):
         if not fpath.is_file():
-            raise ExportError(f"{fpath}: not found; export a checkpoint first "
-                              "(python -m sae_pipeline export --ckpt_path FILE --out DIR)")
+            raise ExportError(
+                f"{fpath}: not found; export a checkpoint first "
+                "(python -m sae_pipeline export --ckpt_path FILE --out DIR)"
+            )
     try:
         config = json.loads(config_fpath.read_text())
     except json.JSONDecodeError as exn:
@@ -129,8 +138,9 @@ def load_native(dpath: Path | str, map_location: str | torch.device = "cpu") -> 
         raise ExportError(f"{config_fpath}: not a JSON object; re-export the checkpoint")
     fix = f"re-export it (python -m sae_pipeline export --ckpt_path {config.get('checkpoint') or 'FILE'} --out {dpath})"
     if "weights_sha256" in config and file_sha256(weights_fpath) != config["weights_sha256"]:
-        raise ExportError(f"{weights_fpath}: sha256 differs from {CONFIG_FNAME}'s 'weights_sha256' (a damaged or "
-                          f"mixed export); {fix}")
+        raise ExportError(
+            f"{weights_fpath}: sha256 differs from {CONFIG_FNAME}'s 'weights_sha256' (a damaged or mixed export); {fix}"
+        )
     try:
         sae = build_sae(config)
     except ExportError as exn:
@@ -140,8 +150,10 @@ def load_native(dpath: Path | str, map_location: str | torch.device = "cpu") -> 
     try:
         state = load_file(str(weights_fpath), device=str(map_location))
     except Exception as exn:  # safetensors raises SafetensorError (no common base) for damaged files
-        raise ExportError(f"{weights_fpath}: not a readable safetensors file ({type(exn).__name__}: "
-                          f"{str(exn).splitlines()[0] if str(exn) else ''}); {fix}") from None
+        raise ExportError(
+            f"{weights_fpath}: not a readable safetensors file ({type(exn).__name__}: "
+            f"{str(exn).splitlines()[0] if str(exn) else ''}); {fix}"
+        ) from None
     try:
         sae.load_state_dict(state, strict=True)
     except RuntimeError as exn:
@@ -156,20 +168,33 @@ def build_parser() -> Any:
     from feature_extraction.help_format import DefaultsHelpFormatter
 
     parser = ArgumentParser(
-        prog="python -m sae_pipeline export", formatter_class=DefaultsHelpFormatter, exit_on_error=False,
+        prog="python -m sae_pipeline export",
+        formatter_class=DefaultsHelpFormatter,
+        exit_on_error=False,
         description="Export a trained SAE (Lightning checkpoint) to DIR/sae.safetensors + DIR/config.json, "
-                    "with the input normalisation folded in so it runs on raw activations.")
+        "with the input normalisation folded in so it runs on raw activations.",
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file setting any of the options below")
-    parser.add_argument("--ckpt_path", required=True,
-                        help="checkpoint written by `fit`, e.g. runs/NAME/version_N/checkpoints/last.ckpt "
-                             "(fit prints its path; each fit run has its own version_N)")
+    parser.add_argument(
+        "--ckpt_path",
+        required=True,
+        help="checkpoint written by `fit`, e.g. runs/NAME/version_N/checkpoints/last.ckpt "
+        "(fit prints its path; each fit run has its own version_N)",
+    )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--format", choices=("native", "saelens"), default="native",
-                        help="native: sae.safetensors + config.json; saelens: SAELens 6's cfg.json + "
-                             "sae_weights.safetensors (SAEBench, dashboards, Neuronpedia)")
-    parser.add_argument("--probe", default=None,
-                        help="saelens format, MP-SAE only: data whose validation split checks that SAELens computes "
-                             "the same codes (default: the data the run was trained on)")
+    parser.add_argument(
+        "--format",
+        choices=("native", "saelens"),
+        default="native",
+        help="native: sae.safetensors + config.json; saelens: SAELens 6's cfg.json + "
+        "sae_weights.safetensors (SAEBench, dashboards, Neuronpedia)",
+    )
+    parser.add_argument(
+        "--probe",
+        default=None,
+        help="saelens format, MP-SAE only: data whose validation split checks that SAELens computes "
+        "the same codes (default: the data the run was trained on)",
+    )
     return parser
 
 
@@ -186,6 +211,12 @@ def run(args: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m sae_pipeline export --ckpt_path FILE --out DIR``; returns the exit status (``exit_status``)."""
-    return run_cli(build_parser(), sys.argv[1:] if argv is None else argv, run, error_type=True,
-                   interrupted=lambda args: f"nothing was written to {args.out} (exports are written whole or not "
-                                            "at all); rerun the command")[0]
+    return run_cli(
+        build_parser(),
+        sys.argv[1:] if argv is None else argv,
+        run,
+        error_type=True,
+        interrupted=lambda args: (
+            f"nothing was written to {args.out} (exports are written whole or not at all); rerun the command"
+        ),
+    )[0]

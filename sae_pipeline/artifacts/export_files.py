@@ -12,6 +12,7 @@ and the fix: another ``--out``, or remove the folder first). Replacing would lea
 folder, or a ``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting
 a user's files is not the exporter's call.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ from feature_extraction.atomic_files import DiskFullError, atomic_path
 from feature_extraction.file_hashes import file_sha256
 from sae_pipeline.sae.config import ExportError
 
-__all__ = ["CONFIG_FNAME", "SAELENS_CFG_FNAME", "SAELENS_WEIGHTS_FNAME", "WEIGHTS_FNAME", "export_format",
-           "refuse_other_export", "write_export_files"]
+__all__ = [
+    "CONFIG_FNAME",
+    "SAELENS_CFG_FNAME",
+    "SAELENS_WEIGHTS_FNAME",
+    "WEIGHTS_FNAME",
+    "export_format",
+    "refuse_other_export",
+    "write_export_files",
+]
 
 CONFIG_FNAME = "config.json"  # native
 WEIGHTS_FNAME = "sae.safetensors"  # native
@@ -45,9 +53,15 @@ def export_format(dpath: Path | str) -> str:
     return "native"
 
 
-def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[str, torch.Tensor],
-                       weights_metadata: dict[str, str] | None, config_fname: str, config: dict[str, Any],
-                       record_sha256: bool = False) -> Path:
+def write_export_files(
+    out_dpath: Path | str,
+    weights_fname: str,
+    tensors: dict[str, torch.Tensor],
+    weights_metadata: dict[str, str] | None,
+    config_fname: str,
+    config: dict[str, Any],
+    record_sha256: bool = False,
+) -> Path:
     """Write an export's weights and config so that a failure never leaves a half-written export.
 
     Both files are written whole under temporary names (fsynced) and only then renamed over the
@@ -65,8 +79,10 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     previous = (out_dpath / config_fname).exists() or (out_dpath / weights_fname).exists()
     kept = f"the previous export in {out_dpath}, unchanged" if previous else f"no export in {out_dpath}"
     try:  # the inner (weights) is renamed first, the config last
-        with atomic_path(out_dpath / config_fname, config_tmp, kept=kept) as config_tmp, \
-                atomic_path(out_dpath / weights_fname, weights_tmp, kept=kept) as weights_tmp:
+        with (
+            atomic_path(out_dpath / config_fname, config_tmp, kept=kept) as config_tmp,
+            atomic_path(out_dpath / weights_fname, weights_tmp, kept=kept) as weights_tmp,
+        ):
             save_file(tensors, str(weights_tmp), metadata=weights_metadata)
             if record_sha256:
                 config = {**config, "weights_sha256": file_sha256(weights_tmp)}
@@ -74,8 +90,10 @@ def write_export_files(out_dpath: Path | str, weights_fname: str, tensors: dict[
     except DiskFullError:
         raise
     except OSError as exn:
-        raise OSError(f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
-                      "choose another --out (the previous export there, if any, is unchanged)") from None
+        raise OSError(
+            f"--out {out_dpath}: could not write the export ({exn.strerror or exn}); free space or "
+            "choose another --out (the previous export there, if any, is unchanged)"
+        ) from None
     return out_dpath
 
 
@@ -86,5 +104,7 @@ def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> No
     for name, files in FORMAT_FILES.items():
         found = [fname for fname in files if fname not in own_files and (out_dpath / fname).exists()]
         if found:
-            raise ExportError(f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
-                              f"SAE; pass another --out, or remove {out_dpath} first to replace it")
+            raise ExportError(
+                f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
+                f"SAE; pass another --out, or remove {out_dpath} first to replace it"
+            )

@@ -7,6 +7,7 @@ here, so both formats are accepted everywhere: the native export (``config.json`
 which builds our equivalent module). Neither reader imports what the folder names
 (:mod:`sae_pipeline.sae.config`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -47,6 +47,7 @@ rescaling with non-unit atoms, other architectures) are refused with the field a
 never approximated. Atoms are loaded as saved (our formulas do not need unit norm; Babel
 normalises them itself).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,12 @@ from torch import Tensor
 import sae_pipeline
 from feature_extraction.shards import peek_manifest
 from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_checkpoint, sae_from_checkpoint
-from sae_pipeline.artifacts.export_files import (SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME, refuse_other_export,
-                                                 write_export_files)
+from sae_pipeline.artifacts.export_files import (
+    SAELENS_CFG_FNAME,
+    SAELENS_WEIGHTS_FNAME,
+    refuse_other_export,
+    write_export_files,
+)
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -73,9 +78,19 @@ from sae_pipeline.sae import (
 )
 from sae_pipeline.sae.config import ExportError, sae_config
 
-__all__ = ["ExportError", "SAELENS_CFG_FNAME", "SAELENS_WEIGHTS_FNAME", "export_checkpoint_saelens", "load_saelens",
-           "pursuit_sign_violations", "sae_from_saelens", "saelens_architecture", "saelens_config", "saelens_tensors",
-           "write_saelens"]
+__all__ = [
+    "ExportError",
+    "SAELENS_CFG_FNAME",
+    "SAELENS_WEIGHTS_FNAME",
+    "export_checkpoint_saelens",
+    "load_saelens",
+    "pursuit_sign_violations",
+    "sae_from_saelens",
+    "saelens_architecture",
+    "saelens_config",
+    "saelens_tensors",
+    "write_saelens",
+]
 
 # metadata.sae_lens_version: SAELens converts configs older than 6.0 from its previous layout,
 # so the version of the format we write (verified against sae-lens 6.54) must say 6.x.
@@ -92,14 +107,23 @@ def saelens_architecture(sae: SparseAutoencoder) -> str:
 
     Exact class match: a user's subclass may change ``encode``, and SAELens would not follow.
     """
-    architecture = {ReLUSAE: "standard", JumpReLUSAE: "jumprelu", TopKSAE: "topk", BatchTopKSAE: "jumprelu",
-                    MatchingPursuitSAE: "matching_pursuit"}.get(type(sae))
+    architecture = {
+        ReLUSAE: "standard",
+        JumpReLUSAE: "jumprelu",
+        TopKSAE: "topk",
+        BatchTopKSAE: "jumprelu",
+        MatchingPursuitSAE: "matching_pursuit",
+    }.get(type(sae))
     if architecture is None:
-        raise ExportError(f"{type(sae).__name__} has no SAELens architecture (SAELens 6 represents ReLU, JumpReLU, "
-                          "TopK, BatchTopK and MP-SAE); export it with --format native")
+        raise ExportError(
+            f"{type(sae).__name__} has no SAELens architecture (SAELens 6 represents ReLU, JumpReLU, "
+            "TopK, BatchTopK and MP-SAE); export it with --format native"
+        )
     if getattr(sae, "token_scaled_threshold", False):  # SAELens compares pre with θ itself, not pre / ‖x − b‖
-        raise ExportError(f"{type(sae).__name__} was trained with token_scaled_threshold, which SAELens cannot "
-                          "represent; export it with --format native")
+        raise ExportError(
+            f"{type(sae).__name__} was trained with token_scaled_threshold, which SAELens cannot "
+            "represent; export it with --format native"
+        )
     return architecture
 
 
@@ -120,8 +144,13 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any] | None = Non
     """SAELens 6's ``cfg.json`` for ``sae`` (fields as ``SAEConfig.to_dict`` writes them)."""
     architecture = saelens_architecture(sae)
     config: dict[str, Any] = {
-        "d_in": sae.d_in, "d_sae": sae.d_sae, "dtype": "float32", "device": "cpu",
-        "apply_b_dec_to_input": True, "normalize_activations": "none", "reshape_activations": "none",
+        "d_in": sae.d_in,
+        "d_sae": sae.d_sae,
+        "dtype": "float32",
+        "device": "cpu",
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",
+        "reshape_activations": "none",
     }
     if architecture == "topk":
         config.update(k=sae.k, rescale_acts_by_decoder_norm=False)
@@ -165,7 +194,8 @@ def check_pursuit_agrees(sae: MatchingPursuitSAE, x: Tensor, probe_name: str) ->
             f"MP-SAE not exported to SAELens: on {n_bad} of {x.shape[0]} tokens of {probe_name} a pursuit step "
             f"selects a negative correlation (down to {worst:.3g} x the RMS residual norm), which SAELens's "
             "matching_pursuit clips at zero while ours takes the signed argmax, so the outputs would differ; "
-            "use --format native")
+            "use --format native"
+        )
 
 
 def checkpoint_probe(checkpoint: dict[str, Any], probe: str | None, n_tokens: int) -> tuple[Tensor, str]:
@@ -174,8 +204,10 @@ def checkpoint_probe(checkpoint: dict[str, Any], probe: str | None, n_tokens: in
     data_hparams = dict(checkpoint.get("datamodule_hyper_parameters") or {})
     source = probe or (checkpoint.get("data") or {}).get("source") or data_hparams.get("source")
     if not source or source == "None":
-        raise ExportError("the checkpoint records no data source to check the MP-SAE export on; "
-                          "pass --probe SOURCE (a shard directory, an .h5 token cache, digits or mnist)")
+        raise ExportError(
+            "the checkpoint records no data source to check the MP-SAE export on; "
+            "pass --probe SOURCE (a shard directory, an .h5 token cache, digits or mnist)"
+        )
     val_fraction = float(data_hparams.get("val_fraction") or 0.1) if probe is None else 0.1
     data_dpath = str(data_hparams.get("data_dpath") or "data")
     from sae_pipeline.data.validation import validation_tokens  # the data package loads Lightning: on use
@@ -183,9 +215,11 @@ def checkpoint_probe(checkpoint: dict[str, Any], probe: str | None, n_tokens: in
     try:
         x = validation_tokens(str(source), val_fraction, n_tokens, data_dpath)
     except (ValueError, OSError) as exn:
-        raise ExportError(f"cannot read the probe data {source} for the MP-SAE check "
-                          f"({str(exn).splitlines()[0] if str(exn) else type(exn).__name__}); "
-                          "pass --probe SOURCE with data of the same kind") from None
+        raise ExportError(
+            f"cannot read the probe data {source} for the MP-SAE check "
+            f"({str(exn).splitlines()[0] if str(exn) else type(exn).__name__}); "
+            "pass --probe SOURCE with data of the same kind"
+        ) from None
     return x, f"the validation split of {source}"
 
 
@@ -209,8 +243,9 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
     return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, None, SAELENS_CFG_FNAME, config)
 
 
-def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, probe: str | None = None,
-                              n_probe_tokens: int = DEFAULT_PROBE_TOKENS) -> Path:
+def export_checkpoint_saelens(
+    ckpt_fpath: Path | str, out_dpath: Path | str, probe: str | None = None, n_probe_tokens: int = DEFAULT_PROBE_TOKENS
+) -> Path:
     """``export --format saelens``: fold the input scale, check MP-SAE's agreement, write SAELens's format.
 
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
@@ -221,8 +256,12 @@ def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, pro
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
     saelens_architecture(sae)
-    metadata = {**data_metadata(checkpoint), "input_scale_folded": input_scale,
-                "global_step": checkpoint.get("global_step"), "checkpoint": str(Path(ckpt_fpath).resolve())}
+    metadata = {
+        **data_metadata(checkpoint),
+        "input_scale_folded": input_scale,
+        "global_step": checkpoint.get("global_step"),
+        "checkpoint": str(Path(ckpt_fpath).resolve()),
+    }
     if isinstance(sae, MatchingPursuitSAE):
         x, probe_name = checkpoint_probe(checkpoint, probe, n_probe_tokens)
         check_pursuit_agrees(sae, x, probe_name)
@@ -234,29 +273,40 @@ def export_checkpoint_saelens(ckpt_fpath: Path | str, out_dpath: Path | str, pro
 def _require(config: dict[str, Any], name: str, allowed: tuple, fix: str, where: str) -> None:
     value = config.get(name, allowed[0])
     if value not in allowed:
-        raise ExportError(f"{where}: {name} = {value!r} is not supported (our SAEs compute it only with "
-                          f"{' or '.join(map(repr, allowed))}); {fix}")
+        raise ExportError(
+            f"{where}: {name} = {value!r} is not supported (our SAEs compute it only with "
+            f"{' or '.join(map(repr, allowed))}); {fix}"
+        )
 
 
 def _tensor(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...], where: str) -> Tensor:
     if name not in tensors:
-        raise ExportError(f"{where}: {SAELENS_WEIGHTS_FNAME} has no {name!r} (has {', '.join(sorted(tensors))}); "
-                          "save the SAE with SAELens's save_model")
+        raise ExportError(
+            f"{where}: {SAELENS_WEIGHTS_FNAME} has no {name!r} (has {', '.join(sorted(tensors))}); "
+            "save the SAE with SAELens's save_model"
+        )
     tensor = tensors[name].float()
     if tuple(tensor.shape) != shape:
         raise ExportError(f"{where}: {name} has shape {list(tensor.shape)}, cfg.json implies {list(shape)}")
     return tensor
 
 
-def sae_from_saelens(config: dict[str, Any], tensors: dict[str, Tensor], where: str = "SAELens SAE"
-                     ) -> SparseAutoencoder:
+def sae_from_saelens(
+    config: dict[str, Any], tensors: dict[str, Tensor], where: str = "SAELens SAE"
+) -> SparseAutoencoder:
     """Our SAE computing the same ``encode`` / ``decode`` as the SAELens model ``(cfg, state dict)``."""
     architecture = config.get("architecture", "standard")
     if architecture not in ARCHITECTURES:
-        raise ExportError(f"{where}: architecture {architecture!r} has no equivalent here; "
-                          f"supported: {', '.join(ARCHITECTURES)}")
-    _require(config, "normalize_activations", RUNTIME_IDENTITY_NORMALIZATIONS,
-             "fold the normalisation into the weights before saving", where)
+        raise ExportError(
+            f"{where}: architecture {architecture!r} has no equivalent here; supported: {', '.join(ARCHITECTURES)}"
+        )
+    _require(
+        config,
+        "normalize_activations",
+        RUNTIME_IDENTITY_NORMALIZATIONS,
+        "fold the normalisation into the weights before saving",
+        where,
+    )
     try:
         d_in, d_sae = int(config["d_in"]), int(config["d_sae"])
     except (KeyError, TypeError, ValueError):
@@ -280,16 +330,22 @@ def sae_from_saelens(config: dict[str, Any], tensors: dict[str, Tensor], where: 
             raise ExportError(f"{where}: topk needs an integer k in [1, d_sae={d_sae}], got {k!r}")
         norms = W_dec.norm(dim=1)
         if config.get("rescale_acts_by_decoder_norm") and not torch.allclose(norms, torch.ones_like(norms), atol=1e-5):
-            raise ExportError(f"{where}: rescale_acts_by_decoder_norm with non-unit atoms ranks latents by "
-                              "pre-activation x atom norm, which our TopK does not; fold the decoder norms first "
-                              "(SAELens: sae.fold_W_dec_norm()) and save again")
+            raise ExportError(
+                f"{where}: rescale_acts_by_decoder_norm with non-unit atoms ranks latents by "
+                "pre-activation x atom norm, which our TopK does not; fold the decoder norms first "
+                "(SAELens: sae.fold_W_dec_norm()) and save again"
+            )
         sae = TopKSAE(d_in, d_sae, k=k)
     else:
         threshold = _tensor(tensors, "threshold", (d_sae,), where).clamp_min(0.0)  # SAELens: relu(pre)·(pre > θ)
         details = dict(metadata.get("training_architecture_details") or {})
         k = details.get("k")
-        if (metadata.get("training_architecture") == "batchtopk" and isinstance(k, (int, float)) and k >= 1
-                and bool((threshold == threshold[0]).all())):
+        if (
+            metadata.get("training_architecture") == "batchtopk"
+            and isinstance(k, (int, float))
+            and k >= 1
+            and bool((threshold == threshold[0]).all())
+        ):
             sae = BatchTopKSAE(d_in, d_sae, k=min(d_sae, max(1, round(k))))
             with torch.no_grad():
                 sae.threshold.fill_(float(threshold[0]))
@@ -306,22 +362,28 @@ def sae_from_saelens(config: dict[str, Any], tensors: dict[str, Tensor], where: 
     return sae.eval()
 
 
-def _mp_from_saelens(config: dict[str, Any], W_dec: Tensor, b_dec: Tensor, subtract_b_dec: bool, where: str
-                     ) -> MatchingPursuitSAE:
+def _mp_from_saelens(
+    config: dict[str, Any], W_dec: Tensor, b_dec: Tensor, subtract_b_dec: bool, where: str
+) -> MatchingPursuitSAE:
     """MP-SAE for SAELens's ``matching_pursuit`` with a fixed number of steps and no early stopping."""
     fix = "save it with residual_threshold 0, stop_on_duplicate_support false and max_iterations = k"
     threshold = config.get("residual_threshold", 1e-2)
     if not isinstance(threshold, (int, float)) or threshold > 0:
-        raise ExportError(f"{where}: residual_threshold = {threshold!r} stops each token early, which our MP-SAE "
-                          f"(a fixed number of steps) does not; {fix}")
+        raise ExportError(
+            f"{where}: residual_threshold = {threshold!r} stops each token early, which our MP-SAE "
+            f"(a fixed number of steps) does not; {fix}"
+        )
     if config.get("stop_on_duplicate_support", True):
-        raise ExportError(f"{where}: stop_on_duplicate_support = true stops a token when an atom repeats, while "
-                          f"ours may pick an atom again; {fix}")
+        raise ExportError(
+            f"{where}: stop_on_duplicate_support = true stops a token when an atom repeats, while "
+            f"ours may pick an atom again; {fix}"
+        )
     steps = config.get("max_iterations")
     d_sae, d_in = W_dec.shape
     if not isinstance(steps, int) or not 1 <= steps <= d_sae:
-        raise ExportError(f"{where}: max_iterations = {steps!r}; ours needs an integer number of steps in "
-                          f"[1, d_sae={d_sae}]; {fix}")
+        raise ExportError(
+            f"{where}: max_iterations = {steps!r}; ours needs an integer number of steps in [1, d_sae={d_sae}]; {fix}"
+        )
     sae = MatchingPursuitSAE(d_in, d_sae, k=steps)
     with torch.no_grad():
         sae.W_dec.copy_(W_dec)
@@ -330,7 +392,7 @@ def _mp_from_saelens(config: dict[str, Any], W_dec: Tensor, b_dec: Tensor, subtr
 
 
 def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") -> SparseAutoencoder:
-    """Our equivalent of the SAELens SAE saved in ``dpath`` (``cfg.json`` + ``sae_weights.safetensors``), in eval mode."""
+    """Our equivalent of the SAELens SAE saved in ``dpath`` (``cfg.json``, ``sae_weights.safetensors``), eval mode."""
     dpath = Path(dpath)
     cfg_fpath = dpath / SAELENS_CFG_FNAME
     try:
@@ -340,13 +402,17 @@ def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") ->
     if not isinstance(config, dict):
         raise ExportError(f"{cfg_fpath}: expected a JSON object, got {type(config).__name__}")
     if not (dpath / SAELENS_WEIGHTS_FNAME).is_file():
-        raise ExportError(f"{dpath / SAELENS_WEIGHTS_FNAME}: not found beside {SAELENS_CFG_FNAME}; a SAELens directory "
-                          "holds both (SAELens: sae.save_model(DIR))")
+        raise ExportError(
+            f"{dpath / SAELENS_WEIGHTS_FNAME}: not found beside {SAELENS_CFG_FNAME}; a SAELens directory "
+            "holds both (SAELens: sae.save_model(DIR))"
+        )
     try:
         tensors = load_file(str(dpath / SAELENS_WEIGHTS_FNAME))
     except Exception as exn:  # safetensors raises its own SafetensorError for damaged files
-        raise ExportError(f"{dpath / SAELENS_WEIGHTS_FNAME}: not a readable safetensors file "
-                          f"({type(exn).__name__}); save the SAE again with SAELens") from None
+        raise ExportError(
+            f"{dpath / SAELENS_WEIGHTS_FNAME}: not a readable safetensors file "
+            f"({type(exn).__name__}); save the SAE again with SAELens"
+        ) from None
     damaged = sorted(name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor.float()).all()))
     if damaged:
         raise ExportError(f"{dpath}: {', '.join(damaged)} hold NaN or inf; the saved SAE is damaged")

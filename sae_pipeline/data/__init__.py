@@ -9,14 +9,38 @@
 - ``validation.py``: ``validation_tokens``, the validation split in memory (``evaluate sae``, the
   SAELens export's check).
 """
+
 from sae_pipeline.data.datamodule import ActivationDataModule
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
-from sae_pipeline.data.sources import (Chunk, RowSource, ShardSource, ShardUnit, load_mnist, load_mnist_sample,
-                                       open_source, read_sample)
-from sae_pipeline.data.streams import (BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream,
-                                       TokenStream)
+from sae_pipeline.data.sources import (
+    Chunk,
+    RowSource,
+    ShardSource,
+    ShardUnit,
+    load_mnist,
+    load_mnist_sample,
+    open_source,
+    read_sample,
+)
+from sae_pipeline.data.streams import BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream
 from sae_pipeline.data.validation import validation_tokens
 
-__all__ = ["ActivationDataModule", "BatchRing", "Chunk", "OrderedTokenStream", "RowSource", "ShardSource",
-           "ShardUnit", "ShuffleBuffer", "ShuffledTokenStream", "TokenLoader", "TokenStream", "TrainTokenLoader",
-           "load_mnist", "load_mnist_sample", "open_source", "read_sample", "validation_tokens"]
+__all__ = [
+    "ActivationDataModule",
+    "BatchRing",
+    "Chunk",
+    "OrderedTokenStream",
+    "RowSource",
+    "ShardSource",
+    "ShardUnit",
+    "ShuffleBuffer",
+    "ShuffledTokenStream",
+    "TokenLoader",
+    "TokenStream",
+    "TrainTokenLoader",
+    "load_mnist",
+    "load_mnist_sample",
+    "open_source",
+    "read_sample",
+    "validation_tokens",
+]

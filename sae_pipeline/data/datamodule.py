@@ -24,6 +24,7 @@ token) and ``token_positions`` (int64).
 - predict: the whole dataset (train and validation) in order, each rank a disjoint
   contiguous part, so ``predict`` writes codes for every token.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -63,12 +64,24 @@ class ActivationDataModule(L.LightningDataModule):
         eval_tokens: size of the fixed validation sample for figures (``eval_sample``).
     """
 
-    def __init__(self, source: str, batch_size: int = 4096, num_workers: int = 2,
-                 shuffle_buffer_tokens: int = 262_144, val_fraction: float = 0.1, seed: int = 0,
-                 allow_download: bool = False, data_dpath: str = "data", eval_tokens: int = 16_384) -> None:
+    def __init__(
+        self,
+        source: str,
+        batch_size: int = 4096,
+        num_workers: int = 2,
+        shuffle_buffer_tokens: int = 262_144,
+        val_fraction: float = 0.1,
+        seed: int = 0,
+        allow_download: bool = False,
+        data_dpath: str = "data",
+        eval_tokens: int = 16_384,
+    ) -> None:
         super().__init__()
-        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
-                                 ("eval_tokens", eval_tokens, 1)):
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("eval_tokens", eval_tokens, 1),
+        ):
             check_int(f"--data.{name}", value, low)
         check_shuffle_buffer(shuffle_buffer_tokens, batch_size)
         check_float("--data.val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True)
@@ -131,23 +144,47 @@ class ActivationDataModule(L.LightningDataModule):
         """This rank's training stream (explicit ``rank`` / ``world_size`` build any rank's, for tests)."""
         rank, world_size = self._rank_world(rank, world_size)
         data = self.data_source
-        return ShuffledTokenStream(data.units("train", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
-                                   world_size, self.num_workers, self.shuffle_buffer_tokens, self.seed,
-                                   unit_kind=data.unit_kind)
+        return ShuffledTokenStream(
+            data.units("train", self.val_fraction),
+            self.batch_size,
+            data.d,
+            data.dtype,
+            rank,
+            world_size,
+            self.num_workers,
+            self.shuffle_buffer_tokens,
+            self.seed,
+            unit_kind=data.unit_kind,
+        )
 
     def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> OrderedTokenStream:
         """This rank's part of the validation split."""
         rank, world_size = self._rank_world(rank, world_size)
         data = self.data_source
-        return OrderedTokenStream(data.units("val", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
-                                  world_size, self.num_workers)
+        return OrderedTokenStream(
+            data.units("val", self.val_fraction),
+            self.batch_size,
+            data.d,
+            data.dtype,
+            rank,
+            world_size,
+            self.num_workers,
+        )
 
     def predict_dataset(self, rank: int | None = None, world_size: int | None = None) -> OrderedTokenStream:
         """This rank's part of the whole dataset, in order, with image ids and token positions."""
         rank, world_size = self._rank_world(rank, world_size)
         data = self.data_source
-        return OrderedTokenStream(data.units("all", self.val_fraction), self.batch_size, data.d, data.dtype, rank,
-                                  world_size, self.num_workers, with_ids=True)
+        return OrderedTokenStream(
+            data.units("all", self.val_fraction),
+            self.batch_size,
+            data.d,
+            data.dtype,
+            rank,
+            world_size,
+            self.num_workers,
+            with_ids=True,
+        )
 
     def _pin_memory(self) -> bool:
         return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
@@ -160,9 +197,13 @@ class ActivationDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> TrainTokenLoader:
         attached = self.trainer is not None
-        return TrainTokenLoader(self.train_dataset(), self.num_workers, self._pin_memory(),
-                                epoch_fn=self._epoch if attached else None,
-                                progress_fn=self._batches_done if attached else None)
+        return TrainTokenLoader(
+            self.train_dataset(),
+            self.num_workers,
+            self._pin_memory(),
+            epoch_fn=self._epoch if attached else None,
+            progress_fn=self._batches_done if attached else None,
+        )
 
     def val_dataloader(self) -> TokenLoader | list:
         if self.val_fraction == 0:

@@ -7,9 +7,11 @@ line, not wrapped in the DataLoader's traceback; and the training loader is stat
 (Lightning stores its ``state_dict`` in the checkpoint), which is how a run resumes
 mid-epoch without losing or repeating tokens (see ``datamodule.py``).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -81,9 +83,15 @@ class TrainTokenLoader(TokenLoader):
     trainer's progress; without it, the batches this loader has yielded).
     """
 
-    def __init__(self, dataset: ShuffledTokenStream, num_workers: int = 0, pin_memory: bool = False,
-                 epoch_fn: Callable[[], int] | None = None, progress_fn: Callable[[], int] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: ShuffledTokenStream,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        epoch_fn: Callable[[], int] | None = None,
+        progress_fn: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(dataset, num_workers=num_workers, pin_memory=pin_memory, **kwargs)
         self.epoch_fn, self.progress_fn = epoch_fn, progress_fn
         self._n_iterations, self._epoch, self._n_yielded = 0, 0, 0
@@ -112,8 +120,12 @@ class TrainTokenLoader(TokenLoader):
     def state_dict(self) -> dict:
         """Epoch and batches done in it: what a resumed run needs to continue the same stream."""
         done = self.progress_fn() if self.progress_fn is not None else self._n_yielded
-        return {"epoch": int(self._epoch), "batches_done": int(done), "world_size": self.dataset.world_size,
-                "num_workers": self.dataset.num_workers}
+        return {
+            "epoch": int(self._epoch),
+            "batches_done": int(done),
+            "world_size": self.dataset.world_size,
+            "num_workers": self.dataset.num_workers,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the next ``iter()`` if it is the same epoch (a later epoch starts from its beginning)."""

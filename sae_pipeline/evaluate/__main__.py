@@ -13,8 +13,10 @@ keeps the results of earlier studies in the same ``OUT``. Bad input ends with on
 line and exit status 2 before anything is written; a runtime failure (a training run that
 failed, a full disk) with one line and 1; Ctrl-C with 130, SIGTERM with 143: finished runs are
 kept, and the run being trained saves its checkpoint; rerunning the same command reuses the
-finished runs and continues the interrupted one from its checkpoint (:mod:`.runs`). The convention is ``feature_extraction.exit_status``'s.
+finished runs and continues the interrupted one from its checkpoint (:mod:`.runs`). The convention is
+``feature_extraction.exit_status``'s.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from feature_extraction.exit_status import run_cli
+from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
-from feature_extraction.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline.evaluate"
 
@@ -45,9 +47,13 @@ def build_parser() -> Any:
     from jsonargparse.typing import PositiveInt
 
     # allow_abbrev: else the top level would read a study's --p as an abbreviation of its own --print_shtab.
-    parser = _parser(prog=PROG, allow_abbrev=False, description="Reproduce the paper's controlled experiment (expressivity, "
-                     "inference-time k, coherence, learned concepts) over the SAE variants, training each "
-                     "model through `python -m sae_pipeline fit`.")
+    parser = _parser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="Reproduce the paper's controlled experiment (expressivity, "
+        "inference-time k, coherence, learned concepts) over the SAE variants, training each "
+        "model through `python -m sae_pipeline fit`.",
+    )
     commands = parser.add_subcommands(dest="command", required=True)
 
     def add(name: str, help: str) -> Any:  # noqa: A002 (argparse's word)
@@ -58,62 +64,124 @@ def build_parser() -> Any:
 
     for name in (*runs.STUDIES, "all"):
         sub = add(name, "run every study" if name == "all" else f"run the {name} study")
-        sub.add_argument("--data", default="digits", help="digits (bundled), mnist_sample (5000 real MNIST digits, "
-                         "extra 'mnist'), mnist, a shard directory or an .h5 token cache")
+        sub.add_argument(
+            "--data",
+            default="digits",
+            help="digits (bundled), mnist_sample (5000 real MNIST digits, "
+            "extra 'mnist'), mnist, a shard directory or an .h5 token cache",
+        )
         sub.add_argument("--out", required=True, help="output folder: runs, models, figures, results.json, report.md")
-        sub.add_argument("--variants", nargs="+", default=None, help="registry keys of the variants to train "
-                         "(relu jumprelu topk batchtopk mpsae ...; default: every registered variant)")
+        sub.add_argument(
+            "--variants",
+            nargs="+",
+            default=None,
+            help="registry keys of the variants to train "
+            "(relu jumprelu topk batchtopk mpsae ...; default: every registered variant)",
+        )
         sub.add_argument("--k", nargs="+", type=PositiveInt, default=[5, 10, 20, 40], help="training sparsities")
         sub.add_argument("--k_main", type=PositiveInt, default=10, help="k of the p sweep, coherence and concepts")
-        sub.add_argument("--p", nargs="+", type=PositiveInt, default=[125, 250, 500, 1000, 2000],
-                         help="dictionary sizes of the p sweep")
+        sub.add_argument(
+            "--p",
+            nargs="+",
+            type=PositiveInt,
+            default=[125, 250, 500, 1000, 2000],
+            help="dictionary sizes of the p sweep",
+        )
         sub.add_argument("--p_main", type=PositiveInt, default=1000, help="p of the k sweep, coherence and concepts")
-        sub.add_argument("--max_steps", type=PositiveInt, default=None,
-                         help="optimiser steps per run (default: the config's own epochs)")
-        sub.add_argument("--k_infer", nargs="+", type=PositiveInt, default=[1, 2, 5, 10, 20, 40, 80, 160],
-                         help="inference-time k values of the inference sweep")
+        sub.add_argument(
+            "--max_steps",
+            type=PositiveInt,
+            default=None,
+            help="optimiser steps per run (default: the config's own epochs)",
+        )
+        sub.add_argument(
+            "--k_infer",
+            nargs="+",
+            type=PositiveInt,
+            default=[1, 2, 5, 10, 20, 40, 80, 160],
+            help="inference-time k values of the inference sweep",
+        )
         sub.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
-        sub.add_argument("--jobs", type=PositiveInt, default=1, help="training runs side by side (subprocesses when "
-                         "> 1; default 1: in-process)")
+        sub.add_argument(
+            "--jobs",
+            type=PositiveInt,
+            default=1,
+            help="training runs side by side (subprocesses when > 1; default 1: in-process)",
+        )
         sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
-        sub.add_argument("--config_suffix", default=None, help="config suffix (default: digits for digits, mnist for "
-                         "mnist/mnist_sample, "
-                         "else the shard manifest's backbone)")
+        sub.add_argument(
+            "--config_suffix",
+            default=None,
+            help="config suffix (default: digits for digits, mnist for "
+            "mnist/mnist_sample, "
+            "else the shard manifest's backbone)",
+        )
         sub.add_argument("--data_dpath", default=None, help="folder holding MNIST/raw for --data mnist")
-        sub.add_argument("--eval_tokens", type=PositiveInt, default=None, help="cap on validation tokens evaluated "
-                         "(default: the whole split, as val/r2 in training)")
+        sub.add_argument(
+            "--eval_tokens",
+            type=PositiveInt,
+            default=None,
+            help="cap on validation tokens evaluated (default: the whole split, as val/r2 in training)",
+        )
         sub.add_argument("--concept_tokens", type=PositiveInt, default=65536, help="inputs for concept statistics")
-        sub.add_argument("--example_index", type=int, default=0, help="validation input of the sequential "
-                         "reconstruction")
+        sub.add_argument(
+            "--example_index", type=int, default=0, help="validation input of the sequential reconstruction"
+        )
     report = add("report", "rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True, help="a study's output folder")
     dictionary = add("dictionary", "concept figures and Babel of an external MP-SAE (.npz)")
-    dictionary.add_argument("--npz", required=True, help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)")
+    dictionary.add_argument(
+        "--npz",
+        required=True,
+        help=".npz with W_dec [p, d] and b_pre [d]; 'authors' for the paper authors' MNIST MP-SAE (shipped)",
+    )
     dictionary.add_argument("--out", required=True, help="output folder: figures, results.json, report.md")
-    dictionary.add_argument("--data", default="digits28", help="digits28 (default: the bundled digits resampled "
-                            "to 28x28, a stand-in, not MNIST), mnist_sample (5000 real MNIST digits, extra 'mnist'), "
-                            "mnist (MNIST/raw under --data_dpath) or none")
+    dictionary.add_argument(
+        "--data",
+        default="digits28",
+        help="digits28 (default: the bundled digits resampled "
+        "to 28x28, a stand-in, not MNIST), mnist_sample (5000 real MNIST digits, extra 'mnist'), "
+        "mnist (MNIST/raw under --data_dpath) or none",
+    )
     dictionary.add_argument("--k", type=PositiveInt, default=10, help="MP steps (the authors trained at k = 10)")
-    dictionary.add_argument("--k_infer", nargs="+", type=PositiveInt, default=[1, 2, 5, 10, 20, 40, 80],
-                            help="inference-time k values")
+    dictionary.add_argument(
+        "--k_infer", nargs="+", type=PositiveInt, default=[1, 2, 5, 10, 20, 40, 80], help="inference-time k values"
+    )
     dictionary.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
     dictionary.add_argument("--max_tokens", type=PositiveInt, default=None, help="cap on inputs (default: all)")
     dictionary.add_argument("--example_index", type=int, default=0, help="input of the sequential reconstruction")
     dictionary.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
     one = add("sae", "R², L0, Babel of one SAE directory: an export or a SAELens SAE")
-    one.add_argument("--sae", required=True, help="export (config.json + sae.safetensors) or SAELens directory "
-                     "(cfg.json + sae_weights.safetensors)")
+    one.add_argument(
+        "--sae",
+        required=True,
+        help="export (config.json + sae.safetensors) or SAELens directory (cfg.json + sae_weights.safetensors)",
+    )
     one.add_argument("--out", required=True, help="output folder: results.json (saes.<DIR name>), figures")
-    one.add_argument("--data", default="digits", help="the SAE's data: digits, mnist_sample, mnist, a shard directory "
-                     "or an .h5 "
-                     "token cache; evaluated on its validation split")
-    one.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's "
-                     "--data.val_fraction (the same rows)")
-    one.add_argument("--k_infer", nargs="+", type=PositiveInt, default=None,
-                     help="inference-time k values (default: powers of two around the trained k)")
+    one.add_argument(
+        "--data",
+        default="digits",
+        help="the SAE's data: digits, mnist_sample, mnist, a shard directory "
+        "or an .h5 "
+        "token cache; evaluated on its validation split",
+    )
+    one.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.1,
+        help="held-out share, as in training's --data.val_fraction (the same rows)",
+    )
+    one.add_argument(
+        "--k_infer",
+        nargs="+",
+        type=PositiveInt,
+        default=None,
+        help="inference-time k values (default: powers of two around the trained k)",
+    )
     one.add_argument("--r_max", type=PositiveInt, default=64, help="largest r of the Babel curves")
-    one.add_argument("--max_tokens", type=PositiveInt, default=None, help="cap on validation tokens "
-                     "(default: the whole split)")
+    one.add_argument(
+        "--max_tokens", type=PositiveInt, default=None, help="cap on validation tokens (default: the whole split)"
+    )
     one.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
     return parser
 
@@ -151,13 +219,17 @@ def run_studies(args: Any) -> Path:
     points = [point for study in chosen for point in study_points(study, ks, ps, args.k_main, args.p_main)]
     specs = runs.plan_runs(variants, points, args.data, args.max_steps, config_dpath, suffix, args.data_dpath)
     by_point = {(s.variant, s.k, s.p): s for s in specs}
-    main_specs = [by_point[(v, args.k_main, args.p_main)] for v in variants
-                  if any(study in ("coherence", "concepts") for study in chosen)]
+    main_specs = [
+        by_point[(v, args.k_main, args.p_main)]
+        for v in variants
+        if any(study in ("coherence", "concepts") for study in chosen)
+    ]
     out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
 
     n_concepts = len(main_specs) if "concepts" in chosen else 0
     with tqdm(total=2 * len(specs) + n_concepts + 1, desc="study", unit="step", dynamic_ncols=True) as bar:
+
         def done(spec: runs.RunSpec, trained: bool) -> None:
             bar.set_postfix_str(f"{'trained' if trained else 'reused'} {spec.name}")
             bar.update()
@@ -179,25 +251,32 @@ def run_studies(args: Any) -> Path:
             stats, image_shape = {}, None
             for spec in main_specs:
                 bar.set_postfix_str(f"concepts {spec.name}")
-                stats[spec.variant] = studies.evaluate_concepts(spec, out_dpath, args.concept_tokens,
-                                                                args.example_index)
+                stats[spec.variant] = studies.evaluate_concepts(
+                    spec, out_dpath, args.concept_tokens, args.example_index
+                )
                 stats[spec.variant]["run"] = spec.name
                 image_shape = stats[spec.variant].pop("image_shape")
                 bar.update()
             results["concepts"] = {"k": args.k_main, "p": args.p_main, "image_shape": image_shape, "variants": stats}
         if "mpsae" in variants and any(study in ("coherence", "concepts") for study in chosen):
             bar.set_postfix_str("the authors' MNIST dictionary")
-            reference = studies.reference_dictionary(by_point[("mpsae", args.k_main, args.p_main)], out_dpath,
-                                                     args.k_infer, args.r_max, args.eval_tokens)
+            reference = studies.reference_dictionary(
+                by_point[("mpsae", args.k_main, args.p_main)], out_dpath, args.k_infer, args.r_max, args.eval_tokens
+            )
             if reference is not None:
                 results["reference"] = reference
         bar.set_postfix_str("figures and report")
         results["claims"] = check_claims(results)
         results["claims_summary"] = count_claims(results["claims"])
-        results["meta"] = {"command": f"{PROG} {shlex.join(args.argv)}",
-                           "data": args.data, "variants": variants, "max_steps": args.max_steps,
-                           "studies": sorted(set(results.get("meta", {}).get("studies", [])) | set(chosen)),
-                           "wall_time_s": time.perf_counter() - start, "cpu_count": os.cpu_count()}
+        results["meta"] = {
+            "command": f"{PROG} {shlex.join(args.argv)}",
+            "data": args.data,
+            "variants": variants,
+            "max_steps": args.max_steps,
+            "studies": sorted(set(results.get("meta", {}).get("studies", [])) | set(chosen)),
+            "wall_time_s": time.perf_counter() - start,
+            "cpu_count": os.cpu_count(),
+        }
         save_figures(study_figures(results, out_dpath), out_dpath)
         results["meta"]["wall_time_s"] = time.perf_counter() - start
         write_results(results, out_dpath)
@@ -210,8 +289,9 @@ def run_dictionary(args: Any) -> Path:
     from sae_pipeline.evaluate.external import evaluate_dictionary
     from sae_pipeline.evaluate.report import read_results, save_figures, write_report, write_results
 
-    results_part, figures = evaluate_dictionary(args.npz, args.data, args.k, args.k_infer, args.r_max,
-                                                args.max_tokens, args.example_index, args.data_dpath)
+    results_part, figures = evaluate_dictionary(
+        args.npz, args.data, args.k, args.k_infer, args.r_max, args.max_tokens, args.example_index, args.data_dpath
+    )
     out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
     results["dictionary"] = results_part
@@ -225,8 +305,9 @@ def run_sae(args: Any) -> Path:
     from sae_pipeline.evaluate.report import read_results, save_figures, write_results
     from sae_pipeline.evaluate.sae_dir import evaluate_sae_dir, summary_line
 
-    results_part, figures = evaluate_sae_dir(args.sae, args.data, args.val_fraction, args.k_infer, args.r_max,
-                                             args.max_tokens, args.data_dpath)
+    results_part, figures = evaluate_sae_dir(
+        args.sae, args.data, args.val_fraction, args.k_infer, args.r_max, args.max_tokens, args.data_dpath
+    )
     out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
     results.setdefault("saes", {})[Path(args.sae).resolve().name] = results_part
@@ -268,11 +349,17 @@ def main(argv: list[str] | None = None) -> int:
             return run_dictionary(args) / "report.md"
         return run_studies(args) / "report.md"
 
-    status, out_fpath = run_cli(build_parser(), argv, run,
-                                interrupted=lambda config: f"finished runs in {flags(config).out} are kept; rerun the "
-                                                           "same command: it reuses them and continues the "
-                                                           "interrupted run from its last checkpoint",
-                                kept=lambda config: f"the finished runs in {flags(config).out}")
+    status, out_fpath = run_cli(
+        build_parser(),
+        argv,
+        run,
+        interrupted=lambda config: (
+            f"finished runs in {flags(config).out} are kept; rerun the "
+            "same command: it reuses them and continues the "
+            "interrupted run from its last checkpoint"
+        ),
+        kept=lambda config: f"the finished runs in {flags(config).out}",
+    )
     if status == 0:
         print(f"wrote {out_fpath}")
     return status

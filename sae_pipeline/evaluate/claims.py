@@ -23,6 +23,7 @@ How each claim is measured, so that the verdict comes from the SAEs and not from
   tokens with ``|S| ≥ r + 1`` (:mod:`.coherence`) at the largest r every variant supports,
   with mean ``|S|`` per variant reported.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,39 +41,47 @@ EXACT = 1e-6  # "unchanged" for the implementation checks
 
 QUOTES = {
     "expressivity_k": "when fixing p = 1000 and varying k, MP-SAE is consistently more expressive across sparsity "
-                      "levels",
+    "levels",
     "p_improves": "when k = 10 is fixed and p is swept, MP-SAE continues to improve as the dictionary size grows",
     "p_plateau": "while shallow SAEs plateau",
     "inference_topk": "TopK-based SAEs, which often degrade under sparsity mismatch […] particularly when the "
-                      "inference-time k is much larger than the training value (shown on DINOv2)",
+    "inference-time k is much larger than the training value (shown on DINOv2)",
     "inference_mp": "MP-SAE shows monotonic improvement, as guaranteed by Proposition 2",
     "inference_relu": "ReLU-based SAEs, by contrast, cannot expand their support beyond the features activated "
-                      "during training and thus exhibit flat or plateaued performance as k increases",
+    "during training and thus exhibit flat or plateaued performance as k increases",
     "babel_dictionary": "MP-SAE exhibits a more coherent dictionary than the shallow SAEs",
     "babel_coactive": "it selects more incoherent atoms at inference",
     "shallow_alignment": "for shallow SAEs, the trends for the learned dictionary and the selected atoms align: ReLU "
-                         "consistently exhibits the highest coherence, while TopK remains the least coherent",
+    "consistently exhibits the highest coherence, while TopK remains the least coherent",
     "uniform_frequency": "its atoms are activated with roughly equal frequency",
     "varied_values": "but their activation values vary widely",
     "inverse_frequency": "atoms with higher activation values tend to be used less frequently",
     "hierarchy": "atoms with higher average activation values tend to be selected in the early layers of MP-SAE "
-                 "(the first iterations of Matching Pursuit)",
-    "negative_atom": "all shallow methods include a \"negative\" atom that closely resembles −b_pre, which is the "
-                     "most frequently activated atom in ReLU and JumpReLU",
+    "(the first iterations of Matching Pursuit)",
+    "negative_atom": 'all shallow methods include a "negative" atom that closely resembles −b_pre, which is the '
+    "most frequently activated atom in ReLU and JumpReLU",
 }
 
 
 def _claim(check: Any, holds: bool | None, measured: str) -> dict[str, Any]:
-    return {"id": check.claim_id, "kind": check.kind, "claim": " ".join(check.__doc__.split()),
-            "quote": QUOTES[check.claim_id], "holds": holds, "measured": measured}
+    return {
+        "id": check.claim_id,
+        "kind": check.kind,
+        "claim": " ".join(check.__doc__.split()),
+        "quote": QUOTES[check.claim_id],
+        "holds": holds,
+        "measured": measured,
+    }
 
 
 def claim(claim_id: str, kind: str = "paper"):
     """Register a check under its id; ``kind`` "implementation" keeps it out of the count of paper claims."""
+
     def register(function):
         function.claim_id, function.kind = claim_id, kind
         CHECKS.append(function)
         return function
+
     return register
 
 
@@ -93,10 +102,13 @@ def check_claims(results: dict[str, Any]) -> list[dict[str, Any]]:
 def count_claims(checks: list[dict[str, Any]]) -> dict[str, int]:
     """How many *paper* claims hold, do not hold and were not measured (implementation checks apart)."""
     paper = [c for c in checks if c["kind"] == "paper"]
-    return {"holds": sum(c["holds"] is True for c in paper), "does_not_hold": sum(c["holds"] is False for c in paper),
-            "not_measured": sum(c["holds"] is None for c in paper),
-            "implementation_checks_passed": sum(c["holds"] is True for c in checks if c["kind"] == "implementation"),
-            "implementation_checks": sum(c["kind"] == "implementation" for c in checks)}
+    return {
+        "holds": sum(c["holds"] is True for c in paper),
+        "does_not_hold": sum(c["holds"] is False for c in paper),
+        "not_measured": sum(c["holds"] is None for c in paper),
+        "implementation_checks_passed": sum(c["holds"] is True for c in checks if c["kind"] == "implementation"),
+        "implementation_checks": sum(c["kind"] == "implementation" for c in checks),
+    }
 
 
 def _shallow(mapping: dict) -> list[str]:
@@ -173,10 +185,10 @@ def _p_plateau(results: dict) -> dict:
     last = {v: _gains(vs_p[v])[-1] for v in shallow}
     total = {v: vs_p[v][-1]["r2"] - vs_p[v][0]["r2"] for v in shallow}
     p0, p1, p2 = vs_p[shallow[0]][0]["p"], vs_p[shallow[0]][-2]["p"], vs_p[shallow[0]][-1]["p"]
-    text = ", ".join(f"{_label(v)} {last[v]:+.3f} (p {p0}→{p2}: {total[v]:+.3f}; L0 {vs_p[v][-1]['l0']:.1f})"
-                     for v in shallow)
-    return _claim(_p_plateau, all(abs(g) <= PLATEAU_TOLERANCE for g in last.values()),
-                  f"R² change p {p1}→{p2}: {text}")
+    text = ", ".join(
+        f"{_label(v)} {last[v]:+.3f} (p {p0}→{p2}: {total[v]:+.3f}; L0 {vs_p[v][-1]['l0']:.1f})" for v in shallow
+    )
+    return _claim(_p_plateau, all(abs(g) <= PLATEAU_TOLERANCE for g in last.values()), f"R² change p {p1}→{p2}: {text}")
 
 
 @claim("inference_topk")
@@ -212,9 +224,12 @@ def _inference_relu(results: dict) -> dict:
     sweep = study["main"]["relu"]
     trained = results["runs"][f"relu_p{study['p']}_k{study['k_train']}"]["r2"]
     change = sweep["r2"][-1] - trained
-    return _claim(_inference_relu, abs(change) <= EXACT,
-                  f"R² {trained:.4f} as trained, {sweep['r2'][-1]:.4f} at k={sweep['ks'][-1]} (Δ {change:+.1e}); "
-                  f"ReLU's R² at k={study['k_train']}: {sweep['r2'][sweep['ks'].index(study['k_train'])]:.4f}")
+    return _claim(
+        _inference_relu,
+        abs(change) <= EXACT,
+        f"R² {trained:.4f} as trained, {sweep['r2'][-1]:.4f} at k={sweep['ks'][-1]} (Δ {change:+.1e}); "
+        f"ReLU's R² at k={study['k_train']}: {sweep['r2'][sweep['ks'].index(study['k_train'])]:.4f}",
+    )
 
 
 def _babel_at(curve: list[float], r: int) -> float:
@@ -251,9 +266,12 @@ def _babel_coactive(results: dict) -> dict:
     k = results["coherence"]["k"]
     lower = [v for v in _shallow(values) if values["mpsae"] < values[v]]
     holds = len(lower) == len(_shallow(values))
-    text = ", ".join(f"{_label(v)} {values[v]:.3f} (mean |S| {support[v]['mean_support']:.1f}, "
-                     f"{support[v]['restricted_tokens'][r - 1]} tokens; uncontrolled μ₁({k}) "
-                     f"{_babel_at(results['coherence']['coactive'][v], k):.3f})" for v in values)
+    text = ", ".join(
+        f"{_label(v)} {values[v]:.3f} (mean |S| {support[v]['mean_support']:.1f}, "
+        f"{support[v]['restricted_tokens'][r - 1]} tokens; uncontrolled μ₁({k}) "
+        f"{_babel_at(results['coherence']['coactive'][v], k):.3f})"
+        for v in values
+    )
     return _claim(_babel_coactive, holds, f"μ₁^S({r}): {text}")
 
 
@@ -272,8 +290,12 @@ def _shallow_alignment(results: dict) -> dict:
     holds = order_d == order_c
     if {"relu", "topk"} <= set(order_d):
         holds = holds and order_d[0] == "relu" and order_d[-1] == "topk"
-    return _claim(_shallow_alignment, holds, f"most to least coherent: dictionary μ₁({k}) "
-                  f"{' > '.join(map(_label, order_d))}; co-active μ₁^S({r}) {' > '.join(map(_label, order_c))}")
+    return _claim(
+        _shallow_alignment,
+        holds,
+        f"most to least coherent: dictionary μ₁({k}) "
+        f"{' > '.join(map(_label, order_d))}; co-active μ₁^S({r}) {' > '.join(map(_label, order_c))}",
+    )
 
 
 def _l0_based(stats: dict) -> list[str]:
@@ -301,8 +323,9 @@ def _varied_values(results: dict) -> dict:
     stats = results["concepts"]["variants"]
     others = _l0_based(stats)
     holds = all(stats["mpsae"]["value_when_active_cv"] > stats[v]["value_when_active_cv"] for v in others)
-    text = ", ".join(f"{_label(v)} {s['value_when_active_cv']:.2f} / {s['mean_value_cv']:.2f}"
-                     for v, s in stats.items())
+    text = ", ".join(
+        f"{_label(v)} {s['value_when_active_cv']:.2f} / {s['mean_value_cv']:.2f}" for v, s in stats.items()
+    )
     return _claim(_varied_values, holds, f"CV of value when active / of E[z_j]: {text}")
 
 
@@ -320,9 +343,12 @@ def _inverse_frequency(results: dict) -> dict:
     < 0; ρ with E[z_j] shown second)."""
     stats = results["concepts"]["variants"]
     rho = stats["mpsae"]["spearman_frequency_vs_value_when_active"]
-    return _claim(_inverse_frequency, None if rho is None else rho < 0,
-                  "ρ(frequency, value when active) / ρ(frequency, E[z_j]): "
-                  + _rho_text(stats, "spearman_frequency_vs_value_when_active", "spearman_frequency_vs_mean"))
+    return _claim(
+        _inverse_frequency,
+        None if rho is None else rho < 0,
+        "ρ(frequency, value when active) / ρ(frequency, E[z_j]): "
+        + _rho_text(stats, "spearman_frequency_vs_value_when_active", "spearman_frequency_vs_mean"),
+    )
 
 
 @claim("hierarchy")
@@ -331,9 +357,12 @@ def _hierarchy(results: dict) -> dict:
     selection step) < 0; ρ with E[z_j] shown second; shallow SAEs ordered by value, as the paper does)."""
     stats = results["concepts"]["variants"]
     rho = stats["mpsae"]["spearman_value_when_active_vs_step"]
-    return _claim(_hierarchy, None if rho is None else rho < 0,
-                  "ρ(value when active, step) / ρ(E[z_j], step): "
-                  + _rho_text(stats, "spearman_value_when_active_vs_step", "spearman_mean_vs_step"))
+    return _claim(
+        _hierarchy,
+        None if rho is None else rho < 0,
+        "ρ(value when active, step) / ρ(E[z_j], step): "
+        + _rho_text(stats, "spearman_value_when_active_vs_step", "spearman_mean_vs_step"),
+    )
 
 
 @claim("negative_atom")
@@ -346,7 +375,10 @@ def _negative_atom(results: dict) -> dict:
         raise ValueError("needs a shallow variant")
     atoms = {v: stats[v]["negative_atom"] for v in stats}
     holds = all(atoms[v]["cosine_with_minus_b_pre"] > NEGATIVE_ATOM_COSINE for v in shallow) and all(
-        atoms[v]["frequency_rank"] == 1 for v in ("relu", "jumprelu") if v in atoms)
-    text = ", ".join(f"{_label(v)} cos {a['cosine_with_minus_b_pre']:.2f} (frequency rank {a['frequency_rank']})"
-                     for v, a in atoms.items())
+        atoms[v]["frequency_rank"] == 1 for v in ("relu", "jumprelu") if v in atoms
+    )
+    text = ", ".join(
+        f"{_label(v)} cos {a['cosine_with_minus_b_pre']:.2f} (frequency rank {a['frequency_rank']})"
+        for v, a in atoms.items()
+    )
     return _claim(_negative_atom, holds, f"closest atom to −b_pre: {text}")

@@ -15,6 +15,7 @@ supports are smaller (ReLU at a low L0, or MP-SAE picking the same atom twice, w
 
 Both are reported with the mean ``|S|`` (distinct active atoms per token).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -65,17 +66,24 @@ def support_coherence(W_dec: Tensor, codes: Tensor, r_max: int) -> dict[str, Any
                 sums[r - 1] += per_token.sum()
                 counts[r - 1] += int(keep.sum())
     restricted = [float(s / c) if c > 0 else None for s, c in zip(sums.tolist(), counts.tolist())]
-    return {"restricted_babel": restricted, "restricted_tokens": counts.tolist(), "n_tokens": n,
-            "mean_support": size_sum / max(n, 1),
-            "mean_pairwise": pair_sum / pair_tokens if pair_tokens else None}
+    return {
+        "restricted_babel": restricted,
+        "restricted_tokens": counts.tolist(),
+        "n_tokens": n,
+        "mean_support": size_sum / max(n, 1),
+        "mean_pairwise": pair_sum / pair_tokens if pair_tokens else None,
+    }
 
 
 def common_r(stats: dict[str, dict[str, Any]], k: int) -> int | None:
     """The largest r ≤ k − 1 at which every variant has ``|S| ≥ r + 1`` on ≥ MIN_TOKEN_SHARE of its tokens."""
     best = None
     for r in range(1, k):
-        if all(r <= len(s["restricted_tokens"]) and s["n_tokens"] > 0
-               and s["restricted_tokens"][r - 1] >= MIN_TOKEN_SHARE * s["n_tokens"] for s in stats.values()):
+        if all(
+            r <= len(s["restricted_tokens"])
+            and s["n_tokens"] > 0
+            and s["restricted_tokens"][r - 1] >= MIN_TOKEN_SHARE * s["n_tokens"]
+            for s in stats.values()
+        ):
             best = r
     return best
-

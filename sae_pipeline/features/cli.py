@@ -15,14 +15,15 @@ before content hashes were recorded are drawn unchecked, and the command says so
 
 Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose width is not
 the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else, on a
-read-only file system or a mount point) is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before
-the pass starts and before anything is written.
+read-only file system or a mount point) is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit
+code 2, before the pass starts and before anything is written.
 
 Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
 130 / 143 (:mod:`sae_pipeline.training.interrupts`): the site is built in a staging folder beside ``--out``
 and swapped in whole at the end, so an interruption leaves the previous site (or nothing) in
 ``--out``; the one line says so and to rerun the same command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,16 +33,24 @@ from pathlib import Path
 from typing import Any, Optional
 
 from feature_extraction.exit_status import Interrupted, flag_error
+from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.validate import check_int
 from sae_pipeline.config_files import load_config
-from feature_extraction.help_format import DefaultsHelpFormatter
 
 PROG = "python -m sae_pipeline features"
 DATA_KEYS = ("source", "batch_size", "num_workers", "data_dpath", "allow_download")
 TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
-DEFAULTS = {"data.batch_size": 4096, "data.num_workers": 2, "data.data_dpath": "data", "data.allow_download": False,
-            "trainer.accelerator": "auto", "trainer.devices": "auto", "trainer.num_nodes": 1,
-            "trainer.strategy": "auto", "trainer.precision": "32-true"}
+DEFAULTS = {
+    "data.batch_size": 4096,
+    "data.num_workers": 2,
+    "data.data_dpath": "data",
+    "data.allow_download": False,
+    "trainer.accelerator": "auto",
+    "trainer.devices": "auto",
+    "trainer.num_nodes": 1,
+    "trainer.strategy": "auto",
+    "trainer.precision": "32-true",
+}
 
 
 def build_parser() -> Any:
@@ -49,32 +58,50 @@ def build_parser() -> Any:
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(
-        prog=PROG, formatter_class=DefaultsHelpFormatter, exit_on_error=False,
+        prog=PROG,
+        formatter_class=DefaultsHelpFormatter,
+        exit_on_error=False,
         description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
-                    "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
-                    "atoms. Opens from disk (OUT/index.html) or through python -m http.server.")
-    parser.add_argument("--config", help="a training config (configs/<variant>_<data>.yaml): its data section and "
-                                         "trainer device settings are used")
-    parser.add_argument("--ckpt_path", help="checkpoint written by `fit`, or `last`: the newest of the --config's runs "
-                                           "under --runs (or give --sae)")
+        "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
+        "atoms. Opens from disk (OUT/index.html) or through python -m http.server.",
+    )
+    parser.add_argument(
+        "--config",
+        help="a training config (configs/<variant>_<data>.yaml): its data section and trainer device settings are used",
+    )
+    parser.add_argument(
+        "--ckpt_path",
+        help="checkpoint written by `fit`, or `last`: the newest of the --config's runs under --runs (or give --sae)",
+    )
     parser.add_argument("--runs", default="runs", help="where `fit` wrote the runs (for --ckpt_path last)")
-    parser.add_argument("--sae", help="an exported SAE directory: ours (config.json + sae.safetensors) or "
-                                      "SAELens's (cfg.json + sae_weights.safetensors)")
+    parser.add_argument(
+        "--sae",
+        help="an exported SAE directory: ours (config.json + sae.safetensors) or "
+        "SAELens's (cfg.json + sae_weights.safetensors)",
+    )
     parser.add_argument("--out", required=True, help="site directory (created; a previous site there is replaced)")
     parser.add_argument("--top", type=int, default=16, help="top images kept per atom")
     parser.add_argument("--images", help="where the extraction's images are now, when they have moved")
     parser.add_argument("--atoms", type=int, nargs="+", help="only these atom ids get pages (default: every atom)")
     parser.add_argument("--neighbours", type=int, default=8, help="nearest atoms (by cosine) listed per atom")
     for key in DATA_KEYS:
-        kind = {"batch_size": Optional[int], "num_workers": Optional[int],
-                "allow_download": Optional[bool]}.get(key, Optional[str])
-        parser.add_argument(f"--data.{key}", type=kind, default=None,
-                            help=f"as `fit --data.{key}` (default: the config's, else {DEFAULTS.get('data.' + key)})")
+        kind = {"batch_size": Optional[int], "num_workers": Optional[int], "allow_download": Optional[bool]}.get(
+            key, Optional[str]
+        )
+        parser.add_argument(
+            f"--data.{key}",
+            type=kind,
+            default=None,
+            help=f"as `fit --data.{key}` (default: the config's, else {DEFAULTS.get('data.' + key)})",
+        )
     for key in TRAINER_KEYS:
         kind = Optional[int] if key == "num_nodes" else Optional[str]
-        parser.add_argument(f"--trainer.{key}", type=kind, default=None,
-                            help=f"as `fit --trainer.{key}` (default: the config's, else "
-                                 f"{DEFAULTS.get('trainer.' + key)})")
+        parser.add_argument(
+            f"--trainer.{key}",
+            type=kind,
+            default=None,
+            help=f"as `fit --trainer.{key}` (default: the config's, else {DEFAULTS.get('trainer.' + key)})",
+        )
     return parser
 
 
@@ -84,8 +111,9 @@ def resolve_settings(args: Any) -> dict[str, Any]:
     if args.config:
         fpath = Path(args.config)
         if not fpath.is_file():
-            raise ValueError(f"--config {fpath}: file not found; pass a training config such as "
-                             "configs/mpsae_digits.yaml")
+            raise ValueError(
+                f"--config {fpath}: file not found; pass a training config such as configs/mpsae_digits.yaml"
+            )
         config = load_config(fpath)  # its includes resolved
         for section, keys in (("data", DATA_KEYS), ("trainer", TRAINER_KEYS)):
             for key in keys:
@@ -95,8 +123,10 @@ def resolve_settings(args: Any) -> dict[str, Any]:
         if args.get(name) is not None:
             settings[name] = args.get(name)
     if not settings.get("data.source"):
-        raise ValueError("no data: pass --data.source (a shard directory, an .h5 token cache, digits or mnist) or "
-                         "--config with a data section")
+        raise ValueError(
+            "no data: pass --data.source (a shard directory, an .h5 token cache, digits or mnist) or "
+            "--config with a data section"
+        )
     devices = settings["trainer.devices"]
     if isinstance(devices, str) and devices.isdigit():
         settings["trainer.devices"] = int(devices)
@@ -112,8 +142,10 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
         raise ValueError("pass exactly one of --ckpt_path FILE (a checkpoint of `fit`) and --sae DIR (an export)")
     if args.sae:
         if not Path(args.sae).is_dir():
-            raise ValueError(f"--sae {args.sae}: not a directory; pass an export (config.json + sae.safetensors) or "
-                             "a SAELens directory (cfg.json + sae_weights.safetensors)")
+            raise ValueError(
+                f"--sae {args.sae}: not a directory; pass an export (config.json + sae.safetensors) or "
+                "a SAELens directory (cfg.json + sae_weights.safetensors)"
+            )
         return load_sae(args.sae)
     if args.ckpt_path == "last":
         from sae_pipeline.training.checkpointing import newest_checkpoint
@@ -123,8 +155,10 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
         run_dpath = Path(args.runs) / Path(args.config).stem
         found = newest_checkpoint([run_dpath])
         if found is None:
-            raise ValueError(f"--ckpt_path last: no checkpoint under {run_dpath}; train one first with fit, or pass "
-                             "--runs DIR (where fit wrote its runs)")
+            raise ValueError(
+                f"--ckpt_path last: no checkpoint under {run_dpath}; train one first with fit, or pass "
+                "--runs DIR (where fit wrote its runs)"
+            )
         args.ckpt_path = str(found)
     checkpoint = read_checkpoint(args.ckpt_path, need=("input_scale",), last=True)
     sae = sae_from_checkpoint(checkpoint)
@@ -143,15 +177,18 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     if args.atoms:
         bad = [atom for atom in args.atoms if not 0 <= atom < sae.d_sae]
         if bad:
-            raise ValueError(f"--atoms {bad[0]}: out of range; the SAE has d_sae = {sae.d_sae} atoms, ids 0.."
-                             f"{sae.d_sae - 1}")
+            raise ValueError(
+                f"--atoms {bad[0]}: out of range; the SAE has d_sae = {sae.d_sae} atoms, ids 0..{sae.d_sae - 1}"
+            )
     if datamodule.d_in != sae.d_in:
-        raise ValueError(f"--data.source {datamodule.source}: tokens are {datamodule.d_in}-d but the SAE takes d_in = "
-                         f"{sae.d_in}; pass the data it was trained on (or the SAE trained on this data)")
+        raise ValueError(
+            f"--data.source {datamodule.source}: tokens are {datamodule.d_in}-d but the SAE takes d_in = "
+            f"{sae.d_in}; pass the data it was trained on (or the SAE trained on this data)"
+        )
     source = datamodule.data_source
     if isinstance(source, ShardSource):
-        from feature_extraction.shards.read import read_shard_samples
         from feature_extraction.shards import shard_fpaths
+        from feature_extraction.shards.read import read_shard_samples
 
         fpaths = shard_fpaths(source.name, source.manifest)
         if fpaths:
@@ -182,32 +219,56 @@ def main(argv: list[str] | None = None) -> int:
     sae = load_model(args)
     batch_size = int(settings["data.batch_size"])
     datamodule = ActivationDataModule(
-        settings["data.source"], batch_size=batch_size, num_workers=int(settings["data.num_workers"]),
-        shuffle_buffer_tokens=batch_size, val_fraction=0.0, data_dpath=str(settings["data.data_dpath"]),
-        allow_download=bool(settings["data.allow_download"]))
+        settings["data.source"],
+        batch_size=batch_size,
+        num_workers=int(settings["data.num_workers"]),
+        shuffle_buffer_tokens=batch_size,
+        val_fraction=0.0,
+        data_dpath=str(settings["data.data_dpath"]),
+        allow_download=bool(settings["data.allow_download"]),
+    )
     check_inputs(args, sae, datamodule)
     layout = layout_of(datamodule.data_source)
     module = FeaturesModule(sae, args.top, layout, data_dpath=str(settings["data.data_dpath"]))
-    trainer = L.Trainer(accelerator=settings["trainer.accelerator"], devices=settings["trainer.devices"],
-                        num_nodes=int(settings["trainer.num_nodes"]), strategy=settings["trainer.strategy"],
-                        precision=settings["trainer.precision"], logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, inference_mode=True,
-                        callbacks=[Interrupts(), pass_progress_bar()])
+    trainer = L.Trainer(
+        accelerator=settings["trainer.accelerator"],
+        devices=settings["trainer.devices"],
+        num_nodes=int(settings["trainer.num_nodes"]),
+        strategy=settings["trainer.strategy"],
+        precision=settings["trainer.precision"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        inference_mode=True,
+        callbacks=[Interrupts(), pass_progress_bar()],
+    )
     try:
         trainer.predict(module, datamodule=datamodule)
         if trainer.global_rank != 0:
             return 0
         assert module.state is not None and module.collection is not None
-        out = build_site(Path(args.out), sae.cpu(), module.state, module.collection, layout, datamodule,
-                         images_dpath=args.images, atoms=args.atoms, n_neighbours=args.neighbours)
+        out = build_site(
+            Path(args.out),
+            sae.cpu(),
+            module.state,
+            module.collection,
+            layout,
+            datamodule,
+            images_dpath=args.images,
+            atoms=args.atoms,
+            n_neighbours=args.neighbours,
+        )
     except Interrupted as stop:
         kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
         stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
         raise
     report_image_checks(out)
-    print(f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
-          f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
-          f"(or: python -m http.server --directory {out}, then http://localhost:8000)", flush=True)
+    print(
+        f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
+        f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
+        f"(or: python -m http.server --directory {out}, then http://localhost:8000)",
+        flush=True,
+    )
     return 0
 
 
@@ -217,6 +278,7 @@ def pass_progress_bar() -> Any:
 
     try:
         import rich  # noqa: F401
+
         base = RichProgressBar
     except ImportError:
         base = TQDMProgressBar
@@ -234,11 +296,19 @@ def report_image_checks(out: Path) -> None:
     if changed:
         names = "; ".join(f"{c['image_id']} ({c['where']})" for c in changed[:10])
         more = f"; and {len(changed) - 10} more" if len(changed) > 10 else ""
-        print(f"warning: {len(changed)} images changed since extraction, not drawn (listed on the index page): "
-              f"{names}{more}", file=sys.stderr, flush=True)
+        print(
+            f"warning: {len(changed)} images changed since extraction, not drawn (listed on the index page): "
+            f"{names}{more}",
+            file=sys.stderr,
+            flush=True,
+        )
     if summary.get("images_unchecked"):
-        print(f"warning: {summary['images_unchecked']} images drawn unchecked: their shards predate content hashes "
-              "(re-extract to check them)", file=sys.stderr, flush=True)
+        print(
+            f"warning: {summary['images_unchecked']} images drawn unchecked: their shards predate content hashes "
+            "(re-extract to check them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,17 +13,19 @@ Pixel data (digits, MNIST) has one token per image, the image itself: no heatmap
 thumbnail is the token. An ``.h5`` token cache has tokens without images: entries are listed
 with their id and position only.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from feature_extraction.shards.read import read_shard_samples
 from feature_extraction.shards import shard_fpaths
+from feature_extraction.shards.read import read_shard_samples
 from sae_pipeline.data.sources import RowSource, ShardSource
 
 ENCODE_TOKENS = 4096  # tokens per encode call in this pass
@@ -56,8 +58,13 @@ def layout_of(source: ShardSource | RowSource) -> Layout:
         manifest = source.manifest
         n_prefix = int(manifest["n_prefix_tokens"])
         n_cls = min(1, n_prefix)
-        return Layout("patches", int(manifest["tokens_per_image"]), n_cls, n_prefix - n_cls,
-                      tuple(int(g) for g in manifest["grid"]))
+        return Layout(
+            "patches",
+            int(manifest["tokens_per_image"]),
+            n_cls,
+            n_prefix - n_cls,
+            tuple(int(g) for g in manifest["grid"]),
+        )
     if source.image_shape is not None:
         return Layout("pixels", 1, image_shape=tuple(source.image_shape))
     return Layout("tokens", 1)
@@ -85,9 +92,16 @@ def row_labels(source: RowSource, data_dpath: str = "data") -> np.ndarray | None
 
 
 @torch.no_grad()
-def collect_images(state: dict[str, Tensor], source: ShardSource | RowSource, layout: Layout,
-                   encode: Callable[[Tensor], Tensor], rank: int = 0, world_size: int = 1,
-                   progress: Callable[[int], None] | None = None, data_dpath: str = "data") -> dict[str, Any]:
+def collect_images(
+    state: dict[str, Tensor],
+    source: ShardSource | RowSource,
+    layout: Layout,
+    encode: Callable[[Tensor], Tensor],
+    rank: int = 0,
+    world_size: int = 1,
+    progress: Callable[[int], None] | None = None,
+    data_dpath: str = "data",
+) -> dict[str, Any]:
     """This rank's part of the top images: their metadata, and for patch data the heatmaps.
 
     Returns ``{"images": {key: meta}, "heat_atom": int64 [E], "heat_rank": int64 [E], "heat": float16
@@ -99,8 +113,12 @@ def collect_images(state: dict[str, Tensor], source: ShardSource | RowSource, la
     rank_grid = torch.arange(token.shape[1])[None, :].expand_as(token)
     atoms, ranks, keys = atom_grid[filled].numpy(), rank_grid[filled].numpy(), state["image"].cpu()[filled].numpy()
     tokens = token[filled].numpy()
-    out: dict[str, Any] = {"images": {}, "heat_atom": np.zeros(0, np.int64), "heat_rank": np.zeros(0, np.int64),
-                           "heat": np.zeros((0, layout.n_full), np.float16)}
+    out: dict[str, Any] = {
+        "images": {},
+        "heat_atom": np.zeros(0, np.int64),
+        "heat_rank": np.zeros(0, np.int64),
+        "heat": np.zeros((0, layout.n_full), np.float16),
+    }
     if isinstance(source, ShardSource):
         return _collect_shard_images(out, source, layout, encode, atoms, ranks, keys, rank, world_size, progress)
     unique_rows = np.unique(tokens)
@@ -111,8 +129,11 @@ def collect_images(state: dict[str, Tensor], source: ShardSource | RowSource, la
         labels = row_labels(source, data_dpath)
         pixels = source.reader.read(mine) if layout.kind == "pixels" else None
         for i, row in enumerate(mine.tolist()):
-            meta = {"image_id": ids[i], "label": None if labels is None else int(labels[row]),
-                    "position": int(positions[i])}
+            meta = {
+                "image_id": ids[i],
+                "label": None if labels is None else int(labels[row]),
+                "position": int(positions[i]),
+            }
             if pixels is not None:
                 meta["pixels"] = pixels[i].astype(np.float32)
             out["images"][int(row)] = meta
@@ -121,9 +142,18 @@ def collect_images(state: dict[str, Tensor], source: ShardSource | RowSource, la
     return out
 
 
-def _collect_shard_images(out: dict, source: ShardSource, layout: Layout, encode: Callable[[Tensor], Tensor],
-                          atoms: np.ndarray, ranks: np.ndarray, keys: np.ndarray, rank: int, world_size: int,
-                          progress: Callable[[int], None] | None) -> dict:
+def _collect_shard_images(
+    out: dict,
+    source: ShardSource,
+    layout: Layout,
+    encode: Callable[[Tensor], Tensor],
+    atoms: np.ndarray,
+    ranks: np.ndarray,
+    keys: np.ndarray,
+    rank: int,
+    world_size: int,
+    progress: Callable[[int], None] | None,
+) -> dict:
     manifest = source.manifest
     counts = np.array([entry["count"] for entry in manifest["shards"]], np.int64)
     first_image = np.concatenate([[0], np.cumsum(counts)])
@@ -165,9 +195,12 @@ def _collect_shard_images(out: dict, source: ShardSource, layout: Layout, encode
 
 def merge_collections(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The ranks' :func:`collect_images` results as one."""
-    merged = {"images": {}, "heat_atom": np.concatenate([p["heat_atom"] for p in parts]),
-              "heat_rank": np.concatenate([p["heat_rank"] for p in parts]),
-              "heat": np.concatenate([p["heat"] for p in parts])}
+    merged = {
+        "images": {},
+        "heat_atom": np.concatenate([p["heat_atom"] for p in parts]),
+        "heat_rank": np.concatenate([p["heat_rank"] for p in parts]),
+        "heat": np.concatenate([p["heat"] for p in parts]),
+    }
     for part in parts:
         merged["images"].update(part["images"])
     return merged

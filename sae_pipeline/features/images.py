@@ -20,12 +20,14 @@ none: their images are drawn unchecked and counted (``unchecked``), and the comm
 Images are converted to RGB by ``feature_extraction.image_modes`` (16-bit, float, alpha,
 CMYK, ...), as the extraction converted them for the backbone.
 """
+
 from __future__ import annotations
 
 import io
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -44,8 +46,10 @@ class ImageChangedError(ValueError):
     """An image's bytes no longer hash to what the extraction recorded: it was replaced or edited since."""
 
     def __init__(self, image_id: str, where: str) -> None:
-        super().__init__(f"image {image_id!r}: {where} changed since extraction (its bytes no longer match the "
-                         f"recorded {CONTENT_HASH_KEY}); not drawn: restore it, or re-extract and retrain")
+        super().__init__(
+            f"image {image_id!r}: {where} changed since extraction (its bytes no longer match the "
+            f"recorded {CONTENT_HASH_KEY}); not drawn: restore it, or re-extract and retrain"
+        )
         self.image_id, self.where = image_id, where
 
 
@@ -59,18 +63,28 @@ def view_transform(preprocess: dict | None, image_size: int) -> Callable[[Image.
         from open_clip.transform import PreprocessCfg, image_transform_v2
 
         crop = preprocess.get("crop") or {}
-        cfg = PreprocessCfg(size=tuple(size), mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0),
-                            interpolation=preprocess.get("interpolation", "bicubic"),
-                            resize_mode=crop.get("resize_mode", "shortest"), fill_color=crop.get("fill_color", 0))
+        cfg = PreprocessCfg(
+            size=tuple(size),
+            mean=(0.0, 0.0, 0.0),
+            std=(1.0, 1.0, 1.0),
+            interpolation=preprocess.get("interpolation", "bicubic"),
+            resize_mode=crop.get("resize_mode", "shortest"),
+            fill_color=crop.get("fill_color", 0),
+        )
         transform = image_transform_v2(cfg, is_train=False)
     else:
         from timm.data import create_transform
 
         crop = preprocess.get("crop") or {}
-        transform = create_transform(input_size=(3, *size), is_training=False, mean=(0.0, 0.0, 0.0),
-                                     std=(1.0, 1.0, 1.0), crop_pct=crop.get("crop_pct", 1.0),
-                                     crop_mode=crop.get("crop_mode", "center"),
-                                     interpolation=preprocess.get("interpolation", "bicubic"))
+        transform = create_transform(
+            input_size=(3, *size),
+            is_training=False,
+            mean=(0.0, 0.0, 0.0),
+            std=(1.0, 1.0, 1.0),
+            crop_pct=crop.get("crop_pct", 1.0),
+            crop_mode=crop.get("crop_mode", "center"),
+            interpolation=preprocess.get("interpolation", "bicubic"),
+        )
     return lambda image: to_pil_image(transform(image.convert("RGB")).clamp(0, 1))
 
 
@@ -94,8 +108,10 @@ class SourceImages:
         if source.startswith(SAMPLES_PREFIX):
             return None
         if not source:
-            raise ImagesMovedError(f"image {meta.get('image_id')!r}: its meta.json records no source; the browser "
-                                   "cannot draw it (pass --images DIR, the folder that holds the images)")
+            raise ImagesMovedError(
+                f"image {meta.get('image_id')!r}: its meta.json records no source; the browser "
+                "cannot draw it (pass --images DIR, the folder that holds the images)"
+            )
         if self.images_dpath is None:
             return Path(source)
         if meta.get("member"):
@@ -106,16 +122,20 @@ class SourceImages:
         """A one-line :class:`ImagesMovedError` when ``meta``'s image is not where it should be."""
         path = self.path_of(meta)
         if path is not None and not path.is_file():
-            hint = ("the folder that now holds the images" if self.images_dpath is None
-                    else "the folder that holds them (ids are paths relative to it; tars by file name)")
-            raise ImagesMovedError(f"image {meta.get('image_id')!r}: {path} not found (moved since extraction?); "
-                                   f"pass --images DIR, {hint}")
+            hint = (
+                "the folder that now holds the images"
+                if self.images_dpath is None
+                else "the folder that holds them (ids are paths relative to it; tars by file name)"
+            )
+            raise ImagesMovedError(
+                f"image {meta.get('image_id')!r}: {path} not found (moved since extraction?); pass --images DIR, {hint}"
+            )
 
     def open(self, meta: dict) -> Image.Image:
         """The image of ``meta`` as RGB; :class:`ImageChangedError` if it is not the one extracted."""
         source = str(meta.get("source") or "")
         if source.startswith(SAMPLES_PREFIX):
-            array = sample_array(source[len(SAMPLES_PREFIX):])
+            array = sample_array(source[len(SAMPLES_PREFIX) :])
             self._verify(meta, array.tobytes(), source)
             return to_rgb(Image.fromarray(array))
         self.check(meta)
@@ -146,16 +166,19 @@ class SourceImages:
                 index = {info.name: (info.offset_data, info.size) for info in tar if info.isfile()}
             self._tar_index[tar_fpath] = index
         if member not in index:
-            raise ImagesMovedError(f"{tar_fpath}: has no member {member!r} (another tar under the same name?); "
-                                   "pass --images DIR, the folder that holds the extraction's tars")
+            raise ImagesMovedError(
+                f"{tar_fpath}: has no member {member!r} (another tar under the same name?); "
+                "pass --images DIR, the folder that holds the extraction's tars"
+            )
         offset, size = index[member]
         with open(tar_fpath, "rb") as f:
             f.seek(offset)
             return f.read(size)
 
 
-def pixels_image(pixels: np.ndarray, shape: tuple[int, int], low: float | None = None,
-                 high: float | None = None) -> Image.Image:
+def pixels_image(
+    pixels: np.ndarray, shape: tuple[int, int], low: float | None = None, high: float | None = None
+) -> Image.Image:
     """A grey image of a pixel-data token (digits, MNIST): ``pixels [h·w]`` scaled from [low, high] to 0..255."""
     array = np.asarray(pixels, np.float64).reshape(shape)
     low = float(array.min()) if low is None else low

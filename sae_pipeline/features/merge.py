@@ -6,11 +6,12 @@ the union of the ranks' entries, and the statistics are sums. Tables have the sa
 every rank ([d_sae, N]), so one ``all_gather`` per field moves them (d_sae · N · 28 bytes per
 rank: 8.6 MB at d_sae = 19 200, N = 16), and every rank ends with the merged table.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import torch
 from torch import Tensor
 
 from sae_pipeline.features.topn import STATE_FIELDS, Entries, TopNTable, _cat, rank_entries

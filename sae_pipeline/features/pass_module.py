@@ -13,6 +13,7 @@ shares (``torch.distributed.gather_object``) for the site writer.
 The SAE works on raw activations: a checkpoint's input scale is folded into its biases as
 ``export`` does, so codes are in the units ``predict`` writes.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -64,13 +65,16 @@ class FeaturesModule(L.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         x = batch["x"]
         if not torch.isfinite(x).all():
-            raise ValueError(f"a batch from shards {list(batch.get('shards', []))} holds NaN/Inf values; "
-                             "re-extract or drop those shards")
+            raise ValueError(
+                f"a batch from shards {list(batch.get('shards', []))} holds NaN/Inf values; "
+                "re-extract or drop those shards"
+            )
         codes, steps = self.encode(x)
         token = batch["token_index"].to(self.device)
         assert self.table is not None
-        self.table.update_codes(codes.float(), token, image_keys(token, self.layout),
-                                batch["token_positions"].to(self.device), steps)
+        self.table.update_codes(
+            codes.float(), token, image_keys(token, self.layout), batch["token_positions"].to(self.device), steps
+        )
 
     def on_predict_end(self) -> None:
         assert self.table is not None
@@ -79,11 +83,19 @@ class FeaturesModule(L.LightningModule):
         self.table = None
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
         n_images = int(torch.unique(self.state["image"][self.state["token"] >= 0]).numel())
-        bar = tqdm(total=n_images, desc="top images", unit="img", disable=rank != 0 or n_images == 0,
-                   dynamic_ncols=True)
-        part = collect_images(self.state, self.trainer.datamodule.data_source, self.layout,
-                              lambda x: self.encode(x.to(self.device))[0], rank, world_size,
-                              progress=lambda k: bar.update(k * world_size), data_dpath=self.data_dpath)
+        bar = tqdm(
+            total=n_images, desc="top images", unit="img", disable=rank != 0 or n_images == 0, dynamic_ncols=True
+        )
+        part = collect_images(
+            self.state,
+            self.trainer.datamodule.data_source,
+            self.layout,
+            lambda x: self.encode(x.to(self.device))[0],
+            rank,
+            world_size,
+            progress=lambda k: bar.update(k * world_size),
+            data_dpath=self.data_dpath,
+        )
         bar.close()
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             parts: list | None = [None] * world_size if rank == 0 else None

@@ -26,6 +26,7 @@ An image whose bytes changed since extraction (its content hash no longer matche
 since extraction", and ``features.json`` records it in ``images_changed``
 (``images_unchecked`` counts the images of older shards, drawn without a hash to check).
 """
+
 from __future__ import annotations
 
 import base64
@@ -35,8 +36,9 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,8 +49,15 @@ from feature_extraction.atomic_files import DiskFullError, out_of_space
 from feature_extraction.output_dirs import dir_problem
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
-from sae_pipeline.features.images import (ImageChangedError, SourceImages, atom_image, describe, pixels_image,
-                                          save_thumbnail, view_transform)
+from sae_pipeline.features.images import (
+    ImageChangedError,
+    SourceImages,
+    atom_image,
+    describe,
+    pixels_image,
+    save_thumbnail,
+    view_transform,
+)
 from sae_pipeline.training.interrupts import raise_if_interrupted
 
 MARKER_FNAME = "features.json"
@@ -62,8 +71,10 @@ def check_out_dir(out: Path) -> None:
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER_FNAME).is_file())):
         raise ValueError(f"--out {out}: exists and is not a feature browser site; choose a new or empty directory")
     if out.is_dir() and os.path.ismount(out):
-        raise ValueError(f"--out {out}: is a mount point; the site is built next to --out and renamed into place, "
-                         f"which a mount point cannot be; pass a folder inside it, e.g. --out {out / 'site'}")
+        raise ValueError(
+            f"--out {out}: is a mount point; the site is built next to --out and renamed into place, "
+            f"which a mount point cannot be; pass a folder inside it, e.g. --out {out / 'site'}"
+        )
     problem = dir_problem(out.parent)
     if problem:
         raise ValueError(f"--out {out}: its folder {out.parent} {problem}; choose a writable location for --out")
@@ -144,9 +155,17 @@ def _token_label(position: int, layout: Layout) -> str:
     return f"patch ({row}, {col})"
 
 
-def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[str, Any], layout: Layout,
-               datamodule: Any, images_dpath: str | None = None, atoms: Sequence[int] | None = None,
-               n_neighbours: int = 8) -> Path:
+def build_site(
+    out: Path,
+    sae: Any,
+    state: dict[str, Tensor],
+    collection: dict[str, Any],
+    layout: Layout,
+    datamodule: Any,
+    images_dpath: str | None = None,
+    atoms: Sequence[int] | None = None,
+    n_neighbours: int = 8,
+) -> Path:
     """Write the whole site for a merged table (``state``) and its images (``collection``); returns ``out``."""
     start = time.perf_counter()
     out = Path(out)
@@ -162,16 +181,28 @@ def build_site(out: Path, sae: Any, state: dict[str, Tensor], collection: dict[s
         (staging / "assets" / "site.js").write_text(JS)
         thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
-        _write_pages(staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed,
-                     unchecked)
+        _write_pages(
+            staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed, unchecked
+        )
         np.savez(staging / "features.npz", **{name: value.numpy() for name, value in state.items()})
-        summary = {"format": "sae_pipeline.features/1", "package_version": sae_pipeline.__version__,
-                   "sae_class": type(sae).__name__, "d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k,
-                   "top": int(state["value"].shape[1]), "n_tokens": int(state["n_tokens"]),
-                   "data_source": str(datamodule.source), "layout": layout.kind, "n_images_shown": len(thumbs),
-                   "images_changed": [{"image_id": error.image_id, "where": error.where}
-                                      for _, error in sorted(changed.items())],
-                   "images_unchecked": unchecked, "build_seconds": round(time.perf_counter() - start, 3)}
+        summary = {
+            "format": "sae_pipeline.features/1",
+            "package_version": sae_pipeline.__version__,
+            "sae_class": type(sae).__name__,
+            "d_in": sae.d_in,
+            "d_sae": sae.d_sae,
+            "k": sae.k,
+            "top": int(state["value"].shape[1]),
+            "n_tokens": int(state["n_tokens"]),
+            "data_source": str(datamodule.source),
+            "layout": layout.kind,
+            "n_images_shown": len(thumbs),
+            "images_changed": [
+                {"image_id": error.image_id, "where": error.where} for _, error in sorted(changed.items())
+            ],
+            "images_unchecked": unchecked,
+            "build_seconds": round(time.perf_counter() - start, 3),
+        }
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
         raise_if_interrupted()
         _swap_in(staging, out)
@@ -198,8 +229,9 @@ def _swap_in(staging: Path, out: Path) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def write_thumbnails(root: Path, collection: dict[str, Any], layout: Layout, datamodule: Any,
-                     images_dpath: str | None) -> tuple[dict[int, str], dict[int, ImageChangedError], int]:
+def write_thumbnails(
+    root: Path, collection: dict[str, Any], layout: Layout, datamodule: Any, images_dpath: str | None
+) -> tuple[dict[int, str], dict[int, ImageChangedError], int]:
     """One thumbnail per shown image (``thumbs/<key>.jpg|png``).
 
     Returns key -> relative path, key -> why for the images changed since extraction (not
@@ -230,9 +262,19 @@ def write_thumbnails(root: Path, collection: dict[str, Any], layout: Layout, dat
     return paths, changed, images.unchecked
 
 
-def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dict[str, Any], layout: Layout,
-                 datamodule: Any, thumbs: dict[int, str], atoms: Sequence[int] | None, n_neighbours: int,
-                 changed: dict[int, ImageChangedError] | None = None, unchecked: int = 0) -> None:
+def _write_pages(
+    root: Path,
+    sae: Any,
+    state: dict[str, Tensor],
+    collection: dict[str, Any],
+    layout: Layout,
+    datamodule: Any,
+    thumbs: dict[int, str],
+    atoms: Sequence[int] | None,
+    n_neighbours: int,
+    changed: dict[int, ImageChangedError] | None = None,
+    unchecked: int = 0,
+) -> None:
     changed = changed or {}
     d_sae, n = state["value"].shape
     width = len(str(d_sae - 1))
@@ -258,25 +300,65 @@ def _write_pages(root: Path, sae: Any, state: dict[str, Tensor], collection: dic
     for i, atom in enumerate(chosen):
         raise_if_interrupted()  # Ctrl-C / SIGTERM: a long loop on big dictionaries (sae_pipeline.training.interrupts)
         prev_atom, next_atom = chosen[i - 1] if i > 0 else None, chosen[i + 1] if i + 1 < len(chosen) else None
-        page = _atom_page(atom, state, collection, layout, thumbs, heat_row, width, with_page, prev_atom, next_atom,
-                          frequency[atom], fire[atom], n_tokens, mean_value[atom], mean_step[atom] if has_steps else None,
-                          near_index[atom][:n_neighbours], near_cos[atom][:n_neighbours], pixel_atoms, layout_json,
-                          changed)
+        page = _atom_page(
+            atom,
+            state,
+            collection,
+            layout,
+            thumbs,
+            heat_row,
+            width,
+            with_page,
+            prev_atom,
+            next_atom,
+            frequency[atom],
+            fire[atom],
+            n_tokens,
+            mean_value[atom],
+            mean_step[atom] if has_steps else None,
+            near_index[atom][:n_neighbours],
+            near_cos[atom][:n_neighbours],
+            pixel_atoms,
+            layout_json,
+            changed,
+        )
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
     rows = []
     for atom in chosen:
         top_key = int(state["image"][atom, 0])
-        rows.append([atom, f"atoms/{atom_fname(atom, width)}", thumbs.get(top_key) if top_key >= 0 else None,
-                     _number(frequency[atom]), _number(mean_value[atom]), _number(float(max_value[atom])),
-                     _number(float(near_cos[atom][0])) if near_cos.shape[1] else None,
-                     int(near_index[atom][0]) if near_index.shape[1] else None,
-                     _number(mean_step[atom]) if has_steps else None])
-    data = {"columns": ["id", "page", "thumb", "frequency", "mean_value", "max_value", "max_cosine", "nearest",
-                        "mean_step"],
-            "rows": rows, "has_steps": has_steps, "atom_images": "atoms/img/" if pixel_atoms else None,
-            "thumb_class": "pixels" if pixel_atoms else ""}
-    (root / "index.html").write_text(_index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout,
-                                                 _image_checks(changed, unchecked)))
+        rows.append(
+            [
+                atom,
+                f"atoms/{atom_fname(atom, width)}",
+                thumbs.get(top_key) if top_key >= 0 else None,
+                _number(frequency[atom]),
+                _number(mean_value[atom]),
+                _number(float(max_value[atom])),
+                _number(float(near_cos[atom][0])) if near_cos.shape[1] else None,
+                int(near_index[atom][0]) if near_index.shape[1] else None,
+                _number(mean_step[atom]) if has_steps else None,
+            ]
+        )
+    data = {
+        "columns": [
+            "id",
+            "page",
+            "thumb",
+            "frequency",
+            "mean_value",
+            "max_value",
+            "max_cosine",
+            "nearest",
+            "mean_step",
+        ],
+        "rows": rows,
+        "has_steps": has_steps,
+        "atom_images": "atoms/img/" if pixel_atoms else None,
+        "thumb_class": "pixels" if pixel_atoms else "",
+    }
+    (root / "index.html").write_text(
+        _index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout, _image_checks(changed, unchecked))
+    )
 
 
 def _image_checks(changed: dict[int, ImageChangedError], unchecked: int) -> str:
@@ -284,22 +366,45 @@ def _image_checks(changed: dict[int, ImageChangedError], unchecked: int) -> str:
     esc = html.escape
     parts = []
     if changed:
-        items = "".join(f"<li>{esc(error.image_id)} <span class=\"muted\">{esc(error.where)}</span></li>"
-                        for _, error in sorted(changed.items()))
-        parts.append(f'<section class="changed"><h2>Images changed since extraction ({len(changed)}): not drawn</h2>'
-                     f"<p class=\"muted\">Their bytes no longer match the hash recorded at extraction; restore them, "
-                     f"or re-extract and retrain.</p><ul>{items}</ul></section>")
+        items = "".join(
+            f'<li>{esc(error.image_id)} <span class="muted">{esc(error.where)}</span></li>'
+            for _, error in sorted(changed.items())
+        )
+        parts.append(
+            f'<section class="changed"><h2>Images changed since extraction ({len(changed)}): not drawn</h2>'
+            f'<p class="muted">Their bytes no longer match the hash recorded at extraction; restore them, '
+            f"or re-extract and retrain.</p><ul>{items}</ul></section>"
+        )
     if unchecked:
-        parts.append(f'<p class="muted unchecked">{unchecked} images drawn unchecked: their shards predate content '
-                     "hashes (re-extract to check them).</p>")
+        parts.append(
+            f'<p class="muted unchecked">{unchecked} images drawn unchecked: their shards predate content '
+            "hashes (re-extract to check them).</p>"
+        )
     return "".join(parts)
 
 
-def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], layout: Layout,
-               thumbs: dict[int, str], heat_row: dict, width: int, with_page: set, prev_atom: int | None,
-               next_atom: int | None, frequency: float, fire: float, n_tokens: int, mean_value: float,
-               mean_step: float | None, near_index: np.ndarray, near_cos: np.ndarray, pixel_atoms: bool,
-               layout_json: str, changed: dict[int, ImageChangedError]) -> str:
+def _atom_page(
+    atom: int,
+    state: dict[str, Tensor],
+    collection: dict[str, Any],
+    layout: Layout,
+    thumbs: dict[int, str],
+    heat_row: dict,
+    width: int,
+    with_page: set,
+    prev_atom: int | None,
+    next_atom: int | None,
+    frequency: float,
+    fire: float,
+    n_tokens: int,
+    mean_value: float,
+    mean_step: float | None,
+    near_index: np.ndarray,
+    near_cos: np.ndarray,
+    pixel_atoms: bool,
+    layout_json: str,
+    changed: dict[int, ImageChangedError],
+) -> str:
     esc = html.escape
     values, tokens = state["value"][atom].numpy(), state["token"][atom].numpy()
     images, positions = state["image"][atom].numpy(), state["position"][atom].numpy()
@@ -321,42 +426,63 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
         if key in thumbs:
             cls = ' class="pixels"' if pixel_atoms else ""
             canvas = '<canvas class="heat"></canvas>' if layout.kind == "patches" else ""
-            frame = (f'<div class="frame"><img{cls} alt="{esc(image_id)}" src="../{thumbs[key]}">{canvas}</div>')
+            frame = f'<div class="frame"><img{cls} alt="{esc(image_id)}" src="../{thumbs[key]}">{canvas}</div>'
         elif key in changed:
             frame = '<div class="frame changed"><p class="muted">changed since extraction: not drawn</p></div>'
         prefix = ""
         if layout.kind == "patches" and layout.n_prefix:
             chips = ['<span class="tok" data-i="0">CLS</span>'] if layout.n_cls else []
-            chips += [f'<span class="tok" data-i="{layout.n_cls + i}">R{i + 1}</span>' for i in range(layout.n_registers)]
+            chips += [
+                f'<span class="tok" data-i="{layout.n_cls + i}">R{i + 1}</span>' for i in range(layout.n_registers)
+            ]
             prefix = f'<div class="prefix">{"".join(chips)}</div>'
         where = _token_label(position, layout) or (f"token {position}" if layout.kind == "tokens" else "")
-        caption = (f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{esc(image_id)}'
-                   + (f" · label <b>{esc(label)}</b>" if label else "") + (f"<br>{esc(where)}" if where else ""))
+        caption = (
+            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{esc(image_id)}'
+            + (f" · label <b>{esc(label)}</b>" if label else "")
+            + (f"<br>{esc(where)}" if where else "")
+        )
         cards.append(f'<figure class="card"{heat_attr}>{frame}{prefix}<figcaption>{caption}</figcaption></figure>')
     links = []
     for j, c in zip(near_index.tolist(), near_cos.tolist()):
         name = f'<a href="{atom_fname(j, width)}">#{j}</a>' if j in with_page else f"#{j}"
-        links.append(f"<li>{name} <span class=\"muted\">{c:.3f}</span></li>")
+        links.append(f'<li>{name} <span class="muted">{c:.3f}</span></li>')
     nav = ['<a href="../index.html">index</a>']
     if prev_atom is not None:
         nav.append(f'<a class="prev" href="{atom_fname(prev_atom, width)}">← #{prev_atom}</a>')
     if next_atom is not None:
         nav.append(f'<a class="next" href="{atom_fname(next_atom, width)}">#{next_atom} →</a>')
-    stats = [("frequency", f"{frequency * 100:.3g} %", f"{int(fire)} of {n_tokens} tokens"),
-             ("mean value when active", "–" if not np.isfinite(mean_value) else f"{mean_value:.4g}", ""),
-             ("max value", f"{values[0]:.4g}" if filled else "–", "")]
+    stats = [
+        ("frequency", f"{frequency * 100:.3g} %", f"{int(fire)} of {n_tokens} tokens"),
+        ("mean value when active", "–" if not np.isfinite(mean_value) else f"{mean_value:.4g}", ""),
+        ("max value", f"{values[0]:.4g}" if filled else "–", ""),
+    ]
     if mean_step is not None:
-        stats.append(("mean MP selection step", "–" if not np.isfinite(mean_step) else f"{mean_step:.2f}",
-                      "1 = picked first"))
+        stats.append(
+            ("mean MP selection step", "–" if not np.isfinite(mean_step) else f"{mean_step:.2f}", "1 = picked first")
+        )
     if len(near_cos):
         stats.append(("max cosine", f"{near_cos[0]:.3f}", f"with #{int(near_index[0])}"))
-    stat_html = "".join(f'<div><span class="muted">{esc(a)}</span><b>{esc(b)}</b><span class="muted">{esc(c)}</span>'
-                        f"</div>" for a, b, c in stats)
-    atom_img = (f'<section class="atom-image"><h2>The atom</h2><img class="pixels" alt="atom {atom}" '
-                f'src="img/{atom}.png"></section>') if pixel_atoms else ""
-    toggle = ('<label><input type="checkbox" id="show-heat" checked> heatmaps</label> '
-              '<span class="legend"></span> <span class="muted">0 → max value; dark: token not stored</span>'
-              ) if layout.kind == "patches" else ""
+    stat_html = "".join(
+        f'<div><span class="muted">{esc(a)}</span><b>{esc(b)}</b><span class="muted">{esc(c)}</span></div>'
+        for a, b, c in stats
+    )
+    atom_img = (
+        (
+            f'<section class="atom-image"><h2>The atom</h2><img class="pixels" alt="atom {atom}" '
+            f'src="img/{atom}.png"></section>'
+        )
+        if pixel_atoms
+        else ""
+    )
+    toggle = (
+        (
+            '<label><input type="checkbox" id="show-heat" checked> heatmaps</label> '
+            '<span class="legend"></span> <span class="muted">0 → max value; dark: token not stored</span>'
+        )
+        if layout.kind == "patches"
+        else ""
+    )
     empty = "" if cards else '<p class="muted">This atom never fired on the data (a dead atom).</p>'
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Atom {atom}</title>
@@ -371,16 +497,28 @@ def _atom_page(atom: int, state: dict[str, Tensor], collection: dict[str, Any], 
 """
 
 
-def _index_page(sae: Any, datamodule: Any, state: dict[str, Tensor], data: dict, has_steps: bool,
-                pixel_atoms: bool, layout: Layout, image_checks: str = "") -> str:
+def _index_page(
+    sae: Any,
+    datamodule: Any,
+    state: dict[str, Tensor],
+    data: dict,
+    has_steps: bool,
+    pixel_atoms: bool,
+    layout: Layout,
+    image_checks: str = "",
+) -> str:
     esc = html.escape
     n_fired = int((state["fire_count"] > 0).sum())
     headers = ['<th class="id" data-key="id">atom</th>']
     if pixel_atoms:
         headers.append("<th>atom image</th>")
-    headers += ["<th>top image</th>", '<th data-key="frequency">frequency</th>',
-                '<th data-key="mean_value">mean value when active</th>', '<th data-key="max_value">max value</th>',
-                '<th data-key="max_cosine">max cosine (nearest)</th>']
+    headers += [
+        "<th>top image</th>",
+        '<th data-key="frequency">frequency</th>',
+        '<th data-key="mean_value">mean value when active</th>',
+        '<th data-key="max_value">max value</th>',
+        '<th data-key="max_cosine">max cosine (nearest)</th>',
+    ]
     if has_steps:
         headers.append('<th data-key="mean_step">mean MP step</th>')
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")

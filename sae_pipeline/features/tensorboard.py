@@ -20,6 +20,7 @@ Enable it from a config::
 
 or on the command line: ``--trainer.callbacks+=sae_pipeline.features.tensorboard.TopPatches``.
 """
+
 from __future__ import annotations
 
 import lightning as L
@@ -49,8 +50,15 @@ class TopPatches(L.Callback):
         images: where the extraction's images are now, when they have moved (as ``features --images``).
     """
 
-    def __init__(self, atoms: list[int] | None = None, n_atoms: int = 4, top: int = 8, max_tokens: int = 8192,
-                 tile: int = 96, images: str | None = None) -> None:
+    def __init__(
+        self,
+        atoms: list[int] | None = None,
+        n_atoms: int = 4,
+        top: int = 8,
+        max_tokens: int = 8192,
+        tile: int = 96,
+        images: str | None = None,
+    ) -> None:
         for name, value in (("n_atoms", n_atoms), ("top", top), ("max_tokens", max_tokens), ("tile", tile)):
             check_int(f"TopPatches {name}", value, 1)
         self.atoms, self.n_atoms, self.top, self.max_tokens = atoms, n_atoms, top, max_tokens
@@ -61,8 +69,9 @@ class TopPatches(L.Callback):
         d_sae = pl_module.sae.d_sae
         bad = [a for a in (self.atoms or []) if not 0 <= a < d_sae]
         if bad:
-            raise ValueError(f"TopPatches atoms {bad[0]}: out of range; the SAE has d_sae = {d_sae} atoms, ids 0.."
-                             f"{d_sae - 1}")
+            raise ValueError(
+                f"TopPatches atoms {bad[0]}: out of range; the SAE has d_sae = {d_sae} atoms, ids 0..{d_sae - 1}"
+            )
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.global_rank != 0:
@@ -127,9 +136,11 @@ class TopPatches(L.Callback):
                 if int(table.token[atom, col]) < 0:
                     continue
                 if key not in tiles:
-                    tiles[key] = (pixels_image(pixels[key], source.image_shape, 0.0, 1.0).convert("RGB")
-                                  if key in pixels else self._shard_image(units[places[key][0]], places[key][1],
-                                                                         source, view, images))
+                    tiles[key] = (
+                        pixels_image(pixels[key], source.image_shape, 0.0, 1.0).convert("RGB")
+                        if key in pixels
+                        else self._shard_image(units[places[key][0]], places[key][1], source, view, images)
+                    )
                 tile = tiles[key].resize((t, t), Image.NEAREST if key in pixels else Image.BILINEAR)
                 if key not in pixels:
                     _outline(tile, position, source.manifest)
@@ -137,8 +148,9 @@ class TopPatches(L.Callback):
         return np.asarray(canvas, dtype=np.uint8)
 
     @staticmethod
-    def _shard_image(unit: ShardUnit, token_in_unit: int, source: ShardSource, view, images: SourceImages
-                     ) -> Image.Image:  # noqa: ANN001
+    def _shard_image(
+        unit: ShardUnit, token_in_unit: int, source: ShardSource, view, images: SourceImages
+    ) -> Image.Image:  # noqa: ANN001
         from feature_extraction.shards.read import read_shard_samples
 
         sample = token_in_unit // int(source.manifest["tokens_per_image"])
@@ -160,5 +172,4 @@ def _outline(tile: Image.Image, position: int, manifest: dict) -> None:
         draw.rectangle([0, 0, w - 1, h - 1], outline=(29, 78, 216), width=4)
         return
     r, c = divmod(position - n_prefix, gw)
-    draw.rectangle([c * w / gw, r * h / gh, (c + 1) * w / gw - 1, (r + 1) * h / gh - 1], outline=(255, 60, 0),
-                   width=2)
+    draw.rectangle([c * w / gw, r * h / gh, (c + 1) * w / gw - 1, (r + 1) * h / gh - 1], outline=(255, 60, 0), width=2)

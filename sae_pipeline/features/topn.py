@@ -19,6 +19,7 @@ re-ranking merges the tables of several ranks (:mod:`sae_pipeline.features.merge
 keys and token indices are global, so the merged table equals a single process's.
 No dense ``[tokens, d_sae]`` buffer exists beyond the batch's own codes.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -40,7 +41,7 @@ class Entries(NamedTuple):
     image: Tensor  # int64, global image key (equal for tokens of one image)
     position: Tensor  # int64, the token's place in the backbone's full sequence
 
-    def select(self, index: Tensor) -> "Entries":
+    def select(self, index: Tensor) -> Entries:
         """The entries at ``index`` (int64 positions; a boolean mask is turned into positions once)."""
         if index.dtype == torch.bool:
             index = index.nonzero().squeeze(1)
@@ -119,8 +120,9 @@ class TopNTable:
 
     # --- per batch -----------------------------------------------------------------------
     @torch.no_grad()
-    def update_codes(self, codes: Tensor, token: Tensor, image: Tensor, position: Tensor,
-                     steps: tuple[Tensor, Tensor] | None = None) -> None:
+    def update_codes(
+        self, codes: Tensor, token: Tensor, image: Tensor, position: Tensor, steps: tuple[Tensor, Tensor] | None = None
+    ) -> None:
         """Add a batch: dense ``codes [B, d_sae]`` of tokens ``token [B]`` (global indices) of images
         ``image [B]`` at ``position [B]``; ``steps``: MP's ``(atom indices [B, k], step 1..k)`` order."""
         rows, atoms = codes.nonzero(as_tuple=True)
@@ -163,9 +165,13 @@ class TopNTable:
         atoms = torch.arange(self.d_sae, device=device) if atoms is None else atoms
         slots = (atoms[:, None] * self.n + torch.arange(self.n, device=device)).view(-1)
         slots = slots[self.token.view(-1).index_select(0, slots) != NO_TOKEN]
-        return Entries(torch.div(slots, self.n, rounding_mode="floor"), self.value.view(-1).index_select(0, slots),
-                       self.token.view(-1).index_select(0, slots), self.image.view(-1).index_select(0, slots),
-                       self.position.view(-1).index_select(0, slots))
+        return Entries(
+            torch.div(slots, self.n, rounding_mode="floor"),
+            self.value.view(-1).index_select(0, slots),
+            self.token.view(-1).index_select(0, slots),
+            self.image.view(-1).index_select(0, slots),
+            self.position.view(-1).index_select(0, slots),
+        )
 
     # --- results -----------------------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
@@ -177,5 +183,4 @@ class TopNTable:
             setattr(self, name, state[name])
 
 
-STATE_FIELDS = ("value", "token", "image", "position", "fire_count", "value_sum", "step_sum", "step_count",
-                "n_tokens")
+STATE_FIELDS = ("value", "token", "image", "position", "fire_count", "value_sum", "step_sum", "step_count", "n_tokens")

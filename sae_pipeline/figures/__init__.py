@@ -14,6 +14,7 @@ Design choices:
   training nodes. ``fig.savefig`` renders with Agg.
 - Each figure reproduces one of the paper's plots (Costa et al. 2025).
 """
+
 from __future__ import annotations
 
 from sae_pipeline.figures.model import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure

@@ -1,6 +1,7 @@
 """What every figure shares: input checks, the single-axes figure, the log2 k axis, the Babel and
 frequency-vs-mean axes. One place, so the training figures and the evaluation suite's figures of the
 same quantity look alike and are fixed once."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,9 @@ def to_numpy(values: ArrayLike, name: str) -> np.ndarray:
     try:
         return np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a tensor, array or sequence of numbers, got {type(values).__name__}") from None
+        raise ValueError(
+            f"{name} must be a tensor, array or sequence of numbers, got {type(values).__name__}"
+        ) from None
 
 
 def one_dimensional(values: ArrayLike, name: str) -> np.ndarray:
@@ -38,8 +41,9 @@ def single_axes() -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
-def finish(ax: Axes, xlabel: str, ylabel: str | None, title: str | None = None,
-           legend_fontsize: float | None = None) -> None:
+def finish(
+    ax: Axes, xlabel: str, ylabel: str | None, title: str | None = None, legend_fontsize: float | None = None
+) -> None:
     """Axis labels, title, the light grid, and a legend when ``legend_fontsize`` is given."""
     ax.set_xlabel(xlabel)
     if ylabel is not None:

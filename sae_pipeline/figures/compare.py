@@ -6,6 +6,7 @@ axes helpers (:mod:`sae_pipeline.figures.axes`), each named by its label in the 
 (:func:`sae_pipeline.sae.display_label`). Like those, they are built on
 ``matplotlib.figure.Figure`` (no pyplot state, headless) and return the figure.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -17,13 +18,13 @@ from sae_pipeline.figures.axes import finish, log2_axis, plot_babel, scatter_fre
 from sae_pipeline.sae import display_label as _label
 
 
-def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[int], xlabel: str,
-                    title: str) -> Figure:
+def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[int], xlabel: str, title: str) -> Figure:
     """Validation R² per variant against one quantity of the runs, on a log2 axis."""
     fig, ax = single_axes()
     for variant, rows in series.items():
-        ax.plot([row[x_key] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4,
-                label=_label(variant))
+        ax.plot(
+            [row[x_key] for row in rows], [row["r2"] for row in rows], marker="o", markersize=4, label=_label(variant)
+        )
     log2_axis(ax, ticks)
     finish(ax, xlabel, "validation R²", title, legend_fontsize=8)
     return fig
@@ -31,14 +32,20 @@ def _r2_line_figure(series: Mapping[str, list[dict]], x_key: str, ticks: list[in
 
 def expressivity_vs_k_figure(vs_k: Mapping[str, list[dict]], p: int) -> Figure:
     """R² against measured L0 (the training k for all but ReLU, whose L1 only aims at it), at fixed p."""
-    return _r2_line_figure(vs_k, "l0", [row["k"] for rows in vs_k.values() for row in rows],
-                           "sparsity: measured L0 (active atoms per input)", f"Expressivity at p = {p}")
+    return _r2_line_figure(
+        vs_k,
+        "l0",
+        [row["k"] for rows in vs_k.values() for row in rows],
+        "sparsity: measured L0 (active atoms per input)",
+        f"Expressivity at p = {p}",
+    )
 
 
 def expressivity_vs_p_figure(vs_p: Mapping[str, list[dict]], k: int) -> Figure:
     """R² against the dictionary size p at fixed k (paper Fig. 2b)."""
-    return _r2_line_figure(vs_p, "p", [row["p"] for rows in vs_p.values() for row in rows],
-                           "dictionary size p", f"Expressivity at k = {k}")
+    return _r2_line_figure(
+        vs_p, "p", [row["p"] for rows in vs_p.values() for row in rows], "dictionary size p", f"Expressivity at k = {k}"
+    )
 
 
 def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) -> Figure:
@@ -57,8 +64,7 @@ def inference_by_train_k_figure(by_train_k: Mapping[str, Mapping[str, dict]]) ->
     return fig
 
 
-def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping[str, list[float]],
-                        k: int) -> Figure:
+def babel_panels_figure(dictionary: Mapping[str, list[float]], coactive: Mapping[str, list[float]], k: int) -> Figure:
     """Babel μ₁(r) of the whole dictionary (left) and of the co-activated atoms (right), per variant.
 
     Curves are keyed by variant (shown by its registry label) or by the label of another dictionary."""
@@ -86,8 +92,9 @@ def frequency_vs_mean_panels(stats: Mapping[str, dict]) -> Figure:
     """Per variant: each atom's activation frequency against its mean value (paper Fig. 4a)."""
     fig, axes = _variant_panels(stats)
     for ax, variant in zip(axes, stats):
-        n_fired = scatter_frequency_vs_mean(ax, _floats(stats[variant]["frequency"]),
-                                            _floats(stats[variant]["mean_value"]), size=3)
+        n_fired = scatter_frequency_vs_mean(
+            ax, _floats(stats[variant]["frequency"]), _floats(stats[variant]["mean_value"]), size=3
+        )
         finish(ax, "activation frequency", None)
         ax.set_title(f"{_label(variant)} ({n_fired} atoms fired)", fontsize=9)
     axes[0].set_ylabel("mean activation E[z_j]")
@@ -114,8 +121,9 @@ def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape:
     n_cols = 1 + max(len(sequences[v]["shown_steps"]) for v in variants)
     width, height = 0.9 * n_cols + 1.3, 1.05 * len(variants) + 0.5
     fig = Figure(figsize=(width, height))
-    fig.subplots_adjust(left=1.25 / width, right=1 - 0.05 / width, bottom=0.05 / height, top=1 - 0.5 / height,
-                        wspace=0.05, hspace=0.35)
+    fig.subplots_adjust(
+        left=1.25 / width, right=1 - 0.05 / width, bottom=0.05 / height, top=1 - 0.5 / height, wspace=0.05, hspace=0.35
+    )
     axes = fig.subplots(len(variants), n_cols, squeeze=False)
     for row, variant in enumerate(variants):
         sequence = sequences[variant]
@@ -127,10 +135,10 @@ def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape:
         for col, ax in enumerate(axes[row]):
             ax.set_axis_off()
             if col < len(images):
-                ax.imshow(images[col].reshape(image_shape), cmap="gray", vmin=low, vmax=high,
-                          interpolation="nearest")
+                ax.imshow(images[col].reshape(image_shape), cmap="gray", vmin=low, vmax=high, interpolation="nearest")
                 ax.set_title(titles[col], fontsize=7)
-        axes[row][0].text(-0.1, 0.5, _label(variant), transform=axes[row][0].transAxes, ha="right",
-                          va="center", fontsize=8)
+        axes[row][0].text(
+            -0.1, 0.5, _label(variant), transform=axes[row][0].transAxes, ha="right", va="center", fontsize=8
+        )
     fig.suptitle("Sequential reconstruction, atom by atom (shallow SAEs: atoms ordered by value)", fontsize=9)
     return fig

@@ -10,6 +10,7 @@ Each reproduces one of the paper's plots (Costa et al. 2025): Babel curves (Fig.
 Levels") and frequency against mean activation (Fig. "Activation distributions"). Built on
 ``matplotlib.figure.Figure``, never pyplot (see :mod:`sae_pipeline.figures`).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,12 +21,18 @@ from matplotlib.figure import Figure
 
 from feature_extraction.validate import check_int
 from sae_pipeline.figures.axes import (
-    ArrayLike, finish, log2_axis, one_dimensional, plot_babel, scatter_frequency_vs_mean, single_axes, to_numpy)
+    ArrayLike,
+    finish,
+    log2_axis,
+    one_dimensional,
+    plot_babel,
+    scatter_frequency_vs_mean,
+    single_axes,
+    to_numpy,
+)
 
 
-def babel_curve_figure(
-    curves: Mapping[str, ArrayLike], title: str = "Babel function μ₁(r)"
-) -> Figure:
+def babel_curve_figure(curves: Mapping[str, ArrayLike], title: str = "Babel function μ₁(r)") -> Figure:
     """One line per named curve ``μ₁(1..R)`` (e.g. ``{"dictionary": ..., "co-active": ...}``).
 
     The Babel function (Tropp 2004) measures how well one atom is approximated by ``r`` others;
@@ -112,8 +119,14 @@ def atom_grid_figure(
     width, height_inches = 1.2 * n_cols + 0.2, 1.2 * n_rows + 0.5
     fig = Figure(figsize=(width, height_inches))
     fig.suptitle(title, y=1 - 0.12 / height_inches, va="top", fontsize=10)
-    fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height_inches,
-                        top=1 - 0.45 / height_inches, wspace=0.08, hspace=0.25 if labels is not None else 0.08)
+    fig.subplots_adjust(
+        left=0.1 / width,
+        right=1 - 0.1 / width,
+        bottom=0.1 / height_inches,
+        top=1 - 0.45 / height_inches,
+        wspace=0.08,
+        hspace=0.25 if labels is not None else 0.08,
+    )
     axes = fig.subplots(n_rows, n_cols, squeeze=False)
     for position, ax in enumerate(axes.flat):
         ax.set_axis_off()
@@ -142,6 +155,10 @@ def frequency_vs_mean_figure(
         raise ValueError(f"freq and mean must have the same length, got {frequency.size} and {mean_value.size}")
     fig, ax = single_axes()
     n_never = frequency.size - scatter_frequency_vs_mean(ax, frequency, mean_value, size=4)
-    finish(ax, "activation frequency (fraction of tokens)", "mean activation E[z_j]",
-           title if n_never == 0 else f"{title}\n({n_never} of {frequency.size} atoms never fired, not shown)")
+    finish(
+        ax,
+        "activation frequency (fraction of tokens)",
+        "mean activation E[z_j]",
+        title if n_never == 0 else f"{title}\n({n_never} of {frequency.size} atoms never fired, not shown)",
+    )
     return fig

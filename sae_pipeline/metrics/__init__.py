@@ -9,11 +9,20 @@
 The package sits on :mod:`sae_pipeline.sae` only, below training and the evaluation
 (``tests/test_import_rules.py``); every name is importable from here.
 """
+
 from __future__ import annotations
 
 from sae_pipeline.metrics.babel_function import babel, babel_coactive
 from sae_pipeline.metrics.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.metrics.streaming import ActivationStats, ReconstructionR2, dead_fraction, l0
 
-__all__ = ["ActivationStats", "ReconstructionR2", "babel", "babel_coactive", "dead_fraction", "default_inference_ks",
-           "evaluate_sae", "l0"]
+__all__ = [
+    "ActivationStats",
+    "ReconstructionR2",
+    "babel",
+    "babel_coactive",
+    "dead_fraction",
+    "default_inference_ks",
+    "evaluate_sae",
+    "l0",
+]

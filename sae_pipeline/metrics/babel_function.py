@@ -4,6 +4,7 @@ The Babel function (Tropp 2004, "Greed is good"; the paper's Sec. "Coherence") m
 atom can be approximated by r others. Both forms are computed a block of atoms (or a chunk of
 tokens) at a time, so a ``d_sae x d_sae`` Gram matrix is never held in memory.
 """
+
 from __future__ import annotations
 
 import torch

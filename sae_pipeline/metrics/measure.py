@@ -9,6 +9,7 @@ from the evaluation.
 The sample is processed in chunks of at most ``_CHUNK_ELEMENTS`` dense code entries, so a 16 K-token
 sample with d_sae = 19 200 never holds a 1.2 GB code matrix.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -105,4 +106,3 @@ def evaluate_sae(sae: SparseAutoencoder, x: Tensor, r_max: int, ks: list[int] | 
         "mean_value": activation["mean_value"],
         "l0": l0,
     }
-

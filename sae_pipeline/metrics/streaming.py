@@ -10,6 +10,7 @@ Design choices:
   on the first update: torchmetrics stacks the gathered states before summing, and a rank
   that saw no batch would otherwise hold a differently shaped state and break the sync.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,6 @@ def as_rows(tensor: Tensor, width: int, name: str) -> Tensor:
     if tensor.ndim < 1 or tensor.shape[-1] != width:
         raise ValueError(f"{name} must have shape [..., {width}], got {tuple(tensor.shape)}")
     return tensor.reshape(-1, width)
-
 
 
 class ReconstructionR2(Metric):

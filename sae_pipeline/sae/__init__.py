@@ -9,6 +9,7 @@ its ``configs/<key>_<data>.yaml``. Tables, legends and reports name a variant by
 :func:`display_label`, read from here. Configs name a variant by ``sae_pipeline.sae.<ClassName>``,
 which the import here provides.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -12,6 +12,7 @@ know about a variant (its key, label, sparsity knob, ...) are class attributes o
 The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 :class:`ShallowSAE`; MP-SAE is weight-tied and has none.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
@@ -38,8 +39,13 @@ class SAEOutput:
 
     __slots__ = ("x_hat", "pre_acts", "sparse", "_codes")
 
-    def __init__(self, x_hat: Tensor, codes: Tensor | None = None, pre_acts: Tensor | None = None,
-                 sparse: SparseCodes | None = None) -> None:
+    def __init__(
+        self,
+        x_hat: Tensor,
+        codes: Tensor | None = None,
+        pre_acts: Tensor | None = None,
+        sparse: SparseCodes | None = None,
+    ) -> None:
         if codes is None and sparse is None:
             raise ValueError("SAEOutput needs dense codes or sparse codes")
         self.x_hat, self._codes, self.pre_acts, self.sparse = x_hat, codes, pre_acts, sparse
@@ -189,8 +195,11 @@ class SparseAutoencoder(nn.Module):
     def loss_terms(self, x: Tensor, output: SAEOutput, step: int) -> dict[str, Tensor]:
         """``mse`` (mean over elements), ``sparsity_loss`` and ``aux_loss``; a variant with more terms
         returns ``{**super().loss_terms(x, output, step), "name": term}`` (each logged as ``train/name``)."""
-        return {"mse": F.mse_loss(output.x_hat, x), "sparsity_loss": self.sparsity_penalty(x, output, step),
-                "aux_loss": self.auxiliary_loss(x, output)}
+        return {
+            "mse": F.mse_loss(output.x_hat, x),
+            "sparsity_loss": self.sparsity_penalty(x, output, step),
+            "aux_loss": self.auxiliary_loss(x, output),
+        }
 
     def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
         """Coefficient-weighted sparsity penalty; zero for variants whose sparsity is structural."""

@@ -11,6 +11,7 @@ With ``token_scaled_threshold=True`` the batch ranking and θ use ``relu(pre) / 
 tokens) do not take most of the batch's ``B·k`` slots (:mod:`sae_pipeline.sae.token_scale`);
 the codes kept are still ``relu(pre)``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -111,8 +112,11 @@ class BatchTopKSAE(TopKSAE):
                 codes = self.ranked(output.codes)
             else:
                 values = output.sparse.values
-                codes = values if self._token_scale is None else values / self._token_scale[output.sparse.rows, 0].to(
-                    values.dtype)
+                codes = (
+                    values
+                    if self._token_scale is None
+                    else values / self._token_scale[output.sparse.rows, 0].to(values.dtype)
+                )
             self.update_threshold(codes)
         return output
 
@@ -131,7 +135,9 @@ class BatchTopKSAE(TopKSAE):
         No host sync: a batch with no positive activation (min = +inf) leaves θ unchanged.
         """
         positive = torch.where(codes.detach() > 0, codes.detach(), float("inf"))
-        batch_min = (positive.amin() if positive.numel() else positive.new_full((), float("inf"))).to(self.threshold.dtype)
+        batch_min = (positive.amin() if positive.numel() else positive.new_full((), float("inf"))).to(
+            self.threshold.dtype
+        )
         valid = torch.isfinite(batch_min)
         batch_min = torch.where(valid, batch_min, self.threshold)
         mean_over_ranks(batch_min)  # every rank runs forward each step under DDP, so this collective cannot hang
@@ -142,5 +148,7 @@ class BatchTopKSAE(TopKSAE):
         self.n_threshold_updates.add_(valid.to(torch.int64))
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, threshold_momentum={self.threshold_momentum}, "
-                f"token_scaled_threshold={self.token_scaled_threshold}")
+        return (
+            f"{super().extra_repr()}, threshold_momentum={self.threshold_momentum}, "
+            f"token_scaled_threshold={self.token_scaled_threshold}"
+        )

@@ -8,6 +8,7 @@ which starts every latent on half of the tokens). Reading the cut off the first 
 at its target sparsity from step one. Ranks see different batches, so every such value is averaged
 over them: the replicas of a DDP model must stay identical.
 """
+
 from __future__ import annotations
 
 import math

@@ -17,6 +17,7 @@ registered class path) and the modules already loaded resolve without importing;
 subclass needs its module in ``SAE_PIPELINE_TRUSTED_MODULES`` (comma-separated modules or
 packages), e.g. ``SAE_PIPELINE_TRUSTED_MODULES=mylab.saes python -m sae_pipeline export ...``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,6 @@ import sys
 from typing import Any
 
 from sae_pipeline.sae.base import SparseAutoencoder
-
 
 #: Comma-separated modules (or packages) an artifact's ``class_path`` may import: the user's own SAE subclasses.
 TRUSTED_MODULES_ENV = "SAE_PIPELINE_TRUSTED_MODULES"
@@ -57,8 +57,10 @@ def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
         if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         if not hasattr(sae, name):
-            raise ExportError(f"{cls.__name__} has no attribute {name!r} for its constructor argument; "
-                              "keep every constructor argument as an attribute of the same name")
+            raise ExportError(
+                f"{cls.__name__} has no attribute {name!r} for its constructor argument; "
+                "keep every constructor argument as an attribute of the same name"
+            )
         value = getattr(sae, name)
         if not (value is None or isinstance(value, (bool, int, float, str))):
             raise ExportError(f"{cls.__name__}.{name} = {value!r} is not a JSON scalar; the SAE config must be plain")
@@ -100,8 +102,10 @@ def untrusted_class_path(class_path: object) -> str | None:
     module_name = str(class_path).rpartition(".")[0]
     if not module_name or module_name in sys.modules or _is_trusted(module_name):
         return None
-    return (f"class_path {class_path!r} names module {module_name!r}, which is not loaded and not trusted; nothing "
-            f"was imported. If it is your own code, allow it: {TRUSTED_MODULES_ENV}={module_name}")
+    return (
+        f"class_path {class_path!r} names module {module_name!r}, which is not loaded and not trusted; nothing "
+        f"was imported. If it is your own code, allow it: {TRUSTED_MODULES_ENV}={module_name}"
+    )
 
 
 def check_class_paths(data: object, where: str) -> None:

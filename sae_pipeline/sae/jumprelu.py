@@ -13,6 +13,7 @@ need it to reach their target L0 within ~1000 steps), ``token_scaled_threshold``
 at a multiple of the learning rate, so it keeps pace with the encoder); the backbone configs set the
 last two.
 """
+
 from __future__ import annotations
 
 import math
@@ -154,10 +155,15 @@ class JumpReLUSAE(ShallowSAE):
             None if target_l0 is None else check_float("target_l0", target_l0, 0.0, float(d_sae), strict_minimum=True)
         )
         self.bandwidth = check_float("bandwidth", bandwidth, 0.0, strict_minimum=True)
-        self.initial_threshold = (None if initial_threshold is None else
-                                  check_float("initial_threshold", initial_threshold, 0.0, strict_minimum=True))
-        for name, flag in (("l0_gradient_to_encoder", l0_gradient_to_encoder),
-                           ("token_scaled_threshold", token_scaled_threshold)):
+        self.initial_threshold = (
+            None
+            if initial_threshold is None
+            else check_float("initial_threshold", initial_threshold, 0.0, strict_minimum=True)
+        )
+        for name, flag in (
+            ("l0_gradient_to_encoder", l0_gradient_to_encoder),
+            ("token_scaled_threshold", token_scaled_threshold),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be true or false, got {flag!r}")
         self.threshold_lr_scale = check_float("threshold_lr_scale", threshold_lr_scale, 0.0, strict_minimum=True)
@@ -246,9 +252,14 @@ class JumpReLUSAE(ShallowSAE):
             self._token_scale = token_scale(x, self.b_pre).to(output.pre_acts.dtype)
         if output.sparse is not None:  # every entry with a nonzero step or kernel is in the support
             support = output.sparse
-            pre_values = (sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support)
-                          if self.l0_gradient_to_encoder else support.gather(output.pre_acts))  # pre_acts is detached
-            steps = StepFunction.apply(pre_values, *self.gate(support.rows, support.indices), self.l0_gradient_to_encoder)
+            pre_values = (
+                sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support)
+                if self.l0_gradient_to_encoder
+                else support.gather(output.pre_acts)
+            )  # pre_acts is detached
+            steps = StepFunction.apply(
+                pre_values, *self.gate(support.rows, support.indices), self.l0_gradient_to_encoder
+            )
             l0 = steps.sum() / output.x_hat.shape[0]
         else:
             l0 = self.l0(output.pre_acts)
@@ -261,6 +272,7 @@ class JumpReLUSAE(ShallowSAE):
         return (
             f"{super().extra_repr()}, sparsity_coefficient={self.sparsity_coefficient}, "
             f"sparsity_loss={self.sparsity_loss!r}, target_l0={self.target_l0}, bandwidth={self.bandwidth}, "
-            f"l0_gradient_to_encoder={self.l0_gradient_to_encoder}, token_scaled_threshold={self.token_scaled_threshold}, "
+            f"l0_gradient_to_encoder={self.l0_gradient_to_encoder}, "
+            f"token_scaled_threshold={self.token_scaled_threshold}, "
             f"threshold_lr_scale={self.threshold_lr_scale}"
         )

@@ -21,6 +21,7 @@ On the sparse path the prefix reconstructions cost one sparse decode of the entr
 largest inner width in all (each entry is decoded once, into its group's partial sum, and the
 prefixes are running sums of the groups), not one decode per prefix.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,7 @@ from feature_extraction.validate import check_float, check_int
 from sae_pipeline.sae.base import SAEOutput
 from sae_pipeline.sae.batchtopk import BatchTopKSAE
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode
+
 
 def prefix_widths(d_sae: int, n_prefixes: int, prefix_ratio: float) -> tuple[int, ...]:
     """Strictly increasing widths ``round(d_sae / prefix_ratio^(n_prefixes − g))`` for g = 1..n_prefixes
@@ -66,8 +68,9 @@ class MatryoshkaBatchTopKSAE(BatchTopKSAE):
         dead_after_tokens: int = 10_000_000,
         token_scaled_threshold: bool = False,
     ) -> None:
-        super().__init__(d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens,
-                         token_scaled_threshold)
+        super().__init__(
+            d_in, d_sae, k, k_aux, aux_coefficient, threshold_momentum, dead_after_tokens, token_scaled_threshold
+        )
         self.n_prefixes = check_int("n_prefixes", n_prefixes, 1)
         self.prefix_ratio = check_float("prefix_ratio", prefix_ratio, 1.0, strict_minimum=True)
         self.prefix_widths = prefix_widths(self.d_sae, self.n_prefixes, self.prefix_ratio)

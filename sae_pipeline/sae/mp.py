@@ -10,6 +10,7 @@ retraining. There is no encoder: the decoder ``W_dec`` is the whole model (plus 
 The computation lives in :mod:`sae_pipeline.sae.mp_autograd` (selection without autograd,
 then a hand-written backward over the selected atoms only).
 """
+
 from __future__ import annotations
 
 import torch

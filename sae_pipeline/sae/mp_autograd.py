@@ -34,6 +34,7 @@ The code carries ``u_t = g − a_t`` instead of ``a_t`` (one pass fewer per step
 recovers ``r_{t-1}`` in the reverse scan as ``r_t + c_t D_t``, starting from ``r_k`` recomputed
 by the forward's own updates; no residual is stored.
 """
+
 from __future__ import annotations
 
 import math

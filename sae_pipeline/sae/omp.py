@@ -51,6 +51,7 @@ earlier solves feed only the argmax, which has no gradient), so the Function dif
 reverse scan over the k steps (as MP-SAE's) because it is exact, shorter and touches only
 ``[B, k, d_in]`` tensors; the tests check it against autograd through the plain per-token loop.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -81,8 +82,9 @@ RANK_TOLERANCE = 100.0
 
 
 @torch.no_grad()
-def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def select_atoms(
+    y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """OMP on ``y [B, d_in]``: ``(indices [B, k], L [B, k, k], z [B, k], r [B, d_in])``, no autograd.
 
     ``D_S = L Q`` with ``Q`` orthonormal rows, ``z = Q y`` and ``r`` the final residual, all in the
@@ -132,8 +134,9 @@ def select_atoms(y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None =
     return indices, L, z, residual
 
 
-def next_atom(corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def next_atom(
+    corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The step's atom per token, ``(j [n], q [n, d_in], row [n, t + 1], stopped [n])``: the largest
     correlation among atoms not in the span of the selected ones.
 
@@ -199,8 +202,9 @@ class LeastSquaresFunction(torch.autograd.Function):
     from :func:`select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, W_dec: Tensor, b_pre: Tensor, indices: Tensor, L: Tensor, z: Tensor
-                ) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, x: Tensor, W_dec: Tensor, b_pre: Tensor, indices: Tensor, L: Tensor, z: Tensor
+    ) -> tuple[Tensor, Tensor]:
         dtype = L.dtype
         c = torch.linalg.solve_triangular(L.mT, z[:, :, None], upper=True)[:, :, 0]  # Lᵀ c = z
         atoms = gather_atoms(W_dec, indices, dtype)
@@ -235,8 +239,9 @@ class LeastSquaresFunction(torch.autograd.Function):
         return grad_x, grad_W, grad_b_pre, None, None, None
 
 
-def orthogonal_matching_pursuit(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None
-                                ) -> tuple[Tensor, Tensor, Tensor]:
+def orthogonal_matching_pursuit(
+    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
     ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop."""
     indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace)

@@ -5,6 +5,7 @@ baseline of the paper (Costa et al. 2025, §2): loss ``MSE + λ·Σ_i |codes_i|`
 latents, averaged over tokens). Since the atoms are unit-norm, ``|codes_i|`` equals
 ``|codes_i|·‖d_i‖``, the norm-aware form of Anthropic's later recipe.
 """
+
 from __future__ import annotations
 
 import math
@@ -97,8 +98,11 @@ class ReLUSAE(ShallowSAE):
         super().__init__(d_in, d_sae, dead_after_tokens)
         self.l1_coefficient = check_float("l1_coefficient", l1_coefficient, 0.0)
         self.l1_warmup_steps = check_int("l1_warmup_steps", l1_warmup_steps, 0)
-        self.initial_l0 = (None if initial_l0 is None else
-                           check_float("initial_l0", initial_l0, 0.0, float(d_sae), strict_minimum=True))
+        self.initial_l0 = (
+            None
+            if initial_l0 is None
+            else check_float("initial_l0", initial_l0, 0.0, float(d_sae), strict_minimum=True)
+        )
         self._calibration_pending = self.initial_l0 is not None  # checked once per process: one host sync a run
 
     def pre_activations(self, x: Tensor) -> Tensor:
@@ -151,5 +155,7 @@ class ReLUSAE(ShallowSAE):
         return self.l1_scale(step) * output.codes.abs().sum(dim=-1).mean()
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, l1_coefficient={self.l1_coefficient}, l1_warmup_steps={self.l1_warmup_steps}, "
-                f"initial_l0={self.initial_l0}")
+        return (
+            f"{super().extra_repr()}, l1_coefficient={self.l1_coefficient}, l1_warmup_steps={self.l1_warmup_steps}, "
+            f"initial_l0={self.initial_l0}"
+        )

@@ -21,6 +21,7 @@ whose straight-through gradient is not 0); those are not active (``fired``, ``l0
 
 :func:`sparse_codes` turns dense codes into the per-token ranked lists that ``predict`` writes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -134,15 +135,27 @@ def _crow(rows: Tensor, batch: int) -> Tensor:
 # --- the three sparse products -----------------------------------------------------------------
 def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
     """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``."""
-    return F.embedding_bag(codes.indices, weight.contiguous(), codes.crow, mode="sum",
-                           per_sample_weights=per_entry.to(weight.dtype), include_last_offset=True)
+    return F.embedding_bag(
+        codes.indices,
+        weight.contiguous(),
+        codes.crow,
+        mode="sum",
+        per_sample_weights=per_entry.to(weight.dtype),
+        include_last_offset=True,
+    )
 
 
 def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
     """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]``."""
     order, rows, latent_crow = codes.by_latent()
-    return F.embedding_bag(rows, source.contiguous(), latent_crow, mode="sum",
-                           per_sample_weights=per_entry.index_select(0, order).to(source.dtype), include_last_offset=True)
+    return F.embedding_bag(
+        rows,
+        source.contiguous(),
+        latent_crow,
+        mode="sum",
+        per_sample_weights=per_entry.index_select(0, order).to(source.dtype),
+        include_last_offset=True,
+    )
 
 
 def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
@@ -150,7 +163,8 @@ def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
     tokens, weight = tokens.contiguous(), weight.contiguous()
     try:  # ATen's own per-sample-weight gradient of embedding_bag: exactly these dot products
         return torch.ops.aten._embedding_bag_per_sample_weights_backward(
-            tokens, weight, codes.indices, codes.crow[:-1], codes.rows, 0)
+            tokens, weight, codes.indices, codes.crow[:-1], codes.rows, 0
+        )
     except (RuntimeError, AttributeError):  # a backend without it: the same in chunks of entries
         out = tokens.new_empty(codes.indices.numel())
         step = max(1, (1 << 22) // max(weight.shape[1], 1))
@@ -170,8 +184,9 @@ class SparseEncodeGather(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, b_pre: Tensor, W_enc: Tensor, b_enc: Tensor, pre: Tensor,
-                codes: SparseCodes) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, b_pre: Tensor, W_enc: Tensor, b_enc: Tensor, pre: Tensor, codes: SparseCodes
+    ) -> Tensor:
         ctx.save_for_backward(x, b_pre, W_enc)
         ctx.codes = codes
         return codes.gather(pre)
@@ -186,7 +201,9 @@ class SparseEncodeGather(torch.autograd.Function):
         if need_W:  # [d_sae, d_in] transposed: the strides of W_enc = W_dec.T.clone()
             grad_W = latent_sums(codes, (x - b_pre).to(W_enc.dtype), grad).T
         if need_b_enc or need_b_pre:
-            column_sums = torch.zeros(codes.d_sae, dtype=grad.dtype, device=grad.device).index_add_(0, codes.indices, grad)
+            column_sums = torch.zeros(codes.d_sae, dtype=grad.dtype, device=grad.device).index_add_(
+                0, codes.indices, grad
+            )
             grad_b_enc = column_sums if need_b_enc else None
             grad_b_pre = -(W_enc @ column_sums).to(b_pre.dtype) if need_b_pre else None
         if need_x:

@@ -13,6 +13,7 @@ gets a comparable number of atoms whatever its norm. ``s`` is treated as data (n
 and scaling the input scales ``s``, so θ is unitless: exporting a normalised run
 (``fold_input_scale``) leaves it as trained.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ construction and the loss needs no penalty. Dead latents (no firing for
 pre-activations among dead latents reconstruct the main model's detached residual
 ``x − x_hat``, decoded without ``b_pre`` because the residual has no offset.
 """
+
 from __future__ import annotations
 
 import torch

@@ -29,6 +29,7 @@ Design choices:
   and the ``val/babel_dict_r1`` scalar of one validation share a step. With other loggers
   (or none) only the scalars are logged.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -38,11 +39,11 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from sae_pipeline.training import lightning_compat
 from feature_extraction.validate import check_int
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, frequency_vs_mean_figure, r2_vs_k_figure
 from sae_pipeline.metrics import evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.training import lightning_compat
 
 _DEFAULT_R_MAX = 64
 

@@ -23,6 +23,7 @@ too, :class:`AtomicCheckpointIO`): ``--ckpt_path`` problems (missing, not a chec
 training state) are one-line ``CheckpointError`` s that never print torch's advice to load with
 ``weights_only=False`` (which would run code from the file).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,8 +48,12 @@ def run_checkpoints(run_dpath: str | Path) -> list[Path]:
     Lightning's SLURM ``*/hpc_ckpt_*.ckpt`` under ``runs/<name>``, and ``last*.ckpt`` directly in it
     (an explicit ``--checkpoint.dirpath``) or in its ``checkpoints/`` (a run without a logger)."""
     run_dpath = Path(run_dpath)
-    patterns = (f"*/{CHECKPOINTS_DNAME}/last*.ckpt", "*/hpc_ckpt_*.ckpt", "last*.ckpt",
-                f"{CHECKPOINTS_DNAME}/last*.ckpt")  # the last two: --checkpoint.dirpath, --trainer.logger false
+    patterns = (
+        f"*/{CHECKPOINTS_DNAME}/last*.ckpt",
+        "*/hpc_ckpt_*.ckpt",
+        "last*.ckpt",
+        f"{CHECKPOINTS_DNAME}/last*.ckpt",
+    )  # the last two: --checkpoint.dirpath, --trainer.logger false
     return sorted({fpath for pattern in patterns for fpath in run_dpath.glob(pattern) if fpath.is_file()})
 
 
@@ -84,8 +89,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         (tests/pause_io.py) stops half-way, to kill or interrupt ``fit`` inside a save."""
         torch.save(checkpoint, f)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Through the one reader (always weights-only, checked like every ``--ckpt_path``): a checkpoint may
         come from someone else, and torch's default can be turned off from the environment
         (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Remote (``scheme://``) paths keep Lightning's reader, weights-only."""
@@ -100,8 +106,10 @@ def _kept(target: Path) -> str:
     names = sorted(fpath.name for fpath in target.parent.glob("*.ckpt"))
     if not names:
         return f"no checkpoint in {target.parent} yet"
-    return (f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
-            "resumes from the newest)")
+    return (
+        f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
+        "resumes from the newest)"
+    )
 
 
 class SAECheckpoint(ModelCheckpoint):

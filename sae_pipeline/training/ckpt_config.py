@@ -30,6 +30,7 @@ defaults (jsonargparse's ``parse_args(defaults=False)``, with its private ``_ski
 which also lets the parse of a config without ``model.sae`` wait for the checkpoint's). Arguments
 given to the CLI as a dict rather than a list are not compared.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,7 @@ from sae_pipeline.artifacts.checkpoint import CheckpointError
 SHOWN_ARGS = ("d_sae", "k")  # always named in an SAE's label, so the two SAEs are recognisable
 LINKED_ARGS = ("d_in",)  # linked from the data; checked against it after instantiation
 BASE_CLASS = "SparseAutoencoder"  # what jsonargparse reports for init_args given without a class
-FIX = ("pass the config the run was trained with (its version_N/config.yaml) or start a new run without "
-       "--ckpt_path")
+FIX = "pass the config the run was trained with (its version_N/config.yaml) or start a new run without --ckpt_path"
 
 
 def explicit_config(parser: Any, args: Any) -> Namespace | None:
@@ -95,19 +95,29 @@ def check_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: 
     if user_sae is not None:
         user_class = str(_get(_get(model, "sae"), "class_path")) if sets_sae_class(explicit_model) else ckpt_class
         user_args = _as_dict(_get(user_sae, "init_args"))
-        differing = [key for key in user_args if key in ckpt_args and key not in LINKED_ARGS
-                     and user_args[key] is not None and user_args[key] != ckpt_args[key]]
+        differing = [
+            key
+            for key in user_args
+            if key in ckpt_args
+            and key not in LINKED_ARGS
+            and user_args[key] is not None
+            and user_args[key] != ckpt_args[key]
+        ]
         if _class_name(user_class) != _class_name(ckpt_class) or differing:
-            raise CheckpointError(f"--ckpt_path {ckpt_path} holds {sae_label(ckpt_class, ckpt_args, differing)} but "
-                                  f"the config asks for {sae_label(user_class, user_args, differing)}; {FIX}")
+            raise CheckpointError(
+                f"--ckpt_path {ckpt_path} holds {sae_label(ckpt_class, ckpt_args, differing)} but "
+                f"the config asks for {sae_label(user_class, user_args, differing)}; {FIX}"
+            )
     hparams = checkpoint.get("hyper_parameters") or {}
     explicit = _as_dict(explicit_model)
     differing = [key for key in explicit if key != "sae" and key in hparams and _plain(explicit[key]) != hparams[key]]
     if differing:
         theirs = ", ".join(f"model.{key}={hparams[key]!r}" for key in differing)
         ours = ", ".join(f"model.{key}={_plain(explicit[key])!r}" for key in differing)
-        raise CheckpointError(f"--ckpt_path {ckpt_path} was trained with {theirs} but the config asks for {ours} "
-                              f"(a run from a checkpoint keeps its model settings); {FIX}")
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path} was trained with {theirs} but the config asks for {ours} "
+            f"(a run from a checkpoint keeps its model settings); {FIX}"
+        )
 
 
 def _get(namespace: Any, key: str) -> Any:

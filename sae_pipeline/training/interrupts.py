@@ -32,6 +32,7 @@ DataLoader workers are forked with this handler, so a terminal's Ctrl-C (sent to
 group) does not end their loop; there the handler does nothing and the main process stops the run.
 SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.training.requeue`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -181,15 +182,20 @@ class Interrupts(StepBoundaryCallback):
     def record(self, signum: int) -> None:
         """Called by the handler during fit (signal-handler context: no printing but ``os.write``)."""
         if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
-            raise Interrupted(signum, "Ctrl-C again: stopped without saving; the previous checkpoint is kept; "
-                                      f"{RESUME_HINT}", announce=self._rank == 0)
+            raise Interrupted(
+                signum,
+                f"Ctrl-C again: stopped without saving; the previous checkpoint is kept; {RESUME_HINT}",
+                announce=self._rank == 0,
+            )
         if not self.received:
             self.received = signum
             if self._rank == 0:
                 name = signal.Signals(signum).name
                 again = " (Ctrl-C again stops without saving)" if signum == signal.SIGINT else ""
-                os.write(2, f"\n{name} received: saving a checkpoint after this training step, then exiting"
-                            f"{again}\n".encode())
+                os.write(
+                    2,
+                    f"\n{name} received: saving a checkpoint after this training step, then exiting{again}\n".encode(),
+                )
 
     def _check(self, trainer: L.Trainer) -> None:
         if not self._armed or HANDLER.training is not self:
@@ -200,8 +206,11 @@ class Interrupts(StepBoundaryCallback):
         for logger in trainer.loggers:
             logger.save()  # flush the metrics logged so far
         fpath = save_final_checkpoint(trainer)
-        raise Interrupted(signum, f"saved {fpath} at global step {trainer.global_step}; {RESUME_HINT}",
-                          announce=trainer.is_global_zero)
+        raise Interrupted(
+            signum,
+            f"saved {fpath} at global step {trainer.global_step}; {RESUME_HINT}",
+            announce=trainer.is_global_zero,
+        )
 
 
 def _call_previous(previous: Any, signum: int, frame: Any) -> None:
@@ -213,4 +222,3 @@ def _call_previous(previous: Any, signum: int, frame: Any) -> None:
             raise KeyboardInterrupt
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
-

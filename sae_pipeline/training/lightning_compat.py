@@ -13,6 +13,7 @@ nowhere else, so a Lightning release that moves one breaks one function, and
 ``pyproject.toml`` caps ``lightning`` below the next minor release for the same reason; raise
 the cap once the test passes on the new version. Verified on :data:`VERIFIED_LIGHTNING`.
 """
+
 from __future__ import annotations
 
 import sys

@@ -9,6 +9,7 @@ They bury the product's own lines (``--ckpt_path last: FILE``, ``Final checkpoin
 :func:`quiet_lightning` drops exactly these, matched by their text: every other Lightning
 message and warning (which GPU is used, a real misconfiguration) still shows.
 """
+
 from __future__ import annotations
 
 import logging

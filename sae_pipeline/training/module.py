@@ -20,6 +20,7 @@ owns everything a training run adds to it:
   rank received no validation batch.
 - NaN/Inf in a batch stops training with the global step and the shards named.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,13 +33,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 import sae_pipeline
-from sae_pipeline.training import lightning_compat
 from feature_extraction.shards import manifest_sha256
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae.sparse_decode import sparse_codes
+from sae_pipeline.training import lightning_compat
 
 
 class NonFiniteBatchError(FloatingPointError, ValueError):
@@ -67,8 +68,10 @@ def adam_implementation(module: torch.nn.Module) -> dict[str, bool]:
     dtypes): one kernel per tensor instead of ~10 elementwise passes (8x faster on CPU for a
     2 x 768 x 8192 SAE); otherwise torch's default. Same update rule either way."""
     params = list(module.parameters())
-    supported = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32,
-                                                                     torch.float64) for p in params)
+    supported = all(
+        p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        for p in params
+    )
     return {"fused": True} if params and supported else {}
 
 
@@ -158,7 +161,8 @@ class SAEModule(L.LightningModule):
             n_bad = int((~torch.isfinite(x)).sum())
             raise NonFiniteBatchError(
                 f"{stage} at global step {self.global_step}: batch from {_sources(batch)} "
-                f"holds {n_bad} NaN/Inf values; re-extract or drop those shards")
+                f"holds {n_bad} NaN/Inf values; re-extract or drop those shards"
+            )
         return self.preprocess(x)
 
     # --- data-dependent initialisation -----------------------------------------------------
@@ -173,8 +177,10 @@ class SAEModule(L.LightningModule):
             return
         d_in = getattr(datamodule, "d_in", None)
         if d_in is not None and d_in != self.sae.d_in:
-            raise ValueError(f"data d_in={d_in} differs from model.sae.init_args.d_in={self.sae.d_in}; "
-                             "drop d_in from the config so the CLI links it from the data")
+            raise ValueError(
+                f"data d_in={d_in} differs from model.sae.init_args.d_in={self.sae.d_in}; "
+                "drop d_in from the config so the CLI links it from the data"
+            )
         manifest = getattr(datamodule, "manifest", None)
         self.data_info = {
             "source": str(getattr(datamodule, "source", None)),
@@ -194,8 +200,10 @@ class SAEModule(L.LightningModule):
     def init_from_data(self, mean: Tensor, mean_sq_norm: float) -> None:
         """Set ``input_scale = sqrt(d_in / E‖x‖²)`` (when normalising) and ``b_pre = mean · input_scale``."""
         if not (math.isfinite(mean_sq_norm) and mean_sq_norm > 0 and bool(torch.isfinite(mean).all())):
-            raise ValueError(f"the data statistics are not finite and positive (mean squared norm {mean_sq_norm}); "
-                             "the data holds NaN/Inf or only zeros: repair or drop it")
+            raise ValueError(
+                f"the data statistics are not finite and positive (mean squared norm {mean_sq_norm}); "
+                "the data holds NaN/Inf or only zeros: repair or drop it"
+            )
         scale = math.sqrt(self.sae.d_in / mean_sq_norm) if self.hparams.normalize_input else 1.0
         self.input_scale.fill_(scale)
         self.sae.init_b_pre(mean.to(self.sae.b_pre.device, self.sae.b_pre.dtype) * scale)
@@ -224,7 +232,8 @@ class SAEModule(L.LightningModule):
         if not torch.isfinite(losses.loss):
             raise NonFiniteBatchError(
                 f"training at global step {self.global_step}: loss is {float(losses.loss)} on the batch from "
-                f"{_sources(batch)}; training diverged, lower model.lr (now {self.hparams.lr})")
+                f"{_sources(batch)}; training diverged, lower model.lr (now {self.hparams.lr})"
+            )
         self.record_firing(output.fired(), x.shape[0])
         self.log("train/loss", losses.loss, prog_bar=True)
         if self._is_logging_step():
@@ -234,8 +243,9 @@ class SAEModule(L.LightningModule):
                 self.log(f"train/{name}", term)
             self.log("train/l0", output.l0().float())
             self.log("train/r2", self.train_r2(x, output.x_hat).float())
-            self.log("train/dead_fraction",
-                     dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens).float())
+            self.log(
+                "train/dead_fraction", dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens).float()
+            )
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return losses.loss
 
@@ -281,12 +291,18 @@ class SAEModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         total_steps = self._estimated_total_steps()
         if not math.isfinite(total_steps) or total_steps < 1:
-            raise ValueError(f"the run's number of optimiser steps is {total_steps}; set --trainer.max_steps or "
-                             "--trainer.max_epochs so the cosine schedule has an end")
+            raise ValueError(
+                f"the run's number of optimiser steps is {total_steps}; set --trainer.max_steps or "
+                "--trainer.max_epochs so the cosine schedule has an end"
+            )
         total_steps = int(total_steps)
         optimizer = torch.optim.Adam(param_groups(self.sae, self.hparams.lr), **adam_implementation(self.sae))
-        factor = partial(warmup_cosine_factor, warmup_steps=min(self.hparams.warmup_steps, total_steps),
-                         total_steps=total_steps, min_ratio=self.hparams.min_lr / self.hparams.lr)
+        factor = partial(
+            warmup_cosine_factor,
+            warmup_steps=min(self.hparams.warmup_steps, total_steps),
+            total_steps=total_steps,
+            min_ratio=self.hparams.min_lr / self.hparams.lr,
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
@@ -335,8 +351,12 @@ class SAEModule(L.LightningModule):
         x = self._checked_input(batch, "predict")
         codes = self.sae.encode(x).float() / self.input_scale
         indices, values = sparse_codes(codes)
-        return {"image_ids": list(batch["image_ids"]), "token_positions": batch["token_positions"],
-                "indices": indices, "values": values}
+        return {
+            "image_ids": list(batch["image_ids"]),
+            "token_positions": batch["token_positions"],
+            "indices": indices,
+            "values": values,
+        }
 
     # --- checkpoints ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

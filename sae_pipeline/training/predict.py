@@ -15,10 +15,12 @@ codes being written (under ``NAME.tmp``) and the rank parts are removed, so noth
 carries the codes file's name and a previous file of that name is left as it was; the one line
 says so and to rerun the same command.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -49,19 +51,36 @@ class CodesPredictionWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trainer.predict_loop.return_predictions = False  # codes go to the file, not to RAM
         sae = pl_module.sae
-        attrs = {"d_sae": sae.d_sae, "d_in": sae.d_in, "k": sae.k, "sae_class": type(sae).__name__,
-                 "input_scale": float(pl_module.input_scale), "world_size": trainer.world_size,
-                 "values_units": "raw activations (trained codes / input_scale)"}
+        attrs = {
+            "d_sae": sae.d_sae,
+            "d_in": sae.d_in,
+            "k": sae.k,
+            "sae_class": type(sae).__name__,
+            "input_scale": float(pl_module.input_scale),
+            "world_size": trainer.world_size,
+            "values_units": "raw activations (trained codes / input_scale)",
+        }
         target = self.fpath if trainer.world_size == 1 else part_fpath(self.fpath, trainer.global_rank)
         self._writer = CodesWriter(target, attrs)
         self._writer.__enter__()
 
-    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any,
-                           batch_indices: Sequence[int] | None, batch: Any, batch_idx: int,
-                           dataloader_idx: int) -> None:
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
         assert self._writer is not None
-        self._writer.write(prediction["image_ids"], _numpy(prediction["token_positions"]),
-                           _numpy(prediction["indices"]), _numpy(prediction["values"]))
+        self._writer.write(
+            prediction["image_ids"],
+            _numpy(prediction["token_positions"]),
+            _numpy(prediction["indices"]),
+            _numpy(prediction["values"]),
+        )
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         writer, self._writer = self._writer, None

@@ -16,6 +16,7 @@ Resume is Lightning's: under SLURM, ``fit`` without ``--ckpt_path`` restores the
 the run's TensorBoard directory ``runs/<name>/slurm-<job id>``. A requeued job keeps its id,
 so it finds the checkpoint and logs on into the same run; a new job starts a new one.
 """
+
 from __future__ import annotations
 
 import os
@@ -99,8 +100,10 @@ class SLURMRequeue(StepBoundaryCallback):
         trainer.save_checkpoint(fpath)  # full state (optimiser, loops); every rank takes part, rank 0 writes
         requeued = max_over_ranks(trainer, int(trainer.is_global_zero and self._requeue(fpath, trainer.global_step)))
         if not requeued:
-            rank_zero_warn(f"could not requeue the SLURM job; training goes on until SLURM stops it. Resume by hand "
-                           f"with --ckpt_path {fpath}")
+            rank_zero_warn(
+                f"could not requeue the SLURM job; training goes on until SLURM stops it. Resume by hand "
+                f"with --ckpt_path {fpath}"
+            )
             self.signal_received = False
             return
         if trainer.is_global_zero:

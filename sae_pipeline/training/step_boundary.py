@@ -7,6 +7,7 @@ gives SIGTERM/Ctrl-C (:mod:`sae_pipeline.training.interrupts`) and SLURM's reque
 each real validation pass) and :func:`max_over_ranks` the one small all-reduce that makes a
 signal seen by one rank stop them all at the same step.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,8 +32,9 @@ class StepBoundaryCallback(L.Callback):
     def _check(self, trainer: L.Trainer) -> None:
         raise NotImplementedError
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._check(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
