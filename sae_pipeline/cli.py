@@ -131,7 +131,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
                 "trainer.logger": {
                     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": DEFAULT_RUNS_DPATH, "name": None, "default_hp_metric": False},
-                },
+                }
             }
         )
 

@@ -99,10 +99,7 @@ def read_events(log_dpath: Path) -> EventAccumulator:
     return accumulator
 
 
-@pytest.mark.parametrize(
-    ("variant", "every_n_val_epochs", "figure_steps"),
-    [("mp", 1, [1, 3]), ("topk", 2, [1])],
-)
+@pytest.mark.parametrize(("variant", "every_n_val_epochs", "figure_steps"), [("mp", 1, [1, 3]), ("topk", 2, [1])])
 def test_trainer_run_writes_every_tag_with_reference_values(
     variant: str, every_n_val_epochs: int, figure_steps: list[int], tmp_path: Path
 ) -> None:

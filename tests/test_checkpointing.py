@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import system_tools
 import torch
+from in_process import QUIET, error_lines, fit_in, run
 
 from feature_extraction.h5cache import write_token_cache
-from sae_pipeline.__main__ import main
 from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
 from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.data import ActivationDataModule
@@ -26,36 +26,13 @@ from sae_pipeline.training.checkpointing import AtomicCheckpointIO, newest_check
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-SMALL = [
-    "--model.sae.init_args.d_sae",
-    "128",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--figures.every_n_val_epochs",
-    "1000",
-]
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``python -m sae_pipeline ARGS`` in this process: (exit status, stdout, stderr)."""
-    try:
-        status = main(args)
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    out, err = capsys.readouterr()
-    return status, out, err
+SMALL = ["--model.sae.init_args.d_sae", "128", *QUIET]
 
 
 def fit(capsys: pytest.CaptureFixture[str], *extra: str) -> str:
     status, out, err = run(["fit", "--config", TOPK_DIGITS, *SMALL, *extra], capsys)
     assert status == 0, err[-3000:]
     return out
-
-
-def error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith("error:")]
 
 
 def step_of(fpath: Path | str) -> int:
@@ -66,14 +43,8 @@ def step_of(fpath: Path | str) -> int:
 def two_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two fits of one config in one folder: 12 steps, then 14 with a checkpoint every 5 steps."""
     cwd = tmp_path_factory.mktemp("two_runs")
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        for steps, extra in ((12, []), (14, ["--checkpoint.every_n_train_steps", "5"])):
-            status = main(["fit", "--config", TOPK_DIGITS, *SMALL, "--trainer.max_steps", str(steps), *extra])
-            assert status == 0
-    finally:
-        os.chdir(previous)
+    for steps, extra in ((12, []), (14, ["--checkpoint.every_n_train_steps", "5"])):
+        fit_in(cwd, "--config", TOPK_DIGITS, *SMALL, "--trainer.max_steps", str(steps), *extra)
     return cwd
 
 

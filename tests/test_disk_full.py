@@ -19,6 +19,7 @@ import pytest
 import system_tools
 import torch
 from features_fixtures import identity_sae, write_export, write_shards
+from in_process import QUIET
 
 from sae_pipeline.sae import TopKSAE
 from sae_pipeline.sae.config import sae_config
@@ -26,20 +27,7 @@ from sae_pipeline.training.module import SAEModule
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-SMALL_FIT = [
-    "--config",
-    TOPK_DIGITS,
-    "--model.sae.init_args.d_sae",
-    "128",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--figures.every_n_val_epochs",
-    "1000",
-    "--trainer.max_steps",
-    "2",
-]
+SMALL_FIT = ["--config", TOPK_DIGITS, "--model.sae.init_args.d_sae", "128", *QUIET, "--trainer.max_steps", "2"]
 FEATURES = ["--top", "4", "--data.batch_size", "16", "--data.num_workers", "0", "--trainer.accelerator", "cpu"]
 EXTRACT = [
     "--backbone",

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from in_process import fit_in
 
 from sae_pipeline.__main__ import main
 from sae_pipeline.artifacts import load_sae
@@ -23,31 +24,7 @@ FILES = {"native": ["sae.safetensors", "config.json"], "saelens": ["sae_weights.
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TopK SAE (d_sae 32) trained 2 steps on digits."""
     cwd = tmp_path_factory.mktemp("export_run")
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        assert (
-            main(
-                [
-                    "fit",
-                    "--config",
-                    TOPK,
-                    "--model.sae.init_args.d_sae",
-                    "32",
-                    "--trainer.max_steps",
-                    "2",
-                    "--trainer.enable_progress_bar",
-                    "false",
-                    "--trainer.enable_model_summary",
-                    "false",
-                    "--figures.every_n_val_epochs",
-                    "1000",
-                ]
-            )
-            == 0
-        )
-    finally:
-        os.chdir(previous)
+    fit_in(cwd, "--config", TOPK, "--model.sae.init_args.d_sae", "32", "--trainer.max_steps", "2")
     return cwd / "runs/topk_digits/version_0/checkpoints/last.ckpt"
 
 

@@ -13,13 +13,7 @@ import xxhash
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from feature_extraction.images import (
-    SAMPLE_NAMES,
-    ImageDataset,
-    ImageRecord,
-    collate_images,
-    list_images,
-)
+from feature_extraction.images import SAMPLE_NAMES, ImageDataset, ImageRecord, collate_images, list_images
 
 SIZE = 24
 

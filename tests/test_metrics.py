@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH
-from sae_pipeline.metrics import (
-    ActivationStats,
-    ReconstructionR2,
-    babel,
-    babel_coactive,
-    dead_fraction,
-    l0,
-)
+from sae_pipeline.metrics import ActivationStats, ReconstructionR2, babel, babel_coactive, dead_fraction, l0
 
 REFERENCE_FPATH = REFERENCE_NPZ_FPATH  # the paper authors' MNIST MP-SAE, shipped in the package
 

@@ -17,49 +17,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from sae_pipeline.__main__ import main
+from in_process import QUIET, error_lines, fit_in, run
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
 TOPK = str(REPO_DPATH / "configs" / "topk_digits.yaml")
-QUIET = [
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.enable_model_summary",
-    "false",
-    "--figures.every_n_val_epochs",
-    "1000",
-]
 D_SAE = "64"  # the checkpoint's; mpsae_digits.yaml says 1000
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        status = main(args)
-    except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def error_lines(err: str) -> list[str]:
-    return [line for line in err.splitlines() if line.startswith("error:")]
 
 
 @pytest.fixture(scope="module")
 def mp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with runs/mpsae_digits/version_0: an MP-SAE (d_sae 64, k 10, lr 1e-3) trained 2 steps."""
     cwd = tmp_path_factory.mktemp("mp_run")
-    previous = os.getcwd()
-    os.chdir(cwd)
-    try:
-        assert (
-            main(["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, *QUIET, "--trainer.max_steps", "2"])
-            == 0
-        )
-    finally:
-        os.chdir(previous)
+    fit_in(cwd, "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--trainer.max_steps", "2")
     return cwd
 
 

@@ -18,13 +18,7 @@ from feature_extraction import shards as S
 from feature_extraction.__main__ import main
 from feature_extraction.shards import image_id_from_key
 from feature_extraction.shards import read as R
-from feature_extraction.token_selection import (
-    grid_cell,
-    make_selection,
-    patch_scores,
-    selected_positions,
-    token_kinds,
-)
+from feature_extraction.token_selection import grid_cell, make_selection, patch_scores, selected_positions, token_kinds
 from sae_pipeline.data import ActivationDataModule, TokenLoader, TrainTokenLoader
 
 BACKBONE = "dinov2_tiny"  # CLS + 4 registers, 4x4 patches, d 64

@@ -25,12 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from feature_extraction.running_stats import RunningStats
-from feature_extraction.shards.layout import (
-    EXTRACTION_FNAME,
-    MANIFEST_FNAME,
-    ShardFormatError,
-    sidecar_fpath,
-)
+from feature_extraction.shards.layout import EXTRACTION_FNAME, MANIFEST_FNAME, ShardFormatError, sidecar_fpath
 from feature_extraction.shards.sidecar import read_json_object
 
 __all__ = ["RTOL", "check_manifest_stats", "sidecar_stats"]

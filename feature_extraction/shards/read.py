@@ -27,13 +27,7 @@ import numpy as np
 import xxhash
 
 from feature_extraction.shards import integrity
-from feature_extraction.shards.layout import (
-    META_SUFFIX,
-    POSITIONS_SUFFIX,
-    TOKENS_SUFFIX,
-    ShardFormatError,
-    member_key,
-)
+from feature_extraction.shards.layout import META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key
 from feature_extraction.shards.tar_scan import check_tar_end, iter_members
 
 __all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "read_shard_samples"]

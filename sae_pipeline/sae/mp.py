@@ -42,12 +42,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
     test_kwargs = {"k": 4}
 
     def __init__(
-        self,
-        d_in: int,
-        d_sae: int,
-        k: int,
-        selection: Selection = "auto",
-        dead_after_tokens: int = 10_000_000,
+        self, d_in: int, d_sae: int, k: int, selection: Selection = "auto", dead_after_tokens: int = 10_000_000
     ) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
         self.k = check_int("k", k, 1, self.d_sae)

@@ -291,12 +291,7 @@ class MatchingPursuitFunction(torch.autograd.Function):
 
 
 def matching_pursuit(
-    x: Tensor,
-    W_dec: Tensor,
-    b_pre: Tensor,
-    k: int,
-    selection: Selection = "auto",
-    workspace: Workspace | None = None,
+    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, selection: Selection = "auto", workspace: Workspace | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k MP steps, differentiable
     in ``x``, ``W_dec`` and ``b_pre`` exactly as autograd through the plain loop."""

@@ -65,11 +65,7 @@ class SAEFigures(L.Callback):
     """
 
     def __init__(
-        self,
-        every_n_val_epochs: int = 1,
-        ks: list[int] | None = None,
-        r_max: int | None = None,
-        n_atoms: int = 25,
+        self, every_n_val_epochs: int = 1, ks: list[int] | None = None, r_max: int | None = None, n_atoms: int = 25
     ) -> None:
         super().__init__()
         self.every_n_val_epochs = check_int("every_n_val_epochs", every_n_val_epochs, 1)
@@ -111,9 +107,7 @@ class SAEFigures(L.Callback):
         writer.add_figure("val/babel", babel_curve_figure(curves), global_step=step)
         label = type(sae).__name__
         writer.add_figure(
-            "val/r2_vs_k",
-            r2_vs_k_figure(report["ks"], {label: report["r2_by_k"]}, trained_k=sae.k),
-            global_step=step,
+            "val/r2_vs_k", r2_vs_k_figure(report["ks"], {label: report["r2_by_k"]}, trained_k=sae.k), global_step=step
         )
         writer.add_histogram("val/activation_frequency", report["frequency"].numpy(), global_step=step)
         writer.add_histogram("val/mean_activation", report["mean_value"].numpy(), global_step=step)
