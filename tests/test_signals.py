@@ -369,7 +369,8 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
     ]
     run_dpath = out / "runs" / name
     command = Command(tmp_path, *args, module="sae_pipeline.evaluate")
-    command.wait_for(lambda: any(run_dpath.glob("version_0/events.out.tfevents*")), "training under way")
+    # hparams.yaml: written once the Trainer's callbacks are set up, so the signal reaches a fit in progress
+    command.wait_for(lambda: (run_dpath / "version_0" / "hparams.yaml").is_file(), "training under way")
     command.signal(signal.SIGINT)
     assert command.finish() == 130, command.text()[-3000:]
     line = the_line(command, signal.SIGINT)

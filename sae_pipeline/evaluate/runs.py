@@ -351,6 +351,7 @@ def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
 
 def _fit_in_process(args: list[str]) -> None:
     from sae_pipeline.cli import cli_main
+    from sae_pipeline.training.interrupts import stop_signals
 
     quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
     levels = [logger.level for logger in quiet]
@@ -359,7 +360,9 @@ def _fit_in_process(args: list[str]) -> None:
         for logger in quiet:
             logger.setLevel(logging.WARNING)
         sys.argv = [argv[0]]  # LightningCLI(args=...) warns when sys.argv holds arguments too
-        with warnings.catch_warnings():
+        # stop_signals: a Ctrl-C before the Trainer's Interrupts callback is armed stops with 130 too (Python's
+        # KeyboardInterrupt there would become Lightning's silent exit 1)
+        with warnings.catch_warnings(), stop_signals():
             warnings.simplefilter("ignore")
             cli_main(args)
     finally:
