@@ -101,6 +101,12 @@ def sae_pipeline(*args: str, cwd: Path | None = None, umask: int | None = None) 
     )
 
 
+def features(features_data: dict, out: str, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m sae_pipeline features`` of the small SAE over the small shards into ``out``."""
+    data = ["--sae", str(features_data["sae"]), "--data.source", str(features_data["shards"])]
+    return sae_pipeline("features", *data, *FEATURES, "--out", out, **kwargs)
+
+
 def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
@@ -314,16 +320,7 @@ except DiskFullError as exn:
 @pytest.mark.slow
 def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_path: Path, features_data) -> None:
     with tmpfs(tmp_path / "ro", "64k", read_only=True) as read_only:
-        result = sae_pipeline(
-            "features",
-            "--sae",
-            str(features_data["sae"]),
-            "--data.source",
-            str(features_data["shards"]),
-            *FEATURES,
-            "--out",
-            str(read_only / "site"),
-        )
+        result = features(features_data, str(read_only / "site"))
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_error_line(result.stderr)
     assert f"--out {read_only / 'site'}: its folder {read_only} cannot be written" in line, line
@@ -332,16 +329,7 @@ def test_features_out_on_a_read_only_file_system_is_exit_2_before_the_pass(tmp_p
 
 @pytest.mark.slow
 def test_features_out_on_a_mount_point_is_exit_2_before_the_pass(disk: Path, features_data) -> None:
-    result = sae_pipeline(
-        "features",
-        "--sae",
-        str(features_data["sae"]),
-        "--data.source",
-        str(features_data["shards"]),
-        *FEATURES,
-        "--out",
-        str(disk),
-    )
+    result = features(features_data, str(disk))
     assert result.returncode == 2, result.stderr[-3000:]
     line = one_error_line(result.stderr)
     assert f"--out {disk}: is a mount point" in line and f"--out {disk / 'site'}" in line, line
@@ -358,16 +346,7 @@ def test_a_killed_features_partial_folder_is_removed_by_the_rerun(tmp_path: Path
     (stale / "atoms" / "0.html").write_text("half")
     other = tmp_path / f".other.partial-{dead.pid}"  # another site's: not ours to remove
     other.mkdir()
-    result = sae_pipeline(
-        "features",
-        "--sae",
-        str(features_data["sae"]),
-        "--data.source",
-        str(features_data["shards"]),
-        *FEATURES,
-        "--out",
-        str(tmp_path / "site"),
-    )
+    result = features(features_data, str(tmp_path / "site"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "site"]
 

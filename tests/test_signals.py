@@ -30,6 +30,18 @@ TIMEOUT_S = 240
 HEADS = {signal.SIGINT: "interrupted (Ctrl-C): ", signal.SIGTERM: "terminated (SIGTERM): "}
 
 
+def run_sae_pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m sae_pipeline ARGS`` to the end (no signal), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
 class Command:
     """A running ``python -m MODULE ARGS`` whose stdout and stderr are read as they come."""
 
@@ -106,51 +118,33 @@ def files(dpath: Path) -> dict[str, bytes]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A working directory with one fit run (``--ckpt_path last``) and a previous feature site."""
     cwd = tmp_path_factory.mktemp("signals")
-    fit = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sae_pipeline",
-            "fit",
-            "--config",
-            MPSAE_DIGITS,
-            "--trainer.max_steps",
-            "4",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_model_summary",
-            "false",
-        ],
+    fit = run_sae_pipeline(
+        "fit",
+        "--config",
+        MPSAE_DIGITS,
+        "--trainer.max_steps",
+        "4",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
         cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
     )
     assert fit.returncode == 0, fit.stderr[-3000:]
-    site = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sae_pipeline",
-            "features",
-            "--config",
-            MPSAE_DIGITS,
-            "--ckpt_path",
-            "last",
-            "--out",
-            "site",
-            "--atoms",
-            "0",
-            "1",
-            "--top",
-            "2",
-        ],
+    site = run_sae_pipeline(
+        "features",
+        "--config",
+        MPSAE_DIGITS,
+        "--ckpt_path",
+        "last",
+        "--out",
+        "site",
+        "--atoms",
+        "0",
+        "1",
+        "--top",
+        "2",
         cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
     )
     assert site.returncode == 0, site.stderr[-3000:]
     (cwd / "fit.log").write_text(fit.stdout + fit.stderr)
@@ -307,30 +301,21 @@ def test_lightning_noise_is_silenced_and_the_features_pass_has_its_name(trained:
 @pytest.mark.slow
 def test_resuming_a_run_already_at_max_steps_says_so(trained: Path, tmp_path: Path) -> None:
     ckpt = trained / "runs" / "mpsae_digits" / "version_0" / "checkpoints" / "last.ckpt"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sae_pipeline",
-            "fit",
-            "--config",
-            MPSAE_DIGITS,
-            "--ckpt_path",
-            str(ckpt),
-            "--trainer.max_steps",
-            "4",
-            "--trainer.default_root_dir",
-            str(tmp_path),
-            "--trainer.enable_progress_bar",
-            "false",
-            "--trainer.enable_model_summary",
-            "false",
-        ],
+    result = run_sae_pipeline(
+        "fit",
+        "--config",
+        MPSAE_DIGITS,
+        "--ckpt_path",
+        str(ckpt),
+        "--trainer.max_steps",
+        "4",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.enable_model_summary",
+        "false",
         cwd=trained,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
