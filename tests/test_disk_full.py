@@ -371,7 +371,7 @@ def test_exported_files_follow_the_umask(tmp_path: Path, umask: int, mode: int, 
 
 
 def test_stale_folders_of_dead_runs_are_removed_and_a_swapped_out_site_put_back(tmp_path: Path) -> None:
-    from sae_pipeline.features.site import MARKER_FNAME, remove_stale_partials
+    from sae_pipeline.features.site_dir import MARKER_FNAME, remove_stale_partials
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -4,5 +4,6 @@
 through a trained SAE on any number of devices (:mod:`.pass_module`, :mod:`.topn`,
 :mod:`.merge`), re-reads the top images' tokens for the heatmaps and the images themselves
 from the extraction's recorded source (:mod:`.images`), and writes a static site
-(:mod:`.site`). :mod:`.tensorboard` logs the top patches of a few atoms during training.
+(:mod:`.site`; :mod:`.site_dir` checks ``--out``, builds beside it and swaps the site in whole).
+:mod:`.tensorboard` logs the top patches of a few atoms during training.
 """

@@ -170,7 +170,7 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     """Every one-line refusal that can be known before the pass."""
     from sae_pipeline.data.sources import ShardSource
     from sae_pipeline.features.images import SourceImages
-    from sae_pipeline.features.site import check_out_dir, remove_stale_partials
+    from sae_pipeline.features.site_dir import check_out_dir, remove_stale_partials
 
     check_int("--top", args.top, 1, note=" (images kept per atom)")
     check_int("--neighbours", args.neighbours, 0)
@@ -289,7 +289,7 @@ def report_image_checks(out: Path) -> None:
     """On stderr: the images not drawn because they changed since extraction, and how many went unchecked."""
     import json
 
-    from sae_pipeline.features.site import MARKER_FNAME
+    from sae_pipeline.features.site_dir import MARKER_FNAME
 
     summary = json.loads((out / MARKER_FNAME).read_text())
     changed = summary.get("images_changed") or []

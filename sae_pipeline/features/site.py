@@ -14,12 +14,8 @@ served as is by ``python -m http.server``):
 - ``features.npz`` (the merged table and statistics, numeric arrays only: no pickle) and
   ``features.json`` (what was run; also how a rerun recognises a site it may replace).
 
-The site is written into a sibling staging folder (``.OUT.partial-PID``) and swapped in at the
-end, so a failure leaves the previous site (or nothing) in place. Because of that swap, ``--out``
-is checked before the pass: its folder must be writable and ``--out`` must not be a mount point
-(pass a folder inside it); either is one line, exit 2. A run killed before the swap leaves its
-staging folder behind; the next run removes those whose process is gone. A full disk removes the
-staging folder and ends with one ``no space left on device`` line (exit 1), the previous site whole.
+The site is built in a staging folder beside ``OUT`` and swapped in whole at the end
+(:mod:`sae_pipeline.features.site_dir`: the checks of ``--out``, the staging folder, the swap).
 
 An image whose bytes changed since extraction (its content hash no longer matches, see
 ``images``) is not drawn: its cards say so, the index page lists it under "Images changed
@@ -32,9 +28,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
-import shutil
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,8 +38,6 @@ import torch
 from torch import Tensor
 
 import sae_pipeline
-from feature_extraction.atomic_files import DiskFullError, out_of_space
-from feature_extraction.output_dirs import dir_problem
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import (
@@ -58,56 +49,11 @@ from sae_pipeline.features.images import (
     save_thumbnail,
     view_transform,
 )
+from sae_pipeline.features.site_dir import MARKER_FNAME, staged_site
 from sae_pipeline.training.interrupts import raise_if_interrupted
 
-MARKER_FNAME = "features.json"
 LEVEL_MAX, NOT_STORED = 250, 255
 COSINE_BLOCK = 2048
-
-
-def check_out_dir(out: Path) -> None:
-    """Refuse an ``--out`` the site cannot be swapped into: something other than a previous site, a mount
-    point, or in a folder that cannot be written (nothing is written here)."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER_FNAME).is_file())):
-        raise ValueError(f"--out {out}: exists and is not a feature browser site; choose a new or empty directory")
-    if out.is_dir() and os.path.ismount(out):
-        raise ValueError(
-            f"--out {out}: is a mount point; the site is built next to --out and renamed into place, "
-            f"which a mount point cannot be; pass a folder inside it, e.g. --out {out / 'site'}"
-        )
-    problem = dir_problem(out.parent)
-    if problem:
-        raise ValueError(f"--out {out}: its folder {out.parent} {problem}; choose a writable location for --out")
-
-
-def remove_stale_partials(out: Path) -> list[Path]:
-    """Remove the staging (``.OUT.partial-PID``) and swapped-out (``.OUT.old-PID``) folders of runs whose
-    process is gone (killed before they could clean up); returns what was removed. A swapped-out site
-    with no site in its place (killed between the two renames) is put back instead."""
-    removed = []
-    parent = out.parent if out.parent.is_dir() else None
-    for path in sorted(parent.iterdir()) if parent else ():
-        head, _, pid = path.name.rpartition("-")
-        if head not in (f".{out.name}.partial", f".{out.name}.old") or not pid.isdigit() or _alive(int(pid)):
-            continue
-        if head == f".{out.name}.old" and not out.exists():
-            path.rename(out)
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # a previous run that had our PID: no running site build of this process left it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def nearest_atoms(W_dec: Tensor, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,12 +115,7 @@ def build_site(
     """Write the whole site for a merged table (``state``) and its images (``collection``); returns ``out``."""
     start = time.perf_counter()
     out = Path(out)
-    check_out_dir(out)
-    remove_stale_partials(out)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    previous = out.is_dir() and (out / MARKER_FNAME).is_file()
-    try:
+    with staged_site(out) as staging:
         (staging / "atoms").mkdir(parents=True)
         (staging / "assets").mkdir()
         (staging / "assets" / "site.css").write_text(CSS)
@@ -205,28 +146,7 @@ def build_site(
         }
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
         raise_if_interrupted()
-        _swap_in(staging, out)
-    except BaseException as exn:
-        shutil.rmtree(staging, ignore_errors=True)
-        if out_of_space(exn) and not isinstance(exn, DiskFullError):
-            kept = f"the previous site in {out}, unchanged" if previous else f"no site in {out}"
-            raise DiskFullError(out, f"{kept} (the partial {staging.name} was removed)") from exn
-        raise
     return out
-
-
-def _swap_in(staging: Path, out: Path) -> None:
-    """Replace ``out`` by ``staging``; SIGINT / SIGTERM wait for the two renames (never no site at ``out``)."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    held = {signal.SIGINT, signal.SIGTERM}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        if out.exists():
-            out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def write_thumbnails(
