@@ -115,37 +115,38 @@ def test_the_config_the_run_was_trained_with_resumes_it(
     assert "resuming its" not in err  # the config named the SAE: nothing to announce
 
 
-@pytest.mark.slow
-def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Path, tmp_path: Path) -> None:
-    ckpt = mp_run / CKPT
+def fit_without_sae(ckpt: str, cwd: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m sae_pipeline fit --ckpt_path CKPT`` on digits with no config, so no ``model.sae``: 3 steps."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
+    data = ["--data.source", "digits", "--data.batch_size", "256", "--data.num_workers", "0"]
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "sae_pipeline",
             "fit",
-            "--data.source",
-            "digits",
-            "--data.batch_size",
-            "256",
-            "--data.num_workers",
-            "0",
+            *data,
             *QUIET,
             "--trainer.max_steps",
             "3",
             "--trainer.accelerator",
             "cpu",
             "--ckpt_path",
-            str(ckpt),
+            ckpt,
         ],
-        cwd=tmp_path,
-        env=env,
+        cwd=cwd,
+        env={**env, **(extra_env or {})},
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_a_config_without_sae_resumes_the_checkpoints_and_says_which(mp_run: Path, tmp_path: Path) -> None:
+    ckpt = mp_run / CKPT
+    result = fit_without_sae(str(ckpt), tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     said = [line for line in result.stderr.splitlines() if "resuming its" in line]
     assert said == [
@@ -165,9 +166,7 @@ def test_a_requeued_slurm_job_without_sae_takes_its_hpc_checkpoints_model(mp_run
     job = tmp_path / "runs/sae/slurm-77"
     job.mkdir(parents=True)
     (job / "hpc_ckpt_1.ckpt").write_bytes((mp_run / CKPT).read_bytes())
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")]),
+    slurm = {
         "SLURM_JOB_ID": "77",
         "SLURM_NTASKS": "1",
         "SLURM_JOB_NAME": "train",
@@ -176,33 +175,7 @@ def test_a_requeued_slurm_job_without_sae_takes_its_hpc_checkpoints_model(mp_run
         "SLURM_LOCALID": "0",
         "SLURM_NODEID": "0",
     }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sae_pipeline",
-            "fit",
-            "--data.source",
-            "digits",
-            "--data.batch_size",
-            "256",
-            "--data.num_workers",
-            "0",
-            *QUIET,
-            "--trainer.max_steps",
-            "3",
-            "--trainer.accelerator",
-            "cpu",
-            "--ckpt_path",
-            str(mp_run / CKPT),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = fit_without_sae(str(mp_run / CKPT), tmp_path, slurm)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         "--ckpt_path runs/sae/slurm-77/hpc_ckpt_1.ckpt: resuming its MatchingPursuitSAE(d_sae=64, k=10)"
