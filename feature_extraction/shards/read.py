@@ -137,12 +137,15 @@ def iter_shard_tokens(
     last: int | None = None,
     with_positions: bool = False,
     checksums: integrity.SampleChecksums | None = None,
+    with_meta: bool = False,
 ) -> Iterator[tuple]:
     """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
 
     With ``with_positions``, yield ``(key, tokens, positions)``: the sample's
     ``positions.npy`` (written before its tokens, members being sorted by name), or None
-    for a sample of an all-token extraction. Samples before ``first`` are counted but
+    for a sample of an all-token extraction. With ``with_meta``, the sample's ``meta.json``
+    (a dict; ``{}`` when absent) is appended: it is a few hundred bytes next to the tokens, read
+    only for the samples yielded (the feature browser's labels). Samples before ``first`` are counted but
     not read; reading stops after ``last``. A missing, truncated or corrupt shard raises
     ``ShardFormatError`` naming it; with ``checksums`` (``integrity.load_sample_checksums``)
     every member read is checked against its sidecar, naming the command that repairs it.
@@ -153,12 +156,15 @@ def iter_shard_tokens(
     check_tar_end(fpath)
     index = -1
     positions: tuple[str, int, int] | None = None  # (key, offset, size) of the last positions.npy seen
+    meta: tuple[str, int, int] | None = None  # the same for meta.json (members sorted: meta, positions, tokens)
     try:
         with open(fpath, "rb") as stream:
             for name, offset, size in iter_members(stream, fpath):
                 key, suffix = member_key(name)
                 if with_positions and suffix == POSITIONS_SUFFIX:
                     positions = (key, offset, size)
+                if with_meta and suffix == META_SUFFIX:
+                    meta = (key, offset, size)
                 if suffix != TOKENS_SUFFIX:
                     continue
                 index += 1
@@ -173,12 +179,13 @@ def iter_shard_tokens(
                     size,
                     None if checksums is None else checksums.tokens[index],
                 )
+                extra: tuple = ()
                 if not with_positions:
-                    yield key, tokens
+                    pass
                 elif positions is None or positions[0] != key:
                     if checksums is not None and checksums.positions is not None:
                         raise _mismatch(f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r} (missing)")
-                    yield key, tokens, None
+                    extra = (None,)
                 else:
                     where = f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}"
                     stream.seek(positions[1])
@@ -189,11 +196,26 @@ def iter_shard_tokens(
                         and xxhash.xxh3_64_intdigest(data) != checksums.positions[index]
                     ):
                         raise _mismatch(where)
-                    yield key, tokens, decode_positions(data, len(tokens), where)
+                    extra = (decode_positions(data, len(tokens), where),)
+                if with_meta:
+                    extra += (_read_meta(stream, fpath, meta) if meta is not None and meta[0] == key else {},)
+                yield (key, tokens, *extra)
                 if last is not None and index >= last:
                     return
     except tarfile.TarError as exn:
         raise ShardFormatError(f"{fpath}: corrupt tar ({exn}); re-extract the shard") from None
+
+
+def _read_meta(stream, fpath: Path, member: tuple[str, int, int]) -> dict:  # noqa: ANN001 (binary file)
+    """A sample's ``meta.json`` as a dict (not covered by the sidecar's checksums; a non-object reads as ``{}``)."""
+    stream.seek(member[1])
+    try:
+        meta = json.loads(stream.read(member[2]))
+    except ValueError as exn:
+        raise ShardFormatError(
+            f"{fpath}: member {member[0] + '.' + META_SUFFIX!r} is not valid JSON ({exn}); re-extract the shard"
+        ) from None
+    return meta if isinstance(meta, dict) else {}
 
 
 # --- webdataset's reader, for everything but the training stream (it needs meta.json too) ---

@@ -8,7 +8,7 @@ which split each stage reads.
 
 Every batch is ``{"x": float32 [B, d_in], "shards": list[str]}`` (the shards or row
 blocks that contributed, for error messages); predict batches add ``image_ids`` (one per
-token) and ``token_positions`` (int64).
+token), ``token_positions``, ``token_index`` and ``labels`` (int64, -1 where the image has no label).
 
 - fit: every rank yields exactly ``len(train_dataloader())`` batches per epoch, computed
   from the manifest's counts, so DDP never waits on a rank with fewer tokens. The order

