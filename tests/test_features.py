@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from features_fixtures import GRID, N_PREFIX, identity_sae, write_export, write_shards
+from test_features_labels import check_site_labels
 from test_features_topn import brute_force
 
 from sae_pipeline.__main__ import main
@@ -83,6 +84,15 @@ def test_table_equals_brute_force(data, site) -> None:
     assert int(table["n_tokens"]) == len(tokens)
 
 
+def test_label_statistics_equal_dense_reference(data, site) -> None:
+    """Batches of 16 tokens and 9 tokens per image: images straddle batches, each still counted once."""
+    tokens = data["tokens"]
+    check_site_labels(site, np.maximum(tokens, 0), np.arange(14) % 2, len(tokens) // 14)
+    page = (site / "atoms" / "03.html").read_text()
+    assert page.count('<svg class="lbar"') == 3 and "selectivity S = 1 − H(q) / log L" in page
+    assert (site / "labels" / "1.html").is_file() and "Label class1" in (site / "labels" / "1.html").read_text()
+
+
 def decode_cards(page: str) -> list[tuple[np.ndarray, int]]:
     return [
         (np.frombuffer(base64.b64decode(heat), np.uint8), int(top))
@@ -147,6 +157,9 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
     table = np.load(out / "features.npz", allow_pickle=False)
     assert table["step_sum"].tolist() == step_sum.tolist() and table["step_count"].tolist() == step_count.tolist()
     assert "mean MP selection step" in (out / "atoms" / "00.html").read_text()
+    codes = load_sae(tmp_path / "mp").codes_from_pursuit(*load_sae(tmp_path / "mp").pursuit(x)).detach().numpy()
+    check_site_labels(out, codes, load_digits().target, 1)  # pixel data: labels from the source
+    assert sorted(p.name for p in (out / "labels").iterdir()) == sorted(f"{d}.html" for d in range(10))
     assert len(list((out / "atoms" / "img").glob("*.png"))) == 40  # pixel data: the atoms drawn
 
 
@@ -237,3 +250,7 @@ def test_h5_token_cache_lists_tokens_without_images(data, tmp_path, capsys) -> N
     page = (out / "atoms" / "02.html").read_text()
     best = int(table["token"][2][0])
     assert f"im{best // 5}" in page and f"token {best % 5}" in page and "<img" not in page
+    # no labels: the pages say so, the counts are empty, nothing else changes
+    assert "carry no labels" in page and "carry no labels" in (out / "index.html").read_text()
+    assert table["label_fire"].shape == (12, 0) and int(table["label_images_unlabelled"]) == 60
+    assert not (out / "labels").exists() and "label_selectivity" not in table.files

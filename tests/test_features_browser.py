@@ -130,3 +130,41 @@ def test_atom_pages_load_draw_and_link(site, browser, tmp_path) -> None:
     index, _ = open_page(browser, (site / "index.html").as_uri())
     links = index.locator("#atoms tbody a").evaluate_all("links => links.map(a => a.href)")
     assert len(links) == D and all(Path(link.removeprefix("file://")).is_file() for link in links)
+
+
+def canvas_pixels(page, selector: str) -> int:
+    """How many pixels of the canvas are drawn (not transparent)."""
+    return page.evaluate(
+        """(sel) => { const c = document.querySelector(sel); const d = c.getContext("2d")
+        .getImageData(0, 0, c.width, c.height).data; let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++;
+        return n; }""",
+        selector,
+    )
+
+
+def test_label_statistics_scatter_filter_and_label_pages(site, browser, tmp_path) -> None:
+    table = np.load(site / "features.npz")
+    page, errors = open_page(browser, (site / "index.html").as_uri())
+    assert canvas_pixels(page, "#scatter") > 500  # axes and one dot per atom
+    page.locator("#label-filter").select_option("1")  # the filter by top label
+    ids = [int(i) for i in page.locator("#atoms tbody tr").evaluate_all("rows => rows.map(r => r.dataset.id)")]
+    assert ids == [atom for atom in range(D) if table["label_top"][atom] == 1]
+    page.locator("#label-filter").select_option("")
+    page.locator('th[data-key="selectivity"]').click()  # sortable: descending first
+    first = page.locator("#atoms tbody tr").first.get_attribute("data-id")
+    assert table["label_selectivity"][int(first)] == np.nanmax(table["label_selectivity"])
+    assert errors == []  # (the index's screenshot, labels included, is the test above's)
+    atom, atom_errors = open_page(browser, (site / "atoms" / "00.html").as_uri())
+    bars = atom.locator("svg.lbar")
+    assert bars.count() == 3 and atom.locator("svg.lbar rect").count() >= 3
+    assert min(bars.nth(i).bounding_box()["width"] for i in range(3)) > 100  # visible, not collapsed
+    assert non_blank(atom.screenshot(full_page=True)) and atom_errors == []
+    for label in (1,):
+        other, other_errors = open_page(browser, (site / "labels" / f"{label}.html").as_uri())
+        assert other.locator("h1").inner_text() == f"Label class{label}"
+        assert other.locator("article.label-atom").count() > 0 and all_images_loaded(other) == []
+        hrefs = other.locator("a").evaluate_all("links => links.map(a => a.href)")
+        assert all(Path(h.removeprefix("file://")).is_file() for h in hrefs)
+        shot = other.screenshot(path=str(tmp_path / f"label{label}.png"), full_page=True)
+        assert (tmp_path / f"label{label}.png").stat().st_size > 0 and non_blank(shot) and other_errors == []
+        other.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from features_fixtures import identity_sae, write_export, write_shards
+from test_features_labels import check_site_labels
 
 from sae_pipeline.__main__ import main
 
@@ -29,7 +30,7 @@ def features(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
-    write_shards(tmp_path / "shards", tmp_path / "images", n_images=13, shard_size=3)  # 5 uneven shards
+    tokens, _ = write_shards(tmp_path / "shards", tmp_path / "images", n_images=13, shard_size=3)  # 5 uneven shards
     sae = write_export(identity_sae(), tmp_path / "sae")
     common = [
         "--sae",
@@ -50,6 +51,8 @@ def test_two_ranks_equal_one_process(tmp_path: Path) -> None:
     assert two.returncode == 0, two.stderr[-3000:]
     assert "GLOBAL_RANK: 1" in two.stderr + two.stdout  # really two processes
     a, b = np.load(tmp_path / "one" / "features.npz"), np.load(tmp_path / "two" / "features.npz")
+    # the label counts too (image 6 straddles the ranks' boundary at token 58 of 117: counted once)
+    check_site_labels(tmp_path / "two", np.maximum(tokens, 0), np.arange(13) % 2, len(tokens) // 13)
     for name in a.files:
         if name == "value_sum":  # float64 sums in another order
             np.testing.assert_allclose(a[name], b[name], rtol=1e-12)

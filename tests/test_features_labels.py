@@ -92,4 +92,64 @@ def test_ranks_with_different_label_sets_and_no_labels() -> None:
     got = run_ranks(codes, unlabelled, tpi, [0, 31, n_images * tpi], 5, seed=0)
     assert got["label_fire"].shape == (6, 0) and got["label_images"].shape == (0,)
     assert int(got["label_images_unlabelled"]) == n_images
-    assert np.array_equal(got["label_fire_unlabelled"], dense_reference(codes, unlabelled, tpi)["label_fire_unlabelled"])
+    assert np.array_equal(
+        got["label_fire_unlabelled"], dense_reference(codes, unlabelled, tpi)["label_fire_unlabelled"]
+    )
+
+
+def selectivity_reference(fire: np.ndarray, images: np.ndarray) -> tuple[list, list, list]:
+    """Top label, its prior-corrected share and the selectivity of each atom, by loops over the formula."""
+    present = [label for label in range(len(images)) if images[label] > 0]
+    top, share, selectivity = [], [], []
+    for row in fire:
+        rates = {label: row[label] / images[label] for label in present}
+        total = sum(rates.values())
+        if total == 0:
+            top.append(-1), share.append(None), selectivity.append(None)
+            continue
+        q = {label: rate / total for label, rate in rates.items()}
+        best = max(present, key=lambda label: (q[label], -label))
+        entropy = -sum(v * np.log(v) for v in q.values() if v > 0)
+        top.append(best), share.append(q[best])
+        selectivity.append(1 - entropy / np.log(len(present)) if len(present) > 1 else None)
+    return top, share, selectivity
+
+
+def check_site_labels(site, codes: np.ndarray, image_label: np.ndarray, tpi: int) -> None:
+    """``features.npz`` of a site against the dense reference: counts, prior, top labels, selectivity."""
+    table = np.load(site / "features.npz", allow_pickle=False)
+    for name, value in dense_reference(codes, image_label, tpi).items():
+        assert np.array_equal(table[name], value), name
+    top, share, selectivity = selectivity_reference(table["label_fire"], table["label_images"])
+    assert table["label_top"].tolist() == top
+    for got, want in ((table["label_top_share"], share), (table["label_selectivity"], selectivity)):
+        assert [None if np.isnan(v) else pytest.approx(v, abs=1e-12) for v in got] == want
+    filled = table["token"] >= 0
+    assert (table["label_top_images"][filled] == image_label[table["image"][filled]]).all()
+    assert (table["label_top_images"][~filled] == -1).all()
+
+
+def test_selectivity_against_loops() -> None:
+    """More labels than the fixtures have, a label without images, an atom that never fires, ties."""
+    from sae_pipeline.features.selectivity import label_stats
+
+    fire = np.array([[3, 0, 0, 1], [2, 0, 1, 1], [0, 0, 0, 0], [1, 0, 2, 1], [4, 0, 2, 2]], np.int64)
+    images = np.array([6, 0, 3, 3], np.int64)
+    state = {
+        "label_fire": torch.from_numpy(fire),
+        "label_images": torch.from_numpy(images),
+        "label_fire_unlabelled": torch.zeros(5, dtype=torch.int64),
+        "label_images_unlabelled": torch.tensor(2),
+        "image": torch.full((5, 2), -1),
+    }
+    stats = label_stats(state, {"images": {}})
+    top, share, selectivity = selectivity_reference(fire, images)
+    assert stats.labels.tolist() == [0, 2, 3] and stats.top_label.tolist() == top
+    assert [None if np.isnan(v) else pytest.approx(v) for v in stats.top_share] == share
+    assert [None if np.isnan(v) else pytest.approx(v) for v in stats.selectivity] == selectivity
+    # label 2's page: atoms by q desc (ties: more images, then the lower id); the dead atom is not listed
+    q2 = {a: (fire[a, 2] / 3) / sum(fire[a, label] / images[label] for label in (0, 2, 3)) for a in (0, 1, 3, 4)}
+    want = sorted((a for a in q2 if q2[a] > 0), key=lambda a: (-q2[a], -fire[a, 2], a))
+    assert stats.per_label[2] == want
+    unlabelled = {**state, "label_fire": torch.zeros((5, 0), dtype=torch.int64), "label_images": torch.zeros(0)}
+    assert label_stats(unlabelled, {"images": {}}) is None

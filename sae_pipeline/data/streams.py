@@ -341,9 +341,10 @@ class OrderedTokenStream(TokenStream):
     """Validation / test / predict stream: every token once across ranks, in order, last batch may be short.
 
     With ``with_ids`` (predict) batches add ``image_ids`` (one per token), ``token_positions``
-    (int64), ``labels`` (int64, the image's class label, -1 when unknown) and ``token_index`` (int64: the token's place in the whole split, the units laid
-    end to end, the same whatever the world size or worker count; the feature browser breaks
-    ties by it). With several workers the DataLoader interleaves their batches, so batches are
+    (int64), ``labels`` (int64, the image's class label, -1 when unknown) and ``token_index``
+    (int64: the token's place in the whole split, the units laid end to end, the same whatever
+    the world size or worker count; the feature browser breaks ties by it). With several
+    workers the DataLoader interleaves their batches, so batches are
     sequential per worker; ids and positions place every token.
     """
 

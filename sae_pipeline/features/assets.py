@@ -111,10 +111,12 @@ function indexPage() {
   const data = JSON.parse(document.getElementById("atom-data").textContent);
   const cols = data.columns, rows = data.rows, tbody = document.querySelector("#atoms tbody");
   const search = document.getElementById("search"), count = document.getElementById("count");
+  const hooks = window.siteIndexHooks || null;  // assets/labels.js: label cells and filter
   let key = "id", desc = false;
   function render() {
     const q = search.value.trim();
     let shown = q === "" ? rows.slice() : rows.filter(r => String(r[0]).startsWith(q));
+    if (hooks) shown = shown.filter(r => hooks.filter(r, cols));
     const k = cols.indexOf(key);
     shown.sort((a, b) => {
       const x = a[k], y = b[k];
@@ -135,6 +137,7 @@ function indexPage() {
       const near = r[cols.indexOf("nearest")];
       cells.push("<td>" + fmt(r[cols.indexOf("max_cosine")], 3) + (near === null ? "" : ' <span class="muted">#' + near + "</span>") + "</td>");
       if (data.has_steps) cells.push("<td>" + fmt(r[cols.indexOf("mean_step")], 3) + "</td>");
+      if (hooks) cells.push(...hooks.cells(r, cols));
       html.push('<tr data-id="' + r[0] + '">' + cells.join("") + "</tr>");
     });
     tbody.innerHTML = html.join("");
@@ -148,6 +151,7 @@ function indexPage() {
     if (key === th.dataset.key) desc = !desc; else { key = th.dataset.key; desc = key !== "id"; }
     render();
   }));
+  window.renderIndex = render;
   search.addEventListener("input", render);
   search.addEventListener("keydown", e => {
     if (e.key !== "Enter") return;

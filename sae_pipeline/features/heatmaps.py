@@ -76,19 +76,11 @@ def image_keys(tokens: Tensor, layout: Layout) -> Tensor:
 
 
 def row_labels(source: RowSource, data_dpath: str = "data") -> np.ndarray | None:
-    """Class labels of the rows of digits / MNIST (None for other row sources)."""
-    if source.name == "digits":
-        from sklearn.datasets import load_digits
+    """Class labels of the rows of digits / MNIST (None when the source has none, as an .h5 cache).
 
-        return load_digits().target
-    if source.name == "mnist":
-        from torchvision.datasets import MNIST
-
-        try:
-            return MNIST(root=str(data_dpath), train=True, download=False).targets.numpy()
-        except (RuntimeError, OSError):
-            return None
-    return None
+    ``data_dpath`` is unused: the source's reader already holds the labels (kept for callers)."""
+    labels = source.reader.labels(np.arange(source.reader.n_rows))
+    return labels if (labels >= 0).any() else None
 
 
 @torch.no_grad()

@@ -12,7 +12,9 @@ served as is by ``python -m http.server``):
 - ``thumbs/``: one thumbnail per image, written once however many atoms show it;
   ``atoms/img/``: the atoms of pixel data as images; ``assets/``: the stylesheet and script;
 - ``features.npz`` (the merged table and statistics, numeric arrays only: no pickle) and
-  ``features.json`` (what was run; also how a rerun recognises a site it may replace).
+  ``features.json`` (what was run; also how a rerun recognises a site it may replace);
+- wherever the images carry labels, the label statistics of each atom on its page and on the
+  index, and ``labels/<id>.html`` per label (:mod:`sae_pipeline.features.label_pages`).
 
 The site is built in a staging folder beside ``OUT`` and swapped in whole at the end
 (:mod:`sae_pipeline.features.site_dir`: the checks of ``--out``, the staging folder, the swap).
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 import sae_pipeline
+from sae_pipeline.features import label_pages
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import (
@@ -49,6 +52,7 @@ from sae_pipeline.features.images import (
     save_thumbnail,
     view_transform,
 )
+from sae_pipeline.features.selectivity import LabelStats, label_stats
 from sae_pipeline.features.site_dir import MARKER_FNAME, staged_site
 from sae_pipeline.training.interrupts import raise_if_interrupted
 
@@ -122,10 +126,12 @@ def build_site(
         (staging / "assets" / "site.js").write_text(JS)
         thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
+        labels = label_stats(state, collection)
         _write_pages(
-            staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed, unchecked
+            staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed, unchecked, labels
         )
-        np.savez(staging / "features.npz", **{name: value.numpy() for name, value in state.items()})
+        arrays = {name: value.numpy() for name, value in state.items()}
+        np.savez(staging / "features.npz", **arrays, **(labels.arrays() if labels else {}))
         summary = {
             "format": "sae_pipeline.features/1",
             "package_version": sae_pipeline.__version__,
@@ -142,6 +148,7 @@ def build_site(
                 {"image_id": error.image_id, "where": error.where} for _, error in sorted(changed.items())
             ],
             "images_unchecked": unchecked,
+            "labels": labels.summary() if labels else None,
             "build_seconds": round(time.perf_counter() - start, 3),
         }
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
@@ -194,6 +201,7 @@ def _write_pages(
     n_neighbours: int,
     changed: dict[int, ImageChangedError] | None = None,
     unchecked: int = 0,
+    labels: LabelStats | None = None,
 ) -> None:
     changed = changed or {}
     d_sae, n = state["value"].shape
@@ -241,6 +249,7 @@ def _write_pages(
             pixel_atoms,
             layout_json,
             changed,
+            label_pages.atom_section(labels, atom, n),
         )
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
     rows = []
@@ -257,6 +266,7 @@ def _write_pages(
                 _number(float(near_cos[atom][0])) if near_cos.shape[1] else None,
                 int(near_index[atom][0]) if near_index.shape[1] else None,
                 _number(mean_step[atom]) if has_steps else None,
+                *label_pages.index_columns(labels, atom),
             ]
         )
     data = {
@@ -270,15 +280,21 @@ def _write_pages(
             "max_cosine",
             "nearest",
             "mean_step",
+            *label_pages.INDEX_COLUMNS,
         ],
         "rows": rows,
         "has_steps": has_steps,
         "atom_images": "atoms/img/" if pixel_atoms else None,
         "thumb_class": "pixels" if pixel_atoms else "",
+        **label_pages.index_data(labels),
     }
     (root / "index.html").write_text(
-        _index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout, _image_checks(changed, unchecked))
+        _index_page(
+            sae, datamodule, state, data, has_steps, pixel_atoms, layout, _image_checks(changed, unchecked), labels
+        )
     )
+    href = {atom: atom_fname(atom, width) for atom in with_page}.get
+    label_pages.write_label_pages(root, labels, state["image"].numpy(), thumbs, href, pixel_atoms)
 
 
 def _image_checks(changed: dict[int, ImageChangedError], unchecked: int) -> str:
@@ -324,6 +340,7 @@ def _atom_page(
     pixel_atoms: bool,
     layout_json: str,
     changed: dict[int, ImageChangedError],
+    label_html: str = "",
 ) -> str:
     esc = html.escape
     values, tokens = state["value"][atom].numpy(), state["token"][atom].numpy()
@@ -410,7 +427,7 @@ def _atom_page(
 <link rel="stylesheet" href="../assets/site.css"></head>
 <body><header><h1>Atom #{atom}</h1><nav>{" ".join(nav)}</nav>{toggle}</header>
 <section class="stats">{stat_html}</section>
-<div class="row">{atom_img}<section class="nearest"><h2>Nearest atoms (cosine)</h2><ol>{"".join(links)}</ol></section></div>
+{label_html}<div class="row">{atom_img}<section class="nearest"><h2>Nearest atoms (cosine)</h2><ol>{"".join(links)}</ol></section></div>
 <section class="top"><h2>Top {len(filled)} images</h2>{empty}<div class="grid">{"".join(cards)}</div></section>
 <script type="application/json" id="layout">{layout_json}</script>
 <script src="../assets/site.js"></script></body></html>
@@ -426,6 +443,7 @@ def _index_page(
     pixel_atoms: bool,
     layout: Layout,
     image_checks: str = "",
+    labels: LabelStats | None = None,
 ) -> str:
     esc = html.escape
     n_fired = int((state["fire_count"] > 0).sum())
@@ -441,6 +459,7 @@ def _index_page(
     ]
     if has_steps:
         headers.append('<th data-key="mean_step">mean MP step</th>')
+    headers += label_pages.index_headers(labels)
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Feature browser: {esc(type(sae).__name__)} on {esc(str(datamodule.source))}</title>
@@ -450,7 +469,7 @@ def _index_page(
 <span class="muted">{esc(str(datamodule.source))}: {int(state["n_tokens"])} tokens ({esc(layout.kind)}); top {state["value"].shape[1]} images per atom; {n_fired} atoms fired</span></header>
 <div class="controls"><input id="search" type="search" placeholder="atom id" aria-label="search atom id">
 <span id="count"></span><span class="muted">click a column to sort</span></div>
-{image_checks}<table id="atoms"><thead><tr>{"".join(headers)}</tr></thead><tbody></tbody></table>
+{image_checks}{label_pages.index_section(labels)}<table id="atoms"><thead><tr>{"".join(headers)}</tr></thead><tbody></tbody></table>
 <script type="application/json" id="atom-data">{payload}</script>
 <script src="assets/site.js"></script></body></html>
 """

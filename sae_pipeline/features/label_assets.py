@@ -1,0 +1,96 @@
+"""The label parts' stylesheet and script, written once as ``OUT/assets/labels.css|js`` (no CDN, no network).
+
+The script plugs into the index table of ``assets/site.js`` through ``window.siteIndexHooks``
+(two cells per row, the top-label filter) and draws the selectivity-vs-frequency scatter on a
+``<canvas>`` from the index's JSON block, so the figure costs no file per atom and opens offline.
+"""
+
+LABELS_CSS = """
+td.label { text-align: left; }
+.labels .formula { font-size: 12px; max-width: 1000px; }
+.lbars { max-width: 720px; margin: 6px 0; }
+.lbar-row { display: grid; grid-template-columns: 260px 1fr; align-items: center; gap: 8px; margin: 3px 0; }
+svg.lbar { width: 100%; height: 16px; background: #f0f1f3; border: 1px solid var(--line); }
+.legend-labels { display: flex; flex-wrap: wrap; gap: 4px 14px; font-size: 12px; margin-top: 4px; }
+.legend-labels i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: middle; }
+figure.scatter { margin: 8px 0; }
+figure.scatter canvas { border: 1px solid var(--line); background: #fff; max-width: 100%; }
+article.label-atom { border-top: 1px solid var(--line); padding: 6px 0 10px; }
+article.label-atom h3 { font-size: 15px; margin: 4px 0; }
+.thumbs img { width: 64px; height: 64px; object-fit: cover; margin: 2px; border: 2px solid transparent; }
+.thumbs img.pixels { image-rendering: pixelated; }
+.thumbs img.mine { border-color: var(--accent); }
+"""
+
+LABELS_JS = r"""
+"use strict";
+(function () {
+  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];
+  let data = null;
+  const select = () => document.getElementById("label-filter");
+  const ESC = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
+  function esc(s) { return String(s).replace(/[&<>"]/g, c => ESC[c]); }
+  window.siteIndexHooks = {
+    cells(r, cols) {
+      if (!data || !data.labels) return [];
+      const s = r[cols.indexOf("selectivity")], label = r[cols.indexOf("top_label")], q = r[cols.indexOf("top_share")];
+      const name = label === null ? "–" : esc(data.labels[label]);  // the label pages are linked above the table
+      return ["<td>" + (s === null ? "–" : s.toFixed(3)) + "</td>",
+              '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>")
+              + "</td>"];
+    },
+    filter(r, cols) {
+      const el = select();
+      return !el || el.value === "" || String(r[cols.indexOf("top_label")]) === el.value;
+    },
+  };
+
+  function scatter() {
+    const canvas = document.getElementById("scatter");
+    if (!canvas || !data || !data.labels) return;
+    const cols = data.columns, fi = cols.indexOf("frequency"), si = cols.indexOf("selectivity");
+    const li = cols.indexOf("top_label"), pi = cols.indexOf("page");
+    const points = data.rows.filter(r => r[fi] > 0 && r[si] !== null);
+    const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height, m = {l: 48, r: 12, t: 10, b: 34};
+    ctx.clearRect(0, 0, W, H);
+    const xs = points.map(r => Math.log10(r[fi]));
+    const x0 = Math.floor(Math.min(...xs, -1)), x1 = Math.ceil(Math.max(...xs, 0));
+    const X = v => m.l + (v - x0) / Math.max(x1 - x0, 1e-9) * (W - m.l - m.r);
+    const Y = v => H - m.b - v * (H - m.t - m.b);
+    ctx.strokeStyle = "#999"; ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.lineWidth = 1;
+    ctx.beginPath(); ctx.moveTo(m.l, m.t); ctx.lineTo(m.l, H - m.b); ctx.lineTo(W - m.r, H - m.b); ctx.stroke();
+    for (let d = x0; d <= x1; d++) ctx.fillText("1e" + d, X(d) - 10, H - m.b + 14);
+    [0, 0.5, 1].forEach(v => ctx.fillText(v.toFixed(1), 8, Y(v) + 4));
+    ctx.fillText("frequency (fraction of tokens)", W / 2 - 80, H - 4);
+    ctx.save(); ctx.translate(12, H / 2 + 30); ctx.rotate(-Math.PI / 2);
+    ctx.fillText("selectivity S", 0, 0); ctx.restore();
+    const chosen = select() ? select().value : "";
+    const hits = [];
+    points.forEach((r, i) => {
+      const px = X(xs[i]), py = Y(r[si]), label = r[li];
+      const on = chosen === "" || String(label) === chosen;
+      ctx.globalAlpha = on ? 0.8 : 0.12;
+      ctx.fillStyle = label === null ? "#888" : PALETTE[label % PALETTE.length];
+      ctx.beginPath(); ctx.arc(px, py, on && chosen !== "" ? 3.5 : 2.5, 0, 2 * Math.PI); ctx.fill();
+      if (on && r[pi]) hits.push([px, py, r[pi]]);
+    });
+    ctx.globalAlpha = 1;
+    canvas.onclick = e => {
+      const box = canvas.getBoundingClientRect(), sx = W / box.width, sy = H / box.height;
+      const x = (e.clientX - box.left) * sx, y = (e.clientY - box.top) * sy;
+      let best = null, bestD = 64;
+      hits.forEach(h => { const d = (h[0] - x) ** 2 + (h[1] - y) ** 2; if (d < bestD) { bestD = d; best = h; } });
+      if (best) location.href = best[2];
+    };
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    const block = document.getElementById("atom-data");
+    if (!block) return;
+    data = JSON.parse(block.textContent);
+    const el = select();
+    if (el) el.addEventListener("change", () => { if (window.renderIndex) window.renderIndex(); scatter(); });
+    scatter();
+  });
+})();
+"""

@@ -1,0 +1,229 @@
+"""The label parts of the site: a label section on every atom page and on the index, and one page per label.
+
+- atom page: the atom's top label, its prior-corrected share and selectivity
+  (:mod:`sae_pipeline.features.selectivity`, formula on the page), and an inline SVG bar of label
+  shares for the images it fires on, its top-N images and all images (the prior), side by side;
+- index: selectivity and top-label columns (sortable), a top-label filter, links to every label
+  page and a selectivity-vs-frequency scatter drawn by ``assets/labels.js`` on a canvas (no CDN);
+- ``labels/<id>.html``: the label's most selective atoms (by its prior-corrected share ``q``),
+  each with its label bar and top images, the images of this label outlined.
+
+Unlabelled data (an ``.h5`` cache, a flat image folder): the pages say so and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
+from sae_pipeline.features.selectivity import FORMULA, LabelStats
+
+PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
+OTHER = "#c9ccd1"
+NO_LABELS = "The images carry no labels: no label statistics."
+esc = html.escape
+
+
+def label_fname(label: int) -> str:
+    return f"{label}.html"
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.3g} %"
+
+
+def _number(x: float) -> str:
+    return "–" if not np.isfinite(x) else f"{x:.3f}"
+
+
+def share_bars(stats: LabelStats, rows: list[tuple[str, np.ndarray]], order: np.ndarray) -> str:
+    """Stacked bars (one per ``(caption, counts [L])``) in the colours of the labels ``order``, the rest grey."""
+    colours = {int(c): PALETTE[i] for i, c in enumerate(order[: len(PALETTE)])}
+    parts = []
+    for caption, counts in rows:
+        total = counts.sum()
+        rects, x = [], 0.0
+        if total > 0:
+            for column in [*colours, -1]:
+                if column >= 0:
+                    value, name, colour = counts[column], stats.names[column], colours[column]
+                else:
+                    value = total - sum(counts[c] for c in colours)
+                    name, colour = "other labels", OTHER
+                if value <= 0:
+                    continue
+                width = 100.0 * value / total
+                rects.append(
+                    f'<rect x="{x:.3f}" width="{width:.3f}" height="10" fill="{colour}">'
+                    f"<title>{esc(name)}: {_pct(value / total)} ({int(value)})</title></rect>"
+                )
+                x += width
+        svg = (
+            f'<svg class="lbar" viewBox="0 0 100 10" preserveAspectRatio="none" role="img" '
+            f'aria-label="{esc(caption)}">{"".join(rects)}</svg>'
+        )
+        parts.append(f'<div class="lbar-row"><span class="muted">{esc(caption)}</span>{svg}</div>')
+    legend = (
+        "".join(f'<span><i style="background:{colours[c]}"></i>{esc(stats.names[c])}</span>' for c in colours)
+        + f'<span><i style="background:{OTHER}"></i>other</span>'
+    )
+    return f'<div class="lbars">{"".join(parts)}<div class="legend-labels">{legend}</div></div>'
+
+
+def atom_bars(stats: LabelStats, atom: int, n_top: int, prefix: str) -> tuple[str, str]:
+    """The atom's summary line and its bars (``prefix``: the way from the page to the site root)."""
+    q = stats.q(atom)
+    order = np.argsort(-q, kind="stable")
+    order = order[q[order] > 0]
+    fire, top = stats.fire[atom], stats.top_counts(atom)
+    bars = share_bars(
+        stats,
+        [
+            (f"images it fires on ({int(fire.sum())})", fire),
+            (f"its top {n_top} images ({int(top.sum())} labelled)", top),
+            (f"all images, the prior ({int(stats.images.sum())})", stats.images),
+        ],
+        order,
+    )
+    label = int(stats.top_label[atom])
+    if label < 0:
+        return '<p class="muted">It never fired on a labelled image.</p>', bars
+    name = f'<a href="{prefix}labels/{label_fname(label)}">{esc(stats.name(label))}</a>'
+    column = stats.column(label)
+    line = (
+        f"top label <b>{name}</b>: prior-corrected share q = {_number(stats.top_share[atom])} "
+        f"(1/L = {1 / len(stats.labels):.3g}); fires on {int(fire[column])} of its {int(stats.images[column])} "
+        f"images; selectivity S = {_number(stats.selectivity[atom])}; "
+        f"fires on {int(fire.sum())} labelled images (+{int(stats.fire_unlabelled[atom])} unlabelled)"
+    )
+    return f"<p>{line}</p>", bars
+
+
+def atom_section(stats: LabelStats | None, atom: int, n_top: int) -> str:
+    """The label section of ``atoms/<id>.html``."""
+    if stats is None:
+        return f'<section class="labels"><h2>Labels</h2><p class="muted no-labels">{NO_LABELS}</p></section>'
+    line, bars = atom_bars(stats, atom, n_top, "../")
+    return (
+        '<link rel="stylesheet" href="../assets/labels.css">'
+        f'<section class="labels"><h2>Labels</h2>{line}{bars}<p class="muted formula">{esc(FORMULA)}</p></section>'
+    )
+
+
+def index_columns(stats: LabelStats | None, atom: int) -> list:
+    """The index row's label cells: selectivity, top label id, its share (None where undefined)."""
+    if stats is None:
+        return [None, None, None]
+    label = int(stats.top_label[atom])
+    finite = np.isfinite
+    return [
+        float(f"{stats.selectivity[atom]:.4g}") if finite(stats.selectivity[atom]) else None,
+        label if label >= 0 else None,
+        float(f"{stats.top_share[atom]:.4g}") if finite(stats.top_share[atom]) else None,
+    ]
+
+
+INDEX_COLUMNS = ["selectivity", "top_label", "top_share"]
+
+
+def index_headers(stats: LabelStats | None) -> list[str]:
+    if stats is None:
+        return []
+    return ['<th data-key="selectivity">selectivity</th>', '<th data-key="top_share">top label (q)</th>']
+
+
+def index_section(stats: LabelStats | None) -> str:
+    """Above the index table: the labels, the filter, the scatter, the formula (or that there are no labels)."""
+    if stats is None:
+        return f'<p class="muted no-labels">{NO_LABELS}</p>'
+    options = "".join(
+        f'<option value="{int(label)}">{esc(name)}</option>' for label, name in zip(stats.labels, stats.names)
+    )
+    links = " · ".join(
+        f'<a href="labels/{label_fname(int(label))}">{esc(name)}</a>' for label, name in zip(stats.labels, stats.names)
+    )
+    n_labelled = int(stats.images.sum())
+    return (
+        '<link rel="stylesheet" href="assets/labels.css">'
+        f'<section class="labels"><h2>Labels</h2><p>{len(stats.labels)} labels over {n_labelled} images'
+        f" ({stats.n_unlabelled} unlabelled). Label pages: {links}</p>"
+        f'<p class="muted formula">{esc(FORMULA)}</p>'
+        '<figure class="scatter"><canvas id="scatter" width="720" height="300"></canvas>'
+        '<figcaption class="muted">selectivity S against frequency (log scale), one dot per atom, coloured by '
+        "top label; click a dot for its page</figcaption></figure>"
+        f'<div class="controls"><label>top label <select id="label-filter"><option value="">any</option>{options}'
+        "</select></label></div></section>"
+        '<script src="assets/labels.js"></script>'
+    )
+
+
+def index_data(stats: LabelStats | None) -> dict:
+    """What the index's JSON adds for ``assets/labels.js``."""
+    if stats is None:
+        return {"labels": None}
+    return {"labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)}}
+
+
+def write_label_pages(
+    root: Path,
+    stats: LabelStats | None,
+    top_image: np.ndarray,
+    thumbs: dict[int, str],
+    atom_href: Callable[[int], str | None],
+    pixel_atoms: bool,
+) -> None:
+    """``labels/<id>.html`` per label, and ``assets/labels.css|js`` (``top_image [d_sae, N]``: image keys)."""
+    (root / "assets" / "labels.css").write_text(LABELS_CSS)
+    (root / "assets" / "labels.js").write_text(LABELS_JS)
+    if stats is None:
+        return
+    (root / "labels").mkdir()
+    n_top = top_image.shape[1]
+    thumb_class = ' class="pixels"' if pixel_atoms else ""
+    for i, label in enumerate(stats.labels.tolist()):
+        prev_label, next_label = (
+            stats.labels[i - 1] if i else None,
+            stats.labels[i + 1] if i + 1 < len(stats.labels) else None,
+        )
+        nav = ['<a href="../index.html">index</a>']
+        if prev_label is not None:
+            nav.append(
+                f'<a class="prev" href="{label_fname(int(prev_label))}">← {esc(stats.name(int(prev_label)))}</a>'
+            )
+        if next_label is not None:
+            nav.append(
+                f'<a class="next" href="{label_fname(int(next_label))}">{esc(stats.name(int(next_label)))} →</a>'
+            )
+        atoms = []
+        for atom in stats.per_label[label]:
+            q = stats.q(atom)[i]
+            href = atom_href(atom)
+            title = f'<a href="../atoms/{href}">#{atom}</a>' if href else f"#{atom}"
+            line, bars = atom_bars(stats, atom, n_top, "../")
+            images = []
+            for r, key in enumerate(top_image[atom].tolist()):
+                if key < 0 or key not in thumbs:
+                    continue
+                mine = " mine" if stats.top_images[atom, r] == label else ""
+                images.append(f'<img{thumb_class} class="t{mine}" alt="" src="../{thumbs[key]}">')
+            atoms.append(
+                f'<article class="label-atom"><h3>{title} <span class="muted">q = {q:.3f} · fires on '
+                f"{int(stats.fire[atom, i])} of {int(stats.images[i])} images of this label</span></h3>"
+                f'{line}{bars}<div class="thumbs">{"".join(images)}</div></article>'
+            )
+        empty = "" if atoms else '<p class="muted">No atom fires on images of this label.</p>'
+        page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Label {esc(stats.name(label))}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="stylesheet" href="../assets/site.css"><link rel="stylesheet" href="../assets/labels.css"></head>
+<body><header><h1>Label {esc(stats.name(label))}</h1><nav>{" ".join(nav)}</nav>
+<span class="muted">id {label}; {int(stats.images[i])} images, prior {_pct(stats.prior[i])}</span></header>
+<section class="labels"><h2>Its most selective atoms</h2><p class="muted">Ranked by this label's prior-corrected
+share q (then by how many of its images they fire on); top images of this label are outlined.</p>
+<p class="muted formula">{esc(FORMULA)}</p>{empty}{"".join(atoms)}</section></body></html>
+"""
+        (root / "labels" / label_fname(label)).write_text(page)

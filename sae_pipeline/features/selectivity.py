@@ -1,0 +1,169 @@
+"""Label selectivity of each atom, from the pass's label counts: what the site shows and ``features.npz`` keeps.
+
+With ``c[j, l]`` the images of label ``l`` on which atom ``j`` fires and ``m[l]`` the images of
+label ``l`` (the prior ``p[l] = m[l] / M``, over the ``L`` labels that have images):
+
+- ``share[j, l] = c[j, l] / sum_l c[j, l]``: the labels of the images the atom fires on;
+- ``rate[j, l] = c[j, l] / m[l]``: the fraction of label ``l``'s images it fires on;
+- ``q[j, l] = rate[j, l] / sum_l rate[j, l]`` (= share / prior, renormalised): the share with the
+  label prior divided out, i.e. as if every label had as many images;
+- top label ``argmax_l q[j, l]`` and its share ``q[j, top]`` (1/L: no preference, 1: one label only);
+- selectivity ``S[j] = 1 - H(q[j]) / log L`` with ``H(q) = -sum_l q log q``: 0 when the atom fires on
+  every label's images at the same rate, 1 when it fires on one label only.
+
+Atoms that never fire on a labelled image, or data with fewer than two labels, have no
+selectivity (NaN). Computed in blocks of atoms, so the float work stays O(block · L).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+BLOCK = 2048  # atoms per block
+PER_LABEL = 24  # atoms listed on each label's page
+
+FORMULA = (
+    "q[l] = (c[l] / m[l]) / Σ_l' (c[l'] / m[l']), with c[l] the images of label l the atom fires on and m[l] the "
+    "images of label l (the share with the label prior divided out); top label = argmax q, its share q[top]; "
+    "selectivity S = 1 − H(q) / log L, H(q) = −Σ q log q over the L labels (0: fires on every label alike, "
+    "1: on one label only)"
+)
+
+
+@dataclass
+class LabelStats:
+    """Per-atom label statistics (``labels``: the label ids with images; every ``[.., L]`` array follows it)."""
+
+    labels: np.ndarray  # int64 [L]
+    names: list[str]
+    images: np.ndarray  # int64 [L]: m, the prior's counts
+    n_unlabelled: int  # images without a label
+    fire: np.ndarray  # int64 [d_sae, L]: c
+    fire_unlabelled: np.ndarray  # int64 [d_sae]
+    top_images: np.ndarray  # int64 [d_sae, N]: label of each top-N image (-1: none or unlabelled)
+    top_label: np.ndarray  # int64 [d_sae]: a label id, -1 when the atom never fired on a labelled image
+    top_share: np.ndarray  # float64 [d_sae]: q[top]
+    selectivity: np.ndarray  # float64 [d_sae]
+    per_label: dict[int, list[int]]  # label id -> atoms ranked by q[j, l] (then c[j, l]), at most PER_LABEL
+
+    @property
+    def prior(self) -> np.ndarray:
+        return self.images / max(int(self.images.sum()), 1)
+
+    def column(self, label: int) -> int:
+        return int(np.searchsorted(self.labels, label))
+
+    def name(self, label: int) -> str:
+        return self.names[self.column(label)] if label >= 0 else "–"
+
+    def q(self, atom: int) -> np.ndarray:
+        """The atom's prior-corrected label distribution ``[L]`` (zeros when it never fired on a labelled image)."""
+        return _q(self.fire[atom : atom + 1].astype(np.float64), self.images)[0]
+
+    def top_counts(self, atom: int) -> np.ndarray:
+        """How many of the atom's top-N images have each label ``[L]``."""
+        labels = self.top_images[atom]
+        labels = labels[labels >= 0]
+        return np.bincount(np.searchsorted(self.labels, labels), minlength=len(self.labels))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What ``features.npz`` adds (the pass's raw counts ``label_fire``, ``label_images`` are by label id)."""
+        return {
+            "label_ids": self.labels,
+            "label_top_images": self.top_images,
+            "label_top": self.top_label,
+            "label_top_share": self.top_share,
+            "label_selectivity": self.selectivity,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What ``features.json`` records."""
+        return {
+            "labels": [
+                {"id": int(label), "name": name, "images": int(count)}
+                for label, name, count in zip(self.labels, self.names, self.images)
+            ],
+            "images_unlabelled": self.n_unlabelled,
+            "selectivity": FORMULA,
+        }
+
+
+def _q(fire: np.ndarray, images: np.ndarray) -> np.ndarray:
+    rate = fire / np.maximum(images, 1)[None, :]
+    total = rate.sum(1, keepdims=True)
+    return np.divide(rate, total, out=np.zeros_like(rate), where=total > 0)
+
+
+def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelStats | None:
+    """The statistics of a merged state (None when no image carries a label)."""
+    if "label_images" not in state:
+        return None
+    all_images = state["label_images"].numpy()
+    labels = np.flatnonzero(all_images > 0).astype(np.int64)
+    if len(labels) == 0:
+        return None
+    fire = state["label_fire"].numpy()[:, labels]
+    images = all_images[labels]
+    d_sae = fire.shape[0]
+    names = {int(label): str(label) for label in labels}
+    key_label = {}
+    for key, meta in collection["images"].items():
+        label = meta.get("label")
+        if isinstance(label, int) and label >= 0:
+            key_label[int(key)] = label
+            if meta.get("class_name") and label in names:
+                names[label] = str(meta["class_name"])
+    top_keys = state["image"].numpy()
+    top_images = np.vectorize(lambda key: key_label.get(int(key), -1), otypes=[np.int64])(top_keys)
+    top_images = top_images.reshape(top_keys.shape)
+    top_label = np.full(d_sae, -1, np.int64)
+    top_share = np.full(d_sae, np.nan)
+    selectivity = np.full(d_sae, np.nan)
+    best = tuple(np.zeros((0, len(labels)), dtype) for dtype in (np.float64, np.int64, np.int64))
+    for start in range(0, d_sae, BLOCK):
+        block = fire[start : start + BLOCK].astype(np.float64)
+        q = _q(block, images)
+        fired = q.sum(1) > 0
+        top = q.argmax(1)
+        rows = np.arange(len(q))
+        top_label[start : start + len(q)] = np.where(fired, labels[top], -1)
+        top_share[start : start + len(q)] = np.where(fired, q[rows, top], np.nan)
+        if len(labels) > 1:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                entropy = -np.where(q > 0, q * np.log(q), 0.0).sum(1)
+            selectivity[start : start + len(q)] = np.where(fired, 1 - entropy / np.log(len(labels)), np.nan)
+        best = _best_per_label(best, q, block, start)
+    order_q, order_atoms, _ = best
+    per_label = {
+        int(label): [int(a) for a, value in zip(order_atoms[:, i], order_q[:, i]) if value > 0]
+        for i, label in enumerate(labels)
+    }
+    return LabelStats(
+        labels,
+        [names[int(label)] for label in labels],
+        images,
+        int(state["label_images_unlabelled"]),
+        fire,
+        state["label_fire_unlabelled"].numpy(),
+        top_images,
+        top_label,
+        top_share,
+        selectivity,
+        per_label,
+    )
+
+
+def _best_per_label(best: tuple, q: np.ndarray, counts: np.ndarray, start: int) -> tuple:
+    """Each label's PER_LABEL atoms with the largest ``q`` (ties: more images of the label, then the lower id)."""
+    values = np.concatenate([best[0], q])
+    atoms = np.concatenate([best[1], np.arange(start, start + len(q))[:, None].repeat(q.shape[1], 1)])
+    images = np.concatenate([best[2], counts.astype(np.int64)])
+    order = np.lexsort((atoms, -images, -values), axis=0)[:PER_LABEL]
+    return tuple(np.take_along_axis(a, order, 0) for a in (values, atoms, images))
+
+
+__all__ = ["FORMULA", "LabelStats", "label_stats"]
