@@ -15,7 +15,9 @@
 2. Peak memory against the token count: the features pass over N and 4N tokens, each in a
    fresh process; peak RSS (CPU) or ``torch.cuda.max_memory_allocated`` (GPU). Flat means the
    4N/N ratio stays near 1 (the table is d_sae x N_top; no [tokens, d_sae] buffer).
-3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size.
+3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size,
+   without and with label statistics (``--site_labels`` labels, ImageNet's 1000 by default:
+   atom sections, index columns and scatter, one page per label), each built from scratch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +54,7 @@ def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard:
             (
                 f"img{start + i:07d}",
                 rng.standard_normal((TPI, d)).astype(np.float16),
-                {"image_id": f"img{start + i:07d}", "label": None, "source": "skimage.data.astronaut"},
+                {"image_id": f"img{start + i:07d}", "label": (start + i) % 1000, "source": "skimage.data.astronaut"},
             )
             for i in range(count)
         ]
@@ -262,21 +265,44 @@ def site(args: argparse.Namespace, work: Path) -> None:
         }
 
     sae = make_sae(d, d_sae, 32)
-    out = work / "site"
-    start = time.perf_counter()
-    build_site(out, sae, state, collection, Layout("patches", TPI, 1, 4, GRID), Data())
-    seconds = time.perf_counter() - start
-    files = [p for p in out.rglob("*") if p.is_file()]
-    total = sum(p.stat().st_size for p in files)
-    by_kind = {kind: sum(p.stat().st_size for p in files if kind in p.parts) for kind in ("atoms", "thumbs")}
+    n_labels = args.site_labels
+    image_label = np.arange(n_images) % n_labels
+    fire = rng.poisson(rng.gamma(0.3, 2.0, (d_sae, 1)) * np.ones(n_labels), (d_sae, n_labels))
+    fire = np.minimum(fire, np.bincount(image_label, minlength=n_labels)[None, :])
+    labelled = {
+        "label_fire": torch.from_numpy(fire.astype(np.int64)),
+        "label_fire_unlabelled": torch.zeros(d_sae, dtype=torch.int64),
+        "label_images": torch.from_numpy(np.bincount(image_label, minlength=n_labels).astype(np.int64)),
+        "label_images_unlabelled": torch.tensor(0),
+    }
+    for i, meta in collection["images"].items():
+        meta["label"], meta["class_name"] = int(image_label[i]), f"n{image_label[i]:08d}"
     print(
         f"3. site for d_sae = {d_sae}, N = {top} ({d_sae * top:,} entries over {n_images:,} distinct images, "
         f"DINOv2 layout)"
     )
+    times: dict[str, list[float]] = {}
+    sides = (("without labels", {}), (f"with {n_labels} labels", labelled))
+    for side, extra in [*sides, *sides][: 2 * max(args.site_rounds, 1)]:  # alternate; the best of each side
+        out = work / f"site_{len(extra)}"
+        shutil.rmtree(out, ignore_errors=True)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        build_site(out, sae, {**state, **extra}, collection, Layout("patches", TPI, 1, 4, GRID), Data())
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        times.setdefault(side, []).append((seconds, cpu))  # CPU seconds too: a shared box's wall time is noisy
+        files = [p for p in out.rglob("*") if p.is_file()]
+        total = sum(p.stat().st_size for p in files)
+        by_kind = {kind: sum(p.stat().st_size for p in files if kind in p.parts) for kind in ("atoms", "thumbs")}
+        labels = sum(p.stat().st_size for p in files if "labels" in p.parts)
+        print(
+            f"   {side}: build {seconds:.1f} s ({cpu:.1f} s CPU); {len(files):,} files, {total / 1e6:,.0f} MB "
+            f"(atom pages {by_kind['atoms'] / 1e6:,.0f} MB, thumbnails {by_kind['thumbs'] / 1e6:,.0f} MB, "
+            f"label pages {labels / 1e6:,.1f} MB, index {(out / 'index.html').stat().st_size / 1e6:.1f} MB)"
+        )
+    (base_wall, base_cpu), (wall, cpu) = ([min(t[i] for t in side) for i in (0, 1)] for side in times.values())
     print(
-        f"   build {seconds:.1f} s; {len(files):,} files, {total / 1e6:,.0f} MB (atom pages "
-        f"{by_kind['atoms'] / 1e6:,.0f} MB, thumbnails {by_kind['thumbs'] / 1e6:,.0f} MB, "
-        f"index {(out / 'index.html').stat().st_size / 1e6:.1f} MB)"
+        f"   label statistics add {100 * (wall / base_wall - 1):+.0f} % to the build's wall time, "
+        f"{100 * (cpu / base_cpu - 1):+.0f} % to its CPU time (best of each side)"
     )
 
 
@@ -295,6 +321,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--site_d_sae", type=int, default=19_200)
     parser.add_argument("--site_images", type=int, default=4096)
+    parser.add_argument("--site_labels", type=int, default=1000)
+    parser.add_argument("--site_rounds", type=int, default=2, help="builds per side, alternating (at most 2)")
     parser.add_argument("--memory-child", dest="memory_child")
     args = parser.parse_args()
     if args.memory_child:
@@ -302,7 +330,7 @@ def main() -> None:
         return
     if args.quick:
         args.images, args.memory_images, args.d_sae, args.repeats = 20, 10, 512, 1
-        args.site_d_sae, args.site_images = 256, 64
+        args.site_d_sae, args.site_images, args.site_labels = 256, 64, 10
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for part in args.parts:

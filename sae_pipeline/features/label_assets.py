@@ -51,7 +51,7 @@ LABELS_JS = r"""
     const cols = data.columns, fi = cols.indexOf("frequency"), si = cols.indexOf("selectivity");
     const li = cols.indexOf("top_label"), pi = cols.indexOf("page");
     const points = data.rows.filter(r => r[fi] > 0 && r[si] !== null);
-    const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height, m = {l: 48, r: 12, t: 10, b: 34};
+    const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height, m = {l: 60, r: 12, t: 10, b: 34};
     ctx.clearRect(0, 0, W, H);
     const xs = points.map(r => Math.log10(r[fi]));
     const x0 = Math.floor(Math.min(...xs, -1)), x1 = Math.ceil(Math.max(...xs, 0));
@@ -60,9 +60,9 @@ LABELS_JS = r"""
     ctx.strokeStyle = "#999"; ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(m.l, m.t); ctx.lineTo(m.l, H - m.b); ctx.lineTo(W - m.r, H - m.b); ctx.stroke();
     for (let d = x0; d <= x1; d++) ctx.fillText("1e" + d, X(d) - 10, H - m.b + 14);
-    [0, 0.5, 1].forEach(v => ctx.fillText(v.toFixed(1), 8, Y(v) + 4));
+    [0, 0.5, 1].forEach(v => ctx.fillText(v.toFixed(1), m.l - 24, Y(v) + 4));
     ctx.fillText("frequency (fraction of tokens)", W / 2 - 80, H - 4);
-    ctx.save(); ctx.translate(12, H / 2 + 30); ctx.rotate(-Math.PI / 2);
+    ctx.save(); ctx.translate(14, H / 2 + 30); ctx.rotate(-Math.PI / 2);
     ctx.fillText("selectivity S", 0, 0); ctx.restore();
     const chosen = select() ? select().value : "";
     const hits = [];
