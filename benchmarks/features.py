@@ -1,6 +1,6 @@
 """Benchmark: the feature browser's pass against a bare ``predict`` pass, its memory, and the site's cost.
 
-    python -m benchmarks.features                    # all three parts (CPU sizes below)
+    python -m benchmarks.features                    # all four parts (CPU sizes below)
     python -m benchmarks.features --device cuda      # parts 1 and 2 on a GPU
     python -m benchmarks.features --quick            # tiny sizes (a smoke run)
 
@@ -18,6 +18,8 @@
 3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size,
    without and with label statistics (``--site_labels`` labels, ImageNet's 1000 by default:
    atom sections, index columns and scatter, one page per label), each built from scratch.
+4. The label counts' cost in the pass, measured apart: ``LabelCounts.update`` against the
+   top-N table's update on the same codes, and the shard read with and without ``meta.json``.
 """
 
 from __future__ import annotations
@@ -306,11 +308,66 @@ def site(args: argparse.Namespace, work: Path) -> None:
     )
 
 
+def label_cost(args: argparse.Namespace, work: Path) -> None:
+    """The label counts' share of the pass, measured apart (the pass's tokens/s on a shared box is too noisy to
+    show a few per cent): per batch, ``LabelCounts.update`` beside ``TopNTable.update_codes`` on the same codes,
+    and the shard read with and without ``meta.json``; CPU seconds, sides alternated."""
+    import torch
+
+    from feature_extraction.shards import shard_fpaths
+    from feature_extraction.shards.read import iter_shard_tokens
+    from sae_pipeline.data.sources import ShardSource
+    from sae_pipeline.features.labels import LabelCounts
+    from sae_pipeline.features.topn import TopNTable
+
+    shards = work / "label_cost"
+    write_synthetic_shards(shards, args.images, args.d)
+    sae = make_sae(args.d, args.d_sae, args.k)
+    source = ShardSource(shards)
+    tokens = np.concatenate([c.tokens for u in source.units("all", 0.0) for c in u.read(0, u.n_tokens)])
+    batches = []
+    with torch.no_grad():
+        for start in range(0, len(tokens), args.batch_size):
+            x = torch.from_numpy(tokens[start : start + args.batch_size].astype(np.float32))
+            token = torch.arange(start, start + len(x))
+            batches.append((sae.encode(x), token, token // TPI, (token // TPI) % 1000))
+    table, counts = TopNTable(args.d_sae, args.top), LabelCounts(args.d_sae, TPI)
+    table_cpu = counts_cpu = 0.0
+    for codes, token, image, label in batches:
+        start = time.process_time()
+        rows, atoms = table.update_codes(codes, token, image, token % TPI)
+        middle = time.process_time()
+        counts.update(rows, atoms, image, label)
+        table_cpu, counts_cpu = table_cpu + middle - start, counts_cpu + time.process_time() - middle
+    print(
+        f"4. label counts in the pass: {len(tokens):,} tokens ({len(batches)} batches of {args.batch_size}), "
+        f"TopK d_sae {args.d_sae} k {args.k}, {TPI} tokens per image, 1000 labels"
+    )
+    print(
+        f"   top-N table {table_cpu:.2f} s CPU, label counts {counts_cpu:.2f} s CPU "
+        f"(+{100 * counts_cpu / table_cpu:.0f} % of the table's update; encoding not included)"
+    )
+    reads = {False: [], True: []}
+    fpaths = shard_fpaths(source.name, source.manifest)
+    for _ in range(max(args.repeats, 1)):
+        for with_meta in (False, True):
+            start = time.process_time()
+            for fpath in fpaths:
+                for _ in iter_shard_tokens(fpath, with_positions=True, with_meta=with_meta):
+                    pass
+            reads[with_meta].append(time.process_time() - start)
+    plain, meta = min(reads[False]), min(reads[True])
+    print(
+        f"   shard read {plain:.3f} s CPU, with meta.json {meta:.3f} s CPU (+{100 * (meta / plain - 1):.0f} %; "
+        f"best of {max(args.repeats, 1)})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "site"])
+    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "site", "labels"])
     parser.add_argument("--images", type=int, default=400)
     parser.add_argument("--memory_images", type=int, default=200)
     parser.add_argument("--d", type=int, default=256)
@@ -334,7 +391,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for part in args.parts:
-            {"throughput": throughput, "memory": memory, "site": site}[part](args, work)
+            {"throughput": throughput, "memory": memory, "site": site, "labels": label_cost}[part](args, work)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ label prior, whether any atom fires on it or not). Kept on the SAE's device:
 - ``label_fire_unlabelled [d_sae]``: the same for images without a label;
 - ``label_images [L]`` and ``label_images_unlabelled``: images per label (the prior).
 
-``L`` is one more than the largest label seen (it grows as labels appear), so memory is
-O(d_sae · L) beside the top-N table's O(d_sae · N), whatever the token count.
+``L`` is one more than the largest label seen (the buffers grow as labels appear, doubling, so
+class folders read in order cost O(log L) copies, not L), so memory is O(d_sae · L) beside the
+top-N table's O(d_sae · N), whatever the token count.
 
 Why it stays exact although an image's tokens can arrive in several batches (its tokens
 straddle a batch boundary, DataLoader workers interleave their batches, a rank's share ends
@@ -50,6 +51,7 @@ class LabelCounts:
         self.label_fire_unlabelled = torch.zeros(self.d_sae, dtype=torch.int64, device=device)
         self.label_images = torch.zeros(0, dtype=torch.int64, device=device)
         self.label_images_unlabelled = torch.zeros((), dtype=torch.int64, device=device)
+        self.n_labels = 0  # labels 0..n_labels-1 seen; the buffers may hold more columns (spare capacity)
         self.pending: dict[int, tuple[Tensor, int, int]] = {}  # image key -> (fired mask, tokens seen, label)
 
     @property
@@ -59,9 +61,10 @@ class LabelCounts:
     def grow(self, n_labels: int) -> None:
         """Make room for labels ``0..n_labels-1``."""
         if n_labels > self.label_fire.shape[1]:
-            extra = n_labels - self.label_fire.shape[1]
+            extra = max(n_labels, 2 * self.label_fire.shape[1], 16) - self.label_fire.shape[1]
             self.label_fire = torch.cat([self.label_fire, self.label_fire.new_zeros((self.d_sae, extra))], 1)
             self.label_images = torch.cat([self.label_images, self.label_images.new_zeros(extra)])
+        self.n_labels = max(self.n_labels, n_labels)
 
     @torch.no_grad()
     def update(self, rows: Tensor, atoms: Tensor, image: Tensor, label: Tensor) -> None:
@@ -123,11 +126,16 @@ class LabelCounts:
 
     # --- results -----------------------------------------------------------------------------
     def state(self) -> dict[str, Tensor]:
-        return {name: getattr(self, name) for name in LABEL_FIELDS}
+        """The counts, ``[..., n_labels]`` (no spare columns)."""
+        state = {name: getattr(self, name) for name in LABEL_FIELDS}
+        state["label_fire"] = state["label_fire"][:, : self.n_labels].contiguous()
+        state["label_images"] = state["label_images"][: self.n_labels].contiguous()
+        return state
 
     def load_state(self, state: dict[str, Tensor]) -> None:
         for name in LABEL_FIELDS:
             setattr(self, name, state[name].to(self.device))
+        self.n_labels = int(self.label_fire.shape[1])
 
     def leftover(self) -> list[tuple[int, np.ndarray, int, int]]:
         """The images still incomplete here, as ``(key, atoms fired, tokens seen, label)`` (what ranks exchange)."""

@@ -6,9 +6,9 @@ the union of the ranks' entries, and the statistics are sums. Tables have the sa
 every rank ([d_sae, N]), so one ``all_gather`` per field moves them (d_sae · N · 28 bytes per
 rank: 8.6 MB at d_sae = 19 200, N = 16), and every rank ends with the merged table.
 
-The label counts (:mod:`sae_pipeline.features.labels`) are sums too, once every rank's
-``[d_sae, L]`` is padded to the largest ``L`` (ranks may have seen different labels); the
-images split between two ranks are exchanged (a few per rank) and counted once.
+The label counts (:mod:`sae_pipeline.features.labels`) are sums too (an ``all_reduce``, once
+every rank's ``[d_sae, L]`` is padded to the largest ``L``: ranks may have seen different
+labels); the images split between two ranks are exchanged (a few per rank) and counted once.
 """
 
 from __future__ import annotations
@@ -80,11 +80,14 @@ def gather_merge_labels(counts: LabelCounts, strategy: Any) -> dict[str, Tensor]
     if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         counts.resolve(counts.leftover())
         return counts.state()
-    n_labels = int(strategy.all_gather(torch.tensor(counts.label_fire.shape[1], device=counts.device)).max())
-    counts.grow(n_labels)
-    gathered = {name: strategy.all_gather(value) for name, value in counts.state().items()}
+    n_labels = torch.tensor(counts.n_labels, device=counts.device)
+    dist.all_reduce(n_labels, op=dist.ReduceOp.MAX)
+    counts.grow(int(n_labels))
+    state = counts.state()
+    for value in state.values():  # summed in place: O(d_sae · L) per rank whatever the world size
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
     merged = LabelCounts(counts.d_sae, counts.tokens_per_image, counts.device)
-    merged.load_state({name: gathered[name].sum(0) for name in LABEL_FIELDS})
+    merged.load_state(state)
     parts: list = [None] * world_size
     dist.all_gather_object(parts, counts.leftover())
     merged.resolve(part for rank_parts in parts for part in rank_parts)
