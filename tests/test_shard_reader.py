@@ -105,3 +105,27 @@ def test_corrupt_header_after_a_pax_member_is_an_error(tmp_path: Path) -> None:
     fpath.write_bytes(bytes(data))
     with pytest.raises(S.ShardFormatError, match=r"shard-000000.tar: corrupt tar \(invalid header"):
         list(R.iter_shard_tokens(fpath))
+
+
+def test_with_meta_yields_each_samples_meta_json(tmp_path: Path) -> None:
+    """The feature browser's labels: meta.json read only for the samples yielded, a broken one named."""
+    fpath = write(tmp_path, [f"img{i}" for i in range(6)])
+    got = list(R.iter_shard_tokens(fpath, 2, 4, with_positions=True, with_meta=True))
+    assert [(key, positions, meta) for key, _, positions, meta in got] == [
+        (f"img{i}", None, {"i": i}) for i in (2, 3, 4)
+    ]
+    assert [meta for _, _, meta in R.iter_shard_tokens(fpath, with_meta=True)] == [{"i": i} for i in range(6)]
+    broken = tmp_path / "broken" / "shard-000000.tar"
+    broken.parent.mkdir()
+    with tarfile.open(broken, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in (("a.meta.json", b"{not json"), ("a.tokens.npy", None)):
+            if data is None:
+                buffer = io.BytesIO()
+                np.save(buffer, np.zeros((2, 3), np.float16))
+                data = buffer.getvalue()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert [key for key, _ in R.iter_shard_tokens(broken)] == ["a"]  # not read unless asked for
+    with pytest.raises(S.ShardFormatError, match=r"'a.meta.json' is not valid JSON"):
+        list(R.iter_shard_tokens(broken, with_meta=True))

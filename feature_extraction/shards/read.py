@@ -6,7 +6,8 @@ the joined bytes once more. That made the tar reader most of the training stream
 time (BENCHMARKS.md, loader). A shard on disk can be read at random instead: each
 header is parsed where it lies (``tar_scan.py``: plain ustar headers directly, anything else by tarfile),
 and each token array is read with one ``readinto`` into its final memory. Members other
-than ``tokens.npy`` (``meta.json``, ...) are skipped without being read.
+than ``tokens.npy`` (``meta.json``, ...) are skipped without being read, unless asked for
+(``positions.npy``, and ``meta.json`` for the feature browser's labels).
 
 The format is still webdataset's (written by ``wds.TarWriter``, readable by any
 webdataset pipeline, tested in ``tests/test_shards.py``); the key of a member follows
