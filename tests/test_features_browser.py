@@ -163,6 +163,9 @@ def test_label_statistics_scatter_filter_and_label_pages(site, browser, tmp_path
         other, other_errors = open_page(browser, (site / "labels" / f"{label}.html").as_uri())
         assert other.locator("h1").inner_text() == f"Label class{label}"
         assert other.locator("article.label-atom").count() > 0 and all_images_loaded(other) == []
+        listed = [int(t.lstrip("#")) for t in other.locator("article.label-atom h3 a").all_inner_texts()]
+        mine = sum(int((table["label_top_images"][atom] == label).sum()) for atom in listed)
+        assert other.locator("article.label-atom img.t.mine").count() == mine > 0  # this label's images outlined
         hrefs = other.locator("a").evaluate_all("links => links.map(a => a.href)")
         assert all(Path(h.removeprefix("file://")).is_file() for h in hrefs)
         shot = other.screenshot(path=str(tmp_path / f"label{label}.png"), full_page=True)

@@ -130,26 +130,28 @@ def check_site_labels(site, codes: np.ndarray, image_label: np.ndarray, tpi: int
 
 
 def test_selectivity_against_loops() -> None:
-    """More labels than the fixtures have, a label without images, an atom that never fires, ties."""
+    """More labels than the fixtures have, a label without images, an atom that never fires, one that fires once."""
     from sae_pipeline.features.selectivity import label_stats
 
-    fire = np.array([[3, 0, 0, 1], [2, 0, 1, 1], [0, 0, 0, 0], [1, 0, 2, 1], [4, 0, 2, 2]], np.int64)
+    fire = np.array([[3, 0, 0, 1], [2, 0, 1, 1], [0, 0, 0, 0], [1, 0, 2, 1], [4, 0, 2, 2], [0, 0, 1, 0]], np.int64)
     images = np.array([6, 0, 3, 3], np.int64)
     state = {
         "label_fire": torch.from_numpy(fire),
         "label_images": torch.from_numpy(images),
-        "label_fire_unlabelled": torch.zeros(5, dtype=torch.int64),
+        "label_fire_unlabelled": torch.zeros(6, dtype=torch.int64),
         "label_images_unlabelled": torch.tensor(2),
-        "image": torch.full((5, 2), -1),
+        "image": torch.full((6, 2), -1),
     }
     stats = label_stats(state, {"images": {}})
     top, share, selectivity = selectivity_reference(fire, images)
     assert stats.labels.tolist() == [0, 2, 3] and stats.top_label.tolist() == top
     assert [None if np.isnan(v) else pytest.approx(v) for v in stats.top_share] == share
     assert [None if np.isnan(v) else pytest.approx(v) for v in stats.selectivity] == selectivity
-    # label 2's page: atoms by q desc (ties: more images, then the lower id); the dead atom is not listed
-    q2 = {a: (fire[a, 2] / 3) / sum(fire[a, label] / images[label] for label in (0, 2, 3)) for a in (0, 1, 3, 4)}
-    want = sorted((a for a in q2 if q2[a] > 0), key=lambda a: (-q2[a], -fire[a, 2], a))
-    assert stats.per_label[2] == want
+    # label 2's page: atoms by F1 = 2 c / (n + m) desc (ties: larger q, then the lower id); an atom with c = 0 is not
+    fired = [a for a in range(6) if fire[a, 2] > 0]
+    q2 = {a: (fire[a, 2] / 3) / sum(fire[a, label] / images[label] for label in (0, 2, 3)) for a in fired}
+    f1 = {a: 2 * fire[a, 2] / (fire[a].sum() + 3) for a in fired}
+    want = sorted(fired, key=lambda a: (-f1[a], -q2[a], a))
+    assert stats.per_label[2] == want == [3, 5, 4, 1]  # by q alone atom 5 (one image, of label 2 only) would lead
     unlabelled = {**state, "label_fire": torch.zeros((5, 0), dtype=torch.int64), "label_images": torch.zeros(0)}
     assert label_stats(unlabelled, {"images": {}}) is None

@@ -5,8 +5,9 @@
   shares for the images it fires on, its top-N images and all images (the prior), side by side;
 - index: selectivity and top-label columns (sortable), a top-label filter, links to every label
   page and a selectivity-vs-frequency scatter drawn by ``assets/labels.js`` on a canvas (no CDN);
-- ``labels/<id>.html``: the label's most selective atoms (by its prior-corrected share ``q``),
-  each with its label bar and top images, the images of this label outlined.
+- ``labels/<id>.html``: the atoms that match the label best (by F1 of precision and recall, see
+  :mod:`sae_pipeline.features.selectivity`), each with its label bar and top images, the images of
+  this label outlined.
 
 Unlabelled data (an ``.h5`` cache, a flat image folder): the pages say so and nothing else changes.
 """
@@ -183,7 +184,7 @@ def write_label_pages(
         return
     (root / "labels").mkdir()
     n_top = top_image.shape[1]
-    thumb_class = ' class="pixels"' if pixel_atoms else ""
+    thumb_class = "t pixels" if pixel_atoms else "t"
     for i, label in enumerate(stats.labels.tolist()):
         prev_label, next_label = (
             stats.labels[i - 1] if i else None,
@@ -200,7 +201,7 @@ def write_label_pages(
             )
         atoms = []
         for atom in stats.per_label[label]:
-            q = stats.q(atom)[i]
+            q, f1 = stats.q(atom)[i], stats.f1(atom, i)
             href = atom_href(atom)
             title = f'<a href="../atoms/{href}">#{atom}</a>' if href else f"#{atom}"
             line, bars = atom_bars(stats, atom, n_top, "../")
@@ -209,10 +210,11 @@ def write_label_pages(
                 if key < 0 or key not in thumbs:
                     continue
                 mine = " mine" if stats.top_images[atom, r] == label else ""
-                images.append(f'<img{thumb_class} class="t{mine}" alt="" src="../{thumbs[key]}">')
+                images.append(f'<img class="{thumb_class}{mine}" alt="" src="../{thumbs[key]}">')
             atoms.append(
-                f'<article class="label-atom"><h3>{title} <span class="muted">q = {q:.3f} · fires on '
-                f"{int(stats.fire[atom, i])} of {int(stats.images[i])} images of this label</span></h3>"
+                f'<article class="label-atom"><h3>{title} <span class="muted">F1 = {f1:.3f} · q = {q:.3f} · '
+                f"fires on {int(stats.fire[atom, i])} of {int(stats.images[i])} images of this label "
+                f"(precision {stats.fire[atom, i] / max(stats.fire[atom].sum(), 1):.3f})</span></h3>"
                 f'{line}{bars}<div class="thumbs">{"".join(images)}</div></article>'
             )
         empty = "" if atoms else '<p class="muted">No atom fires on images of this label.</p>'
@@ -222,8 +224,9 @@ def write_label_pages(
 <link rel="stylesheet" href="../assets/site.css"><link rel="stylesheet" href="../assets/labels.css"></head>
 <body><header><h1>Label {esc(stats.name(label))}</h1><nav>{" ".join(nav)}</nav>
 <span class="muted">id {label}; {int(stats.images[i])} images, prior {_pct(stats.prior[i])}</span></header>
-<section class="labels"><h2>Its most selective atoms</h2><p class="muted">Ranked by this label's prior-corrected
-share q (then by how many of its images they fire on); top images of this label are outlined.</p>
+<section class="labels"><h2>The atoms that match it best</h2><p class="muted">Ranked by F1 = 2 c / (n + m), with c the
+images of this label the atom fires on, n all labelled images it fires on and m this label's images: the harmonic
+mean of precision c / n and recall c / m (then by q). Top images of this label are outlined.</p>
 <p class="muted formula">{esc(FORMULA)}</p>{empty}{"".join(atoms)}</section></body></html>
 """
         (root / "labels" / label_fname(label)).write_text(page)

@@ -13,6 +13,11 @@ label ``l`` (the prior ``p[l] = m[l] / M``, over the ``L`` labels that have imag
 
 Atoms that never fire on a labelled image, or data with fewer than two labels, have no
 selectivity (NaN). Computed in blocks of atoms, so the float work stays O(block · L).
+
+A label's page lists the atoms that match it best, by ``F1[j, l] = 2 c[j, l] / (n[j] + m[l])``
+(``n[j]`` the labelled images atom ``j`` fires on): the harmonic mean of the share of its images
+that have the label (precision) and of the label's images it fires on (recall). Ranking by ``q``
+alone would put first the atoms that fired on one image of the label and nothing else.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class LabelStats:
     top_label: np.ndarray  # int64 [d_sae]: a label id, -1 when the atom never fired on a labelled image
     top_share: np.ndarray  # float64 [d_sae]: q[top]
     selectivity: np.ndarray  # float64 [d_sae]
-    per_label: dict[int, list[int]]  # label id -> atoms ranked by q[j, l] (then c[j, l]), at most PER_LABEL
+    per_label: dict[int, list[int]]  # label id -> atoms ranked by F1[j, l] (then q[j, l]), at most PER_LABEL
 
     @property
     def prior(self) -> np.ndarray:
@@ -63,6 +68,10 @@ class LabelStats:
     def q(self, atom: int) -> np.ndarray:
         """The atom's prior-corrected label distribution ``[L]`` (zeros when it never fired on a labelled image)."""
         return _q(self.fire[atom : atom + 1].astype(np.float64), self.images)[0]
+
+    def f1(self, atom: int, column: int) -> float:
+        """How well the atom's firing matches label column ``column``: 2 c / (n + m)."""
+        return 2 * self.fire[atom, column] / (self.fire[atom].sum() + self.images[column])
 
     def top_counts(self, atom: int) -> np.ndarray:
         """How many of the atom's top-N images have each label ``[L]``."""
@@ -123,7 +132,7 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelSt
     top_label = np.full(d_sae, -1, np.int64)
     top_share = np.full(d_sae, np.nan)
     selectivity = np.full(d_sae, np.nan)
-    best = tuple(np.zeros((0, len(labels)), dtype) for dtype in (np.float64, np.int64, np.int64))
+    best = tuple(np.zeros((0, len(labels)), dtype) for dtype in (np.float64, np.int64, np.float64))
     for start in range(0, d_sae, BLOCK):
         block = fire[start : start + BLOCK].astype(np.float64)
         q = _q(block, images)
@@ -136,10 +145,11 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelSt
             with np.errstate(divide="ignore", invalid="ignore"):
                 entropy = -np.where(q > 0, q * np.log(q), 0.0).sum(1)
             selectivity[start : start + len(q)] = np.where(fired, 1 - entropy / np.log(len(labels)), np.nan)
-        best = _best_per_label(best, q, block, start)
-    order_q, order_atoms, _ = best
+        f1 = 2 * block / (block.sum(1, keepdims=True) + images[None, :])
+        best = _best_per_label(best, f1, q, start)
+    order_f1, order_atoms, _ = best
     per_label = {
-        int(label): [int(a) for a, value in zip(order_atoms[:, i], order_q[:, i]) if value > 0]
+        int(label): [int(a) for a, value in zip(order_atoms[:, i], order_f1[:, i]) if value > 0]
         for i, label in enumerate(labels)
     }
     return LabelStats(
@@ -157,13 +167,13 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelSt
     )
 
 
-def _best_per_label(best: tuple, q: np.ndarray, counts: np.ndarray, start: int) -> tuple:
-    """Each label's PER_LABEL atoms with the largest ``q`` (ties: more images of the label, then the lower id)."""
-    values = np.concatenate([best[0], q])
+def _best_per_label(best: tuple, f1: np.ndarray, q: np.ndarray, start: int) -> tuple:
+    """Each label's PER_LABEL atoms with the largest ``F1`` (ties: the larger ``q``, then the lower id), so far."""
+    values = np.concatenate([best[0], f1])
     atoms = np.concatenate([best[1], np.arange(start, start + len(q))[:, None].repeat(q.shape[1], 1)])
-    images = np.concatenate([best[2], counts.astype(np.int64)])
-    order = np.lexsort((atoms, -images, -values), axis=0)[:PER_LABEL]
-    return tuple(np.take_along_axis(a, order, 0) for a in (values, atoms, images))
+    shares = np.concatenate([best[2], q])
+    order = np.lexsort((atoms, -shares, -values), axis=0)[:PER_LABEL]
+    return tuple(np.take_along_axis(a, order, 0) for a in (values, atoms, shares))
 
 
 __all__ = ["FORMULA", "LabelStats", "label_stats"]
