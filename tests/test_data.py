@@ -343,6 +343,7 @@ def test_loaders_pin_for_a_gpu_and_row_sources_keep_float32(shard_dir):
     assert digits["x"].dtype == torch.float32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cuda_batches_cross_pinned_in_float16_and_train_in_float32(shard_dir, tmp_path, workers):

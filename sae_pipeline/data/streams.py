@@ -96,8 +96,8 @@ class BatchRing:
 
     Why: a tensor returned by a worker is copied into a *new* shared-memory segment for
     every batch (torch's default hand-over); creating and faulting in 12 MB of fresh
-    shared memory per 4096 x 768 float32 batch cost about 13 ms on the 2-core benchmark
-    machine, as much as reading the tokens. Here a worker writes each batch into a fixed
+    shared memory per 4096 x 768 float32 batch (batches were float32 then) cost about
+    13 ms on the 2-core benchmark machine, as much as reading the tokens. Here a worker writes each batch into a fixed
     slot and sends only its place; the main process copies it out (``take``) and releases
     the slot. A worker waits before reusing a slot the main process has not released, so
     correctness does not depend on the DataLoader's prefetch depth; with
