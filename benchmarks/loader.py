@@ -11,8 +11,8 @@ project's shard writer into a temporary directory:
 - raw sequential read: every file's bytes, in order, ``readinto`` a reused 16 MB buffer (the
   disk's or page cache's bytes/s: no loader can beat it);
 - plain tar decode: ``tarfile`` over each shard, ``np.load`` of every ``tokens.npy``, one
-  ``np.concatenate`` per shard, float16 batches of ``--batch_size`` rows (the least work that
-  yields the batches);
+  ``np.concatenate`` per shard, float16 batches of ``--batch_size`` rows (the straightforward
+  standard-library decode, without the loader's split, shuffle and checks);
 - the DataModule's training loader with 0 (main process), 1 and 2 workers: the rank/worker
   split, per-sample checksums, the shuffle buffer (>= 64K tokens), batches of 4096 in float16
   and the hand-over from the workers (what a ``fit`` reads).
@@ -21,7 +21,8 @@ GB/s counts token bytes (tokens x d x 2) for the loaders and file bytes for the 
 tokens are all but a fraction of a percent of a shard). Warm: the page cache holds the files
 (best of ``--repeats`` after one untimed read). Cold: each run after evicting the files from the
 page cache (``posix_fadvise(DONTNEED)``, no root needed); on a virtual machine the host's cache
-may still serve them, so cold here is a lower bound on the disk traffic, not a disk benchmark.
+may still serve them, so the cold rows say how the loader does when the files are not in this
+machine's cache, not how fast a disk is.
 The verification section reruns the 1- and 2-worker loader without checksums (target: verified
 >= 0.9 of unverified), and times the shard reader alone both ways.
 """
