@@ -47,12 +47,14 @@ def local_path(url: str) -> Path | None:
     return Path(unquote(parts.path)) if parts.scheme == "file" else None
 
 
-def walk_site(browser, starts: list[Path]) -> dict[Path, list[str]]:
-    """Open every HTML page reachable from ``starts``; returns ``{page: problems}`` for every page visited.
+def walk_site(browser, starts: list[Path], within: Path | None = None) -> dict[Path, list[str]]:
+    """Open every HTML page reachable from ``starts`` (and inside ``within``, when given: pages outside it are
+    only checked to exist); returns ``{page: problems}`` for every page opened.
 
     A problem: a link or source that names a missing file or leaves the disk (no network in a site),
     a script error, an image that did not load, a blank screenshot.
     """
+    within = None if within is None else within.resolve()
     todo, report = [start.resolve() for start in starts], {}
     while todo:
         fpath = todo.pop()
@@ -71,11 +73,12 @@ def walk_site(browser, starts: list[Path]) -> dict[Path, list[str]]:
             elif not target.is_file():
                 problems.append(f"broken link: {url}")
             elif target.suffix == ".html" and target.resolve() not in report:
-                todo.append(target.resolve())
+                if within is None or target.resolve().is_relative_to(within):
+                    todo.append(target.resolve())
         problems += [f"image not loaded: {src}" for src in page.evaluate(NOT_LOADED)]
         shot = np.asarray(Image.open(io.BytesIO(page.screenshot())).convert("L"))
         if shot.size == 0 or len(np.unique(shot)) < 3:
             problems.append("blank screenshot")
-        page.close()
-        report[fpath] = problems
+        report[fpath] = list(problems)
+    page.close()
     return report
