@@ -215,14 +215,17 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
             positions = selected_positions(
                 ids, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
             )
-        tokens, _ = forward_tokens(
+        tokens, event = forward_tokens(
             backbone,
             torch.stack([pair[0] for _, pair in ok]),
             torch_device,
             None if positions is None else torch.from_numpy(positions),
         )
+        if event is not None:  # CUDA: the copy to the host is asynchronous
+            event.synchronize()
         b, t, d = tokens.shape
-        codes = dense_codes(sae, tokens.reshape(b * t, d).float()).float().cpu().numpy().reshape(b, t, -1)
+        x = tokens.reshape(b * t, d).to(torch_device).float()
+        codes = dense_codes(sae, x).float().cpu().numpy().reshape(b, t, -1)
         for j, (i, pair) in enumerate(ok):
             stored = np.arange(spec.n_tokens) if positions is None else positions[j].astype(np.int64)
             explained.append((records[i], image_top_atoms(codes[j], stored, spec.n_tokens), pair[1]))
