@@ -18,9 +18,9 @@ from PIL import Image
 from system_tools import require
 
 CHROMIUM = "chromium"
-REFS = """() => Array.from(document.querySelectorAll("[href], [src]")).map(e => e.href || e.src)"""
-NOT_LOADED = """() => Array.from(document.images)
-    .filter(img => !(img.complete && img.naturalWidth > 0)).map(img => img.src)"""
+# every link and source of the page as the browser resolved it, and the images that did not load
+REFS = """() => [Array.from(document.querySelectorAll("[href], [src]")).map(e => e.href || e.src),
+    Array.from(document.images).filter(img => !(img.complete && img.naturalWidth > 0)).map(img => img.src)]"""
 
 
 @contextlib.contextmanager
@@ -64,9 +64,9 @@ def walk_site(browser, starts: list[Path], within: Path | None = None) -> dict[P
         page = browser.new_page(viewport={"width": 1000, "height": 700})
         page.on("pageerror", lambda exn, problems=problems: problems.append(f"script error: {exn}"))
         page.on("console", lambda msg, problems=problems: problems.append(msg.text) if msg.type == "error" else None)
-        page.goto(fpath.as_uri())
-        page.wait_for_load_state("load")
-        for url in page.evaluate(REFS):
+        page.goto(fpath.as_uri())  # waits for "load": the scripts have rendered
+        refs, not_loaded = page.evaluate(REFS)
+        for url in refs:
             target = local_path(url)
             if target is None:
                 problems.append(f"not a local file: {url}")
@@ -75,7 +75,7 @@ def walk_site(browser, starts: list[Path], within: Path | None = None) -> dict[P
             elif target.suffix == ".html" and target.resolve() not in report:
                 if within is None or target.resolve().is_relative_to(within):
                     todo.append(target.resolve())
-        problems += [f"image not loaded: {src}" for src in page.evaluate(NOT_LOADED)]
+        problems += [f"image not loaded: {src}" for src in not_loaded]
         shot = np.asarray(Image.open(io.BytesIO(page.screenshot())).convert("L"))
         if shot.size == 0 or len(np.unique(shot)) < 3:
             problems.append("blank screenshot")

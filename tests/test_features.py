@@ -154,7 +154,7 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
     assert len(pages) >= 10
     for page in pages[:5]:
         row = int(page.stem)
-        codes = sae.codes_from_pursuit(*sae.pursuit(x[row : row + 1]))[0]
+        codes = sae.codes_from_pursuit(*sae.pursuit(x[row : row + 1]))[0].detach()
         expected = sorted((a for a in range(40) if codes[a] > 0), key=lambda a: (-float(codes[a]), a))
         assert expected, row
         section = page.read_text().split('<section class="by-max">', 1)[1].split("</section>", 1)[0]
