@@ -173,6 +173,7 @@ def record_with(built, tmp_path: Path, name: str, sae, **weights) -> Path:
         ("weights file gone", "pass --checkpoint_path FILE"),
         ("other d_in", "but the SAE takes d_in = 12"),
         ("another site", "not this one"),
+        ("bad device", "--device 'nope' is not a torch device"),
     ],
 )
 def test_bad_input_is_one_line(built, tmp_path, capsys, case: str, message: str) -> None:
@@ -186,6 +187,8 @@ def test_bad_input_is_one_line(built, tmp_path, capsys, case: str, message: str)
         )
     elif case == "other d_in":
         sae_dpath = record_with(built, tmp_path, "narrow", identity_sae())
+    elif case == "bad device":
+        extra = ["--device", "nope"]
     else:
         other = tmp_path / "other_site"
         other.mkdir()
@@ -207,3 +210,39 @@ def test_explained_pages_render_with_no_broken_link(built) -> None:
         report = walk_site(browser, [explained / "images" / "index.html"], within=explained)
     assert set(report) == set(explained.rglob("*.html"))  # every page is reachable from the index
     assert {page: problems for page, problems in report.items() if problems} == {}
+
+
+def test_pretrained_weights_offline_is_one_line_naming_checkpoint_path(tmp_path, capsys, monkeypatch) -> None:
+    """An SAE on a pretrained backbone, explained with no network and an empty cache: one line, the fix named."""
+    import socket
+
+    import huggingface_hub.constants as hub
+
+    from feature_extraction.backbones import BACKBONES
+
+    def refuse(*args, **kwargs):
+        raise OSError("network disabled by the test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    for proxy in ["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]:
+        monkeypatch.delenv(proxy, raising=False)
+    spec = BACKBONES["vit"]
+    record = {
+        "backbone": {**spec.to_json(), "layer": spec.n_blocks - 1, "pretrained": True, "checkpoint_path": None},
+        "layer": spec.n_blocks - 1,
+        "weights": {"pretrained": True, "checkpoint_path": None, "seed": None},
+        "token_selection": None,
+        "d": spec.d,
+    }
+    sae_dpath = write_export(identity_sae(spec.d), tmp_path / "vit_sae")
+    config = json.loads((sae_dpath / "config.json").read_text())
+    (sae_dpath / "config.json").write_text(json.dumps({**config, "data": {"extraction": record}}))
+    out = tmp_path / "out"
+    code, _, err = run(
+        ["features", "explain", "--sae", str(sae_dpath), "--images", "samples", "--out", str(out)], capsys
+    )
+    assert code == 2 and len(error_lines(err)) == 1 and "pass --checkpoint_path FILE" in error_lines(err)[0], err
+    assert "not available offline" in error_lines(err)[0] and not out.exists()

@@ -283,7 +283,8 @@ def write_pages(out: Path, result: dict, backbone: Any, site: Path | None, sae: 
         for n, (record, top, view) in enumerate(result["explained"]):
             thumb = f"thumbs/{n}.jpg"
             save_thumbnail(view, staging / thumb)
-            page = image_page(record.image_id, f"explained by {summary['sae']}", thumb, top, layout, atom_href, nav)
+            by = f"explained by {Path(summary['sae']).name}"
+            page = image_page(record.image_id, by, thumb, top, layout, atom_href, nav)
             (staging / "images" / image_fname(n)).write_text(page)
             rows.append((image_fname(n), thumb, record.image_id, ""))
         note = ""
@@ -310,6 +311,12 @@ def main(argv: list[str]) -> int:
     from sae_pipeline.features.site_dir import check_out_dir, remove_stale_partials
 
     check_int("--batch_size", args.batch_size, 1)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but no CUDA device is visible; use --device cpu")
     sae_dpath = Path(args.sae)
     if not sae_dpath.is_dir():
         raise ValueError(f"--sae {args.sae}: not a directory; pass an export (python -m sae_pipeline export)")
