@@ -146,6 +146,11 @@ def test_the_record_falls_back_to_the_manifest(built, tmp_path) -> None:
         json.dumps({**json.loads((old / "config.json").read_text()), "data": config["data"]})
     )
     assert recorded_extraction(old) == record
+    saelens = tmp_path / "saelens"  # SAELens's cfg.json names the data in its metadata
+    saelens.mkdir()
+    metadata = {"dataset_path": config["data"]["source"], "manifest_sha256": config["data"]["manifest_sha256"]}
+    (saelens / "cfg.json").write_text(json.dumps({"metadata": metadata}))
+    assert recorded_extraction(saelens) == record
     config["data"]["manifest_sha256"] = "0" * 64
     (old / "config.json").write_text(
         json.dumps({**json.loads((old / "config.json").read_text()), "data": config["data"]})

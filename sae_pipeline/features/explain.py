@@ -12,7 +12,8 @@ Where the backbone comes from: the SAE's ``config.json`` keeps the extraction's 
 the random weights' seed, token selection; :func:`feature_extraction.shards.extraction_record`),
 copied from the shard manifest by ``fit`` and ``export``. Exports from before that record fall
 back to ``manifest.json`` in the recorded ``data.source``, if its sha256 still matches the one
-the SAE records. Nothing the artifact names is imported: the backbone is looked up by name in
+the SAE records (a SAELens export: its ``metadata.dataset_path`` and ``manifest_sha256``).
+Nothing the artifact names is imported: the backbone is looked up by name in
 the registry (``feature_extraction.backbones.BACKBONES``) and must match the recorded spec.
 Random weights (test backbones) are drawn from the recorded seed as the extraction drew them, so
 an image's tokens here equal the extraction's (the tests check it). The token subset of an
@@ -80,17 +81,26 @@ def build_parser() -> Any:
     return parser
 
 
+def read_json(fpath: Path) -> dict:
+    """A JSON object from ``fpath``; {} when it is missing or not one."""
+    try:
+        value = json.loads(fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def recorded_extraction(sae_dpath: Path) -> dict:
     """The extraction record of the SAE in ``sae_dpath`` (see the module docstring); one line when there is none."""
     from feature_extraction.shards import extraction_record, manifest_sha256, peek_manifest
     from sae_pipeline.artifacts.export_files import CONFIG_FNAME
+    from sae_pipeline.artifacts.saelens import SAELENS_CFG_FNAME
 
-    try:
-        config = json.loads((sae_dpath / CONFIG_FNAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    data = config.get("data") if isinstance(config, dict) else None
-    data = data if isinstance(data, dict) else {}
+    config, data = read_json(sae_dpath / CONFIG_FNAME), {}
+    if isinstance(config.get("data"), dict):
+        data = config["data"]
+    elif isinstance(metadata := read_json(sae_dpath / SAELENS_CFG_FNAME).get("metadata"), dict):
+        data = {"source": metadata.get("dataset_path"), "manifest_sha256": metadata.get("manifest_sha256")}
     if isinstance(data.get("extraction"), dict):
         return data["extraction"]
     source, sha = data.get("source"), data.get("manifest_sha256") or config.get("manifest_sha256")
@@ -105,7 +115,7 @@ def recorded_extraction(sae_dpath: Path) -> dict:
             return record
     raise ValueError(
         f"--sae {sae_dpath}: {why}; explain needs an SAE trained on shards of python -m feature_extraction "
-        "(re-export it with this version)"
+        "(an export from before this version: export its checkpoint again)"
     )
 
 
