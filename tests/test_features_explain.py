@@ -137,6 +137,25 @@ def test_explain_equals_the_extraction_and_links_into_the_site(built) -> None:
     assert 'href="../../atoms/00.html"' in "".join(p.read_text() for p in pages.values())
 
 
+def test_explain_tokens_are_the_extractions(built) -> None:
+    """The recorded backbone rebuilt (random weights from the seed) on the photos gives the shards' tokens."""
+    from feature_extraction.images import ImageDataset, list_images
+    from sae_pipeline.features.explain import build_backbone, image_tokens
+
+    record = recorded_extraction(built["sae_dpath"])
+    backbone = build_backbone(record, None, D_IN)
+    records = list_images("samples")
+    pixels = torch.stack([ImageDataset(records, backbone.preprocess)[i][1] for i in range(len(records))])
+    ids = [r.image_id for r in records]
+    for start in (0, 8):  # the extraction's batches (batch_size = shard_size = 8): the same float32 sums
+        tokens, positions = image_tokens(
+            backbone, record["token_selection"], pixels[start : start + 8], ids[start : start + 8], torch.device("cpu")
+        )
+        assert positions is not None and tokens.shape[1:] == (7, D_IN)  # CLS + 6 of the 16 patches
+        for image_id, tokens_ in zip(ids[start : start + 8], tokens.numpy()):
+            np.testing.assert_array_equal(tokens_.astype(np.float32), built["tokens"][image_id])  # bit for bit
+
+
 def test_the_record_falls_back_to_the_manifest(built, tmp_path) -> None:
     """An export without the copied record reads it from its shards' manifest.json, if that is the one it names."""
     config = json.loads((built["sae_dpath"] / "config.json").read_text())

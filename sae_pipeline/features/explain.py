@@ -194,12 +194,27 @@ def dense_codes(sae: Any, x: torch.Tensor) -> torch.Tensor:
     return sae.encode(x)
 
 
+def image_tokens(
+    backbone: Any, selection: dict | None, pixels: torch.Tensor, ids: list[str], device: torch.device
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """The tokens the extraction stores for these images (float16 ``[B, t, d]``) and their positions (None: all)."""
+    from feature_extraction.extract import forward_tokens
+    from feature_extraction.token_selection import selected_positions
+
+    spec = backbone.spec
+    positions = None
+    if selection is not None:
+        positions = selected_positions(ids, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid)
+    tokens, event = forward_tokens(backbone, pixels, device, None if positions is None else torch.from_numpy(positions))
+    if event is not None:  # CUDA: the copy to the host is asynchronous
+        event.synchronize()
+    return tokens, positions
+
+
 @torch.no_grad()
 def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], batch_size: int, device: str) -> dict:
     """Every decodable image's top atoms and view: ``{"explained": [(record, top, view)], "skipped": [(id, why)]}``."""
-    from feature_extraction.extract import forward_tokens
     from feature_extraction.images import ImageDataset
-    from feature_extraction.token_selection import selected_positions
     from sae_pipeline.features.image_top import image_top_atoms
     from sae_pipeline.features.images import view_transform
     from sae_pipeline.training.interrupts import raise_if_interrupted
@@ -220,19 +235,9 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
         if not ok:
             continue
         ids = [records[i].image_id for i, _ in ok]
-        positions = None
-        if selection is not None:
-            positions = selected_positions(
-                ids, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
-            )
-        tokens, event = forward_tokens(
-            backbone,
-            torch.stack([pair[0] for _, pair in ok]),
-            torch_device,
-            None if positions is None else torch.from_numpy(positions),
+        tokens, positions = image_tokens(
+            backbone, selection, torch.stack([pair[0] for _, pair in ok]), ids, torch_device
         )
-        if event is not None:  # CUDA: the copy to the host is asynchronous
-            event.synchronize()
         b, t, d = tokens.shape
         x = tokens.reshape(b * t, d).to(torch_device).float()
         codes = dense_codes(sae, x).float().cpu().numpy().reshape(b, t, -1)
