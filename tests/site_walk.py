@@ -47,13 +47,17 @@ def local_path(url: str) -> Path | None:
     return Path(unquote(parts.path)) if parts.scheme == "file" else None
 
 
-def walk_site(browser, starts: list[Path], within: Path | None = None) -> dict[Path, list[str]]:
+def walk_site(
+    browser, starts: list[Path], within: Path | None = None, every_screenshot: bool = False
+) -> dict[Path, list[str]]:
     """Open every HTML page reachable from ``starts`` (and inside ``within``, when given: pages outside it are
     only checked to exist); returns ``{page: problems}`` for every page opened.
 
     A problem: a link or source that names a missing file or leaves the disk (no network in a site),
-    a script error, an image that did not load, a blank screenshot.
+    a script error, an image that did not load, a blank screenshot. Screenshots cost most of the walk's
+    time: one per kind of page (its folder and whether it is an index) unless ``every_screenshot``.
     """
+    shot_kinds: set[tuple[Path, bool]] = set()
     within = None if within is None else within.resolve()
     todo, report = [start.resolve() for start in starts], {}
     while todo:
@@ -76,9 +80,12 @@ def walk_site(browser, starts: list[Path], within: Path | None = None) -> dict[P
                 if within is None or target.resolve().is_relative_to(within):
                     todo.append(target.resolve())
         problems += [f"image not loaded: {src}" for src in not_loaded]
-        shot = np.asarray(Image.open(io.BytesIO(page.screenshot())).convert("L"))
-        if shot.size == 0 or len(np.unique(shot)) < 3:
-            problems.append("blank screenshot")
+        kind = (fpath.parent, fpath.name == "index.html")
+        if every_screenshot or kind not in shot_kinds:
+            shot_kinds.add(kind)
+            shot = np.asarray(Image.open(io.BytesIO(page.screenshot())).convert("L"))
+            if shot.size == 0 or len(np.unique(shot)) < 3:
+                problems.append("blank screenshot")
         report[fpath] = list(problems)
     page.close()
     return report
