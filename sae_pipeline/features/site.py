@@ -9,6 +9,8 @@ served as is by ``python -m http.server``):
 - ``atoms/<id>.html``: the atom's top images with the activation heatmap over the patch grid
   (CLS and register tokens as separate chips), value, image id, label and token position;
   its nearest atoms by cosine, linked; the atom itself as an image for pixel data;
+- ``images/<key>.html``: each shown image with the atoms that fire most on it
+  (:mod:`sae_pipeline.features.image_pages`), linked from the atom pages' cards; ``images/index.html``;
 - ``thumbs/``: one thumbnail per image, written once however many atoms show it;
   ``atoms/img/``: the atoms of pixel data as images; ``assets/``: the stylesheet and script;
 - ``features.npz`` (the merged table and statistics, numeric arrays only: no pickle) and
@@ -40,6 +42,7 @@ from torch import Tensor
 import sae_pipeline
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
+from sae_pipeline.features.image_pages import write_site_image_pages
 from sae_pipeline.features.images import (
     ImageChangedError,
     SourceImages,
@@ -122,8 +125,28 @@ def build_site(
         (staging / "assets" / "site.js").write_text(JS)
         thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
+        width, with_page = len(str(sae.d_sae - 1)), set(atoms) if atoms else set(range(sae.d_sae))
+        image_links = write_site_image_pages(
+            staging,
+            collection,
+            layout,
+            thumbs,
+            lambda a: f"atoms/{atom_fname(a, width)}" if a in with_page else None,
+            changed,
+        )
         _write_pages(
-            staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed, unchecked
+            staging,
+            sae,
+            state,
+            collection,
+            layout,
+            datamodule,
+            thumbs,
+            atoms,
+            n_neighbours,
+            changed,
+            unchecked,
+            image_links,
         )
         np.savez(staging / "features.npz", **{name: value.numpy() for name, value in state.items()})
         summary = {
@@ -194,8 +217,9 @@ def _write_pages(
     n_neighbours: int,
     changed: dict[int, ImageChangedError] | None = None,
     unchecked: int = 0,
+    image_links: dict[int, str] | None = None,
 ) -> None:
-    changed = changed or {}
+    changed, image_links = changed or {}, image_links or {}
     d_sae, n = state["value"].shape
     width = len(str(d_sae - 1))
     chosen = sorted(set(atoms)) if atoms else list(range(d_sae))
@@ -241,6 +265,7 @@ def _write_pages(
             pixel_atoms,
             layout_json,
             changed,
+            image_links,
         )
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
     rows = []
@@ -277,7 +302,17 @@ def _write_pages(
         "thumb_class": "pixels" if pixel_atoms else "",
     }
     (root / "index.html").write_text(
-        _index_page(sae, datamodule, state, data, has_steps, pixel_atoms, layout, _image_checks(changed, unchecked))
+        _index_page(
+            sae,
+            datamodule,
+            state,
+            data,
+            has_steps,
+            pixel_atoms,
+            layout,
+            _image_checks(changed, unchecked),
+            bool(image_links),
+        )
     )
 
 
@@ -324,6 +359,7 @@ def _atom_page(
     pixel_atoms: bool,
     layout_json: str,
     changed: dict[int, ImageChangedError],
+    image_links: dict[int, str] | None = None,
 ) -> str:
     esc = html.escape
     values, tokens = state["value"][atom].numpy(), state["token"][atom].numpy()
@@ -357,8 +393,11 @@ def _atom_page(
             ]
             prefix = f'<div class="prefix">{"".join(chips)}</div>'
         where = _token_label(position, layout) or (f"token {position}" if layout.kind == "tokens" else "")
+        name = esc(image_id)
+        if image_links and key in image_links:
+            name = f'<a class="image" href="../{image_links[key]}">{name}</a>'
         caption = (
-            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{esc(image_id)}'
+            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{name}'
             + (f" · label <b>{esc(label)}</b>" if label else "")
             + (f"<br>{esc(where)}" if where else "")
         )
@@ -426,6 +465,7 @@ def _index_page(
     pixel_atoms: bool,
     layout: Layout,
     image_checks: str = "",
+    image_pages: bool = False,
 ) -> str:
     esc = html.escape
     n_fired = int((state["fire_count"] > 0).sum())
@@ -446,7 +486,7 @@ def _index_page(
 <html lang="en"><head><meta charset="utf-8"><title>Feature browser: {esc(type(sae).__name__)} on {esc(str(datamodule.source))}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="stylesheet" href="assets/site.css"></head>
-<body><header><h1>Feature browser</h1><span>{esc(type(sae).__name__)}: d_in {sae.d_in}, d_sae {sae.d_sae}, k {sae.k}</span>
+<body><header><h1>Feature browser</h1>{'<nav><a href="images/index.html">images</a></nav>' if image_pages else ""}<span>{esc(type(sae).__name__)}: d_in {sae.d_in}, d_sae {sae.d_sae}, k {sae.k}</span>
 <span class="muted">{esc(str(datamodule.source))}: {int(state["n_tokens"])} tokens ({esc(layout.kind)}); top {state["value"].shape[1]} images per atom; {n_fired} atoms fired</span></header>
 <div class="controls"><input id="search" type="search" placeholder="atom id" aria-label="search atom id">
 <span id="count"></span><span class="muted">click a column to sort</span></div>
