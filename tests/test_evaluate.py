@@ -129,18 +129,53 @@ def test_numbers_match_plain_references(study) -> None:
 
 @pytest.mark.slow
 def test_rerun_reuses_finished_runs(study) -> None:
+    """A study the fixture did not run (probing) over its runs: nothing retrained, earlier studies kept."""
     exports = sorted((study / "models").glob("*/sae.safetensors"))
     mtimes = {p: p.stat().st_mtime_ns for p in exports}
     before = json.loads((study / "results.json").read_text())["runs"]
-    assert main(["coherence", "--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY]) == 0
+    args = ["--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY, "--probe_k", "1", "4"]
+    assert main(["probing", *args]) == 0
     assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
     assert not list((study / "runs").glob("*/version_1"))
     after = json.loads((study / "results.json").read_text())
     assert after["runs"]["topk_p32_k4"]["r2"] == before["topk_p32_k4"]["r2"]
-    assert "expressivity" in after  # earlier studies are kept
+    assert "expressivity" in after and "probing" in after["meta"]["studies"]  # earlier studies are kept
+    assert (study / "figures" / "probing_accuracy_vs_k.png").is_file()
     (study / "report.md").unlink()
     assert main(["report", "--out", str(study)]) == 0
-    assert "## Coherence" in (study / "report.md").read_text()
+    report = (study / "report.md").read_text()
+    assert "## Coherence" in report and "## Sparse probing" in report
+    check_probing_by_hand(study, after["probing"], after["runs"])
+
+
+def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
+    """One task redone by hand: class 3 against the rest on the codes TopK computes, plain selection, sklearn."""
+    from sklearn.datasets import load_digits
+    from sklearn.linear_model import LogisticRegression
+
+    from sae_pipeline.evaluate.probing import balanced_tasks
+
+    assert sorted(probing["variants"]) == ["mpsae", "topk"] and probing["ks"] == [1, 4]
+    assert (probing["n_train_rows"], probing["n_val_rows"]) == (1617, 180)
+    spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    entry = probing["variants"]["topk"]
+    assert entry["run"] == spec.name and entry["r2_val"] == pytest.approx(runs[spec.name]["r2"], abs=1e-6)
+    datamodule, labels = datamodule_for(spec), load_digits().target
+    sae = load_sae(study / "models" / spec.name)
+    codes, targets = {}, {}
+    for split in ("train", "val"):
+        rows = np.sort(datamodule.data_source.split_rows(split, datamodule.val_fraction))
+        with torch.no_grad():
+            z = sae.encode(load_tokens(datamodule, split)).numpy()
+        task_rows, targets[split] = balanced_tasks(labels[rows])[3]
+        codes[split] = z[task_rows]
+    y = targets["train"]
+    difference = np.abs(codes["train"][y == 1].mean(0) - codes["train"][y == 0].mean(0))
+    chosen = np.argsort(-difference, kind="stable")[:4]
+    probe = LogisticRegression(max_iter=1000).fit(codes["train"][:, chosen], y)
+    plain = np.mean(probe.predict(codes["val"][:, chosen]) == targets["val"])
+    assert entry["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)
+    assert 0.5 < probing["raw"]["mean"]["all"] <= 1
 
 
 def test_changed_settings_are_not_finished(tmp_path) -> None:

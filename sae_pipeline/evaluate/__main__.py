@@ -3,6 +3,7 @@
     python -m sae_pipeline.evaluate all --data digits --out eval_out --max_steps 2000   # every study
     python -m sae_pipeline.evaluate expressivity --data digits --out eval_out --k 5 10 20 40 --p 250 500 1000
     python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --k_main 32 --p_main 19200
+    python -m sae_pipeline.evaluate probing --data mnist_sample --out eval_out --k 10 --p 1000   # sparse probing
     python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
     python -m sae_pipeline.evaluate dictionary --npz authors --out eval_authors
     python -m sae_pipeline.evaluate sae --sae exported/ --data digits --out eval_sae   # ours or SAELens's
