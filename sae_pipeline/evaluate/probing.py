@@ -161,9 +161,11 @@ def sparse_probing(
 
 
 @torch.no_grad()
-def encode_rows(sae: torch.nn.Module, x: torch.Tensor) -> np.ndarray:
-    """The codes the SAE computes (``encode``: matching pursuit for MP-SAE), float32 ``[n, p]``."""
-    return torch.cat([sae.encode(chunk) for chunk in x.split(_CHUNK)]).float().numpy()
+def encode_images(sae: torch.nn.Module, x: torch.Tensor, per_image: int = 1) -> np.ndarray:
+    """The codes the SAE computes (``encode``: matching pursuit for MP-SAE), mean-pooled over each image's
+    ``per_image`` consecutive tokens chunk by chunk (the token codes are never all in memory), float32 ``[n, p]``."""
+    size = per_image * max(1, _CHUNK // per_image)
+    return np.concatenate([pooled(sae.encode(chunk).float().numpy(), per_image) for chunk in x.split(size)])
 
 
 def split_data(spec: RunSpec) -> dict[str, tuple[torch.Tensor, np.ndarray, int]]:
@@ -203,7 +205,6 @@ def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_ref
         raise ValueError(f"--data {specs[0].source}: fewer than two classes in the training or validation split")
 
     def probe(train: np.ndarray, val: np.ndarray, with_all: bool = False) -> dict[str, Any]:
-        train, val = pooled(train, per_image), pooled(val, per_image)
         return sparse_probing(train, train_tasks, val, val_tasks, ks, with_all)
 
     result: dict[str, Any] = {
@@ -216,12 +217,12 @@ def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_ref
             "train": {str(c): len(rows) for c, (rows, _) in train_tasks.items() if c in val_tasks},
             "val": {str(c): len(rows) for c, (rows, _) in val_tasks.items() if c in train_tasks},
         },
-        "raw": probe(train_x.numpy(), val_x.numpy(), with_all=True),
+        "raw": probe(pooled(train_x.numpy(), per_image), pooled(val_x.numpy(), per_image), with_all=True),
         "variants": {},
     }
     for spec in specs:
         sae = load_sae(Path(out_dpath) / "models" / spec.name)
-        entry = probe(encode_rows(sae, train_x), encode_rows(sae, val_x))
+        entry = probe(encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
         entry.update(run=spec.name, k=spec.k, p=spec.p)
         entry["r2_train"] = reconstruction_r2(sae, train_x)
         entry["r2_val"] = reconstruction_r2(sae, val_x)
@@ -230,7 +231,7 @@ def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_ref
         from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
 
         sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
-        entry = probe(encode_rows(sae, train_x), encode_rows(sae, val_x))
+        entry = probe(encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
         entry.update(npz=REFERENCE_NPZ_FPATH.name, k=10, p=sae.d_sae)
         entry["r2_train"] = reconstruction_r2(sae, train_x)
         entry["r2_val"] = reconstruction_r2(sae, val_x)
