@@ -77,3 +77,36 @@ def test_unlabelled_data_is_one_line_and_writes_nothing(tmp_path, capsys) -> Non
     assert err.startswith("error: ") and "\n" not in err
     assert "probing needs class labels" in err and "digits, mnist_sample, mnist" in err
     assert not out.exists()
+
+
+def test_report_puts_the_in_sample_note_and_the_training_rows_r2_beside_the_reference(tmp_path) -> None:
+    from sae_pipeline.evaluate.report import IN_SAMPLE_NOTE, report_markdown
+
+    curve = {"ks": [2], "r2": [0.5]}
+    model = {"r2": 0.5, "inference": curve, "babel_dict": [0.1, 0.2], "babel_coactive": [0.1, 0.2]}
+    accuracies = {"ks": [1, 2], "mean": {"1": 0.6, "2": 0.7, "all": 0.9}, "by_label": {}}
+    results = {
+        "runs": {"mpsae_p8_k2": model},
+        "reference": {"npz": "a.npz", "p": 8, "k": 2, "n_eval_tokens": 10, "same_rows_as": "mpsae_p8_k2", **model},
+        "probing": {
+            "ks": [1, 2],
+            "labels": [0, 1],
+            "n_train_rows": 40,
+            "n_val_rows": 10,
+            "task_rows": {"train": {"0": 20, "1": 20}, "val": {"0": 4, "1": 6}},
+            "raw": accuracies,
+            "variants": {"mpsae": {**accuracies, "k": 2, "p": 8, "r2_train": 0.812, "r2_val": 0.5}},
+            "reference": {**accuracies, "k": 2, "p": 8, "r2_train": 0.934, "r2_val": 0.921},
+        },
+    }
+    report = report_markdown(results, tmp_path)
+    reference = report[report.index("## Our MP-SAE vs the paper's") : report.index("## Sparse probing")]
+    assert IN_SAMPLE_NOTE in reference and "training rows: the probing section" in reference
+    probing = report[report.index("## Sparse probing") :]
+    assert "| MP-SAE | 2, 8 | 0.600 | 0.700 | – |" in probing
+    assert "| raw inputs (k best dimensions; all) | – | 0.600 | 0.700 | 0.900 |" in probing
+    assert (
+        "| MP-SAE | 2, 8 | 0.812 | 0.500 |" in probing
+        and "| MP-SAE (paper authors) | 2, 8 | 0.934 | 0.921 |" in probing
+    )
+    assert "both its R² are in-sample" in probing
