@@ -1,8 +1,9 @@
 """Benchmark: the feature browser's pass against a bare ``predict`` pass, its memory, and the site's cost.
 
-    python -m benchmarks.features                    # all four parts (CPU sizes below)
+    python -m benchmarks.features                    # every part (CPU sizes below)
     python -m benchmarks.features --device cuda      # parts 1 and 2 on a GPU
     python -m benchmarks.features --quick            # tiny sizes (a smoke run)
+    python -m benchmarks.features --parts explain    # features explain of one image
 
 1. Throughput, same run, same data: synthetic shards in DINOv2's token layout (CLS + 4
    registers + 16x16 patches = 261 tokens per image), a TopK SAE, both sides through
@@ -18,7 +19,12 @@
 3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size,
    without and with label statistics (``--site_labels`` labels, ImageNet's 1000 by default:
    atom sections, index columns and scatter, one page per label), each built from scratch.
-4. The label counts' cost in the pass, measured apart: ``LabelCounts.update`` against the
+4. ``features explain`` of one image (a 256x256 JPEG) with ViT-B/16 (``vit``, random weights
+   from a recorded seed: no download) and a TopK SAE (d_sae 6144): the whole command once (SAE,
+   backbone build, one image, its page), then, with the backbone and SAE loaded, the cost of one
+   image (forward, SAE encode, top atoms, page) against a bare backbone forward + SAE encode of
+   the same image in the same run (median of ``--repeats`` alternated rounds; target about 1).
+5. The label counts' cost in the pass, measured apart: ``LabelCounts.update`` against the
    top-N table's update on the same codes, and the shard read with and without ``meta.json``.
 """
 
@@ -370,7 +376,7 @@ def label_cost(args: argparse.Namespace, work: Path) -> None:
         counts.update(rows, atoms, image, label)
         table_cpu, counts_cpu = table_cpu + middle - start, counts_cpu + time.process_time() - middle
     print(
-        f"4. label counts in the pass: {len(tokens):,} tokens ({len(batches)} batches of {args.batch_size}), "
+        f"5. label counts in the pass: {len(tokens):,} tokens ({len(batches)} batches of {args.batch_size}), "
         f"TopK d_sae {args.d_sae} k {args.k}, {TPI} tokens per image, 1000 labels"
     )
     print(
@@ -393,11 +399,84 @@ def label_cost(args: argparse.Namespace, work: Path) -> None:
     )
 
 
+def explain(args: argparse.Namespace, work: Path) -> None:
+    import json
+
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from feature_extraction.backbones import load_backbone
+    from sae_pipeline.__main__ import main as sae_main
+    from sae_pipeline.artifacts.export import EXPORT_FORMAT
+    from sae_pipeline.features.explain import build_backbone, dense_codes, explain_images, image_records, write_pages
+    from sae_pipeline.sae.config import sae_config
+
+    name = args.explain_backbone
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        backbone = load_backbone(name)
+    spec = backbone.spec
+    record = {
+        "backbone": json.loads(json.dumps(backbone.to_json())),
+        "layer": backbone.layer,
+        "weights": {"pretrained": False, "checkpoint_path": None, "seed": 0},
+        "token_selection": None,
+        "d": spec.d,
+    }
+    sae = make_sae(spec.d, args.explain_d_sae, args.k)
+    sae_dpath = work / "explain_sae"
+    sae_dpath.mkdir()
+    config = {"format": EXPORT_FORMAT, **sae_config(sae), "d_in": sae.d_in, "d_sae": sae.d_sae}
+    (sae_dpath / "config.json").write_text(json.dumps({**config, "data": {"extraction": record}}))
+    save_file({k: v.contiguous() for k, v in sae.state_dict().items()}, str(sae_dpath / "sae.safetensors"))
+    yy, xx = np.mgrid[0:256, 0:256] / 256.0
+    image_fpath = work / "photo.jpg"
+    Image.fromarray((np.stack([xx, yy, xx * yy], -1) * 255).astype(np.uint8)).save(image_fpath, quality=90)
+    start = time.perf_counter()
+    code = sae_main(
+        ["features", "explain", "--sae", str(sae_dpath), "--images", str(image_fpath), "--out", str(work / "ex0")]
+    )
+    command = time.perf_counter() - start
+    assert code == 0
+    backbone = build_backbone(record, None, sae.d_in)
+    records = image_records([str(image_fpath)])
+    summary = {
+        "sae": str(sae_dpath),
+        "site": None,
+        "backbone": name,
+        "layer": backbone.layer,
+        "images": [],
+        "skipped": [],
+    }
+    bare_s, explain_s = [], []
+    with torch.no_grad():
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            with Image.open(image_fpath) as image:
+                pixels = backbone.preprocess(image.convert("RGB"))[None]
+            tokens = backbone(pixels)
+            dense_codes(sae, tokens[0].float())
+            bare_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            result = explain_images(sae, backbone, record, records, 1, "cpu")
+            write_pages(work / f"ex{i + 1}", result, backbone, None, sae, summary)
+            explain_s.append(time.perf_counter() - start)
+            print(f"   round {i + 1}: bare forward + encode {bare_s[-1]:.3f} s, explain's image {explain_s[-1]:.3f} s")
+    bare, ours = statistics.median(bare_s), statistics.median(explain_s)
+    print(
+        f"4. explain of one image: {name} ({spec.n_tokens} tokens of {spec.d}), TopK d_sae {sae.d_sae}, k {sae.k}, CPU"
+    )
+    print(f"   whole command (load SAE, build backbone, one image, its page): {command:.2f} s")
+    print(f"   one image: bare forward + SAE encode {bare:.3f} s (median), explain {ours:.3f} s (median)")
+    print(f"   explain / (bare forward + encode) = {ours / bare:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "site", "labels"])
+    parser.add_argument("--parts", nargs="+", default=["throughput", "memory", "site", "explain", "labels"])
     parser.add_argument("--images", type=int, default=400)
     parser.add_argument("--memory_images", type=int, default=200)
     parser.add_argument("--d", type=int, default=256)
@@ -412,6 +491,8 @@ def main() -> None:
     parser.add_argument(
         "--site_rounds", type=int, default=2, help="builds per side, alternating (at most 2; 0: the label parts only)"
     )
+    parser.add_argument("--explain_backbone", default="vit")
+    parser.add_argument("--explain_d_sae", type=int, default=6144)
     parser.add_argument("--memory-child", dest="memory_child")
     args = parser.parse_args()
     if args.memory_child:
@@ -420,10 +501,12 @@ def main() -> None:
     if args.quick:
         args.images, args.memory_images, args.d_sae, args.repeats = 20, 10, 512, 1
         args.site_d_sae, args.site_images, args.site_labels = 256, 64, 10
+        args.explain_backbone, args.explain_d_sae = "vit_tiny", 512
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        parts = {"throughput": throughput, "memory": memory, "site": site, "explain": explain, "labels": label_cost}
         for part in args.parts:
-            {"throughput": throughput, "memory": memory, "site": site, "labels": label_cost}[part](args, work)
+            parts[part](args, work)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ COMMANDS = {
     ),
     "features": (
         "sae_pipeline.features.cli",
-        "feature browser: top images and heatmaps per atom as a static site (--ckpt_path or --sae, --out DIR)",
+        "feature browser: top images and heatmaps per atom as a static site (--ckpt_path or --sae, --out DIR); "
+        "`features explain`: the atoms of your own images",
     ),
     "evaluate": ("sae_pipeline.evaluate.__main__", "the paper's studies and reports (python -m sae_pipeline.evaluate)"),
 }

@@ -18,11 +18,11 @@ def test_batch_ring_hands_over_and_waits_for_release():
         written.append(rng.standard_normal((3, D)).astype(np.float16))
         out[:3] = written[-1]
     x = ring.take(1, 0, 3)
-    assert x.dtype == torch.float32 and torch.equal(x, torch.from_numpy(written[0]).float())
+    assert x.dtype == torch.float16 and torch.equal(x, torch.from_numpy(written[0]))  # the source dtype
     assert ring.slot(1, 2)[0] == 0  # batch 0 was taken: its slot is free again
     out = ring.slot(1, 2)[1]
     out[:] = 0  # reusing the slot must not change the tensor already taken
-    assert torch.equal(x, torch.from_numpy(written[0]).float())
+    assert torch.equal(x, torch.from_numpy(written[0]))
     ring.close()
     assert ring.slot(1, 4) is None  # slots of batches 2 and 3 not taken: waits, then sees the close
 

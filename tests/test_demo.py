@@ -28,6 +28,19 @@ def test_shard_stage_end_to_end(tmp_path):
     assert [site.relative_to(tmp_path).as_posix() for site in sites] == ["features/demo_shards/index.html"]
     assert len(list((tmp_path / "features" / "demo_shards" / "atoms").glob("*.html"))) == 256  # d_sae of the run
     assert len(list((tmp_path / "features" / "demo_shards" / "thumbs").glob("*.jpg"))) == 14  # each photo once
+    assert len(list((tmp_path / "features" / "demo_shards" / "images").glob("[0-9]*.html"))) == 14  # a page each
+    # fit kept the extraction's backbone record: its export explains new images with no shards at hand
+    from sae_pipeline.__main__ import main
+
+    ckpt = sorted(tmp_path.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
+    assert main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "exported")]) == 0
+    extraction = json.loads((tmp_path / "exported" / "config.json").read_text())["data"]["extraction"]
+    assert extraction["backbone"]["name"] == "vit_tiny" and extraction["weights"]["seed"] is not None
+    (tmp_path / "shards" / "manifest.json").unlink()  # explain needs the export alone
+    site = tmp_path / "features" / "demo_shards"
+    argv = ["features", "explain", "--sae", str(tmp_path / "exported"), "--images", "samples", "--site", str(site)]
+    assert main(argv) == 0
+    assert len(list((site / "explained" / "images").glob("[0-9]*.html"))) == 14
 
 
 def test_unknown_variant_is_one_error_line_naming_the_registered_ones(tmp_path, capsys) -> None:

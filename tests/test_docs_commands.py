@@ -75,6 +75,7 @@ RUN_ELSEWHERE: dict[str, str] = {
     "python -m sae_pipeline --help": "tests/test_docs_commands.py::test_documented_flags_exist",
     "python -m feature_extraction --help": "tests/test_docs_commands.py::test_documented_flags_exist",
     "python -m sae_pipeline features --help": "tests/test_docs_commands.py::test_documented_flags_exist",
+    "python -m sae_pipeline features explain --help": "tests/test_docs_commands.py::test_documented_flags_exist",
     "python -m sae_pipeline.evaluate --help": "tests/test_docs_commands.py::test_documented_flags_exist",
 }
 
@@ -142,6 +143,8 @@ def command_and_flags(command: str) -> tuple[tuple[str, ...], list[str]] | None:
         rest = tokens[index + 1 :]
         if token == "-m" and rest[:1] == ["sae_pipeline"]:
             sub = rest[1:2] if rest[1:2] and not rest[1].startswith("-") else []
+            if sub == ["features"] and rest[2:3] == ["explain"]:
+                sub = rest[1:3]
             return tuple(sub), rest[1 + len(sub) :]
         if token == "-m" and rest[:1] == ["sae_pipeline.evaluate"]:
             sub = rest[1:2] if rest[1:2] and not rest[1].startswith("-") else []

@@ -129,18 +129,53 @@ def test_numbers_match_plain_references(study) -> None:
 
 @pytest.mark.slow
 def test_rerun_reuses_finished_runs(study) -> None:
+    """A study the fixture did not run (probing) over its runs: nothing retrained, earlier studies kept."""
     exports = sorted((study / "models").glob("*/sae.safetensors"))
     mtimes = {p: p.stat().st_mtime_ns for p in exports}
     before = json.loads((study / "results.json").read_text())["runs"]
-    assert main(["coherence", "--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY]) == 0
+    args = ["--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY, "--probe_k", "1", "4"]
+    assert main(["probing", *args]) == 0
     assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
     assert not list((study / "runs").glob("*/version_1"))
     after = json.loads((study / "results.json").read_text())
     assert after["runs"]["topk_p32_k4"]["r2"] == before["topk_p32_k4"]["r2"]
-    assert "expressivity" in after  # earlier studies are kept
+    assert "expressivity" in after and "probing" in after["meta"]["studies"]  # earlier studies are kept
+    assert (study / "figures" / "probing_accuracy_vs_k.png").is_file()
     (study / "report.md").unlink()
     assert main(["report", "--out", str(study)]) == 0
-    assert "## Coherence" in (study / "report.md").read_text()
+    report = (study / "report.md").read_text()
+    assert "## Coherence" in report and "## Sparse probing" in report
+    check_probing_by_hand(study, after["probing"], after["runs"])
+
+
+def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
+    """One task redone by hand: class 3 against the rest on the codes TopK computes, plain selection, sklearn."""
+    from sklearn.datasets import load_digits
+    from sklearn.linear_model import LogisticRegression
+
+    from sae_pipeline.evaluate.probing import balanced_tasks
+
+    assert sorted(probing["variants"]) == ["mpsae", "topk"] and probing["ks"] == [1, 4]
+    assert (probing["n_train_rows"], probing["n_val_rows"]) == (1617, 180)
+    spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    entry = probing["variants"]["topk"]
+    assert entry["run"] == spec.name and entry["r2_val"] == pytest.approx(runs[spec.name]["r2"], abs=1e-6)
+    datamodule, labels = datamodule_for(spec), load_digits().target
+    sae = load_sae(study / "models" / spec.name)
+    codes, targets = {}, {}
+    for split in ("train", "val"):
+        rows = np.sort(datamodule.data_source.split_rows(split, datamodule.val_fraction))
+        with torch.no_grad():
+            z = sae.encode(load_tokens(datamodule, split)).numpy()
+        task_rows, targets[split] = balanced_tasks(labels[rows])[3]
+        codes[split] = z[task_rows]
+    y = targets["train"]
+    difference = np.abs(codes["train"][y == 1].mean(0) - codes["train"][y == 0].mean(0))
+    chosen = np.argsort(-difference, kind="stable")[:4]
+    probe = LogisticRegression(max_iter=1000).fit(codes["train"][:, chosen], y)
+    plain = np.mean(probe.predict(codes["val"][:, chosen]) == targets["val"])
+    assert entry["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)
+    assert 0.5 < probing["raw"]["mean"]["all"] <= 1
 
 
 def test_changed_settings_are_not_finished(tmp_path) -> None:
@@ -257,7 +292,7 @@ def test_unparsable_k_exits_2_with_one_line(tmp_path) -> None:
 @pytest.mark.slow
 def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) -> None:
     shards = tmp_path / "shards"
-    token_shards(shards, [4] * 5, 8)
+    written = token_shards(shards, [4] * 5, 8)
     configs = tmp_path / "configs"
     configs.mkdir()
     for variant, class_name in (("mpsae", "MatchingPursuitSAE"), ("topk", "TopKSAE")):
@@ -268,36 +303,52 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
             "val_fraction: 0.2}\n"
         )
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "coherence",
-                "--data",
-                str(shards),
-                "--out",
-                str(out),
-                "--config_dir",
-                str(configs),
-                "--variants",
-                "mpsae",
-                "topk",
-                "--k",
-                "2",
-                "--k_main",
-                "2",
-                "--p",
-                "16",
-                "--p_main",
-                "16",
-                "--r_max",
-                "4",
-            ]
-        )
-        == 0
-    )
+    args = [
+        "coherence",
+        "--data",
+        str(shards),
+        "--out",
+        str(out),
+        "--config_dir",
+        str(configs),
+        "--variants",
+        "mpsae",
+        "topk",
+        "--k",
+        "2",
+        "--k_main",
+        "2",
+        "--p",
+        "16",
+        "--p_main",
+        "16",
+        "--r_max",
+        "4",
+    ]
+    assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
     for name in ("mpsae_p16_k2", "topk_p16_k2"):  # the configs' own 3 epochs (no --max_steps)
         entry = results["runs"][name]
         assert entry["n_eval_tokens"] == 20  # the one held-out shard: 4 images x 5 tokens
         assert entry["r2"] == pytest.approx(logged_scalar(out / "runs" / name / "version_0", "val/r2"), abs=1e-5)
     assert (out / "figures" / "babel.png").is_file() and "Coherence" in (out / "report.md").read_text()
+    # probing over the same runs: the shards' meta.json labels (the image's index in its shard), tokens mean-pooled
+    assert main(["probing", *args[1:], "--probe_k", "1", "2"]) == 0
+    probing = json.loads((out / "results.json").read_text())["probing"]
+    assert (probing["n_train_rows"], probing["n_val_rows"], probing["tokens_per_image"]) == (16, 4, 5)
+    assert probing["labels"] == [0, 1, 2, 3] and sorted(probing["variants"]) == ["mpsae", "topk"]
+    assert probing["task_rows"]["val"] == {"0": 2, "1": 2, "2": 2, "3": 2}  # one image per class held out
+    from sklearn.linear_model import LogisticRegression
+
+    from sae_pipeline.evaluate.probing import balanced_tasks
+
+    images = {  # the held-out shard is the middle one of five
+        split: [(t.astype(np.float32).mean(0), m["label"]) for i in shards_of for _, t, m in written[i]]
+        for split, shards_of in (("train", (0, 1, 3, 4)), ("val", (2,)))
+    }
+    pooled = {split: np.stack([x for x, _ in found]) for split, found in images.items()}
+    tasks = {split: balanced_tasks(np.array([c for _, c in found]))[0] for split, found in images.items()}
+    (rows, y), (val_rows, val_y) = tasks["train"], tasks["val"]
+    probe = LogisticRegression(max_iter=1000).fit(pooled["train"][rows], y)
+    plain = np.mean(probe.predict(pooled["val"][val_rows]) == val_y)
+    assert probing["raw"]["by_label"]["0"]["all"] == pytest.approx(plain, abs=1e-12)

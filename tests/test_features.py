@@ -161,6 +161,17 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
     check_site_labels(out, codes, load_digits().target, 1)  # pixel data: labels from the source
     assert sorted(p.name for p in (out / "labels").iterdir()) == sorted(f"{d}.html" for d in range(10))
     assert len(list((out / "atoms" / "img").glob("*.png"))) == 40  # pixel data: the atoms drawn
+    # pixel data has image pages too: each shown digit's atoms by value (one token: max = sum), as the pursuit's codes
+    sae = load_sae(tmp_path / "mp")
+    pages = sorted((out / "images").glob("[0-9]*.html"))
+    assert len(pages) >= 10
+    for page in pages[:5]:
+        row = int(page.stem)
+        codes = sae.codes_from_pursuit(*sae.pursuit(x[row : row + 1]))[0].detach()
+        expected = sorted((a for a in range(40) if codes[a] > 0), key=lambda a: (-float(codes[a]), a))
+        assert expected, row
+        section = page.read_text().split('<section class="by-max">', 1)[1].split("</section>", 1)[0]
+        assert [int(a) for a in re.findall(r'href="\.\./atoms/\d+\.html">#(\d+)<', section)] == expected, row
 
 
 def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from features_fixtures import D, identity_sae, write_export, write_shards
 from PIL import Image
+from site_walk import walk_site
 from system_tools import require
 
 from sae_pipeline.__main__ import main
@@ -117,14 +118,10 @@ def test_atom_pages_load_draw_and_link(site, browser, tmp_path) -> None:
     assert page.locator("figure.card .prefix .tok").count() == 5 * 3  # CLS + 2 registers per card
     shot = page.screenshot(path=str(tmp_path / "atom.png"), full_page=True)
     assert non_blank(shot)
-    # every link resolves: neighbours, prev/next, index
+    # links to neighbours, prev/next, index and the images' pages (that they resolve: the site walk below)
     hrefs = page.locator("a").evaluate_all("links => links.map(a => a.href)")
     assert any("/atoms/" in h for h in hrefs) and any(h.endswith("index.html") for h in hrefs)
-    for href in hrefs:
-        other, other_errors = open_page(browser, href)
-        assert other.locator("h1").count() == 1, href
-        assert all_images_loaded(other) == [] and other_errors == [], href
-        other.close()
+    assert any("/images/" in h for h in hrefs)
     assert errors == []
     # the index links every page, and the pages exist
     index, _ = open_page(browser, (site / "index.html").as_uri())
@@ -171,3 +168,13 @@ def test_label_statistics_scatter_filter_and_label_pages(site, browser, tmp_path
         shot = other.screenshot(path=str(tmp_path / f"label{label}.png"), full_page=True)
         assert (tmp_path / f"label{label}.png").stat().st_size > 0 and non_blank(shot) and other_errors == []
         other.close()
+
+
+@pytest.mark.slow
+def test_every_page_of_the_site_renders_with_no_broken_link(site, browser) -> None:
+    """Walk the whole site from its index (any kind of page, following the links the pages and their scripts
+    render): every page renders and screenshots non-blank, every href and src names a file of the site."""
+    report = walk_site(browser, [site / "index.html"])
+    assert set(report) == set(site.resolve().rglob("*.html"))  # no page unreachable from the index
+    assert {"atoms", "images"} <= {page.parent.name for page in report}
+    assert {page: problems for page, problems in report.items() if problems} == {}

@@ -42,6 +42,7 @@ __all__ = [
     "REQUIRED_FIELDS",
     "SHARD_FIELDS",
     "backbone_name",
+    "extraction_record",
     "format_indices",
     "load_manifest",
     "manifest_sha256",
@@ -265,6 +266,35 @@ def backbone_name(manifest: dict) -> str | None:
     backbone = manifest.get("backbone")
     name = backbone.get("name") if isinstance(backbone, dict) else backbone
     return name if isinstance(name, str) and name else None
+
+
+def extraction_record(manifest: dict) -> dict | None:
+    """What turns an image into this manifest's tokens: the backbone record (spec, layer, preprocessing,
+    pretrained flag, checkpoint path), the random weights' seed, and the token selection and layout.
+
+    Kept in checkpoints and exports (their ``data.extraction``) so that ``features explain`` can run
+    the same backbone on new images from the SAE alone. None when the manifest records no backbone
+    that can be rebuilt (shards written by hand or by an older extraction).
+    """
+    backbone = manifest.get("backbone")
+    if not isinstance(backbone, dict) or not backbone.get("library") or "layer" not in manifest:
+        return None
+    extraction = (manifest.get("extra") or {}).get("extraction") or {}
+    weights = extraction.get("weights") or {
+        "pretrained": bool(backbone.get("pretrained")),
+        "checkpoint_path": backbone.get("checkpoint_path"),
+        "seed": None,
+    }
+    return {
+        "backbone": backbone,
+        "layer": int(manifest["layer"]),
+        "weights": weights,
+        "token_selection": manifest.get("token_selection"),
+        "tokens_per_image": manifest.get("tokens_per_image"),
+        "n_prefix_tokens": manifest.get("n_prefix_tokens"),
+        "grid": manifest.get("grid"),
+        "d": manifest.get("d"),
+    }
 
 
 def _no_manifest_advice(shards_dpath: Path) -> str:

@@ -21,8 +21,10 @@ Design choices:
   every epoch.
 - Hand-over from DataLoader workers through a ``BatchRing`` of reused shared-memory slots
   (see there): a worker gathers a batch straight into a slot in the source dtype and the
-  main process converts it to a fresh float32 tensor, the one float16 -> float32
-  conversion per batch. Without workers the stream converts in place.
+  main process copies it out (into pinned memory for a CUDA device). Batches stay in the
+  source dtype (float16 for shards) up to the device: the datamodule converts them there
+  (``ActivationDataModule.on_after_batch_transfer``), so the host moves and the PCIe bus
+  carries half the bytes of float32.
 - Validation/test/predict: the concatenated units are cut into ``world_size`` contiguous
   spans without padding (each token once across ranks; exact R^2 sums), then into worker
   spans that are whole batches except for the rank's last batch.
@@ -94,8 +96,8 @@ class BatchRing:
 
     Why: a tensor returned by a worker is copied into a *new* shared-memory segment for
     every batch (torch's default hand-over); creating and faulting in 12 MB of fresh
-    shared memory per 4096 x 768 float32 batch cost about 13 ms on the 2-core benchmark
-    machine, as much as reading the tokens. Here a worker writes each batch into a fixed
+    shared memory per 4096 x 768 float32 batch (batches were float32 then) cost about
+    13 ms on the 2-core benchmark machine, as much as reading the tokens. Here a worker writes each batch into a fixed
     slot and sends only its place; the main process copies it out (``take``) and releases
     the slot. A worker waits before reusing a slot the main process has not released, so
     correctness does not depend on the DataLoader's prefetch depth; with
@@ -121,8 +123,8 @@ class BatchRing:
         return index % self.n_slots, self.tokens[worker, index % self.n_slots].numpy()
 
     def take(self, worker: int, slot: int, n: int, pin_memory: bool = False) -> torch.Tensor:
-        """Main side: a new float32 tensor from a filled slot; frees the slot for the worker."""
-        x = torch.empty((n, self.tokens.shape[-1]), dtype=torch.float32, pin_memory=pin_memory)
+        """Main side: a new tensor (the source dtype) from a filled slot; frees the slot for the worker."""
+        x = torch.empty((n, self.tokens.shape[-1]), dtype=self.tokens.dtype, pin_memory=pin_memory)
         x.copy_(self.tokens[worker, slot, :n])
         self.released[worker] += 1
         return x
@@ -252,7 +254,7 @@ class TokenStream(IterableDataset):
         """The ``index``-th batch of this worker, ``n`` rows that ``write`` fills into a source-dtype array.
 
         In a DataLoader worker with a ring: ``{"ring": (worker, slot, n)}`` (the loader
-        turns it into ``x``); otherwise ``{"x": float32 tensor}``. None: the loader closed.
+        turns it into ``x``); otherwise ``{"x": tensor in the source dtype}``. None: the loader closed.
         """
         if self.ring is not None and get_worker_info() is not None:
             place = self.ring.slot(worker, index)
@@ -262,7 +264,7 @@ class TokenStream(IterableDataset):
             return {"ring": (worker, place[0], n)}
         out = np.empty((n, self.d), self.dtype)
         write(out)
-        return {"x": torch.from_numpy(out).float()}
+        return {"x": torch.from_numpy(out)}
 
 
 class ShuffledTokenStream(TokenStream):

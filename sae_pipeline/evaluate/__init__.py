@@ -1,12 +1,13 @@
 """The evaluation suite: the paper's controlled experiment over the SAE variants, in one command.
 
-``python -m sae_pipeline.evaluate {expressivity,inference,coherence,concepts,all,report,dictionary}``
+``python -m sae_pipeline.evaluate {expressivity,inference,coherence,concepts,probing,all,report,dictionary,sae}``
 (see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
 
 - :mod:`.runs`: plan the grid of training runs and train / export / resume them through the CLI;
 - :mod:`.studies`: evaluate each exported run and gather the numbers per study (each SAE's numbers and curves:
   :func:`sae_pipeline.metrics.evaluate_sae`, which the training callback logs too);
 - :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;
+- :mod:`.probing`: SAEBench's sparse probing on labelled images, and each run's R² on its training rows;
 - :mod:`.claims`: the paper's claims checked against the numbers;
 - :mod:`.report`: results.json, PNGs, TensorBoard, report.md (the figures: :mod:`sae_pipeline.figures`);
 - :mod:`.external`: load a released MP-SAE dictionary (``.npz``) and evaluate it.

@@ -3,6 +3,7 @@
     python -m sae_pipeline.evaluate all --data digits --out eval_out --max_steps 2000   # every study
     python -m sae_pipeline.evaluate expressivity --data digits --out eval_out --k 5 10 20 40 --p 250 500 1000
     python -m sae_pipeline.evaluate inference --data shards/dinov2 --out eval_dinov2 --k 32 --k_main 32 --p_main 19200
+    python -m sae_pipeline.evaluate probing --data mnist_sample --out eval_out --k 10 --p 1000   # sparse probing
     python -m sae_pipeline.evaluate report --out eval_out            # rebuild report.md from results.json
     python -m sae_pipeline.evaluate dictionary --npz authors --out eval_authors
     python -m sae_pipeline.evaluate sae --sae exported/ --data digits --out eval_sae   # ours or SAELens's
@@ -62,8 +63,9 @@ def build_parser() -> Any:
         commands.add_subcommand(name, sub, help=help)
         return sub
 
-    for name in (*runs.STUDIES, "all"):
-        sub = add(name, "run every study" if name == "all" else f"run the {name} study")
+    for name in (*runs.STUDIES, "probing", "all"):
+        what = {"all": "run every study but probing", "probing": "run the sparse probing study (labelled data)"}
+        sub = add(name, what.get(name, f"run the {name} study"))
         sub.add_argument(
             "--data",
             default="digits",
@@ -127,6 +129,14 @@ def build_parser() -> Any:
         sub.add_argument(
             "--example_index", type=int, default=0, help="validation input of the sequential reconstruction"
         )
+        if name == "probing":
+            sub.add_argument(
+                "--probe_k",
+                nargs="+",
+                type=PositiveInt,
+                default=[1, 2, 5, 20],
+                help="numbers of latents (and of raw dimensions) each probe may use",
+            )
     report = add("report", "rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True, help="a study's output folder")
     dictionary = add("dictionary", "concept figures and Babel of an external MP-SAE (.npz)")
@@ -214,6 +224,10 @@ def run_studies(args: Any) -> Path:
     if min(ps) < 2:
         raise ValueError(f"--p {min(ps)}: a dictionary needs at least 2 atoms")
     runs.check_source(args.data)
+    if "probing" in chosen:
+        from sae_pipeline.evaluate.probing import check_labelled
+
+        check_labelled(args.data)
     config_dpath = runs.find_config_dpath(args.config_dir)
     suffix = runs.config_suffix_for(args.data, args.config_suffix)
     points = [point for study in chosen for point in study_points(study, ks, ps, args.k_main, args.p_main)]
@@ -222,13 +236,14 @@ def run_studies(args: Any) -> Path:
     main_specs = [
         by_point[(v, args.k_main, args.p_main)]
         for v in variants
-        if any(study in ("coherence", "concepts") for study in chosen)
+        if any(study in ("coherence", "concepts", "probing") for study in chosen)
     ]
     out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
 
     n_concepts = len(main_specs) if "concepts" in chosen else 0
-    with tqdm(total=2 * len(specs) + n_concepts + 1, desc="study", unit="step", dynamic_ncols=True) as bar:
+    n_probing = 1 if "probing" in chosen else 0
+    with tqdm(total=2 * len(specs) + n_concepts + n_probing + 1, desc="study", unit="step", dynamic_ncols=True) as bar:
 
         def done(spec: runs.RunSpec, trained: bool) -> None:
             bar.set_postfix_str(f"{'trained' if trained else 'reused'} {spec.name}")
@@ -258,6 +273,12 @@ def run_studies(args: Any) -> Path:
                 image_shape = stats[spec.variant].pop("image_shape")
                 bar.update()
             results["concepts"] = {"k": args.k_main, "p": args.p_main, "image_shape": image_shape, "variants": stats}
+        if "probing" in chosen:
+            from sae_pipeline.evaluate.probing import probing_study
+
+            bar.set_postfix_str("sparse probing")
+            results["probing"] = probing_study(main_specs, out_dpath, sorted(set(args.probe_k)))
+            bar.update()
         if "mpsae" in variants and any(study in ("coherence", "concepts") for study in chosen):
             bar.set_postfix_str("the authors' MNIST dictionary")
             reference = studies.reference_dictionary(

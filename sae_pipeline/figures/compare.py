@@ -142,3 +142,22 @@ def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape:
         )
     fig.suptitle("Sequential reconstruction, atom by atom (shallow SAEs: atoms ordered by value)", fontsize=9)
     return fig
+
+
+def probing_accuracy_figure(
+    variants: Mapping[str, dict], raw: dict, reference: tuple[str, dict] | None = None
+) -> Figure:
+    """Sparse-probing accuracy (mean over one-vs-rest classes) against the number of latents k, per variant;
+    the raw inputs' k best dimensions dashed and all of them as a horizontal line (the references)."""
+    fig, ax = single_axes()
+    ks = raw["ks"]
+    for variant, entry in variants.items():
+        ax.plot(ks, [entry["mean"][str(k)] for k in ks], marker="o", markersize=4, label=_label(variant))
+    if reference is not None:
+        label, entry = reference
+        ax.plot(ks, [entry["mean"][str(k)] for k in ks], marker="s", markersize=4, linestyle=":", label=label)
+    ax.plot(ks, [raw["mean"][str(k)] for k in ks], color="black", linestyle="--", label="raw inputs, top-k dims")
+    ax.axhline(raw["mean"]["all"], color="grey", linewidth=1, label="raw inputs, all dims")
+    log2_axis(ax, ks)
+    finish(ax, "k (latents the probe may use)", "held-out accuracy", "Sparse probing (one-vs-rest)", 7)
+    return fig

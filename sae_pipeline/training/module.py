@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import sae_pipeline
-from feature_extraction.shards import manifest_sha256
+from feature_extraction.shards import extraction_record, manifest_sha256
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SparseAutoencoder
@@ -186,6 +186,8 @@ class SAEModule(L.LightningModule):
             "source": str(getattr(datamodule, "source", None)),
             "d_in": d_in,
             "manifest_sha256": manifest_sha256(manifest) if manifest else None,
+            # the backbone behind the tokens, so that an export can run it on new images (features explain)
+            "extraction": extraction_record(manifest) if manifest else None,
         }
         if bool(self.initialized_from_data):
             return
