@@ -102,6 +102,9 @@ def test_mnist_sample_is_mlxtends_digits_with_a_fixed_split_holding_every_class(
     assert val.min() == 0 and val.max() == 1
     train_all = images[np.sort(dm.data_source.split_rows("train", 0.1))] / 255
     np.testing.assert_allclose(dm.stats["mean_sq_norm"], (train_all**2).sum(1).mean(), rtol=1e-6)
+    # predict batches carry each row's class label (the feature browser's label statistics)
+    batch = next(iter(TokenLoader(dm.predict_dataset())))
+    assert batch["labels"].tolist() == labels[batch["token_index"].numpy()].tolist()
 
 
 def test_mnist_sample_without_the_extra_names_it(monkeypatch):
