@@ -7,6 +7,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +161,53 @@ def test_shipped_group_config_parses(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert cli.group and list(cli.model.members) == ["topk_k10", "mpsae_k10", "relu"]
     assert {member.sae.d_in for member in cli.model.members.values()} == {64}  # from the data
     assert cli.model.clipping["relu"] == (1.0, "norm") and cli.model.clipping["topk_k10"][0] is None
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_ddp_rank_saves_the_group_and_the_run_resumes(tmp_path: Path) -> None:
+    """DDP (2 CPU ranks, gloo): SIGTERM to rank 1 stops both ranks at one step with the group's checkpoint
+    (exit 143); ``--ckpt_path last`` then finishes every member at max_steps."""
+    from tests.test_interrupts import ENV, child_pids, finish, saved_step
+
+    max_steps = 30
+    members = {name: {**entry, "sae": {**entry["sae"]}} for name, entry in MEMBERS.items()}
+    members["topk"]["sae"]["init_args"] = {"d_sae": 1500, "k": 4}  # a step of tens of ms: the signal lands mid-run
+    config = str(write_config(tmp_path, members))
+    args = ["fit", "--config", config, "--trainer.max_steps", str(max_steps), "--trainer.max_epochs", "-1"]
+    args += ["--trainer.check_val_every_n_epoch", "1000", "--checkpoint.every_n_train_steps", "2", *QUIET]
+    ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sae_pipeline", *args, *ddp],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob("runs/pair/version_0/checkpoints/*.ckpt")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    (rank1,) = child_pids(process.pid)
+    os.kill(rank1, signal.SIGTERM)
+    status, _, err = finish(process)
+    assert status == 143, err[-3000:]
+    last = "runs/pair/version_0/checkpoints/last.ckpt"
+    step = saved_step(err, "SIGTERM", last)
+    assert 2 <= step < max_steps and torch.load(tmp_path / last, weights_only=True)["global_step"] == step
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "sae_pipeline", *args, "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Final checkpoint of topk (global step {max_steps})" in resumed.stdout
+    final = torch.load(tmp_path / "runs/pair/version_1/checkpoints/last.ckpt", weights_only=True)
+    adam_steps = {int(state["step"]) for state in final["optimizer_states"][0]["state"].values()}
+    assert adam_steps == {max_steps}  # every member's optimiser state continued rather than restarting
