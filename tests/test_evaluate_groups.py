@@ -41,3 +41,12 @@ def test_grouped_runs_equal_the_runs_alone(tmp_path: Path, monkeypatch: pytest.M
     assert {p: p.stat().st_mtime_ns for p in (grouped / "models").rglob("*")} == mtimes
     record = json.loads((grouped / "models" / specs[0].name / "study_run.json").read_text())
     assert record["group"] == group and record["settings"] == specs[0].settings()
+
+    # A group whose exports are gone (an interruption before them) continues from its checkpoint, not from scratch.
+    for spec in specs:
+        (grouped / "models" / spec.name / "study_run.json").unlink()
+    assert ensure_runs(specs, grouped) == specs
+    record = json.loads((grouped / "models" / specs[0].name / "study_run.json").read_text())
+    assert f"--ckpt_path {grouped / 'runs' / group / 'checkpoints' / 'last.ckpt'}" in record["command"]
+    assert sorted(p.name for p in (grouped / "runs" / group).glob("version_*")) == ["version_0"]
+    assert logged_metrics(specs[0], grouped) == logged_metrics(specs[0], alone)
