@@ -229,7 +229,7 @@ class SAEGroupModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         logging = lightning_compat.should_update_logs(self.trainer)
         total: Tensor | None = None
-        lrs = self._member_lrs()
+        lrs = self._member_lrs() if logging else {}
         for name, member in self.named_members():
             x, output, losses = member.step_loss(batch)
             if logging:
