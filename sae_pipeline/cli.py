@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
 from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
-from sae_pipeline.cli_args import check_config_files, config_files, normalize_args
+from sae_pipeline.cli_args import check_config_files, config_files, names_group, normalize_args
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 from sae_pipeline.training import lightning_compat
@@ -60,6 +60,7 @@ from sae_pipeline.training.ckpt_config import (
     sae_namespace,
     sets_sae_class,
 )
+from sae_pipeline.training.group import SAEGroupModule
 from sae_pipeline.training.interrupts import Interrupts
 from sae_pipeline.training.module import SAEModule
 from sae_pipeline.training.predict import CodesPredictionWriter
@@ -97,7 +98,8 @@ class FitConfigSaver(SaveConfigCallback):
 class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     """LightningCLI for :class:`SAEModule` + :class:`ActivationDataModule` (see the module docstring)."""
 
-    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+    def __init__(self, args: Any = None, run: bool = True, group: bool = False, **kwargs: Any) -> None:
+        self.group = group  # model is SAEGroupModule (cli_args.names_group), else SAEModule
         self.run_dpath: Path | None = None
         self._prepared = False
         self._ckpt_d_in: int | None = None
@@ -110,7 +112,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
         super().__init__(
-            SAEModule,
+            SAEGroupModule if group else SAEModule,
             ActivationDataModule,
             args=args,
             run=run,
@@ -120,7 +122,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.d_in", "model.sae.init_args.d_in", apply_on="instantiate")
+        target = "model.d_in" if self.group else "model.sae.init_args.d_in"
+        parser.link_arguments("data.d_in", target, apply_on="instantiate")
         parser.add_lightning_class_args(SAECheckpoint, "checkpoint")
         # enable_version_counter false: last.ckpt is overwritten, never joined by a stale last-v1.ckpt.
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
@@ -146,7 +149,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         if (
             explicit is not None
             and explicit.get("ckpt_path")
-            and explicit.get("model.sae") is None
+            and explicit.get(self._model_key) is None
             and not isinstance(args, (dict, Namespace))
         ):
             self.config = parser.parse_args(args, _skip_validation=True)
@@ -165,16 +168,21 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._check_outputs(config, subcommand)
         self._check_ckpt_path(config, subcommand)
         requeued = hpc_checkpoints(config.trainer.default_root_dir) if config.trainer.get("default_root_dir") else []
-        if subcommand and config.get("model.sae") is None and not config.get("ckpt_path") and requeued:
+        if subcommand and config.get(self._model_key) is None and not config.get("ckpt_path") and requeued:
             # A requeued SLURM job that was started with --ckpt_path and no model.sae: _follow_slurm_job dropped
             # --ckpt_path for the job's own hpc checkpoint, which holds the same model; Lightning merges the
             # hyper-parameters of --ckpt_path only, so they are taken here.
             checkpoint = read_checkpoint(requeued[-1], need=CKPT_NEEDS, for_fit=True, last=True, mmap=True)
             self._check_model_config(config, subcommand, str(requeued[-1]), checkpoint)
             for key, value in (checkpoint.get("hyper_parameters") or {}).items():
-                if key != "sae" and not key.startswith("_") and key in config.model:
+                if key not in ("sae", "members") and not key.startswith("_") and key in config.model:
                     config.model[key] = value
         return self._ckpt_hyper_parameters
+
+    @property
+    def _model_key(self) -> str:
+        """The config key naming what is trained: the SAE, or a group's members."""
+        return "model.members" if self.group else "model.sae"
 
     def before_instantiate_classes(self) -> None:
         self.prepare_ckpt_path()  # already done unless this Lightning has no _parse_ckpt_path
@@ -270,6 +278,9 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         checkpoint's, said in one line (:mod:`sae_pipeline.training.ckpt_config`)."""
         explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
         explicit_model = explicit.get("model") if explicit is not None else None
+        if self.group or "sae_group" in checkpoint:
+            check_group_against_checkpoint(ckpt_path, checkpoint, config.get("model"), self.group)
+            return
         check_against_checkpoint(ckpt_path, checkpoint, config.get("model"), explicit_model)
         if explicit is None or sets_sae_class(explicit_model):
             return
@@ -288,6 +299,12 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def after_instantiate_classes(self) -> None:
         """The checkpoint's SAE must take the data's width (the model's d_in is linked from the data)."""
         d_in = getattr(self.datamodule, "d_in", None)
+        trainer_config = (self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {}
+        if self.group and trainer_config.get("gradient_clip_val") is not None:
+            raise ValueError(
+                "--trainer.gradient_clip_val clips the norm of every SAE of a group together; clip each by its own "
+                "norm with model.gradient_clip_val (every member) or model.members.NAME.gradient_clip_val"
+            )
         if self._ckpt_d_in is not None and d_in is not None and d_in != self._ckpt_d_in:
             subcommand = self.subcommand or ""
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -321,7 +338,14 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
         resumed = self.config[self.subcommand].get("ckpt_path") if self.subcommand else None
         done = already_done(trainer)
-        if ckpt:
+        if ckpt and self.group:
+            for name in self.model.members:
+                print(
+                    f"Final checkpoint of {name} (global step {trainer.global_step}): {ckpt} "
+                    f"(export --ckpt_path {ckpt} --name {name})",
+                    flush=True,
+                )
+        elif ckpt:
             print(f"Final checkpoint (global step {trainer.global_step}): {ckpt}", flush=True)
         elif resumed and done:
             print(f"Nothing to train: {resumed} is already at {done}; raise it to train further", flush=True)
@@ -332,8 +356,31 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             )
         # the logger's own log_dir: Trainer.log_dir broadcasts, which hangs or fails on rank 0 alone
         log_dir = getattr(trainer.logger, "log_dir", None)
-        if log_dir:
+        if log_dir and self.group:
+            print(f"TensorBoard runs: {log_dir}/<member>/   (tensorboard --logdir {log_dir})", flush=True)
+        elif log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+
+
+def check_group_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: Any, group: bool) -> None:
+    """A group's checkpoint goes with a group config holding the same members (their settings come from the
+    checkpoint, as a single run's do); a single SAE's checkpoint with a single SAE's config."""
+    saved = checkpoint.get("sae_group")
+    if not group:
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: holds a group of SAEs ({', '.join(saved or {})}), the config one SAE; "
+            "pass the group's config, or export one member with: export --ckpt_path FILE --name NAME"
+        )
+    if saved is None:
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: holds one SAE, the config a group (model.members); pass that SAE's config"
+        )
+    members = model.get("members") if model is not None else None
+    if members and set(members) != set(saved):
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: its group holds {', '.join(saved)}, the config names {', '.join(members)}; "
+            "pass the config it was trained with (a group cannot gain or lose members when resumed)"
+        )
 
 
 def already_done(trainer: Any) -> str | None:
@@ -360,10 +407,13 @@ def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:
 
 def cli_main(args: Any = None, run: bool = True) -> SAECLI:
     """Entry point of ``python -m sae_pipeline`` (also used by tests with ``args=[...]``)."""
+    group = False
     if args is None:
         sys.argv[1:] = normalize_args(sys.argv[1:])
         check_config_files(sys.argv[1:])
+        group = names_group(sys.argv[1:])
     elif isinstance(args, (list, tuple)):
         args = normalize_args(list(args))
         check_config_files(args)
-    return SAECLI(args=args, run=run)
+        group = names_group(args)
+    return SAECLI(args=args, run=run, group=group)

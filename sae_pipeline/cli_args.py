@@ -61,3 +61,67 @@ def check_config_files(args: list[str]) -> None:
             raise ValueError(f"config file {name}: not a text (YAML) file; pass a .yaml config") from None
         if isinstance(loaded, dict):
             check_includes(fpath)  # the pieces it names (configs/vision/, configs/data/)
+
+
+def names_group(args: list[str]) -> bool:
+    """Whether the command trains or uses a group of SAEs (:mod:`sae_pipeline.training.group`): a ``--config``
+    file (or a piece it includes) whose ``model`` holds ``members``, a ``--model.members*`` flag, or a
+    ``--ckpt_path FILE`` written by a group. LightningCLI takes one model class, chosen before parsing."""
+    if any(arg.startswith("--model.members") for arg in args):
+        return True
+    if any(_config_names_group(Path(name), set()) for name in config_files(args)):
+        return True
+    return any(_checkpoint_is_group(Path(name)) for name in config_files(args, "--ckpt_path"))
+
+
+def _config_names_group(fpath: Path, seen: set[Path]) -> bool:
+    """Whether ``fpath`` or a piece it includes gives ``model.members``; a name given twice there is a one-line
+    ValueError (YAML keeps the last of two equal keys, so one SAE would silently be lost)."""
+    if fpath in seen or not fpath.is_file():
+        return False
+    seen.add(fpath)
+    try:
+        root = yaml.compose(fpath.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+        return False  # check_config_files says what is wrong
+    if not isinstance(root, yaml.MappingNode):
+        return False
+    model = _mapping_value(root, "model")
+    members = _mapping_value(model, "members") if isinstance(model, yaml.MappingNode) else None
+    if members is not None:
+        names: set[str] = set()
+        for key, _ in members.value if isinstance(members, yaml.MappingNode) else []:
+            if key.value in names:
+                raise ValueError(
+                    f"config file {fpath}: model.members names {key.value!r} twice (line {key.start_mark.line + 1}); "
+                    "give each SAE its own name"
+                )
+            names.add(key.value)
+        return True
+    includes = _mapping_value(root, "config")
+    if isinstance(includes, yaml.ScalarNode):
+        pieces = [includes.value]
+    elif isinstance(includes, yaml.SequenceNode):
+        pieces = [node.value for node in includes.value if isinstance(node, yaml.ScalarNode)]
+    else:
+        pieces = []
+    return any(_config_names_group(fpath.parent / str(name), seen) for name in pieces)
+
+
+def _mapping_value(node: yaml.MappingNode, key: str) -> yaml.Node | None:
+    for key_node, value_node in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+            return value_node
+    return None
+
+
+def _checkpoint_is_group(fpath: Path) -> bool:
+    if not fpath.is_file():
+        return False  # `last`, or a path the checkpoint reader names as missing
+    import torch
+
+    try:
+        checkpoint = torch.load(fpath, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 -- the checkpoint reader says what is wrong with it
+        return False
+    return isinstance(checkpoint, dict) and "sae_group" in checkpoint

@@ -63,6 +63,18 @@ TINY: dict[str, list[str]] = {
         "0",
         "1",
     ],
+    "python -m sae_pipeline fit --config configs/group_digits.yaml": FIT_TINY,
+    "python -m sae_pipeline export --ckpt_path runs/group_digits/version_0/checkpoints/last.ckpt "
+    "--out exported_group": [],
+    "python -m sae_pipeline export --ckpt_path runs/group_digits/version_0/checkpoints/last.ckpt "
+    "--out exported_relu --name relu": [],
+    "python -m sae_pipeline features --config configs/group_digits.yaml --ckpt_path last --name relu --out site_relu": [
+        "--top",
+        "2",
+        "--atoms",
+        "0",
+        "1",
+    ],
     "python -m sae_pipeline.evaluate dictionary --npz authors --data mnist_sample --out eval_authors": [
         "--max_tokens",
         "300",

@@ -99,7 +99,9 @@ def test_all_studies_write_their_files(study) -> None:
 def test_results_agree_with_what_training_logged(study) -> None:
     results = json.loads((study / "results.json").read_text())
     for name, entry in results["runs"].items():
-        run_dpath = study / "runs" / name / "version_0"
+        record = json.loads((study / "models" / name / "study_run.json").read_text())
+        run_dpath = Path(record["log_dpath"])  # the runs share data and steps: one group, a TensorBoard run each
+        assert record["group"] and run_dpath.parent.parent.name == record["group"]
         assert entry["r2"] == pytest.approx(logged_scalar(run_dpath, "val/r2"), abs=1e-5)
         assert entry["l0"] == pytest.approx(logged_scalar(run_dpath, "val/l0"), abs=1e-5)
         assert entry["logged"]["val/r2"]["step"] == 19  # validated once, after the last (20th) step
@@ -232,7 +234,8 @@ def test_concepts_cover_every_variant(tmp_path) -> None:
         assert (out / "figures" / f"atoms_{variant}_by_mean.png").is_file()
         assert len(stats["frequency"]) == 32 and stats["n_tokens"] == 1797  # the whole digits set
         run = results["runs"][stats["run"]]
-        assert run["r2"] == pytest.approx(logged_scalar(out / "runs" / stats["run"] / "version_0", "val/r2"), abs=1e-5)
+        record = json.loads((out / "models" / stats["run"] / "study_run.json").read_text())
+        assert run["r2"] == pytest.approx(logged_scalar(record["log_dpath"], "val/r2"), abs=1e-5)  # its group member
     assert results["concepts"]["variants"]["relu"]["sequence"]["order"]  # ReLU's active atoms, by value
 
 
@@ -330,7 +333,8 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
     for name in ("mpsae_p16_k2", "topk_p16_k2"):  # the configs' own 3 epochs (no --max_steps)
         entry = results["runs"][name]
         assert entry["n_eval_tokens"] == 20  # the one held-out shard: 4 images x 5 tokens
-        assert entry["r2"] == pytest.approx(logged_scalar(out / "runs" / name / "version_0", "val/r2"), abs=1e-5)
+        record = json.loads((out / "models" / name / "study_run.json").read_text())  # trained as one group
+        assert entry["r2"] == pytest.approx(logged_scalar(record["log_dpath"], "val/r2"), abs=1e-5)
     assert (out / "figures" / "babel.png").is_file() and "Coherence" in (out / "report.md").read_text()
     # probing over the same runs: the shards' meta.json labels (the image's index in its shard), tokens mean-pooled
     assert main(["probing", *args[1:], "--probe_k", "1", "2"]) == 0

@@ -43,13 +43,15 @@ __all__ = [
     "checkpoint_d_in",
     "checkpoint_input_scale",
     "current_class_path",
+    "member_names",
     "read_checkpoint",
     "sae_from_checkpoint",
+    "select_member",
 ]
 
 FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
-REQUIRED_KEYS = ("state_dict", "sae_config")  # what every reader needs
-CONFIG_KEYS = ("sae_config", "hyper_parameters", "datamodule_hyper_parameters")  # where class paths are saved
+REQUIRED_KEYS = ("state_dict",)  # what every reader needs, and "sae_config" (one SAE) or "sae_group" (a group)
+CONFIG_KEYS = ("sae_config", "sae_group", "hyper_parameters", "datamodule_hyper_parameters")  # class paths
 HINT = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt, which fit prints)"
 LAST_HINT = f"{HINT} or `last` for the newest"
 
@@ -91,13 +93,15 @@ def read_checkpoint(
     last: bool = False,
     mmap: bool = False,
     map_location: Any = "cpu",
+    name: str | None = None,
 ) -> dict[str, Any]:
     """The checkpoint in ``fpath``, checked: an ``SAEModule`` checkpoint holding ``need`` too (and a
     training state when ``for_fit``), whose saved configs name only classes that load without
     importing what the file chose (class paths of moved modules rewritten to their new path).
 
     ``flag`` and ``last`` (the command also takes ``last``) only shape the messages; ``mmap`` maps the
-    tensors instead of reading them (cheap for a check that drops them).
+    tensors instead of reading them (cheap for a check that drops them). ``name`` picks one member of a
+    group's checkpoint (:func:`select_member`), which then reads as a single SAE's.
     """
     fpath = Path(fpath)
     hint = LAST_HINT if last else HINT
@@ -112,7 +116,11 @@ def read_checkpoint(
             f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
             f"{type(exn).__name__}); {hint}"
         ) from None
+    if isinstance(checkpoint, dict) and (name is not None or "sae_group" in checkpoint and "input_scale" in need):
+        checkpoint = select_member(checkpoint, name, f"{flag} {fpath}")
     missing = [key for key in (*REQUIRED_KEYS, *need) if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if isinstance(checkpoint, dict) and "sae_config" not in checkpoint and "sae_group" not in checkpoint:
+        missing.append("sae_config")
     if missing:
         raise CheckpointError(
             f"{flag} {fpath}: not an SAE checkpoint of this package (no {', '.join(missing)}); {hint}"
@@ -129,6 +137,35 @@ def read_checkpoint(
             "without --ckpt_path, or use this file with validate, predict or export"
         )
     return checkpoint
+
+
+def member_names(checkpoint: dict[str, Any]) -> list[str]:
+    """The members of a group's checkpoint, in training order ([] for a single SAE's)."""
+    group = checkpoint.get("sae_group")
+    return list(group) if isinstance(group, dict) else []
+
+
+def select_member(checkpoint: dict[str, Any], name: str | None, where: str) -> dict[str, Any]:
+    """One member of a group's checkpoint (:mod:`sae_pipeline.training.group`), shaped as a single SAE's:
+    its weights without the ``members.<name>.`` prefix, its ``sae_config``, ``input_scale`` and
+    ``hyper_parameters``, the group's training progress and data."""
+    names = member_names(checkpoint)
+    if not names:
+        raise CheckpointError(f"{where}: holds one SAE, not a group; drop --name {name}")
+    if name is None or name not in names:
+        said = "holds a group of SAEs" if name is None else f"has no member {name!r}"
+        raise CheckpointError(f"{where}: {said} ({', '.join(names)}); pass --name with one of them")
+    entry = checkpoint["sae_group"][name]
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: member {name!r} is not described (damaged); pass another checkpoint")
+    prefix = f"members.{name}."
+    state = checkpoint.get("state_dict")
+    state = state if isinstance(state, dict) else {}
+    member = {key: value for key, value in checkpoint.items() if key not in ("sae_group", "state_dict")}
+    member.update({key: entry[key] for key in ("sae_config", "input_scale", "hyper_parameters") if key in entry})
+    member["state_dict"] = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    member["member"] = name
+    return member
 
 
 def current_class_path(class_path: str) -> str:

@@ -12,7 +12,8 @@ divided by ``s``. Its codes are in raw units, i.e. the trained codes divided by 
 The SAE's config (``{"class_path", "init_args"}``) is read and built by
 :mod:`sae_pipeline.sae.config`, which the training module uses too.
 
-Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens]``
+Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens] [--name NAME]``
+(``--name``: one member of a group's checkpoint; without it a group exports every member into ``DIR/NAME``)
 (SAELens's format: :mod:`sae_pipeline.artifacts.saelens`). Both files are replaced together or not at all
 (:mod:`sae_pipeline.artifacts.export_files`, which also keeps one SAE per export folder): a full disk
 ends with one ``no space left on device`` line (exit 1) and leaves a previous export in ``--out``
@@ -39,7 +40,12 @@ import sae_pipeline
 from feature_extraction.exit_status import run_cli
 from feature_extraction.file_hashes import file_sha256
 from sae_pipeline.artifacts import saelens
-from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_checkpoint, sae_from_checkpoint
+from sae_pipeline.artifacts.checkpoint import (
+    checkpoint_input_scale,
+    member_names,
+    read_checkpoint,
+    sae_from_checkpoint,
+)
 from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME, write_export_files
 from sae_pipeline.sae import SparseAutoencoder, variant_key
 from sae_pipeline.sae.config import ExportError, build_sae, sae_config
@@ -49,16 +55,16 @@ __all__ = ["EXPORT_FORMAT", "ExportError", "build_parser", "check_export", "expo
 EXPORT_FORMAT = "sae_pipeline.export/1"  # the format's name (see the module docstring)
 
 
-def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
+def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str | None = None) -> Path:
     """Write ``sae.safetensors`` and ``config.json`` for a checkpoint into ``out_dpath``; return it.
 
     The input scale is folded into the weights (``input_scale_folded`` in the config), so the
     exported SAE takes raw activations. ``config.json`` also records the variant, sizes, the
     module's hyper-parameters, the data (source, manifest sha256 for shard data), the
-    training progress and the package version.
+    training progress and the package version. ``name`` picks a member of a group's checkpoint.
     """
     ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
-    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",))
+    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint)
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
@@ -82,6 +88,7 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str) -> Path:
         "global_step": checkpoint.get("global_step"),
         "epoch": checkpoint.get("epoch"),
         "checkpoint": str(ckpt_fpath.resolve()),
+        **({"group_member": name} if name is not None else {}),
         "package_version": sae_pipeline.__version__,
         "trained_with_package_version": checkpoint.get("sae_pipeline_version"),
     }
@@ -183,6 +190,12 @@ def build_parser() -> Any:
     )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument(
+        "--name",
+        default=None,
+        help="a group's checkpoint (fit of model.members): the member to export into --out; "
+        "without it every member is exported, each into --out/NAME",
+    )
+    parser.add_argument(
         "--format",
         choices=("native", "saelens"),
         default="native",
@@ -199,14 +212,19 @@ def build_parser() -> Any:
 
 
 def run(args: Any) -> None:
-    """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are."""
-    if args.format == "saelens":
-        out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, args.out, probe=args.probe)
-        files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
-    else:
-        out_dpath = export_checkpoint(args.ckpt_path, args.out)
-        files = (WEIGHTS_FNAME, CONFIG_FNAME)
-    print(f"exported {args.ckpt_path} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+    """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are; a group's
+    checkpoint without ``--name``: every member, into ``args.out/NAME``."""
+    names = [args.name] if args.name is not None else member_names(read_checkpoint(args.ckpt_path, mmap=True))
+    for name in names or [None]:
+        out = Path(args.out) / name if name is not None and args.name is None else Path(args.out)
+        if args.format == "saelens":
+            out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
+            files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+        else:
+            out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
+            files = (WEIGHTS_FNAME, CONFIG_FNAME)
+        what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
+        print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -244,14 +244,18 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
 
 
 def export_checkpoint_saelens(
-    ckpt_fpath: Path | str, out_dpath: Path | str, probe: str | None = None, n_probe_tokens: int = DEFAULT_PROBE_TOKENS
+    ckpt_fpath: Path | str,
+    out_dpath: Path | str,
+    probe: str | None = None,
+    n_probe_tokens: int = DEFAULT_PROBE_TOKENS,
+    name: str | None = None,
 ) -> Path:
     """``export --format saelens``: fold the input scale, check MP-SAE's agreement, write SAELens's format.
 
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
     """
     refuse_other_export(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
-    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",))
+    checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint).eval()
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)

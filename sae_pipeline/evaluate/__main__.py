@@ -110,6 +110,13 @@ def build_parser() -> Any:
             default=1,
             help="training runs side by side (subprocesses when > 1; default 1: in-process)",
         )
+        sub.add_argument(
+            "--group_runs",
+            type=bool,
+            default=True,
+            help="train the runs that share data and steps as one group (one pass over the data for all; "
+            "each run as it would train alone); false: one fit per run",
+        )
         sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
         sub.add_argument(
             "--config_suffix",
@@ -249,7 +256,7 @@ def run_studies(args: Any) -> Path:
             bar.set_postfix_str(f"{'trained' if trained else 'reused'} {spec.name}")
             bar.update()
 
-        runs.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done)
+        runs.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done, group=args.group_runs)
         entries = dict(results.get("runs", {}))
         for spec in specs:
             bar.set_postfix_str(f"evaluating {spec.name}")

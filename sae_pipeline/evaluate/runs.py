@@ -3,7 +3,11 @@
 Every run is ``python -m sae_pipeline fit --config <config_dir>/<variant>_<suffix>.yaml`` with
 flags that override the dictionary size p, the sparsity k, the data source and the run length
 (``configs/<variant>_digits.yaml`` for the bundled digits, a backbone's configs for shards),
-so the study measures exactly what a user's ``fit`` would train. One job runs the CLI
+so the study measures exactly what a user's ``fit`` would train. Runs that share data and steps
+(every config section but the model, the source, the run length) train as one group
+(:func:`train_group`, ``fit`` of ``model.members``: one pass over the data for all of them; each member
+equals the run trained alone, :mod:`sae_pipeline.training.group`) under ``runs/group_<hash>/``, and each
+is exported and recorded as its own run; ``--group_runs false`` trains one ``fit`` per run. One job runs the CLI
 in-process (:func:`sae_pipeline.cli.cli_main`, no interpreter start-up per run); ``jobs > 1``
 runs that many ``python -m sae_pipeline fit`` subprocesses side by side.
 
@@ -30,6 +34,7 @@ and flag errors answer without torch).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -79,22 +84,36 @@ class RunSpec:
 
     def fit_args(self, out_dpath: Path) -> list[str]:
         """The ``fit`` command line (without ``python -m sae_pipeline``)."""
+        args = ["fit", "--config", self.config_fpath, "--data.source", self.source]
+        args += ["--model.sae.init_args.d_sae", str(self.p), *sparsity_args(self.variant, self.k, self.source)]
+        return args + self.run_args(out_dpath, self.name)
+
+    def member(self) -> dict:
+        """This run as a member of a group (``model.members.<name>``, :mod:`sae_pipeline.training.group`):
+        its config's model section with p and the sparsity of k set, as :meth:`fit_args` sets them."""
+        from sae_pipeline.sae import SAE_REGISTRY
+
+        model = dict(self.config().get("model") or {})
+        sae = dict(model.pop("sae"))
+        init_args = {**(sae.get("init_args") or {}), "d_sae": self.p}
+        init_args.update(SAE_REGISTRY[self.variant].sparsity_init_args(self.k, self.source))
+        return {"sae": {"class_path": sae["class_path"], "init_args": init_args}, **model}
+
+    def shared(self) -> str:
+        """What runs must share to train as one group: data, steps and every config section but the model."""
+        config = {key: value for key, value in self.config().items() if key != "model"}
+        return json.dumps([self.source, self.data_dpath, self.max_steps, config], sort_keys=True, default=str)
+
+    def run_args(self, out_dpath: Path, name: str) -> list[str]:
+        """The flags of a run named ``name`` (one run, or a group): where it writes, data, length, validation."""
         runs_dpath = Path(out_dpath) / "runs"
         args = [
-            "fit",
-            "--config",
-            self.config_fpath,
-            "--data.source",
-            self.source,
-            "--model.sae.init_args.d_sae",
-            str(self.p),
-            *sparsity_args(self.variant, self.k, self.source),
             "--trainer.logger.init_args.save_dir",
             str(runs_dpath),
             "--trainer.logger.init_args.name",
-            self.name,
+            name,
             "--checkpoint.dirpath",
-            str(runs_dpath / self.name / "checkpoints"),
+            str(runs_dpath / name / "checkpoints"),
             "--trainer.enable_progress_bar",
             "false",
             "--trainer.enable_model_summary",
@@ -239,7 +258,15 @@ def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
 
 def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:
     """The run's TensorBoard folder: the one version folder of a fresh run (``version_0``, or
-    ``slurm-<job id>`` when trained inside a SLURM job, see :mod:`sae_pipeline.cli`)."""
+    ``slurm-<job id>`` when trained inside a SLURM job, see :mod:`sae_pipeline.cli`); for a run trained
+    in a group, its member folder ``runs/<group>/<version>/<name>``."""
+    try:
+        record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
+    except (OSError, ValueError):
+        record = {}
+    if isinstance(record, dict) and record.get("group"):
+        member_dpath = Path(out_dpath) / "runs" / str(record["group"]) / Path(str(record["log_dpath"])).parent.name
+        return member_dpath / spec.name
     run_dpath = Path(out_dpath) / "runs" / spec.name
     versions = sorted(d for d in run_dpath.glob("*") if d.is_dir() and any(d.glob("events.out.tfevents*")))
     if not versions:
@@ -251,11 +278,17 @@ def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:
 
 
 def ensure_runs(
-    specs: list[RunSpec], out_dpath: Path, jobs: int = 1, on_done: Callable[[RunSpec, bool], None] | None = None
+    specs: list[RunSpec],
+    out_dpath: Path,
+    jobs: int = 1,
+    on_done: Callable[[RunSpec, bool], None] | None = None,
+    group: bool = True,
 ) -> list[RunSpec]:
     """Train and export every unfinished run; returns the runs that were trained.
 
-    ``on_done(spec, trained)`` is called once per run (the progress bar), finished runs first.
+    ``on_done(spec, trained)`` is called once per run (the progress bar), finished runs first. With
+    ``group``, unfinished runs that share data, steps and every config section but the model train as
+    one group (:func:`train_group`: one pass over the data for all of them); ``jobs`` then counts groups.
     """
     out_dpath = Path(out_dpath)
     todo = []
@@ -267,17 +300,26 @@ def ensure_runs(
             todo.append(spec)
     (out_dpath / "logs").mkdir(parents=True, exist_ok=True)
 
-    def one(spec: RunSpec) -> RunSpec:
-        train_and_export(spec, out_dpath, in_process=jobs == 1, threads=max(1, (os.cpu_count() or 1) // jobs))
-        if on_done:
-            on_done(spec, True)
-        return spec
+    units: dict[str, list[RunSpec]] = {}
+    for spec in todo:
+        units.setdefault(spec.shared() if group else spec.name, []).append(spec)
+
+    def one(unit: list[RunSpec]) -> list[RunSpec]:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        if len(unit) == 1:
+            train_and_export(unit[0], out_dpath, in_process=jobs == 1, threads=threads)
+        else:
+            train_group(unit, out_dpath, in_process=jobs == 1, threads=threads)
+        for spec in unit:
+            if on_done:
+                on_done(spec, True)
+        return unit
 
     if jobs == 1:
-        return [one(spec) for spec in todo]
+        return [spec for unit in units.values() for spec in one(unit)]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
-            return list(pool.map(one, todo))
+            return [spec for unit in pool.map(one, units.values()) for spec in unit]
         except BaseException:  # Ctrl-C / SIGTERM (or a failed run): the other runs save and stop too
             pool.shutdown(wait=False, cancel_futures=True)
             _stop_live_runs()
@@ -331,22 +373,86 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
     return model_dpath
 
 
-def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
-    """``(last.ckpt, its TensorBoard version folder name)`` of an interrupted run of these settings, else None."""
+def group_name(specs: list[RunSpec]) -> str:
+    """``group_<hash of the members' settings>``: the same group of runs gets the same folder (to resume it)."""
+    digest = hashlib.sha256(json.dumps([spec.settings() for spec in specs], sort_keys=True).encode()).hexdigest()
+    return f"group_{digest[:12]}"
+
+
+def train_group(specs: list[RunSpec], out_dpath: Path, in_process: bool = True, threads: int = 1) -> list[Path]:
+    """Train runs that share data and steps as one group (``fit`` of ``model.members``, one pass over the data),
+    then export each member into ``models/<name>`` and write its ``study_run.json``, as :func:`train_and_export`
+    does for one run. A member equals the run trained alone (:mod:`sae_pipeline.training.group`); its
+    TensorBoard run is ``runs/<group>/<version>/<name>``."""
+    import yaml
+
+    name = group_name(specs)
+    run_dpath = out_dpath / "runs" / name
+    plan = [spec.settings() for spec in specs]
+    resume = _interrupted(run_dpath, plan)
+    for spec in specs:
+        shutil.rmtree(out_dpath / "models" / spec.name, ignore_errors=True)
+    config_fpath = run_dpath / "group.yaml"
+    if resume is None:
+        shutil.rmtree(run_dpath, ignore_errors=True)
+        run_dpath.mkdir(parents=True)
+        config = {key: value for key, value in specs[0].config().items() if key != "model"}
+        config["model"] = {"members": {spec.name: spec.member() for spec in specs}}
+        config = json.loads(json.dumps(config))  # plain ints (jsonargparse's PositiveInt is a subclass)
+        write_text_atomic(config_fpath, yaml.safe_dump(config, sort_keys=False))
+        write_text_atomic(run_dpath / PLAN_FNAME, json.dumps(plan, indent=2) + "\n")
+    args = ["fit", "--config", str(config_fpath), "--data.source", specs[0].source, *specs[0].run_args(out_dpath, name)]
+    if resume is not None:
+        args += ["--ckpt_path", str(resume[0]), "--trainer.logger.init_args.version", resume[1]]
+    if in_process:
+        _fit_in_process(args)
+    else:
+        _fit_subprocess(args, out_dpath / "logs" / f"{name}.log", threads)
+    from sae_pipeline.artifacts.export import export_checkpoint
+
+    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
+    if not ckpt_fpath.is_file():
+        raise RuntimeError(f"group {name} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
+    version = _versions(run_dpath)[-1]
+    model_dpaths = []
+    for spec in specs:
+        model_dpath = out_dpath / "models" / spec.name
+        export_checkpoint(ckpt_fpath, model_dpath, name=spec.name)
+        record = {
+            "settings": spec.settings(),
+            "command": "python -m sae_pipeline " + " ".join(args),
+            "group": name,
+            "log_dpath": str(run_dpath / version / spec.name),
+        }
+        write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")
+        model_dpaths.append(model_dpath)
+    return model_dpaths
+
+
+def _versions(run_dpath: Path) -> list[str]:
+    return sorted(d.name for d in run_dpath.iterdir() if d.is_dir() and any(d.glob("events.out.tfevents*")))
+
+
+def _interrupted(run_dpath: Path, plan: object) -> tuple[Path, str] | None:
+    """``(last.ckpt, its version folder)`` of an interrupted run (or group) planned as ``plan``, else None."""
     from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint
 
-    run_dpath = Path(out_dpath) / "runs" / spec.name
     ckpt_fpath, plan_fpath = run_dpath / "checkpoints" / "last.ckpt", run_dpath / PLAN_FNAME
     if not (ckpt_fpath.is_file() and plan_fpath.is_file()):
         return None
     try:
-        if json.loads(plan_fpath.read_text()) != spec.settings():
+        if json.loads(plan_fpath.read_text()) != plan:
             return None
         read_checkpoint(ckpt_fpath, need=("global_step",), for_fit=True, mmap=True)
     except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, OSError):
         return None
-    versions = [d.name for d in run_dpath.iterdir() if d.is_dir() and any(d.glob("events.out.tfevents*"))]
+    versions = _versions(run_dpath)
     return (ckpt_fpath, versions[0]) if len(versions) == 1 else None
+
+
+def interrupted_run(spec: RunSpec, out_dpath: Path) -> tuple[Path, str] | None:
+    """``(last.ckpt, its TensorBoard version folder name)`` of an interrupted run of these settings, else None."""
+    return _interrupted(Path(out_dpath) / "runs" / spec.name, spec.settings())
 
 
 def _fit_in_process(args: list[str]) -> None:

@@ -78,6 +78,7 @@ def build_parser() -> Any:
         help="checkpoint written by `fit`, or `last`: the newest of the --config's runs under --runs (or give --sae)",
     )
     parser.add_argument("--runs", default="runs", help="where `fit` wrote the runs (for --ckpt_path last)")
+    parser.add_argument("--name", help="the member of a group's checkpoint (fit of model.members) to browse")
     parser.add_argument(
         "--sae",
         help="an exported SAE directory: ours (config.json + sae.safetensors) or "
@@ -164,7 +165,7 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
                 "--runs DIR (where fit wrote its runs)"
             )
         args.ckpt_path = str(found)
-    checkpoint = read_checkpoint(args.ckpt_path, need=("input_scale",), last=True)
+    checkpoint = read_checkpoint(args.ckpt_path, need=("input_scale",), last=True, name=args.get("name"))
     sae = sae_from_checkpoint(checkpoint)
     sae.fold_input_scale(checkpoint_input_scale(checkpoint, f"--ckpt_path {args.ckpt_path}"))
     return sae.eval()

@@ -2,6 +2,8 @@
 
 - :mod:`.module`: :class:`~sae_pipeline.training.module.SAEModule`, the LightningModule around an
   injected SAE (optimiser and schedule, unit-norm atoms, input normalisation, exact metrics).
+- :mod:`.group`: :class:`~sae_pipeline.training.group.SAEGroupModule`, many SAEs trained on one data
+  stream in one run, each as it would train alone.
 - :mod:`.callbacks`: the TensorBoard figures logged at validation.
 - :mod:`.checkpointing`: where a run's checkpoints live, ``--ckpt_path last``, atomic writes (reads go
   through :mod:`sae_pipeline.artifacts.checkpoint`, the one reader every command uses).

@@ -13,6 +13,9 @@ and logs:
 - histograms ``val/activation_frequency`` and ``val/mean_activation``, and the figure
   ``val/frequency_vs_mean`` (one point per atom), the paper's Fig. "Activation distributions".
 
+A group of SAEs (:mod:`sae_pipeline.training.group`) gets the same for each member, in the member's own
+TensorBoard run (scalars ``<name>/val/...`` in ``callback_metrics``).
+
 The computation itself is :func:`sae_pipeline.metrics.measure.evaluate_sae` (no Lightning
 needed), which the evaluation suite runs on exported SAEs too; this callback only schedules it and
 logs what it returns.
@@ -87,19 +90,46 @@ class SAEFigures(L.Callback):
         if datamodule is None or not hasattr(datamodule, "eval_sample"):
             rank_zero_warn("SAEFigures needs trainer.datamodule.eval_sample(); no datamodule, so nothing logged")
             return
-        sae: SparseAutoencoder = pl_module.sae  # type: ignore[assignment]
-        x = pl_module.preprocess(datamodule.eval_sample().to(pl_module.device))  # type: ignore[operator]
+        eval_sample = datamodule.eval_sample().to(pl_module.device)
+        members = getattr(pl_module, "named_members", None)
+        if members is None:
+            self._log_one(trainer, pl_module, pl_module, eval_sample, datamodule, None)
+            return
+        for name, member in members():  # a group (sae_pipeline.training.group): each SAE in its own run
+            self._log_one(trainer, pl_module, member, eval_sample, datamodule, name)
+
+    def _log_one(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        module: L.LightningModule,
+        eval_sample: torch.Tensor,
+        datamodule: Any,
+        name: str | None,
+    ) -> None:
+        """The scalars and figures of one SAE (``module``; ``name`` a group's member, None alone)."""
+        sae: SparseAutoencoder = module.sae  # type: ignore[assignment]
+        x = module.preprocess(eval_sample)  # type: ignore[operator]
         was_training = sae.training
         sae.eval()
         try:
-            report = evaluate_sae(sae, x, self._r_max(pl_module), self._ks(pl_module))
+            report = evaluate_sae(sae, x, self._r_max(module), self._ks(module))
         finally:
             sae.train(was_training)
 
-        for name in ("babel_dict_r1", "babel_dict_rk", "babel_coactive_r1", "babel_coactive_rk"):
-            pl_module.log(f"val/{name}", report[name], rank_zero_only=False, sync_dist=False)
-
-        writer = _tensorboard_writer(trainer)
+        scalars = {
+            f"val/{key}": report[key]
+            for key in ("babel_dict_r1", "babel_dict_rk", "babel_coactive_r1", "babel_coactive_rk")
+        }
+        if name is None:
+            for key, value in scalars.items():
+                pl_module.log(key, value, rank_zero_only=False, sync_dist=False)
+            writer = _tensorboard_writer(trainer)
+        else:
+            for key, value in scalars.items():
+                pl_module.log(f"{name}/{key}", value, rank_zero_only=False, sync_dist=False, logger=False)
+            pl_module.log_member(name, scalars)  # type: ignore[operator]
+            writer = pl_module.member_writer(name)  # type: ignore[operator]
         if writer is None or not trainer.is_global_zero:
             return
         step = _logged_step(trainer)

@@ -6,8 +6,9 @@ written, the step its loggers stamp on scalars, dropping the training loader tha
 ``estimated_stepping_batches`` builds too early on a resumed run, the CLI's reading of
 ``--ckpt_path`` (to resolve and check it first), Lightning's SIGTERM notifier (replaced by
 :mod:`sae_pipeline.training.interrupts`) and ``ModelCheckpoint``'s ``last.ckpt`` save (to save the final
-step, which it skips when ``max_steps`` is not a checkpoint step). Each is reached here and
-nowhere else, so a Lightning release that moves one breaks one function, and
+step, which it skips when ``max_steps`` is not a checkpoint step) and the CLI's hand-over of
+hyper-parameters to ``save_hyperparameters`` (which a group's members must not take for theirs).
+Each is reached here and nowhere else, so a Lightning release that moves one breaks one function, and
 ``tests/test_lightning_compat.py`` (which runs each against a real ``Trainer``) fails, naming it.
 
 ``pyproject.toml`` caps ``lightning`` below the next minor release for the same reason; raise
@@ -17,7 +18,11 @@ the cap once the test passes on the new version. Verified on :data:`VERIFIED_LIG
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
 
 if TYPE_CHECKING:
     import lightning as L
@@ -63,6 +68,18 @@ def discard_train_loader(trainer: L.Trainer) -> None:
     if fit_loop._data_fetcher is not None:
         fit_loop._data_fetcher.teardown()
     fit_loop._combined_loader, fit_loop._data_fetcher = None, None
+
+
+@contextmanager
+def own_hyperparameters() -> Iterator[None]:
+    """Modules built inside save their own arguments as hyper-parameters. LightningCLI hands the config of the
+    module it instantiates to ``save_hyperparameters`` through a context variable, which a LightningModule
+    built inside that one (a group's member) would take for its own."""
+    token = _given_hyperparameters.set(None)
+    try:
+        yield
+    finally:
+        _given_hyperparameters.reset(token)
 
 
 class CkptPathHook:

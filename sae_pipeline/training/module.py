@@ -149,6 +149,9 @@ class SAEModule(L.LightningModule):
         self.test_stats = ActivationStats(sae.d_sae, sync_on_compute=False)
         self.data_info: dict[str, Any] | None = None
         self._initialized_cache: bool | None = None
+        # Where messages say the settings are, and which SAE they are about (a group's member changes both).
+        self.config_prefix = "model"
+        self.label = ""
 
     # --- input ----------------------------------------------------------------------------
     def preprocess(self, x: Tensor) -> Tensor:
@@ -160,7 +163,7 @@ class SAEModule(L.LightningModule):
         if not torch.isfinite(x).all():
             n_bad = int((~torch.isfinite(x)).sum())
             raise NonFiniteBatchError(
-                f"{stage} at global step {self.global_step}: batch from {_sources(batch)} "
+                f"{stage}{self.label} at global step {self.global_step}: batch from {_sources(batch)} "
                 f"holds {n_bad} NaN/Inf values; re-extract or drop those shards"
             )
         return self.preprocess(x)
@@ -228,28 +231,38 @@ class SAEModule(L.LightningModule):
 
     # --- training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        x, output, losses = self.step_loss(batch)
+        self.log("train/loss", losses.loss, prog_bar=True)
+        if self._is_logging_step():
+            # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
+            # Lightning only writes them every `log_every_n_steps`: compute them only then.
+            for name, value in self.train_metrics(x, output, losses).items():
+                self.log(name, value)
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return losses.loss
+
+    def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, Any, Any]:
+        """Input, SAE output and losses of one training batch, the dead-latent clock advanced
+        (shared with :class:`sae_pipeline.training.group.SAEGroupModule`, which runs it per member)."""
         x = self._checked_input(batch, "training")
         output = self.sae(x)
         losses = self.sae.loss(x, output, step=self.global_step)
         if not torch.isfinite(losses.loss):
             raise NonFiniteBatchError(
-                f"training at global step {self.global_step}: loss is {float(losses.loss)} on the batch from "
-                f"{_sources(batch)}; training diverged, lower model.lr (now {self.hparams.lr})"
+                f"training{self.label} at global step {self.global_step}: loss is {float(losses.loss)} on the "
+                f"batch from {_sources(batch)}; training diverged, lower {self.config_prefix}.lr "
+                f"(now {self.hparams.lr})"
             )
         self.record_firing(output.fired(), x.shape[0])
-        self.log("train/loss", losses.loss, prog_bar=True)
-        if self._is_logging_step():
-            # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
-            # Lightning only writes them every `log_every_n_steps`: compute them only then.
-            for name, term in losses.terms.items():  # mse, sparsity_loss, aux_loss and any variant's own
-                self.log(f"train/{name}", term)
-            self.log("train/l0", output.l0().float())
-            self.log("train/r2", self.train_r2(x, output.x_hat).float())
-            self.log(
-                "train/dead_fraction", dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens).float()
-            )
-            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        return losses.loss
+        return x, output, losses
+
+    def train_metrics(self, x: Tensor, output: Any, losses: Any) -> dict[str, Tensor]:
+        """The training scalars of a logging step beside the loss (also each member's in a group)."""
+        values = {f"train/{name}": term for name, term in losses.terms.items()}  # mse, sparsity_loss, aux_loss...
+        values["train/l0"] = output.l0().float()
+        values["train/r2"] = self.train_r2(x, output.x_hat).float()
+        values["train/dead_fraction"] = dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens).float()
+        return values
 
     def _is_logging_step(self) -> bool:
         """Whether Lightning writes this step's logged values (its own rule, so none is lost)."""
@@ -322,7 +335,12 @@ class SAEModule(L.LightningModule):
         self._eval_step(batch, "test")
 
     def _log_eval_epoch(self, stage: str) -> None:
-        """All-reduce the float64 sums (every rank calls this, even with no batch), log R², MSE,
+        for name, value in self.eval_epoch_values(stage).items():
+            # Identical on every rank already; the max over ranks keeps it exact (a mean could round).
+            self.log(f"{stage}/{name}", float(value), sync_dist=True, reduce_fx="max")
+
+    def eval_epoch_values(self, stage: str) -> dict[str, Tensor]:
+        """All-reduce the float64 sums (every rank calls this, even with no batch) and return R², MSE,
         L0 and the dead fraction as the values of the whole evaluated set, then reset."""
         r2_metric: ReconstructionR2 = getattr(self, f"{stage}_r2")
         stats_metric: ActivationStats = getattr(self, f"{stage}_stats")
@@ -338,9 +356,7 @@ class SAEModule(L.LightningModule):
         r2_metric.reset()
         stats_metric.reset()
         values["dead_fraction"] = dead_fraction(self.sae.tokens_since_fired, self.sae.dead_after_tokens)
-        for name, value in values.items():
-            # Identical on every rank already; the max over ranks keeps it exact (a mean could round).
-            self.log(f"{stage}/{name}", float(value), sync_dist=True, reduce_fx="max")
+        return values
 
     def on_validation_epoch_end(self) -> None:
         self._log_eval_epoch("val")

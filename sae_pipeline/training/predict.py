@@ -50,13 +50,14 @@ class CodesPredictionWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trainer.predict_loop.return_predictions = False  # codes go to the file, not to RAM
-        sae = pl_module.sae
+        module = pl_module.predict_target() if hasattr(pl_module, "predict_target") else pl_module  # a group's member
+        sae = module.sae
         attrs = {
             "d_sae": sae.d_sae,
             "d_in": sae.d_in,
             "k": sae.k,
             "sae_class": type(sae).__name__,
-            "input_scale": float(pl_module.input_scale),
+            "input_scale": float(module.input_scale),
             "world_size": trainer.world_size,
             "values_units": "raw activations (trained codes / input_scale)",
         }

@@ -1,0 +1,52 @@
+"""The study trains runs that share data and steps as one group; each run's export and logged numbers equal
+those of the same run trained alone (``--group_runs false``), and a finished group is reused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sae_pipeline.evaluate.runs import ensure_runs, log_dpath, plan_runs
+from sae_pipeline.evaluate.studies import logged_metrics
+
+REPO_DPATH = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_grouped_runs_equal_the_runs_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["sae_pipeline"])
+    specs = plan_runs(["mpsae", "relu"], [(4, 32), (8, 48)], "digits", 6, REPO_DPATH / "configs", "digits")
+    grouped, alone = tmp_path / "grouped", tmp_path / "alone"
+    assert ensure_runs(specs, grouped) == specs and ensure_runs(specs, alone, group=False) == specs
+    (group,) = [p.name for p in (grouped / "runs").iterdir()]  # one group: one pass over the data
+    assert group.startswith("group_") and sorted(p.name for p in (alone / "runs").iterdir()) == sorted(
+        spec.name for spec in specs
+    )
+    for spec in specs:
+        together = load_file(grouped / "models" / spec.name / "sae.safetensors")
+        apart = load_file(alone / "models" / spec.name / "sae.safetensors")
+        assert together.keys() == apart.keys()
+        for key in apart:
+            assert torch.equal(together[key], apart[key]), f"{spec.name}: {key}"
+        assert log_dpath(spec, grouped).parent.parent.name == group
+        assert logged_metrics(spec, grouped) == logged_metrics(spec, alone)
+        assert logged_metrics(spec, grouped)["val/r2"]["step"] == 5
+
+    mtimes = {p: p.stat().st_mtime_ns for p in (grouped / "models").rglob("*")}
+    assert ensure_runs(specs, grouped) == []  # finished: reused, not retrained
+    assert {p: p.stat().st_mtime_ns for p in (grouped / "models").rglob("*")} == mtimes
+    record = json.loads((grouped / "models" / specs[0].name / "study_run.json").read_text())
+    assert record["group"] == group and record["settings"] == specs[0].settings()
+
+    # A group whose exports are gone (an interruption before them) continues from its checkpoint, not from scratch.
+    for spec in specs:
+        (grouped / "models" / spec.name / "study_run.json").unlink()
+    assert ensure_runs(specs, grouped) == specs
+    record = json.loads((grouped / "models" / specs[0].name / "study_run.json").read_text())
+    assert f"--ckpt_path {grouped / 'runs' / group / 'checkpoints' / 'last.ckpt'}" in record["command"]
+    assert sorted(p.name for p in (grouped / "runs" / group).glob("version_*")) == ["version_0"]
+    assert logged_metrics(specs[0], grouped) == logged_metrics(specs[0], alone)
