@@ -8,7 +8,9 @@ from the same dictionary, encoder and biases), an Adam with the same settings fo
   forward and loss, its firing bookkeeping, backward, its decoder-norm maintenance, Adam;
 - ``forward(x) -> (codes [B, d_sae] dense, x_hat)`` for the equality check, and ``grads(x)``:
   gradients of the common loss ``mean((x_hat − x)²)`` in our names (``W_enc [d_in, d_sae]``,
-  ``b_enc``, ``W_dec`` with its parallel component removed, ``b_pre``).
+  ``b_enc``, ``W_dec`` with its parallel component removed, ``b_pre``; MP-SAE has no encoder);
+- ``kept_bytes()``: scratch the contender keeps between steps besides its parameters and
+  optimiser state (our MP-SAE's :class:`Workspace`), counted in its memory.
 
 The peers are imported lazily (the ``bench`` extra: ``pip install -e ".[bench]"``); a missing
 one is reported and skipped. overcomplete imports ``matplotlib.cm.get_cmap``, which
@@ -25,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, ReLUSAE, ShallowSAE, TopKSAE
+from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SparseAutoencoder, TopKSAE
+from sae_pipeline.sae.mp_autograd import Workspace
 
-VARIANTS = ("topk", "batchtopk", "jumprelu", "relu")
+VARIANTS = ("topk", "batchtopk", "jumprelu", "relu", "mpsae")
 LR = 5e-4
 SPARSITY_COEFFICIENT = 1e-3  # λ of ReLU's L1 and JumpReLU's L0, the same for every library
 
@@ -45,7 +48,7 @@ def project_out_parallel(grad: Tensor, W_dec: Tensor) -> Tensor:
 class Contender:
     library = "?"
 
-    def __init__(self, variant: str, template: ShallowSAE, batch_size: int, k: int) -> None:
+    def __init__(self, variant: str, template: SparseAutoencoder, batch_size: int, k: int) -> None:
         self.variant, self.batch_size, self.k = variant, batch_size, k
         self.model = self.build(template)
         self.optimizer = make_adam(self.model)
@@ -54,8 +57,11 @@ class Contender:
     def name(self) -> str:
         return f"{self.library} {self.variant}"
 
-    def build(self, template: ShallowSAE) -> nn.Module:
+    def build(self, template: SparseAutoencoder) -> nn.Module:
         raise NotImplementedError
+
+    def kept_bytes(self) -> int:
+        return 0
 
     def step(self, x: Tensor) -> None:
         raise NotImplementedError
@@ -83,10 +89,14 @@ class Contender:
 class Ours(Contender):
     library = "ours"
 
-    def build(self, template: ShallowSAE) -> nn.Module:
+    def build(self, template: SparseAutoencoder) -> nn.Module:
         import copy
 
         return copy.deepcopy(template).train()
+
+    def kept_bytes(self) -> int:
+        workspaces = [m.workspace for m in self.model.modules() if isinstance(getattr(m, "workspace", None), Workspace)]
+        return sum(t.untyped_storage().nbytes() for w in workspaces for t in w.tensors.values())
 
     def step(self, x: Tensor) -> None:
         sae = self.model
@@ -103,7 +113,8 @@ class Ours(Contender):
         return output.codes, output.x_hat
 
     def named_grads(self) -> dict[str, Tensor | None]:
-        return {n: self.model.get_parameter(n).grad for n in ("W_enc", "b_enc", "W_dec", "b_pre")}
+        names = ("W_dec", "b_pre") if self.variant == "mpsae" else ("W_enc", "b_enc", "W_dec", "b_pre")
+        return {n: self.model.get_parameter(n).grad for n in names}
 
     def W_dec(self) -> Tensor:
         return self.model.W_dec
@@ -113,14 +124,36 @@ class Ours(Contender):
 class SAELens(Contender):
     """SAELens 6 training SAEs, stepped as ``SAETrainer._train_step`` does (without its gradient
     clipping, which none of the others does). TopK and BatchTopK rescale the codes by the decoder
-    norms (their default; 1 here, the atoms being unit-norm)."""
+    norms (their default; 1 here, the atoms being unit-norm).
+
+    MP-SAE is ``matching_pursuit`` with our definition's settings (docs/formats.md): k steps
+    (``max_iterations``), no early stop (``residual_threshold = 0``,
+    ``stop_on_duplicate_support = False``). It still takes ``argmax relu(<r, d>)`` and clips the
+    coefficient at zero where ours takes the signed argmax: the two coincide while every step's
+    best correlation is positive, which the equality check verifies first. Its pursuit runs a
+    dense correlation matmul per step (no grad) and its codes are a dense ``[B, d_sae]`` tensor
+    decoded by a dense matmul."""
 
     library = "SAELens"
 
-    def build(self, template: ShallowSAE) -> nn.Module:
+    def build(self, template: SparseAutoencoder) -> nn.Module:
         import sae_lens
 
-        common: dict[str, Any] = dict(d_in=template.d_in, d_sae=template.d_sae, dtype="float32", device="cpu")
+        dtype = str(template.W_dec.dtype).removeprefix("torch.")
+        common: dict[str, Any] = dict(d_in=template.d_in, d_sae=template.d_sae, dtype=dtype, device="cpu")
+        if self.variant == "mpsae":
+            from sae_lens import MatchingPursuitTrainingSAE, MatchingPursuitTrainingSAEConfig
+
+            config = MatchingPursuitTrainingSAEConfig(
+                max_iterations=self.k, residual_threshold=0.0, stop_on_duplicate_support=False, **common
+            )
+            sae = MatchingPursuitTrainingSAE(config)
+            with torch.no_grad():
+                sae.W_dec.copy_(template.W_dec)
+                sae.b_dec.copy_(template.b_pre)
+            self.coefficients = {}
+            self.since_fired = torch.zeros(template.d_sae)
+            return sae.train()
         if self.variant == "topk":
             sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(k=self.k, **common))
         elif self.variant == "batchtopk":
@@ -174,6 +207,8 @@ class SAELens(Contender):
 
     def named_grads(self) -> dict[str, Tensor | None]:
         m = self.model
+        if self.variant == "mpsae":  # tied: its W_enc is W_decᵀ
+            return {"W_dec": m.W_dec.grad, "b_pre": m.b_dec.grad}
         return {"W_enc": m.W_enc.grad, "b_enc": m.b_enc.grad, "W_dec": m.W_dec.grad, "b_pre": m.b_dec.grad}
 
     def W_dec(self) -> Tensor:
@@ -200,14 +235,23 @@ class Overcomplete(Contender):
     Criterion: the MSE (TopK, BatchTopK: its ``top_k_auxiliary_loss`` is another definition,
     an AuxK over the top half of the unselected latents at every step); ``mse_l1`` for ReLU;
     MSE + λ·L0 through its ``heaviside`` straight-through function for JumpReLU (rectangle kernel).
-    BatchTopK's ``top_k`` counts over the batch: B·k.
+    BatchTopK's ``top_k`` counts over the batch: B·k. MP-SAE is ``MpSAE`` (identity encoder, k
+    steps, signed argmax, an atom may be picked again: our definition, without b_pre), trained on
+    the MSE; each step runs a dense correlation matmul and a dense one-hot decode, both under autograd.
     """
 
     library = "overcomplete"
 
-    def build(self, template: ShallowSAE) -> nn.Module:
+    def build(self, template: SparseAutoencoder) -> nn.Module:
         oc = import_overcomplete()
         d_in, d_sae = template.d_in, template.d_sae
+        if self.variant == "mpsae":
+            model = oc.MpSAE(d_in, d_sae, k=self.k).to(template.W_dec.dtype)
+            with torch.no_grad():
+                model.dictionary._weights.copy_(template.W_dec)
+            self.criterion: Callable[..., Tensor] = lambda x, x_hat, z_pre, z, D: (x - x_hat).square().mean()
+            self.since_fired = torch.zeros(d_sae)
+            return model.train()
         if self.variant == "topk":
             model = oc.TopKSAE(d_in, d_sae, top_k=self.k)
         elif self.variant == "batchtopk":
@@ -225,7 +269,7 @@ class Overcomplete(Contender):
             if self.variant == "jumprelu":
                 model.thresholds.copy_(template.log_threshold)
         if self.variant == "relu":
-            self.criterion: Callable[..., Tensor] = lambda x, x_hat, z_pre, z, D: oc.losses.mse_l1(
+            self.criterion = lambda x, x_hat, z_pre, z, D: oc.losses.mse_l1(
                 x, x_hat, z_pre, z, D, penalty=SPARSITY_COEFFICIENT
             )
         elif self.variant == "jumprelu":
@@ -255,6 +299,8 @@ class Overcomplete(Contender):
         return z, x_hat
 
     def named_grads(self) -> dict[str, Tensor | None]:
+        if self.variant == "mpsae":
+            return {"W_dec": self.model.dictionary._weights.grad}
         linear = self.model.encoder.final_block[0]
         W_enc = None if linear.weight.grad is None else linear.weight.grad.T
         return {"W_enc": W_enc, "b_enc": linear.bias.grad, "W_dec": self.model.dictionary._weights.grad}
@@ -272,7 +318,7 @@ class Sparsify(Contender):
 
     library = "sparsify"
 
-    def build(self, template: ShallowSAE) -> nn.Module:
+    def build(self, template: SparseAutoencoder) -> nn.Module:
         os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
         from sparsify import SparseCoder, SparseCoderConfig
 
@@ -318,9 +364,10 @@ PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
     "overcomplete": (Overcomplete, VARIANTS),
     "sparsify": (Sparsify, ("topk",)),
 }
-OURS: dict[str, type[ShallowSAE]] = {
+OURS: dict[str, type[SparseAutoencoder]] = {
     "topk": TopKSAE,
     "batchtopk": BatchTopKSAE,
     "jumprelu": JumpReLUSAE,
     "relu": ReLUSAE,
+    "mpsae": MatchingPursuitSAE,
 }

@@ -4,29 +4,39 @@
     python -m benchmarks.peers                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
     python -m benchmarks.peers --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
 
-For each variant (TopK, BatchTopK, JumpReLU, ReLU) every library that has it trains from the
+For each variant (TopK, BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it trains from the
 same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4, torch's
 fused implementation for all). A step is what the library's own training loop does: forward,
 loss, firing bookkeeping, backward, decoder-norm maintenance, Adam (benchmarks/peer_adapters.py
 says what that is per library). ReLU and JumpReLU start at the sparsity of a trained SAE: b_enc
 (ReLU) or θ (JumpReLU) is set so that B·k codes of the batch are active (L0 ≈ k), the regime
-the paper compares them in; at init they would fire on half the latents.
+the paper compares them in; at init they would fire on half the latents. MP-SAE has no
+encoder: its k pursuit steps are the sparsity (SAELens ``matching_pursuit``, overcomplete ``MpSAE``).
 
 Timing: contenders are interleaved: each round times a dense encoder GEMM
-(``(x − b_pre) @ W_enc``, ``[B, d_in] × [d_in, d_sae]``, fresh output) and then ``--steps``
+(``(x − b_pre) @ W_enc``, ``[B, d_in] × [d_in, d_sae]``, fresh output; MP-SAE: ``W_decᵀ``, its
+first correlations) and then ``--steps``
 steps of every contender; the figure is the median over all rounds (on a shared machine a
 burst of interference spoils single steps, which the median ignores). "÷ GEMM" is the step
 over the GEMM's median from the same rounds; "÷ ours" the contender's step over ours.
 
-Peak memory: the parameters, buffers and Adam state, plus the peak of what one step allocates
-on top (torch's allocator events through ``torch.profiler``; CUDA: ``max_memory_allocated``).
+Memory: "resident" is what a contender holds between steps: parameters, gradients, buffers,
+Adam state, and scratch it keeps for the next step (our MP-SAE's workspace); "peak memory" is
+that plus the peak of what one step allocates on top (torch's allocator events through
+``torch.profiler``; CUDA: ``max_memory_allocated``).
 
 Equality: where the definitions coincide the codes, ``x_hat`` and the gradients of
 ``mean((x_hat − x)²)`` (``W_dec``'s with its parallel component removed; SAELens TopK rescales
 codes by the decoder norms, which changes only that component) are compared with ours from the
 same weights; the table gives the largest difference relative to the largest value.
 overcomplete has no pre-bias ``b_pre``, so it is compared with ``b_pre = 0``; thresholds are
-not compared (SAELens trains θ, we and overcomplete log θ).
+not compared (SAELens trains θ, we and overcomplete log θ). MP-SAE: SAELens's
+``matching_pursuit`` clips each step's correlation at zero, ours and overcomplete's take the
+signed argmax; they coincide when every selected correlation is positive, which is checked on
+the batch first ("not comparable" otherwise). MP-SAE is compared in float64 (weights and batch
+converted): in float32 a near-tie between two correlations at a late step may resolve
+differently in two implementations (overcomplete's dense correlations against our Gram-row
+updates picked two atoms in the other order on 1 of 1024 tokens at d_sae 8192, 2e-3 relative).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.peer_adapters import OURS, PEERS, VARIANTS, Contender, Ours
-from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, ShallowSAE
+from sae_pipeline.sae import JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SparseAutoencoder
 
 EQUAL_TOLERANCE = 1e-4  # float32, relative to the largest value
 
@@ -61,12 +71,14 @@ def make_batch(d_in: int, batch_size: int, seed: int = 0) -> torch.Tensor:
     )
 
 
-def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) -> ShallowSAE:
+def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) -> SparseAutoencoder:
     """Our SAE, b_pre at the batch mean, and (ReLU, JumpReLU) L0 ≈ k on ``x``."""
     torch.manual_seed(0)
     cls = OURS[variant]
-    sae = cls(d_in, d_sae, k=k) if variant in ("topk", "batchtopk") else cls(d_in, d_sae)
+    sae = cls(d_in, d_sae, k=k) if variant in ("topk", "batchtopk", "mpsae") else cls(d_in, d_sae)
     sae.init_b_pre(x.mean(0))
+    if isinstance(sae, MatchingPursuitSAE):
+        return sae
     with torch.no_grad():
         pre = sae.pre_activations(x)
         top = pre.flatten().topk(x.shape[0] * k + 1).values  # B·k entries above the cut, none at it
@@ -87,8 +99,8 @@ def median_step(fn: Callable[[], None], n: int) -> list[float]:
     return times
 
 
-def persistent_bytes(contender: Contender) -> int:
-    """Parameters, their gradients, buffers and the optimiser state (each storage once)."""
+def resident_bytes(contender: Contender) -> int:
+    """Parameters, their gradients, buffers, the optimiser state (each storage once) and kept scratch."""
     seen: dict[int, int] = {}
     tensors = list(contender.model.parameters()) + list(contender.model.buffers())
     tensors += [p.grad for p in contender.model.parameters() if p.grad is not None]
@@ -97,7 +109,7 @@ def persistent_bytes(contender: Contender) -> int:
     for t in tensors:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + contender.kept_bytes()
 
 
 def peak_step_bytes(contender: Contender, x: torch.Tensor) -> int:
@@ -112,7 +124,7 @@ def peak_step_bytes(contender: Contender, x: torch.Tensor) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        at_start = persistent_bytes(contender)
+        at_start = resident_bytes(contender)
         contender.step(x)
         torch.cuda.synchronize()
         return at_start + torch.cuda.max_memory_allocated() - base
@@ -120,7 +132,7 @@ def peak_step_bytes(contender: Contender, x: torch.Tensor) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         contender.step(x)
-        at_start = persistent_bytes(contender)
+        at_start = resident_bytes(contender)
         with record_function("measured_step"):
             contender.step(x)
     events = list(prof.profiler.kineto_results.events())
@@ -147,18 +159,34 @@ def relative_difference(ours: Contender, peer: Contender, x: torch.Tensor) -> fl
     return max(float((a - b).abs().max() / a.abs().max().clamp_min(1e-30)) for a, b in pairs)
 
 
-def equality(variant: str, peer_cls: type[Contender], template: ShallowSAE, x: torch.Tensor, args) -> str:
+def nonpositive_steps(template: MatchingPursuitSAE, x: torch.Tensor) -> int:
+    """Pursuit steps (token, t) of ours whose selected correlation is ≤ 0 (where SAELens's clipped MP differs)."""
+    with torch.no_grad():
+        _, coefficients = template.pursuit(x)
+    return int((coefficients <= 0).sum())
+
+
+def equality(variant: str, peer_cls: type[Contender], template: SparseAutoencoder, x: torch.Tensor, args) -> str:
     template = copy.deepcopy(template)
     if peer_cls.library == "overcomplete":
         with torch.no_grad():
             template.b_pre.zero_()
+    if isinstance(template, MatchingPursuitSAE):
+        # float64: in float32 a near-tie of two correlations (late steps, small residuals) may
+        # resolve differently between any two implementations, which changes that token's codes.
+        template, x = template.double(), x.double()
+        template.normalize_atoms()  # unit norm in float64 too (overcomplete renormalises in its forward)
+    if isinstance(template, MatchingPursuitSAE) and peer_cls.library == "SAELens":
+        clipped = nonpositive_steps(template, x)
+        if clipped:
+            return f"not comparable ({clipped} of {x.shape[0] * args.k} steps ≤ 0)"
     diff = relative_difference(
         Ours(variant, template, args.batch_size, args.k), peer_cls(variant, template, args.batch_size, args.k), x
     )
     return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
 
 
-def load_contenders(variant: str, template: ShallowSAE, args) -> tuple[list[Contender], list[str]]:
+def load_contenders(variant: str, template: SparseAutoencoder, args) -> tuple[list[Contender], list[str]]:
     contenders: list[Contender] = [Ours(variant, template, args.batch_size, args.k)]
     notes = []
     for library in args.peers:
@@ -170,6 +198,10 @@ def load_contenders(variant: str, template: ShallowSAE, args) -> tuple[list[Cont
         except ImportError as exn:
             notes.append(f"{library}: not installed ({exn.name}); pip install -e '.[bench]'")
     return contenders, notes
+
+
+def mebibytes(value: float) -> str:
+    return f"{value:.{0 if value >= 10 else 2}f} MiB"
 
 
 def run_shape(d_sae: int, args) -> list[str]:
@@ -185,7 +217,7 @@ def run_shape(d_sae: int, args) -> list[str]:
             for c in contenders
         }
         xc = (x - template.b_pre).detach()
-        W_enc = template.W_enc.detach()
+        W_enc = template.W_dec.detach().T if isinstance(template, MatchingPursuitSAE) else template.W_enc.detach()
         gemm_times: list[float] = []
         step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
         for round_index in range(args.rounds):
@@ -199,9 +231,10 @@ def run_shape(d_sae: int, args) -> list[str]:
         for c in contenders:
             step = statistics.median(step_times[c.name])
             peak = peak_step_bytes(c, x) / 2**20
+            resident = resident_bytes(c) / 2**20
             row = (
                 f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
-                f"{peak:.{0 if peak >= 10 else 2}f} MiB | {equal[c.name]} |"
+                f"{mebibytes(peak)} | {mebibytes(resident)} | {equal[c.name]} |"
             )
             print(row, flush=True)
             rows.append(row)
@@ -253,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         f"median over {args.rounds} rounds x {args.steps} steps",
         flush=True,
     )
-    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | equal to ours |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     for d_sae in args.d_sae:
         run_shape(d_sae, args)
 

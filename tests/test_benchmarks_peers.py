@@ -1,6 +1,7 @@
 """``python -m benchmarks.peers`` and ``python -m benchmarks.gpu`` in their tiny dry-run modes: every contender
 steps, and every peer that is installed (the ``bench`` extra) computes the same codes, x_hat and
-gradients as ours from the same weights. The two dry runs are marked slow: about 35 s of CPU
+gradients as ours from the same weights (MP-SAE included: SAELens's ``matching_pursuit`` and
+overcomplete's ``MpSAE``). The two dry runs are marked slow: about 35 s of CPU
 together, most of it importing SAELens, timm and the peers (3 min wall on the box loaded by
 five other sessions); the two argument tests take a few seconds."""
 
@@ -15,7 +16,7 @@ import pytest
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 PEER_MODULES = {"SAELens": "sae_lens", "overcomplete": "overcomplete", "sparsify": "sparsify"}
-PEER_VARIANTS = {"SAELens": 4, "overcomplete": 4, "sparsify": 1}
+PEER_VARIANTS = {"SAELens": 5, "overcomplete": 5, "sparsify": 1}
 
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -43,15 +44,16 @@ def test_peers_dry_run_every_contender_steps_and_agrees_with_ours() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = table_rows(result.stdout)
     libraries = [row[2].split()[0] for row in rows]
-    assert libraries.count("ours") == 4
+    assert libraries.count("ours") == 5 and "ours mpsae" in [row[2] for row in rows]
     for library, module in PEER_MODULES.items():
         if importlib.util.find_spec(module) is None:
             assert f"{library}: not installed" in result.stdout
             continue
         assert libraries.count(library) == PEER_VARIANTS[library], result.stdout
     for row in rows:
-        step, vs_ours, vs_gemm, memory, equal = row[3], float(row[4]), float(row[5]), row[6], row[7]
-        assert step.endswith(" s") and vs_ours > 0 and vs_gemm > 0 and float(memory.split()[0]) > 0
+        step, vs_ours, vs_gemm, peak, resident, equal = row[3], float(row[4]), float(row[5]), row[6], row[7], row[8]
+        assert step.endswith(" s") and vs_ours > 0 and vs_gemm > 0
+        assert 0 < float(resident.split()[0]) <= float(peak.split()[0]), row
         assert equal == "reference" if row[2].startswith("ours") else equal.startswith("equal ("), row
 
 
