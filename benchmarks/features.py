@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -41,6 +42,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -211,12 +213,32 @@ def memory(args: argparse.Namespace, work: Path) -> None:
     print(f"   4x tokens / 1x tokens peak = {peaks[1] / peaks[0]:.3f}")
 
 
-def site(args: argparse.Namespace, work: Path) -> None:
+class SiteData:
+    """The datamodule's two attributes the site reads: the source's name and the backbone's preprocessing."""
+
+    source = "synthetic"
+    manifest = {
+        "backbone": {
+            "image_size": 224,
+            "preprocess": {
+                "library": "timm",
+                "size": [224, 224],
+                "crop": {"crop_pct": 0.875, "crop_mode": "center"},
+                "mean": [0.5] * 3,
+                "std": [0.5] * 3,
+                "interpolation": "bicubic",
+            },
+        }
+    }
+
+
+def site_inputs(args: argparse.Namespace, work: Path) -> tuple:
+    """A synthetic merged table, its images (JPEGs on disk, heatmaps) and label counts at the site's size.
+
+    Returns ``(sae, state, labelled, collection)``: ``labelled`` is what the pass adds to ``state``
+    where the images carry labels (``--site_labels`` of them)."""
     import torch
     from PIL import Image
-
-    from sae_pipeline.features.heatmaps import Layout
-    from sae_pipeline.features.site import build_site
 
     d_sae, top, d, n_images = args.site_d_sae, 16, 768, args.site_images
     rng = np.random.default_rng(0)
@@ -256,22 +278,6 @@ def site(args: argparse.Namespace, work: Path) -> None:
         "heat": heat,
     }
 
-    class Data:
-        source = "synthetic"
-        manifest = {
-            "backbone": {
-                "image_size": 224,
-                "preprocess": {
-                    "library": "timm",
-                    "size": [224, 224],
-                    "crop": {"crop_pct": 0.875, "crop_mode": "center"},
-                    "mean": [0.5] * 3,
-                    "std": [0.5] * 3,
-                    "interpolation": "bicubic",
-                },
-            }
-        }
-
     sae = make_sae(d, d_sae, 32)
     n_labels = args.site_labels
     image_label = np.arange(n_images) % n_labels
@@ -285,6 +291,15 @@ def site(args: argparse.Namespace, work: Path) -> None:
     }
     for i, meta in collection["images"].items():
         meta["label"], meta["class_name"] = int(image_label[i]), f"n{image_label[i]:08d}"
+    return sae, state, labelled, collection
+
+
+def site(args: argparse.Namespace, work: Path) -> None:
+    from sae_pipeline.features.heatmaps import Layout
+    from sae_pipeline.features.site import build_site
+
+    d_sae, top, n_images, n_labels = args.site_d_sae, 16, args.site_images, args.site_labels
+    sae, state, labelled, collection = site_inputs(args, work)
     print(
         f"3. site for d_sae = {d_sae}, N = {top} ({d_sae * top:,} entries over {n_images:,} distinct images, "
         f"DINOv2 layout)"
@@ -296,7 +311,7 @@ def site(args: argparse.Namespace, work: Path) -> None:
         out = work / f"site_{len(extra)}"
         shutil.rmtree(out, ignore_errors=True)
         start, cpu_start = time.perf_counter(), time.process_time()
-        build_site(out, sae, {**state, **extra}, collection, Layout("patches", TPI, 1, 4, GRID), Data())
+        build_site(out, sae, {**state, **extra}, collection, Layout("patches", TPI, 1, 4, GRID), SiteData())
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         times.setdefault(side, []).append((seconds, cpu))  # CPU seconds too: a shared box's wall time is noisy
         files = [p for p in out.rglob("*") if p.is_file()]
@@ -342,6 +357,101 @@ def label_parts(work: Path, state: dict, collection: dict, n_labels: int) -> Non
         f"   label parts alone ({n_labels} labels): {parts.sum():.1f} s CPU (statistics {parts[0]:.1f} s, atom "
         f"sections and index cells {parts[1]:.1f} s, label pages {parts[2]:.1f} s)"
     )
+
+
+LABEL_PARTS = ("label_stats", "atom_section", "index_columns", "index_headers", "index_section", "index_data")
+LABEL_PARTS += ("write_label_pages",)
+IMAGE_PARTS = ("write_site_image_pages",)
+
+
+def timed_parts(names: tuple[str, ...], totals: dict[str, list[float]]) -> list[tuple[Any, str, Any]]:
+    """Wrap every binding of the functions ``names`` in the features package with a timer adding
+    ``[wall, CPU]`` seconds to ``totals[name]`` (wherever the site looks them up: a module's own
+    import or another module's attribute); returns what to put back."""
+    import functools
+
+    import sae_pipeline.features as package
+
+    originals = {}
+    for module in [m for n, m in sorted(sys.modules.items()) if n.startswith(package.__name__ + ".")]:
+        for name in names:
+            if name in vars(module) and callable(vars(module)[name]):
+                originals.setdefault(name, vars(module)[name])
+    restore = []
+    for name, function in originals.items():
+        totals[name] = [0.0, 0.0]
+
+        @functools.wraps(function)
+        def timed(*a, _function=function, _total=totals[name], **kw):  # noqa: ANN002, ANN003, ANN202
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                return _function(*a, **kw)
+            finally:
+                _total[0] += time.perf_counter() - start
+                _total[1] += time.process_time() - cpu
+
+        for module in [m for n, m in sys.modules.items() if n.startswith(package.__name__ + ".")]:
+            if vars(module).get(name) is function:
+                restore.append((module, name, function))
+                setattr(module, name, timed)
+    return restore
+
+
+def site_shares(args: argparse.Namespace, work: Path) -> None:
+    """One labelled build with image pages, its label statistics and image pages timed inside it.
+
+    The images' own top atoms (``collect_images`` ranks them from each image's codes, after the
+    pass) come from synthetic sparse codes, ``k`` atoms per token: only the ranking is timed."""
+    from sae_pipeline.features import label_pages, site  # noqa: F401  (the modules whose bindings are timed)
+    from sae_pipeline.features.heatmaps import Layout
+    from sae_pipeline.features.image_top import image_top_atoms
+    from sae_pipeline.features.site import build_site
+
+    d_sae, top, n_images, n_labels = args.site_d_sae, 16, args.site_images, args.site_labels
+    sae, state, labelled, collection = site_inputs(args, work)
+    print(
+        f"3c. labelled site with image pages, d_sae = {d_sae}, N = {top}, {n_images:,} images, {n_labels} labels; "
+        f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    rng = np.random.default_rng(1)
+    rank_wall = rank_cpu = 0.0
+    positions = np.arange(TPI)
+    for meta in collection["images"].values():
+        codes = np.zeros((TPI, d_sae), np.float32)
+        rows = np.repeat(np.arange(TPI), args.k)
+        codes[rows, rng.integers(0, d_sae, len(rows))] = rng.gamma(2.0, 1.0, len(rows))
+        start, cpu = time.perf_counter(), time.process_time()
+        meta["top_atoms"] = image_top_atoms(codes, positions, TPI)
+        rank_wall, rank_cpu = rank_wall + time.perf_counter() - start, rank_cpu + time.process_time() - cpu
+    totals: dict[str, list[float]] = {}
+    restore = timed_parts(LABEL_PARTS + IMAGE_PARTS, totals)
+    out = work / "site_shares"
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        build_site(out, sae, {**state, **labelled}, collection, Layout("patches", TPI, 1, 4, GRID), SiteData())
+        build_wall, build_cpu = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        for module, name, function in restore:
+            setattr(module, name, function)
+    print(f"    load average after the build {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    total = np.array([build_wall + rank_wall, build_cpu + rank_cpu])
+    label = sum(np.array(totals[name]) for name in LABEL_PARTS)
+    image = sum(np.array(totals[name]) for name in IMAGE_PARTS) + np.array([rank_wall, rank_cpu])
+    rest = total - label - image
+    print(
+        f"    whole: build_site {build_wall:.1f} s ({build_cpu:.1f} s CPU) + image rankings {rank_wall:.1f} s "
+        f"({rank_cpu:.1f} s CPU) = {total[0]:.1f} s ({total[1]:.1f} s CPU)"
+    )
+    for name in LABEL_PARTS + IMAGE_PARTS:
+        print(f"      {name:<24} {totals[name][0]:8.2f} s ({totals[name][1]:.2f} s CPU)")
+    print(f"      {'image_top_atoms':<24} {rank_wall:8.2f} s ({rank_cpu:.2f} s CPU)")
+    print(f"    build without them: {rest[0]:.1f} s ({rest[1]:.1f} s CPU)")
+    for what, part in (("label statistics", label), ("image pages", image), ("both", label + image)):
+        print(
+            f"    {what:<16} {part[0]:7.1f} s ({part[1]:.1f} s CPU): +{100 * part[0] / rest[0]:.1f} % wall, "
+            f"+{100 * part[1] / rest[1]:.1f} % CPU of the build without them"
+        )
+    print(f"    target <= 25 % (both, CPU): {'met' if label[1] + image[1] <= 0.25 * rest[1] else 'NOT met'}")
 
 
 def label_cost(args: argparse.Namespace, work: Path) -> None:
@@ -504,7 +614,14 @@ def main() -> None:
         args.explain_backbone, args.explain_d_sae = "vit_tiny", 512
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        parts = {"throughput": throughput, "memory": memory, "site": site, "explain": explain, "labels": label_cost}
+        parts = {
+            "throughput": throughput,
+            "memory": memory,
+            "site": site,
+            "site_shares": site_shares,
+            "explain": explain,
+            "labels": label_cost,
+        }
         for part in args.parts:
             parts[part](args, work)
 
