@@ -53,7 +53,10 @@ N_PREFIX, GRID = 5, (16, 16)
 TPI = N_PREFIX + GRID[0] * GRID[1]
 
 
-def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard: int = 64, seed: int = 0) -> None:
+def write_synthetic_shards(
+    dpath: Path, n_images: int, d: int, images_per_shard: int = 64, seed: int = 0, photos: Path | None = None
+) -> None:
+    """Shards in DINOv2's layout; with ``photos``, each sample's source is ``photos/<i>.jpg`` (see write_photos)."""
     from feature_extraction import shards as S
 
     rng = np.random.default_rng(seed)
@@ -64,7 +67,14 @@ def write_synthetic_shards(dpath: Path, n_images: int, d: int, images_per_shard:
             (
                 f"img{start + i:07d}",
                 rng.standard_normal((TPI, d)).astype(np.float16),
-                {"image_id": f"img{start + i:07d}", "label": (start + i) % 1000, "source": "skimage.data.astronaut"},
+                {"image_id": f"img{start + i:07d}", "label": (start + i) % 1000, "source": "skimage.data.astronaut"}
+                if photos is None
+                else {
+                    "image_id": f"{start + i}.jpg",
+                    "label": (start + i) % 1000,
+                    "class_name": f"n{(start + i) % 1000:08d}",
+                    "source": str(photos / f"{start + i}.jpg"),
+                },
             )
             for i in range(count)
         ]
@@ -232,24 +242,30 @@ class SiteData:
     }
 
 
+def write_photos(dpath: Path, n_images: int, rng: np.random.Generator) -> None:
+    """``<i>.jpg``: smooth synthetic photos (gradients and a disc), 256x256 JPEG like ImageNet's."""
+    from PIL import Image
+
+    dpath.mkdir()
+    yy, xx = np.mgrid[0:256, 0:256] / 256.0
+    for i in range(n_images):
+        c = rng.random((3, 3))
+        disc = ((xx - c[0, 0]) ** 2 + (yy - c[0, 1]) ** 2 < 0.05 + 0.1 * c[0, 2])[..., None]
+        array = (np.stack([c[1, j] * xx + c[2, j] * yy for j in range(3)], -1) * 0.6 + disc * 0.4) * 255
+        Image.fromarray(array.astype(np.uint8)).save(dpath / f"{i}.jpg", quality=90)
+
+
 def site_inputs(args: argparse.Namespace, work: Path) -> tuple:
     """A synthetic merged table, its images (JPEGs on disk, heatmaps) and label counts at the site's size.
 
     Returns ``(sae, state, labelled, collection)``: ``labelled`` is what the pass adds to ``state``
     where the images carry labels (``--site_labels`` of them)."""
     import torch
-    from PIL import Image
 
     d_sae, top, d, n_images = args.site_d_sae, 16, 768, args.site_images
     rng = np.random.default_rng(0)
     images_dpath = work / "site_images"
-    images_dpath.mkdir()
-    yy, xx = np.mgrid[0:256, 0:256] / 256.0
-    for i in range(n_images):  # smooth synthetic photos (gradients and a disc), JPEG like ImageNet's
-        c = rng.random((3, 3))
-        disc = ((xx - c[0, 0]) ** 2 + (yy - c[0, 1]) ** 2 < 0.05 + 0.1 * c[0, 2])[..., None]
-        array = (np.stack([c[1, j] * xx + c[2, j] * yy for j in range(3)], -1) * 0.6 + disc * 0.4) * 255
-        Image.fromarray(array.astype(np.uint8)).save(images_dpath / f"{i}.jpg", quality=90)
+    write_photos(images_dpath, n_images, rng)
     value = -np.sort(-rng.gamma(2.0, 1.0, (d_sae, top)).astype(np.float32), axis=1)
     image = rng.integers(0, n_images, (d_sae, top))
     for row in image:  # one entry per image per atom
@@ -454,6 +470,86 @@ def site_shares(args: argparse.Namespace, work: Path) -> None:
     print(f"    target <= 25 % (both, CPU): {'met' if label[1] + image[1] <= 0.25 * rest[1] else 'NOT met'}")
 
 
+def run_shares(args: argparse.Namespace, work: Path) -> None:
+    """One whole ``features`` run in this process (pass, re-read for the heatmaps, site), its label statistics
+    and image pages timed inside it: ``--site_images`` images of synthetic tokens in DINOv2's layout (each its
+    own label of 1000), a TopK SAE of ``--site_d_sae`` atoms at d = 768, N = 16; no DataLoader workers, so
+    the process's CPU time is the whole run's."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sae_pipeline.__main__ import main as sae_main
+    from sae_pipeline.artifacts.export import EXPORT_FORMAT
+    from sae_pipeline.features import cli, heatmaps, label_pages, labels, pass_module, site  # noqa: F401
+    from sae_pipeline.sae.config import sae_config
+
+    d, d_sae, n_images = 768, args.site_d_sae, args.site_images
+    write_photos(work / "run_photos", n_images, np.random.default_rng(0))
+    write_synthetic_shards(work / "run_shards", n_images, d, photos=work / "run_photos")
+    sae = make_sae(d, d_sae, args.k)
+    sae_dpath = work / "run_sae"
+    sae_dpath.mkdir()
+    config = {"format": EXPORT_FORMAT, **sae_config(sae), "d_in": sae.d_in, "d_sae": sae.d_sae}
+    (sae_dpath / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in sae.state_dict().items()}, str(sae_dpath / "sae.safetensors"))
+    print(
+        f"3d. whole features run: {n_images:,} images x {TPI} tokens, d {d}, TopK d_sae {d_sae} k {args.k}, N 16, "
+        f"1000 labels, {args.device}, torch threads {torch.get_num_threads()}; load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        flush=True,
+    )
+    totals: dict[str, list[float]] = {}
+    phases = ("collect_images", "build_site")
+    restore = timed_parts(LABEL_PARTS + IMAGE_PARTS + ("image_top_atoms",) + phases, totals)
+    update = labels.LabelCounts.update
+    totals["LabelCounts.update"] = [0.0, 0.0]
+
+    def timed_update(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return update(*a, **kw)
+        finally:
+            totals["LabelCounts.update"][0] += time.perf_counter() - start
+            totals["LabelCounts.update"][1] += time.process_time() - cpu
+
+    labels.LabelCounts.update = timed_update
+    command = ["features", "--sae", str(sae_dpath), "--data.source", str(work / "run_shards")]
+    command += ["--out", str(work / "run_site"), "--top", "16", "--data.num_workers", "0"]
+    command += ["--data.batch_size", str(args.batch_size), "--trainer.accelerator", args.device]
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        assert sae_main(command) == 0
+        total = np.array([time.perf_counter() - start, time.process_time() - cpu])
+    finally:
+        labels.LabelCounts.update = update
+        for module, name, function in restore:
+            setattr(module, name, function)
+    print(f"    load average after the run {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    label_names = ("LabelCounts.update", *LABEL_PARTS)
+    image_names = ("image_top_atoms", *IMAGE_PARTS)
+    label = sum(np.array(totals[name]) for name in label_names)
+    image = sum(np.array(totals[name]) for name in image_names)
+    pass_ = total - np.array(totals["collect_images"]) - np.array(totals["build_site"])
+    print(
+        f"    whole run {total[0]:.1f} s ({total[1]:.1f} s CPU): pass and setup {pass_[0]:.1f} s ({pass_[1]:.1f} s CPU)"
+    )
+    for name in (*phases, *label_names, *image_names):
+        print(f"      {name:<24} {totals[name][0]:8.2f} s ({totals[name][1]:.2f} s CPU)")
+    site_ = np.array(totals["build_site"]) + np.array(totals["image_top_atoms"])
+    for base_name, base in (("whole run", total), ("site (build_site + image rankings)", site_)):
+        rest = base - label - image
+        if base_name != "whole run":
+            rest = rest + np.array(totals["LabelCounts.update"])  # the counting is in the pass, not the site
+        print(f"    against the {base_name} without them: {rest[0]:.1f} s ({rest[1]:.1f} s CPU)")
+        for what, part in (("label statistics", label), ("image pages", image), ("both", label + image)):
+            if base_name != "whole run":
+                part = part - (np.array(totals["LabelCounts.update"]) if what != "image pages" else 0)
+            print(
+                f"      {what:<16} {part[0]:7.1f} s ({part[1]:.1f} s CPU): +{100 * part[0] / rest[0]:.1f} % wall, "
+                f"+{100 * part[1] / rest[1]:.1f} % CPU"
+            )
+
+
 def label_cost(args: argparse.Namespace, work: Path) -> None:
     """The label counts' share of the pass, measured apart (the pass's tokens/s on a shared box is too noisy to
     show a few per cent): per batch, ``LabelCounts.update`` beside ``TopNTable.update_codes`` on the same codes,
@@ -619,6 +715,7 @@ def main() -> None:
             "memory": memory,
             "site": site,
             "site_shares": site_shares,
+            "run_shares": run_shares,
             "explain": explain,
             "labels": label_cost,
         }
