@@ -4,6 +4,7 @@
     python -m benchmarks.features --device cuda      # parts 1 and 2 on a GPU
     python -m benchmarks.features --quick            # tiny sizes (a smoke run)
     python -m benchmarks.features --parts explain    # features explain of one image
+    python -m benchmarks.features --parts run_shares # issue 24: label statistics + image pages in one whole run
 
 1. Throughput, same run, same data: synthetic shards in DINOv2's token layout (CLS + 4
    registers + 16x16 patches = 261 tokens per image), a TopK SAE, both sides through
@@ -19,6 +20,16 @@
 3. The site for d_sae = 19 200, N = 16 (synthetic table and images): build time and size,
    without and with label statistics (``--site_labels`` labels, ImageNet's 1000 by default:
    atom sections, index columns and scatter, one page per label), each built from scratch.
+3c. (``site_shares``) One labelled site of that size with image pages: the label statistics
+   (``label_stats``, the atom sections with their label bars, index cells, headers, section and
+   scatter data, the label pages) and the image pages (each image's top atoms ranked from
+   synthetic sparse codes, as ``collect_images`` does, and ``write_site_image_pages``) timed
+   inside the one build, wall and CPU, as shares of the build without them.
+3d. (``run_shares``) The same shares in one whole ``features`` run in this process, pass and
+   re-read included: synthetic shards of ``--site_images`` images (JPEG sources, 1000 labels),
+   a TopK SAE of ``--site_d_sae`` atoms; the label counts in the pass (``LabelCounts.update``)
+   join the label statistics. Shares of the whole run and of its site (``build_site`` plus the
+   image rankings) without them; target: both together <= 25 %.
 4. ``features explain`` of one image (a 256x256 JPEG) with ViT-B/16 (``vit``, random weights
    from a recorded seed: no download) and a TopK SAE (d_sae 6144): the whole command once (SAE,
    backbone build, one image, its page), then, with the backbone and SAE loaded, the cost of one
