@@ -257,7 +257,7 @@ def write_photos(dpath: Path, n_images: int, rng: np.random.Generator) -> None:
     """``<i>.jpg``: smooth synthetic photos (gradients and a disc), 256x256 JPEG like ImageNet's."""
     from PIL import Image
 
-    dpath.mkdir()
+    dpath.mkdir(exist_ok=True)  # parts run one after another in one work folder
     yy, xx = np.mgrid[0:256, 0:256] / 256.0
     for i in range(n_images):
         c = rng.random((3, 3))
