@@ -4,7 +4,8 @@
 through a trained SAE on any number of devices (:mod:`.pass_module`, :mod:`.topn`,
 :mod:`.merge`), re-reads the top images' tokens for the heatmaps and the images themselves
 from the extraction's recorded source (:mod:`.images`), and writes a static site
-(:mod:`.site`; :mod:`.site_dir` checks ``--out``, builds beside it and swaps the site in whole),
+(:mod:`.site` builds it: the index, :mod:`.index_page`, and a page per atom, :mod:`.atom_pages`;
+:mod:`.site_dir` checks ``--out``, builds beside it and swaps the site in whole),
 with a page per image of the atoms that fire most on it (:mod:`.image_top`, :mod:`.image_pages`)
 and, where the images carry labels, per-atom label statistics and a page per label (:mod:`.labels`
 counts in the pass, :mod:`.selectivity`, :mod:`.label_pages`, :mod:`.label_assets`).

@@ -249,7 +249,7 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
 
 def site_atom_links(site: Path, sae: Any, images_dpath: Path) -> Any:
     """``atom -> href`` from ``images_dpath`` to the site's atom pages (None where the site has no page)."""
-    from sae_pipeline.features.site import atom_fname
+    from sae_pipeline.features.atom_pages import atom_fname
     from sae_pipeline.features.site_dir import MARKER_FNAME
 
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 IMAGE_TOP = 16  # atoms per ranking on an image page
-LEVEL_MAX, NOT_STORED = 250, 255  # as the atom pages (site.py, assets.JS)
+LEVEL_MAX, NOT_STORED = 250, 255  # as the atom pages (atom_pages.py, assets.JS)
 
 
 def _ranking(values: np.ndarray, k: int) -> np.ndarray:
