@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 from features_fixtures import D, identity_sae, write_export, write_shards
 from PIL import Image
-from site_walk import walk_site
-from system_tools import require
+from site_walk import chromium, walk_site
 
 from sae_pipeline.__main__ import main
-
-CHROMIUM = "chromium"
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +46,8 @@ def site(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def browser():
-    require([CHROMIUM], "apt-get install -y chromium")
-    import shutil
-
-    from playwright.sync_api import sync_playwright  # the dev extra; its browser is Debian's, never downloaded
-
-    with sync_playwright() as p:
-        instance = p.chromium.launch(
-            executable_path=shutil.which(CHROMIUM),
-            headless=True,
-            args=["--no-sandbox", "--allow-file-access-from-files"],
-        )
+    with chromium() as instance:
         yield instance
-        instance.close()
 
 
 def open_page(browser, url: str):

@@ -351,18 +351,9 @@ def train_and_export(spec: RunSpec, out_dpath: Path, in_process: bool = True, th
         shutil.rmtree(run_dpath, ignore_errors=True)
         run_dpath.mkdir(parents=True)
         write_text_atomic(run_dpath / PLAN_FNAME, json.dumps(spec.settings(), indent=2) + "\n")
-    else:
-        ckpt_fpath, version = resume
-        args += ["--ckpt_path", str(ckpt_fpath), "--trainer.logger.init_args.version", version]
-    if in_process:
-        _fit_in_process(args)
-    else:
-        _fit_subprocess(args, out_dpath / "logs" / f"{spec.name}.log", threads)
+    ckpt_fpath = _fit(args, resume, run_dpath, out_dpath, f"run {spec.name}", in_process, threads)
     from sae_pipeline.artifacts.export import export_checkpoint  # torch: imported only when a run is trained
 
-    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
-    if not ckpt_fpath.is_file():
-        raise RuntimeError(f"run {spec.name} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
     export_checkpoint(ckpt_fpath, model_dpath)
     record = {
         "settings": spec.settings(),
@@ -402,17 +393,9 @@ def train_group(specs: list[RunSpec], out_dpath: Path, in_process: bool = True, 
         write_text_atomic(config_fpath, yaml.safe_dump(config, sort_keys=False))
         write_text_atomic(run_dpath / PLAN_FNAME, json.dumps(plan, indent=2) + "\n")
     args = ["fit", "--config", str(config_fpath), "--data.source", specs[0].source, *specs[0].run_args(out_dpath, name)]
-    if resume is not None:
-        args += ["--ckpt_path", str(resume[0]), "--trainer.logger.init_args.version", resume[1]]
-    if in_process:
-        _fit_in_process(args)
-    else:
-        _fit_subprocess(args, out_dpath / "logs" / f"{name}.log", threads)
+    ckpt_fpath = _fit(args, resume, run_dpath, out_dpath, f"group {name}", in_process, threads)
     from sae_pipeline.artifacts.export import export_checkpoint
 
-    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
-    if not ckpt_fpath.is_file():
-        raise RuntimeError(f"group {name} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
     version = _versions(run_dpath)[-1]
     model_dpaths = []
     for spec in specs:
@@ -427,6 +410,28 @@ def train_group(specs: list[RunSpec], out_dpath: Path, in_process: bool = True, 
         write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")
         model_dpaths.append(model_dpath)
     return model_dpaths
+
+
+def _fit(
+    args: list[str],
+    resume: tuple[Path, str] | None,
+    run_dpath: Path,
+    out_dpath: Path,
+    what: str,
+    in_process: bool,
+    threads: int,
+) -> Path:
+    """Run ``fit`` (continuing ``resume``'s checkpoint and version folder when given); its ``last.ckpt``."""
+    if resume is not None:
+        args += ["--ckpt_path", str(resume[0]), "--trainer.logger.init_args.version", resume[1]]
+    if in_process:
+        _fit_in_process(args)
+    else:
+        _fit_subprocess(args, out_dpath / "logs" / f"{run_dpath.name}.log", threads)
+    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
+    if not ckpt_fpath.is_file():
+        raise RuntimeError(f"{what} finished without {ckpt_fpath}; see {out_dpath / 'logs'}")
+    return ckpt_fpath
 
 
 def _versions(run_dpath: Path) -> list[str]:
