@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sae_pipeline.evaluate.runs import ensure_runs, log_dpath, plan_runs
+from sae_pipeline.evaluate.run_training import ensure_runs
+from sae_pipeline.evaluate.runs import log_dpath, plan_runs
 from sae_pipeline.evaluate.studies import logged_metrics
 
 REPO_DPATH = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 ``python -m sae_pipeline.evaluate {expressivity,inference,coherence,concepts,probing,all,report,dictionary,sae}``
 (see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
 
-- :mod:`.runs`: plan the grid of training runs and train / export / resume them through the CLI;
+- :mod:`.runs`: plan the grid of training runs; :mod:`.run_training`: train / export / resume them through the CLI;
 - :mod:`.studies`: evaluate each exported run and gather the numbers per study (each SAE's numbers and curves:
   :func:`sae_pipeline.metrics.evaluate_sae`, which the training callback logs too);
 - :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;

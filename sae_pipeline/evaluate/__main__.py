@@ -14,7 +14,7 @@ keeps the results of earlier studies in the same ``OUT``. Bad input ends with on
 line and exit status 2 before anything is written; a runtime failure (a training run that
 failed, a full disk) with one line and 1; Ctrl-C with 130, SIGTERM with 143: finished runs are
 kept, and the run being trained saves its checkpoint; rerunning the same command reuses the
-finished runs and continues the interrupted one from its checkpoint (:mod:`.runs`). The convention is
+finished runs and continues the interrupted one from its checkpoint (:mod:`.run_training`). The convention is
 ``feature_extraction.exit_status``'s.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 from feature_extraction.exit_status import run_cli
 from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
-from sae_pipeline.evaluate import runs  # light: torch, Lightning and matplotlib load once the flags are valid
+from sae_pipeline.evaluate import run_training, runs  # light: torch loads once the flags are valid
 
 PROG = "python -m sae_pipeline.evaluate"
 
@@ -256,7 +256,7 @@ def run_studies(args: Any) -> Path:
             bar.set_postfix_str(f"{'trained' if trained else 'reused'} {spec.name}")
             bar.update()
 
-        runs.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done, group=args.group_runs)
+        run_training.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done, group=args.group_runs)
         entries = dict(results.get("runs", {}))
         for spec in specs:
             bar.set_postfix_str(f"evaluating {spec.name}")
