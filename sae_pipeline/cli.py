@@ -55,6 +55,7 @@ from sae_pipeline.training.callbacks import SAEFigures
 from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint, newest_checkpoint
 from sae_pipeline.training.ckpt_config import (
     check_against_checkpoint,
+    check_group_against_checkpoint,
     explicit_config,
     sae_label,
     sae_namespace,
@@ -360,27 +361,6 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             print(f"TensorBoard runs: {log_dir}/<member>/   (tensorboard --logdir {log_dir})", flush=True)
         elif log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
-
-
-def check_group_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: Any, group: bool) -> None:
-    """A group's checkpoint goes with a group config holding the same members (their settings come from the
-    checkpoint, as a single run's do); a single SAE's checkpoint with a single SAE's config."""
-    saved = checkpoint.get("sae_group")
-    if not group:
-        raise CheckpointError(
-            f"--ckpt_path {ckpt_path}: holds a group of SAEs ({', '.join(saved or {})}), the config one SAE; "
-            "pass the group's config, or export one member with: export --ckpt_path FILE --name NAME"
-        )
-    if saved is None:
-        raise CheckpointError(
-            f"--ckpt_path {ckpt_path}: holds one SAE, the config a group (model.members); pass that SAE's config"
-        )
-    members = model.get("members") if model is not None else None
-    if members and set(members) != set(saved):
-        raise CheckpointError(
-            f"--ckpt_path {ckpt_path}: its group holds {', '.join(saved)}, the config names {', '.join(members)}; "
-            "pass the config it was trained with (a group cannot gain or lose members when resumed)"
-        )
 
 
 def already_done(trainer: Any) -> str | None:

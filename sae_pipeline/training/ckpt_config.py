@@ -1,4 +1,4 @@
-"""What a ``--ckpt_path`` run takes from its checkpoint, and what it refuses to override.
+"""What a ``--ckpt_path`` run takes from its checkpoint, and what it refuses to override (a group's too).
 
 LightningCLI merges a checkpoint's saved model hyper-parameters (``model.sae`` and ``model.lr``,
 ``model.warmup_steps``, ...) into the parsed config before it builds the model, so without a
@@ -117,6 +117,27 @@ def check_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: 
         raise CheckpointError(
             f"--ckpt_path {ckpt_path} was trained with {theirs} but the config asks for {ours} "
             f"(a run from a checkpoint keeps its model settings); {FIX}"
+        )
+
+
+def check_group_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: Any, group: bool) -> None:
+    """A group's checkpoint goes with a group config holding the same members (their settings come from the
+    checkpoint, as a single run's do); a single SAE's checkpoint with a single SAE's config."""
+    saved = checkpoint.get("sae_group")
+    if not group:
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: holds a group of SAEs ({', '.join(saved or {})}), the config one SAE; "
+            "pass the group's config, or export one member with: export --ckpt_path FILE --name NAME"
+        )
+    if saved is None:
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: holds one SAE, the config a group (model.members); pass that SAE's config"
+        )
+    members = model.get("members") if model is not None else None
+    if members and set(members) != set(saved):
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path}: its group holds {', '.join(saved)}, the config names {', '.join(members)}; "
+            "pass the config it was trained with (a group cannot gain or lose members when resumed)"
         )
 
 
