@@ -48,6 +48,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -161,6 +162,14 @@ def _record_meta(record: ImageRecord, digest: str | None = None) -> dict:
     return meta
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """A Ctrl-C or a SIGTERM sent to the whole group (scancel) reaches the loader workers too; only the main
+    process acts on it (it stops the workers and aborts the open shards), so a worker killed by the signal never
+    adds a second line to the one stop line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def write_shards(
     backbone: Backbone,
     dataset: torch.utils.data.Dataset,
@@ -197,6 +206,7 @@ def write_shards(
         collate_fn=collate_images,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
+        worker_init_fn=_ignore_stop_signals,
     )
     start_time = time.perf_counter()
     # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
@@ -274,6 +284,9 @@ def write_shards(
         writer.close()
     except BaseException:
         writer.abort()
+        shutdown = getattr(batch_iter, "_shutdown_workers", None)  # workers only with num_workers > 0
+        if shutdown is not None:
+            shutdown()  # now, not whenever the traceback lets go of the iterator
         raise
     finally:
         bar.close()
