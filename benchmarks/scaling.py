@@ -1,0 +1,59 @@
+"""Benchmark: how each stage's time and peak memory grow with its size, against the slope its algorithm predicts.
+
+    python -m benchmarks.scaling                      # every part at its full sizes (BENCHMARKS.md, "Cost curves")
+    python -m benchmarks.scaling --parts train_d_sae  # one part
+    python -m benchmarks.scaling --quick              # tiny sizes, every part (tests/test_benchmarks_scaling.py)
+
+Each part measures one stage at >= 4 sizes spanning >= 16x (in --quick, fewer and smaller) and returns
+:class:`~benchmarks.scaling_fit.Curve` objects; the fit, the flag (a slope above its expectation) and the
+table are in ``benchmarks/scaling_fit.py``. The parts live in ``benchmarks/scaling_compute.py`` (the
+numerical kernels: training steps, Babel, predict, the loader) and ``benchmarks/scaling_pipeline.py``
+(the commands around them: ``fit`` start-up vs shards, the feature browser, extraction, memory vs tokens).
+Writes ``scaling.json``, ``scaling.md`` and ``scaling.png`` to ``--out`` and prints the table, each
+expected slope next to the fitted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks import scaling_compute, scaling_pipeline
+from benchmarks.scaling_fit import markdown_table, plot
+
+PARTS = {**scaling_compute.PARTS, **scaling_pipeline.PARTS}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    parser.add_argument("--out", type=Path, default=Path("scaling_out"))
+    scaling_compute.add_arguments(parser)
+    scaling_pipeline.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    curves = []
+    for name in args.parts:
+        start = time.perf_counter()
+        part = PARTS[name](args)
+        print(f"# {name}: {time.perf_counter() - start:.0f} s", flush=True)
+        print(markdown_table(part), flush=True)
+        curves += part
+    table = markdown_table(curves)
+    (args.out / "scaling.md").write_text(table + "\n")
+    (args.out / "scaling.json").write_text(json.dumps([c.to_json() for c in curves], indent=1) + "\n")
+    plot(curves, args.out / "scaling.png")
+    print(table)
+    flagged = [c.stage for c in curves if c.flags]
+    print(f"flagged: {', '.join(flagged) or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
