@@ -146,13 +146,28 @@ def plot(curves: list[Curve], fpath: Path) -> None:
 
 def run_point(module: str, args: list[str], env: dict[str, str] | None = None, timeout: float = 3600) -> dict:
     """Run ``python -m MODULE ARGS`` in a fresh process; return the JSON object its last stdout line prints,
-    plus ``wall_s`` and ``peak_rss_mib`` (the process's own high-water mark and its reaped children's, from
-    ``wait4``: DataLoader workers and writer processes included, each at its own peak)."""
+    plus ``wall_s`` and ``peak_rss_mib`` (see :func:`run_measured`)."""
+    run = run_measured([sys.executable, "-m", module, *args], env=env, timeout=timeout)
+    lines = [x for x in run["stdout"].splitlines() if x.startswith("{")]
+    if not lines:
+        raise RuntimeError(
+            f"{module} {' '.join(args)} printed no JSON line:\n{run['stdout'][-2000:]}\n{run['stderr'][-2000:]}"
+        )
+    result = json.loads(lines[-1])
+    result.setdefault("wall_s", run["wall_s"])
+    result.setdefault("peak_rss_mib", run["peak_rss_mib"])
+    return result
+
+
+def run_measured(
+    command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 3600
+) -> dict:
+    """Run ``command`` in a fresh process; return its ``stdout``, ``stderr``, ``wall_s`` and ``peak_rss_mib`` (the
+    process's own high-water mark and its reaped children's, from ``wait4``: DataLoader workers and writer
+    processes included, each at its own peak). A non-zero exit (a timeout included) raises RuntimeError."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=out, stderr=err, env={**os.environ, **(env or {})}
-        )
+        process = subprocess.Popen(command, stdout=out, stderr=err, cwd=cwd, env={**os.environ, **(env or {})})
         # wait4, not Popen.wait: it also returns the process's resource usage
         deadline = time.monotonic() + timeout
         while True:
@@ -170,11 +185,5 @@ def run_point(module: str, args: list[str], env: dict[str, str] | None = None, t
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     if process.returncode != 0:
-        raise RuntimeError(f"{module} {' '.join(args)} exited {process.returncode}:\n{stderr[-4000:]}")
-    lines = [x for x in stdout.splitlines() if x.startswith("{")]
-    if not lines:
-        raise RuntimeError(f"{module} {' '.join(args)} printed no JSON line:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    result = json.loads(lines[-1])
-    result.setdefault("wall_s", wall)
-    result.setdefault("peak_rss_mib", usage.ru_maxrss / 1024)
-    return result
+        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-4000:]}")
+    return {"stdout": stdout, "stderr": stderr, "wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024}
