@@ -37,6 +37,7 @@ Expected slopes, from each algorithm (B tokens per batch, k atoms per token, d_i
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import tempfile
@@ -173,7 +174,7 @@ def babel_p(args: argparse.Namespace) -> list[Curve]:
 def loader_workers(args: argparse.Namespace) -> list[Curve]:
     from benchmarks.loader import stream_read, write_shards
 
-    n_shards, images, tokens, d = (4, 4, 21, 16) if args.quick else (16, 32, 261, 768)
+    n_shards, images, tokens, d = (4, 4, 21, 16) if args.quick else (32, 32, 261, 768)
     workers = [1, 2, 4] if args.quick else [1, 2, 4, 8, 16]
     batch, buffer = (64, 256) if args.quick else (4096, 65_536)
     seconds = []
@@ -182,9 +183,12 @@ def loader_workers(args: argparse.Namespace) -> list[Curve]:
         stream_read(Path(tmp), 1, batch, buffer)  # the page cache and the imports, untimed
         for w in workers:
             warnings.filterwarnings("ignore", message=".*worker processes in total")  # torch's advice: 2 cores
-            start = time.perf_counter()
-            n_tokens = stream_read(Path(tmp), w, batch, buffer)
-            seconds.append(time.perf_counter() - start)
+            best = math.inf
+            for _ in range(1 if args.quick else 2):  # best of 2: a shared machine's bursts only slow a run down
+                start = time.perf_counter()
+                n_tokens = stream_read(Path(tmp), w, batch, buffer)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
     return [
         Curve(
             stage="loader",
@@ -193,7 +197,8 @@ def loader_workers(args: argparse.Namespace) -> list[Curve]:
             seconds=seconds,
             expected_time_slope=0,
             note=(
-                f"{n_tokens} tokens, d {d}, float16, warm page cache; {os.cpu_count()} cores: ideal slope -1 up to "
+                f"{n_tokens} tokens, d {d}, float16, warm page cache, best of 2; "
+                f"{os.cpu_count()} cores: ideal slope -1 up to "
                 "the core count, 0 beyond"
             ),
             extra={"tokens_per_s": [n_tokens / s for s in seconds]},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -159,31 +160,56 @@ def run_point(module: str, args: list[str], env: dict[str, str] | None = None, t
     return result
 
 
+# Runs the command as its child and writes that child's wait4 usage to the file named by argv[1]. Why a
+# launcher: Linux keeps the high-water RSS across exec (exec_mmap records the old mm's), so a child forked
+# straight from the benchmark (torch imported, ~1 GB) reports at least the benchmark's RSS as its own peak.
+# Forked from this small interpreter (python -I, stdlib only: ~10 MiB), the command's peak is its own.
+_LAUNCHER = """
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss}, f)
+"""
+
+
 def run_measured(
     command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 3600
 ) -> dict:
     """Run ``command`` in a fresh process; return its ``stdout``, ``stderr``, ``wall_s`` and ``peak_rss_mib`` (the
     process's own high-water mark and its reaped children's, from ``wait4``: DataLoader workers and writer
-    processes included, each at its own peak). A non-zero exit (a timeout included) raises RuntimeError."""
+    processes included, each at its own peak, not their sum). A non-zero exit or a timeout raises RuntimeError."""
     start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, cwd=cwd, env={**os.environ, **(env or {})})
-        # wait4, not Popen.wait: it also returns the process's resource usage
-        deadline = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                process.kill()
-                pid, status, usage = os.wait4(process.pid, 0)
-                break
-            time.sleep(0.05)
-        process.returncode = os.waitstatus_to_exitcode(status)
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        tempfile.TemporaryFile("w+") as err,
+        tempfile.TemporaryDirectory(prefix="run-measured-") as tmp,
+    ):
+        usage_fpath = Path(tmp) / "usage.json"
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-c", _LAUNCHER, str(usage_fpath), *command],
+            stdout=out,
+            stderr=err,
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # a timeout kills the launcher and the command together
+        )
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise RuntimeError(f"{' '.join(command)} ran past {timeout:.0f} s and was killed") from None
         wall = time.perf_counter() - start
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {process.returncode}:\n{stderr[-4000:]}")
-    return {"stdout": stdout, "stderr": stderr, "wall_s": wall, "peak_rss_mib": usage.ru_maxrss / 1024}
+        usage = json.loads(usage_fpath.read_text()) if usage_fpath.exists() else {"status": process.returncode}
+    if process.returncode != 0 or usage["status"] != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {usage['status']}:\n{stderr[-4000:]}")
+    return {"stdout": stdout, "stderr": stderr, "wall_s": wall, "peak_rss_mib": usage["maxrss_kib"] / 1024}

@@ -77,6 +77,6 @@ def predict_tokens(args: argparse.Namespace) -> list[Curve]:
             peak_mib=[r["peak_rss_mib"] for r in results],
             expected_memory_slope=0,
             memory_offset_mib=offset,
-            note=f"TopK d_in {d}, d_sae {d_sae}, k {k}, batch {batch}; wall time of the whole command (start-up included)",
+            note=f"TopK d_in {d}, d_sae {d_sae}, k {k}, batch {batch}; wall time of the command, start-up included",
         )
     ]
