@@ -29,6 +29,7 @@ from torch import Tensor
 
 from feature_extraction.exit_status import Interrupted
 from sae_pipeline.artifacts.codes import CodesWriter, count_codes, merge_codes
+from sae_pipeline.training.heap import fix_mmap_threshold
 
 
 def part_fpath(fpath: Path, rank: int) -> Path:
@@ -50,6 +51,7 @@ class CodesPredictionWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         trainer.predict_loop.return_predictions = False  # codes go to the file, not to RAM
+        fix_mmap_threshold()  # and per-batch tensors do not pile up in glibc's heap (training/heap.py)
         module = pl_module.predict_target() if hasattr(pl_module, "predict_target") else pl_module  # a group's member
         sae = module.sae
         attrs = {
