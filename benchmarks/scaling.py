@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks import scaling_compute, scaling_pipeline
-from benchmarks.scaling_fit import markdown_table, plot
+from benchmarks.scaling_fit import Curve, markdown_table, plot
 
 PARTS = {**scaling_compute.PARTS, **scaling_pipeline.PARTS}
 
@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def write_outputs(curves: list[Curve], out: Path) -> None:
+    (out / "scaling.md").write_text(markdown_table(curves) + "\n")
+    (out / "scaling.json").write_text(json.dumps([c.to_json() for c in curves], indent=1) + "\n")
+    plot(curves, out / "scaling.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -46,11 +52,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {name}: {time.perf_counter() - start:.0f} s", flush=True)
         print(markdown_table(part), flush=True)
         curves += part
-    table = markdown_table(curves)
-    (args.out / "scaling.md").write_text(table + "\n")
-    (args.out / "scaling.json").write_text(json.dumps([c.to_json() for c in curves], indent=1) + "\n")
-    plot(curves, args.out / "scaling.png")
-    print(table)
+        write_outputs(curves, args.out)  # after each part: a long run stopped later keeps what it measured
+    print(markdown_table(curves))
     flagged = [c.stage for c in curves if c.flags]
     print(f"flagged: {', '.join(flagged) or 'none'}")
 
