@@ -9,7 +9,7 @@ Each part measures one stage at >= 4 sizes spanning >= 16x (in --quick, fewer an
 table are in ``benchmarks/scaling_fit.py``. The parts live in ``benchmarks/scaling_compute.py`` (the
 numerical kernels: training steps, Babel, predict, the loader) and ``benchmarks/scaling_pipeline.py``
 (the commands around them: ``fit`` start-up vs shards, the feature browser, extraction, memory vs tokens).
-Writes ``scaling.json``, ``scaling.md`` and ``scaling.png`` to ``--out`` and prints the table, each
+Writes ``scaling.{json,md,png}`` (the curves, the table, the figure) to ``--out`` and prints the table, each
 expected slope next to the fitted one.
 """
 
