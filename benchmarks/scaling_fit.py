@@ -124,6 +124,7 @@ def markdown_table(curves: list[Curve]) -> str:
 def plot(curves: list[Curve], fpath: Path) -> None:
     """Log-log time (and memory, where measured) per stage, with the expected slope drawn through the first point."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     n = len(curves)
     cols = 3
@@ -135,11 +136,16 @@ def plot(curves: list[Curve], fpath: Path) -> None:
         ax.loglog(xs, c.seconds, "o-", color="C0", label=f"time (slope {c.time_slope:.2f})")
         ax.loglog(xs, c.seconds[0] * (xs / xs[0]) ** c.expected_time_slope, ":", color="C0", alpha=0.6)
         ax.set_xlabel(c.x_name)
+        ax.xaxis.set_minor_formatter(NullFormatter())  # 2x steps: minor labels would overlap
         ax.set_ylabel("seconds")
         if c.peak_mib is not None:
             twin = ax.twinx()
             twin.loglog(xs, c.peak_mib, "s--", color="C1", label="peak MiB")
             twin.set_ylabel("peak MiB")
+            low = min(c.peak_mib) / 1.25  # at least a factor 4 tall: a flat peak must look flat, not zoomed in
+            twin.set_ylim(low, max(max(c.peak_mib) * 1.25, 4 * low))
+            twin.yaxis.set_minor_formatter(NullFormatter())
+            twin.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(c.stage + (" ⚑ " + ",".join(c.flags) if c.flags else ""), fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     fig.savefig(fpath, dpi=110)
