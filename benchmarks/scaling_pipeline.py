@@ -217,7 +217,7 @@ def _features_points(tmp: Path, n_images: int, d: int, configs: list[tuple[int, 
 
 
 def features_d_sae(args: argparse.Namespace) -> list[Curve]:
-    sizes = [32, 64] if args.quick else [128, 256, 512, 1024, 2048]
+    sizes = [32, 64] if args.quick else [64, 128, 256, 512, 1024]
     top = 4 if args.quick else 8
     with tempfile.TemporaryDirectory(prefix="scaling-features-") as tmp:
         points = _features_points(Path(tmp), 8 if args.quick else 64, 32, [(s, top) for s in sizes], args.quick)
@@ -226,7 +226,7 @@ def features_d_sae(args: argparse.Namespace) -> list[Curve]:
 
 def features_n(args: argparse.Namespace) -> list[Curve]:
     sizes = [2, 4] if args.quick else [2, 4, 8, 16, 32]
-    d_sae = 32 if args.quick else 512
+    d_sae = 32 if args.quick else 256
     with tempfile.TemporaryDirectory(prefix="scaling-features-") as tmp:
         points = _features_points(Path(tmp), 8 if args.quick else 64, 32, [(d_sae, n) for n in sizes], args.quick)
     return _features_curves("N", "N (top images per atom)", sizes, points, 0.0)
@@ -274,7 +274,7 @@ def memory_tokens(args: argparse.Namespace) -> list[Curve]:
     """fit, features and evaluate over 16x the tokens. ``evaluate`` holds out half the shards (the more tokens,
     the sooner a growing memory shows) with a 2048-atom SAE, whose blocks (``metrics.measure``: 2**24 code
     entries, 8192 rows) the smallest split already fills: from there on, the memory must stay flat."""
-    images = [16, 32] if args.quick else [64, 128, 256, 512, 1024]
+    images = [16, 32] if args.quick else [64, 128, 256, 1024]
     d = 32 if args.quick else 128
     d_sae = 64 if args.quick else 512
     rows: dict[str, list[dict]] = {"fit": [], "features": [], "evaluate": []}
