@@ -67,6 +67,7 @@ def test_blocks_are_the_tensors_blocks(shards, max_tokens) -> None:
         assert [len(b) for b in got] == [len(b) for b in split.split(rows)]  # a second pass reads it again
 
 
+@pytest.mark.slow
 def test_evaluate_sae_dir_gives_the_in_memory_numbers(shards, sae, monkeypatch) -> None:
     model, dpath = sae
     monkeypatch.setattr(measure, "_CHUNK_ELEMENTS", 2**16)  # several blocks: 682 rows each
@@ -80,6 +81,7 @@ def test_evaluate_sae_dir_gives_the_in_memory_numbers(shards, sae, monkeypatch) 
     assert results["dead_fraction_eval"] == float((report["frequency"] == 0).double().mean())
 
 
+@pytest.mark.slow
 def test_evaluate_sae_dir_never_holds_the_split(shards, sae, monkeypatch) -> None:
     _, dpath = sae
     monkeypatch.setattr(measure, "_CHUNK_ELEMENTS", 2**14)  # blocks of 170 rows
