@@ -6,8 +6,8 @@
 - ``loaders.py``: the DataLoaders (shared-memory hand-over, one-line worker errors,
   mid-epoch resume).
 - ``datamodule.py``: ``ActivationDataModule``, what configs name (``data:`` section).
-- ``validation.py``: ``validation_tokens``, the validation split in memory (``evaluate sae``, the
-  SAELens export's check).
+- ``validation.py``: the validation split, in memory (``validation_tokens``: the SAELens export's
+  check) or read block by block on each pass (``validation_split``: ``evaluate sae``).
 """
 
 from sae_pipeline.data.datamodule import ActivationDataModule

@@ -450,17 +450,24 @@ def read_sample(units: list, n_tokens: int) -> np.ndarray:
     Deterministic and cheap (a shard is read only up to its share), so every rank builds
     the same sample for figures without reading a whole split.
     """
-    remaining, takes = n_tokens, {}
+    parts = [chunk.tokens.astype(np.float32) for chunk in iter_sample(units, n_tokens)]
+    if not parts:
+        raise ValueError("read_sample: the units hold no tokens")
+    return np.concatenate(parts)
+
+
+def sample_takes(units: list, n_tokens: int) -> list[int]:
+    """How many of its first tokens each unit gives to an even sample of ``n_tokens`` (water-filling)."""
+    remaining, takes = n_tokens, [0] * len(units)
     order = sorted(range(len(units)), key=lambda i: units[i].n_tokens)
     for left, i in zip(range(len(units), 0, -1), order):
         takes[i] = min(units[i].n_tokens, remaining // left)
         remaining -= takes[i]
-    parts = [
-        chunk.tokens.astype(np.float32)
-        for i, unit in enumerate(units)
-        if takes.get(i)
-        for chunk in unit.read(0, takes[i])
-    ]
-    if not parts:
-        raise ValueError("read_sample: the units hold no tokens")
-    return np.concatenate(parts)
+    return takes
+
+
+def iter_sample(units: list, n_tokens: int) -> Iterator[Chunk]:
+    """:func:`read_sample`'s tokens as the units' chunks, in its order, read one at a time."""
+    for unit, take in zip(units, sample_takes(units, n_tokens)):
+        if take:
+            yield from unit.read(0, take)

@@ -2,8 +2,9 @@
 
 ``python -m sae_pipeline.evaluate sae --sae DIR --data SOURCE --out OUT`` loads the SAE with
 :func:`sae_pipeline.artifacts.load_sae` (which reads both formats), takes the validation split of
-``SOURCE`` as training would hold it out (:func:`sae_pipeline.data.validation_tokens`: the same rows for
-the same ``--val_fraction``), and
+``SOURCE`` as training would hold it out (:func:`sae_pipeline.data.validation.validation_split`: the same
+rows for the same ``--val_fraction``, read block by block on each pass, so memory does not grow with the
+split), and
 reports what the study reports per run: R² of the model as it is (``forward``), L0, the dead
 fraction on those tokens, R² against the inference k, and the Babel curves of the dictionary
 and of the co-activated atoms. Numbers go into ``OUT/results.json`` under ``saes.<DIR name>``
@@ -24,7 +25,7 @@ from matplotlib.figure import Figure
 
 from sae_pipeline.artifacts import load_sae
 from sae_pipeline.artifacts.export_files import export_format
-from sae_pipeline.data.validation import validation_tokens
+from sae_pipeline.data.validation import validation_split
 from sae_pipeline.evaluate.studies import reconstruction_r2
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
 from sae_pipeline.metrics import evaluate_sae
@@ -47,7 +48,7 @@ def evaluate_sae_dir(
             "SAELens directory (cfg.json + sae_weights.safetensors)"
         )
     sae = load_sae(sae_dpath)
-    x = validation_tokens(data, val_fraction, max_tokens, data_dpath)
+    x = validation_split(data, val_fraction, max_tokens, data_dpath)
     if x.shape[1] != sae.d_in:
         raise ValueError(
             f"--data {data}: tokens are {x.shape[1]}-d but the SAE in {sae_dpath} takes "
