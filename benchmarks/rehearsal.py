@@ -52,7 +52,7 @@ def sizes(args: argparse.Namespace) -> dict:
     if args.quick:
         base = {"images": 40, "d": 64, "shard_size": 2, "batch_size": 256, "d_sae": 128, "k": 4, "workers": 0}
     else:
-        base = {"images": args.images, "d": 768, "shard_size": 1000, "batch_size": 4096, "d_sae": 1536, "k": 16}
+        base = {"images": args.images, "d": 768, "shard_size": 1000, "batch_size": 4096, "d_sae": 512, "k": 8}
         base["workers"] = 1
         base["shard_size"] = min(1000, max(1, math.ceil(args.images / 20)))  # >= 20 shards: 1 for validation
     for key in ("d_sae", "k", "batch_size"):

@@ -102,7 +102,7 @@ def check_resume(
     repeated = int((counts - 1).sum())
     unique_train = np.unique(train_hashes)
     foreign = int(len(unique_seen) - np.isin(unique_seen, unique_train, assume_unique=True).sum())
-    lost = int(len(train_hashes) - len(seen))
+    lost = int(len(unique_train) - np.isin(unique_train, unique_seen, assume_unique=True).sum())
     if len(unique_train) != len(train_hashes):
         failures.append("the training split has tokens with equal hashes: the audit cannot tell them apart")
     if repeated:
@@ -110,7 +110,7 @@ def check_resume(
     if foreign:
         failures.append(f"{foreign} tokens trained on are not in the training split")
     if not 0 <= lost < batch_size:
-        failures.append(f"{lost} training tokens left out of the epoch (the stream drops < one batch)")
+        failures.append(f"{lost} training tokens never trained on in the epoch (the stream drops < one batch)")
     return {
         "checkpoint_step": ckpt_step,
         "killed_run_batches": len(first),
