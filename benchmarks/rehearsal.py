@@ -12,7 +12,7 @@ DataLoader workers included) and its disk as the bytes under its output folder:
 
 1. ``shards``: synthetic tokens (``benchmarks/rehearsal_shards.py``) through the shard writer.
 2. ``fit``: a group of one TopK and one MP-SAE (``model.members``), one epoch. The run is held at
-   about 45 % of the epoch, after its second periodic checkpoint (``--checkpoint.every_n_train_steps``),
+   half-way through the epoch, after its second periodic checkpoint (``--checkpoint.every_n_train_steps``),
    and killed with SIGKILL (no handler runs); ``fit --ckpt_path last`` then finishes the epoch.
    ``benchmarks/rehearsal_audit.py`` records every batch's tokens in both processes and checks the
    stitched epoch: every step once, the replayed batches equal to those the kill lost, no token
@@ -48,12 +48,12 @@ FIT_ENV = (AUDIT_ENV, HOLD_ENV)
 
 
 def sizes(args: argparse.Namespace) -> dict:
-    """The run's sizes: ``--quick``'s tiny ones or the rehearsal's (chosen to fit 40 minutes on 2 cores)."""
+    """The run's sizes: ``--quick``'s tiny ones or the rehearsal's (planned: 40 minutes, 2 quiet cores)."""
     if args.quick:
-        base = {"images": 40, "d": 64, "shard_size": 2, "batch_size": 256, "d_sae": 128, "k": 4, "workers": 0}
+        base = {"images": 40, "d": 64, "shard_size": 2, "batch_size": 256, "d_sae": 128, "k": 4, "workers": 0, "top": 2}
     else:
-        base = {"images": args.images, "d": 768, "shard_size": 1000, "batch_size": 4096, "d_sae": 512, "k": 8}
-        base["workers"] = 1
+        base = {"images": args.images, "d": 768, "shard_size": 1000, "batch_size": 4096, "d_sae": 256, "k": 8}
+        base["workers"], base["top"] = 1, 16
         base["shard_size"] = min(1000, max(1, math.ceil(args.images / 20)))  # >= 20 shards: 1 for validation
     for key in ("d_sae", "k", "batch_size"):
         if getattr(args, key) is not None:
@@ -175,7 +175,10 @@ def rehearse(args: argparse.Namespace) -> dict:
     out, size = Path(args.out).resolve(), sizes(args)
     rows: list[dict] = []
 
-    def row(stage: str, result: dict, *dpaths: Path, scales: bool = True, note: str = "") -> None:
+    def row(stage: str, result: dict, *dpaths: Path, scales: bool | str = True, note: str = "") -> None:
+        logs = out / "logs"
+        logs.mkdir(exist_ok=True)
+        (logs / ("".join(c if c.isalnum() else "_" for c in stage) + ".log")).write_text(result["log"])
         rows.append(
             {
                 "stage": stage,
@@ -222,8 +225,9 @@ def rehearse(args: argparse.Namespace) -> dict:
 
     for name in MEMBERS:
         argv = ["-m", "sae_pipeline", "features", "--config", str(config), "--ckpt_path", str(final)]
-        argv += ["--name", name, "--out", str(out / "features" / name)]
-        row(f"features {name}", run_stage(argv), out / "features" / name, note="every shard")
+        argv += ["--name", name, "--top", str(size["top"]), "--out", str(out / "features" / name)]
+        note = "every shard; the site part does not grow with tokens: projection is an upper bound"
+        row(f"features {name}", run_stage(argv), out / "features" / name, scales="at most", note=note)
     argv = ["-m", "sae_pipeline", "export", "--ckpt_path", str(final), "--out", str(out / "export")]
     row("export", run_stage(argv), out / "export", scales=False, note="both members")
     for name in MEMBERS:
@@ -283,13 +287,14 @@ def table(results: dict) -> str:
     total = full_total = cpu = 0.0
     for r in results["rows"]:
         scale = factor / r.get("tokens_fraction", 1.0) if r["scales"] else 1.0
+        bound = "≤ " if r["scales"] == "at most" else ""
         total += r["wall_s"]
         cpu += r["cpu_s"]
         full_total += r["wall_s"] * scale
         lines.append(
             f"| {r['stage']} | {_duration(r['wall_s'])} | {_duration(r['cpu_s'])} | {r['peak_rss_mib']:.0f} MiB "
             f"| {_bytes(r['disk_bytes'])} "
-            f"| {_duration(r['wall_s'] * scale)}, {_bytes(r['disk_bytes'] * scale)} | {r['note']} |"
+            f"| {bound}{_duration(r['wall_s'] * scale)}, {_bytes(r['disk_bytes'] * scale)} | {r['note']} |"
         )
     lines.append(f"| **total** | {_duration(total)} | {_duration(cpu)} | | | {_duration(full_total)} | |")
     return "\n".join(lines)
