@@ -17,10 +17,10 @@ DataLoader workers included) and its disk as the bytes under its output folder:
    ``benchmarks/rehearsal_audit.py`` records every batch's tokens in both processes and checks the
    stitched epoch: every step once, the replayed batches equal to those the kill lost, no token
    repeated, none from outside the training split, fewer than one batch of it left out.
-3. ``features``: the feature browser of each member on every shard (``--name``).
+3. ``features``: the feature browser of each member (``--name``) on the first ``--part_shards`` shards
+   (a copy-free part: hard links and its own manifest); the pass is linear in tokens, the site is not.
 4. ``export`` of both members, then ``evaluate sae`` of each on the validation split.
-5. ``predict``: the MP-SAE member's codes of the first ``--predict_shards`` shards (a copy-free part:
-   hard links and its own manifest).
+5. ``predict``: the MP-SAE member's codes of the same first ``--part_shards`` shards.
 
 Prints a markdown table (and ``DIR/rehearsal.json``) with each stage projected to the full size:
 linear in tokens (every stage streams its tokens; export and evaluate's Babel do not grow).
@@ -223,11 +223,15 @@ def rehearse(args: argparse.Namespace) -> dict:
     if count["final_global_step"] != n_batches:
         count["failures"].append(f"final global step {count['final_global_step']} != {n_batches}")
 
+    n_part = min(n_shards, args.part_shards)
+    part = part_of_shards(out, n_part)
     for name in MEMBERS:
         argv = ["-m", "sae_pipeline", "features", "--config", str(config), "--ckpt_path", str(final)]
-        argv += ["--name", name, "--top", str(size["top"]), "--out", str(out / "features" / name)]
-        note = "every shard; the site part does not grow with tokens: projection is an upper bound"
+        argv += ["--data.source", str(part), "--name", name, "--top", str(size["top"])]
+        argv += ["--out", str(out / "features" / name)]
+        note = f"{n_part} of {n_shards} shards; the site part does not grow with tokens: projection is an upper bound"
         row(f"features {name}", run_stage(argv), out / "features" / name, scales="at most", note=note)
+        rows[-1]["tokens_fraction"] = n_part / n_shards
     argv = ["-m", "sae_pipeline", "export", "--ckpt_path", str(final), "--out", str(out / "export")]
     row("export", run_stage(argv), out / "export", scales=False, note="both members")
     for name in MEMBERS:
@@ -242,8 +246,6 @@ def rehearse(args: argparse.Namespace) -> dict:
         ]
         argv += ["--val_fraction", str(val_fraction), "--out", str(out / "eval" / name)]
         row(f"evaluate sae {name}", run_stage(argv), out / "eval" / name, note="validation shard")
-    n_part = min(n_shards, args.predict_shards)
-    part = part_of_shards(out, n_part)
     argv = ["-m", "sae_pipeline", "predict", "--config", str(config), "--ckpt_path", str(final)]
     argv += [
         "--model.predict_member",
@@ -319,7 +321,9 @@ def main() -> None:
     parser.add_argument("--d_sae", type=int)
     parser.add_argument("--k", type=int)
     parser.add_argument("--batch_size", type=int)
-    parser.add_argument("--predict_shards", type=int, default=2, help="shards predict writes codes for")
+    parser.add_argument(
+        "--part_shards", type=int, default=2, help="shards `features` and `predict` read (projected to all)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
