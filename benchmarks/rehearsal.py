@@ -65,35 +65,62 @@ def disk_bytes(*dpaths: Path) -> int:
     return sum(f.stat().st_size for d in dpaths if d.exists() for f in d.rglob("*") if f.is_file())
 
 
+# Forks the stage and reports its wait4 usage: a stage started straight from this driver would carry the driver's
+# RSS (over 1 GB, torch imported) into its own ru_maxrss through fork (Linux keeps the high-water mark across
+# exec; see benchmarks/scaling_fit.run_measured). With a hold file, SIGKILLs the stage once the file appears.
+_LAUNCHER = """
+import json, os, sys, time
+usage_fpath, hold = sys.argv[1], sys.argv[2]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[3], sys.argv[3:])
+    finally:
+        os._exit(127)
+while True:
+    done, status, usage = os.wait4(pid, os.WNOHANG)
+    if done:
+        break
+    if hold and os.path.exists(hold):
+        os.kill(pid, 9)
+        hold = ""
+    time.sleep(0.05)
+cpu = usage.ru_utime + usage.ru_stime
+with open(usage_fpath, "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss, "cpu_s": cpu}, f)
+"""
+
+
 def run_stage(argv: list[str], env: dict | None = None, hold: Path | None = None) -> dict:
     """Run ``python ARGV`` from the repository; with ``hold``, SIGKILL it once that file appears.
-    Returns wall seconds, peak RSS (MiB, ``wait4``) and the exit code; raises on an unexpected failure."""
+    Returns wall seconds, CPU seconds and peak RSS (MiB) from ``wait4`` (the stage and the children it reaped:
+    workers, writers) and the exit code; raises on an unexpected failure."""
     start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out:
-        process = subprocess.Popen(
-            [sys.executable, *argv],
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix="rehearsal-stage-") as tmp:
+        usage_fpath = Path(tmp) / "usage.json"
+        launcher = [sys.executable, "-I", "-c", _LAUNCHER, str(usage_fpath), str(hold or "")]
+        subprocess.run(
+            [*launcher, sys.executable, *argv],
             cwd=REPO_DPATH,
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            check=False,
         )
-        killed = False
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                break
-            if hold is not None and hold.exists() and not killed:
-                os.kill(process.pid, signal.SIGKILL)
-                killed = True
-            time.sleep(0.05)
         wall = time.perf_counter() - start
-        code = os.waitstatus_to_exitcode(status)
         out.seek(0)
         log = out.read()
+        usage = json.loads(usage_fpath.read_text()) if usage_fpath.exists() else {"status": None}
+    code = usage["status"]
     if code != (-signal.SIGKILL if hold is not None else 0):
         raise RuntimeError(f"{' '.join(argv)} exited {code}:\n{log[-4000:]}")
-    cpu = usage.ru_utime + usage.ru_stime  # the process and its reaped children: workers, writers
-    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_mib": usage.ru_maxrss / 1024, "exit": code, "log": log}
+    return {
+        "wall_s": wall,
+        "cpu_s": usage["cpu_s"],
+        "peak_rss_mib": usage["maxrss_kib"] / 1024,
+        "exit": code,
+        "log": log,
+    }
 
 
 def write_config(out: Path, size: dict, val_fraction: float, every: int) -> Path:
@@ -290,13 +317,14 @@ def table(results: dict) -> str:
     for r in results["rows"]:
         scale = factor / r.get("tokens_fraction", 1.0) if r["scales"] else 1.0
         bound = "≤ " if r["scales"] == "at most" else ""
+        disk_scale = 1.0 if r["scales"] == "at most" else scale  # a site's size is atoms x top images, not tokens
         total += r["wall_s"]
         cpu += r["cpu_s"]
         full_total += r["wall_s"] * scale
         lines.append(
             f"| {r['stage']} | {_duration(r['wall_s'])} | {_duration(r['cpu_s'])} | {r['peak_rss_mib']:.0f} MiB "
             f"| {_bytes(r['disk_bytes'])} "
-            f"| {bound}{_duration(r['wall_s'] * scale)}, {_bytes(r['disk_bytes'] * scale)} | {r['note']} |"
+            f"| {bound}{_duration(r['wall_s'] * scale)}, {_bytes(r['disk_bytes'] * disk_scale)} | {r['note']} |"
         )
     lines.append(f"| **total** | {_duration(total)} | {_duration(cpu)} | | | {_duration(full_total)} | |")
     return "\n".join(lines)
