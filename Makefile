@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m sae_pipeline.demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"

@@ -67,7 +67,7 @@ def disk_bytes(*dpaths: Path) -> int:
 
 # Forks the stage and reports its wait4 usage: a stage started straight from this driver would carry the driver's
 # RSS (over 1 GB, torch imported) into its own ru_maxrss through fork (Linux keeps the high-water mark across
-# exec; see benchmarks/scaling_fit.run_measured). With a hold file, SIGKILLs the stage once the file appears.
+# exec; see run_measured in benchmarks/scaling_fit.py). With a hold file, SIGKILLs the stage once the file appears.
 _LAUNCHER = """
 import json, os, sys, time
 usage_fpath, hold = sys.argv[1], sys.argv[2]
