@@ -13,7 +13,6 @@ the encoder's matmul dwarfs.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 M_MMAP_THRESHOLD = -3  # <malloc.h>
@@ -25,7 +24,7 @@ def fix_mmap_threshold(nbytes: int = DEFAULT_THRESHOLD_BYTES) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library already loaded: find_library would start a subprocess
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and others: no mallopt, nothing to fix
         return False
