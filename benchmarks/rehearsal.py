@@ -33,13 +33,11 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.rehearsal_audit import AUDIT_ENV, HOLD_ENV
+from benchmarks.scaling_fit import run_measured
 
 REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m ...` from here
 FULL_IMAGES = 1_281_167  # ImageNet-1k train
@@ -65,61 +63,26 @@ def disk_bytes(*dpaths: Path) -> int:
     return sum(f.stat().st_size for d in dpaths if d.exists() for f in d.rglob("*") if f.is_file())
 
 
-# Forks the stage and reports its wait4 usage: a stage started straight from this driver would carry the driver's
-# RSS (over 1 GB, torch imported) into its own ru_maxrss through fork (Linux keeps the high-water mark across
-# exec; see run_measured in benchmarks/scaling_fit.py). With a hold file, SIGKILLs the stage once the file appears.
-_LAUNCHER = """
-import json, os, sys, time
-usage_fpath, hold = sys.argv[1], sys.argv[2]
-pid = os.fork()
-if pid == 0:
-    try:
-        os.execvp(sys.argv[3], sys.argv[3:])
-    finally:
-        os._exit(127)
-while True:
-    done, status, usage = os.wait4(pid, os.WNOHANG)
-    if done:
-        break
-    if hold and os.path.exists(hold):
-        os.kill(pid, 9)
-        hold = ""
-    time.sleep(0.05)
-cpu = usage.ru_utime + usage.ru_stime
-with open(usage_fpath, "w") as f:
-    json.dump({"status": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss, "cpu_s": cpu}, f)
-"""
-
-
 def run_stage(argv: list[str], env: dict | None = None, hold: Path | None = None) -> dict:
-    """Run ``python ARGV`` from the repository; with ``hold``, SIGKILL it once that file appears.
+    """Run ``python ARGV`` from the repository through :func:`benchmarks.scaling_fit.run_measured` (its launcher
+    keeps the driver's RSS out of the stage's peak); with ``hold``, SIGKILL it once that file appears.
     Returns wall seconds, CPU seconds and peak RSS (MiB) from ``wait4`` (the stage and the children it reaped:
-    workers, writers) and the exit code; raises on an unexpected failure."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryDirectory(prefix="rehearsal-stage-") as tmp:
-        usage_fpath = Path(tmp) / "usage.json"
-        launcher = [sys.executable, "-I", "-c", _LAUNCHER, str(usage_fpath), str(hold or "")]
-        subprocess.run(
-            [*launcher, sys.executable, *argv],
-            cwd=REPO_DPATH,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            check=False,
-        )
-        wall = time.perf_counter() - start
-        out.seek(0)
-        log = out.read()
-        usage = json.loads(usage_fpath.read_text()) if usage_fpath.exists() else {"status": None}
-    code = usage["status"]
-    if code != (-signal.SIGKILL if hold is not None else 0):
-        raise RuntimeError(f"{' '.join(argv)} exited {code}:\n{log[-4000:]}")
+    workers, writers), the exit code and the log (stdout and stderr); raises on an unexpected failure."""
+    run = run_measured(
+        [sys.executable, *argv],
+        cwd=REPO_DPATH,
+        env=env,
+        timeout=None,
+        hold=hold,
+        expect_status=-signal.SIGKILL if hold is not None else 0,
+        merge_stderr=True,
+    )
     return {
-        "wall_s": wall,
-        "cpu_s": usage["cpu_s"],
-        "peak_rss_mib": usage["maxrss_kib"] / 1024,
-        "exit": code,
-        "log": log,
+        "wall_s": run["wall_s"],
+        "cpu_s": run["cpu_s"],
+        "peak_rss_mib": run["peak_rss_mib"],
+        "exit": run["status"],
+        "log": run["stdout"],
     }
 
 

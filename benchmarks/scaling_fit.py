@@ -170,26 +170,44 @@ def run_point(module: str, args: list[str], env: dict[str, str] | None = None, t
 # launcher: Linux keeps the high-water RSS across exec (exec_mmap records the old mm's), so a child forked
 # straight from the benchmark (torch imported, ~1 GB) reports at least the benchmark's RSS as its own peak.
 # Forked from this small interpreter (python -I, stdlib only: ~10 MiB), the command's peak is its own.
+# argv[2] names a hold file or is empty: the child is SIGKILLed once that file appears (the rehearsal's kill -9).
 _LAUNCHER = """
-import json, os, sys
+import json, os, sys, time
+usage_fpath, hold = sys.argv[1], sys.argv[2]
 pid = os.fork()
 if pid == 0:
     try:
-        os.execvp(sys.argv[2], sys.argv[2:])
+        os.execvp(sys.argv[3], sys.argv[3:])
     finally:
         os._exit(127)
-_, status, usage = os.wait4(pid, 0)
-with open(sys.argv[1], "w") as f:
-    json.dump({"status": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss}, f)
+while True:
+    done, status, usage = os.wait4(pid, os.WNOHANG if hold else 0)
+    if done:
+        break
+    if os.path.exists(hold):
+        os.kill(pid, 9)
+        hold = ""
+    time.sleep(0.05)
+cpu = usage.ru_utime + usage.ru_stime
+with open(usage_fpath, "w") as f:
+    json.dump({"status": os.waitstatus_to_exitcode(status), "maxrss_kib": usage.ru_maxrss, "cpu_s": cpu}, f)
 """
 
 
 def run_measured(
-    command: list[str], cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 3600
+    command: list[str],
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = 3600,
+    hold: Path | None = None,
+    expect_status: int = 0,
+    merge_stderr: bool = False,
 ) -> dict:
-    """Run ``command`` in a fresh process; return its ``stdout``, ``stderr``, ``wall_s`` and ``peak_rss_mib`` (the
-    process's own high-water mark and its reaped children's, from ``wait4``: DataLoader workers and writer
-    processes included, each at its own peak, not their sum). A non-zero exit or a timeout raises RuntimeError."""
+    """Run ``command`` in a fresh process; return its ``stdout``, ``stderr``, ``status``, ``wall_s``, ``cpu_s`` and
+    ``peak_rss_mib`` (the process's own high-water mark and its reaped children's, from ``wait4``: DataLoader
+    workers and writer processes included, each at its own peak, not their sum). With ``hold``, the command is
+    SIGKILLed once that file appears (pass ``expect_status=-signal.SIGKILL``); ``merge_stderr`` sends stderr into
+    ``stdout`` (one interleaved log). An exit status other than ``expect_status`` or a timeout raises RuntimeError."""
     start = time.perf_counter()
     with (
         tempfile.TemporaryFile("w+") as out,
@@ -198,9 +216,9 @@ def run_measured(
     ):
         usage_fpath = Path(tmp) / "usage.json"
         process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _LAUNCHER, str(usage_fpath), *command],
+            [sys.executable, "-I", "-c", _LAUNCHER, str(usage_fpath), str(hold or ""), *command],
             stdout=out,
-            stderr=err,
+            stderr=subprocess.STDOUT if merge_stderr else err,
             cwd=cwd,
             env={**os.environ, **(env or {})},
             start_new_session=True,  # a timeout kills the launcher and the command together
@@ -216,6 +234,13 @@ def run_measured(
         err.seek(0)
         stdout, stderr = out.read(), err.read()
         usage = json.loads(usage_fpath.read_text()) if usage_fpath.exists() else {"status": process.returncode}
-    if process.returncode != 0 or usage["status"] != 0:
-        raise RuntimeError(f"{' '.join(command)} exited {usage['status']}:\n{stderr[-4000:]}")
-    return {"stdout": stdout, "stderr": stderr, "wall_s": wall, "peak_rss_mib": usage["maxrss_kib"] / 1024}
+    if process.returncode != 0 or usage["status"] != expect_status:
+        raise RuntimeError(f"{' '.join(command)} exited {usage['status']}:\n{(stderr or stdout)[-4000:]}")
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "status": usage["status"],
+        "wall_s": wall,
+        "cpu_s": usage["cpu_s"],
+        "peak_rss_mib": usage["maxrss_kib"] / 1024,
+    }
