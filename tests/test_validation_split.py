@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from feature_extraction import shards as S
+from sae_pipeline.data.sources import iter_sample, open_source, read_sample
 from sae_pipeline.data.validation import validation_split, validation_tokens
 from sae_pipeline.evaluate import sae_dir, studies
 from sae_pipeline.evaluate.studies import reconstruction_r2
@@ -94,3 +95,11 @@ def test_evaluate_sae_dir_never_holds_the_split(shards, sae, monkeypatch) -> Non
     finally:
         tracemalloc.stop()
     assert peak < split_bytes / 2, f"peak {peak / 2**20:.2f} MiB traced for a 2.5 MiB split"
+
+
+def test_an_empty_split_is_refused_with_one_message_naming_no_function(shards) -> None:
+    units = open_source(str(shards)).units("val", 0.0)  # val_fraction 0: training keeps every shard
+    assert units == []
+    for sample in (lambda: read_sample(units, 8), lambda: list(iter_sample(units, 8))):
+        with pytest.raises(ValueError, match=r"^the split to sample holds no tokens .*set --data.val_fraction above 0"):
+            sample()

@@ -450,14 +450,21 @@ def read_sample(units: list, n_tokens: int) -> np.ndarray:
     Deterministic and cheap (a shard is read only up to its share), so every rank builds
     the same sample for figures without reading a whole split.
     """
-    parts = [chunk.tokens.astype(np.float32) for chunk in iter_sample(units, n_tokens)]
-    if not parts:
-        raise ValueError("read_sample: the units hold no tokens")
-    return np.concatenate(parts)
+    return np.concatenate([chunk.tokens.astype(np.float32) for chunk in iter_sample(units, n_tokens)])
 
 
 def sample_takes(units: list, n_tokens: int) -> list[int]:
-    """How many of its first tokens each unit gives to an even sample of ``n_tokens`` (water-filling)."""
+    """How many of its first tokens each unit gives to an even sample of ``n_tokens`` (water-filling).
+
+    Every sampler of a split (:func:`read_sample`, :func:`iter_sample`, the validation split) comes through
+    here, so an empty split is refused here, with one message, before any shard is read."""
+    if sum(unit.n_tokens for unit in units) == 0:
+        raise ValueError(
+            "the split to sample holds no tokens (with --data.val_fraction 0 the validation split is empty); "
+            "set --data.val_fraction above 0 or pass a --data.source that holds tokens"
+        )
+    if n_tokens < 1:
+        raise ValueError(f"a sample of {n_tokens} tokens: ask for at least 1")
     remaining, takes = n_tokens, [0] * len(units)
     order = sorted(range(len(units)), key=lambda i: units[i].n_tokens)
     for left, i in zip(range(len(units), 0, -1), order):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from feature_extraction.validate import check_float
-from sae_pipeline.data.sources import iter_sample, open_source, read_sample
+from sae_pipeline.data.sources import iter_sample, open_source, read_sample, sample_takes
 
 __all__ = ["ValidationSplit", "validation_split", "validation_tokens"]
 
@@ -48,9 +48,9 @@ def validation_split(
     """:func:`validation_tokens`' rows, in its order, read block by block on each pass instead of held whole."""
     units, d = _units(source, val_fraction, data_dpath)
     total = sum(unit.n_tokens for unit in units)
-    if total == 0:
-        raise ValueError("read_sample: the units hold no tokens")
-    return ValidationSplit(units, min(total, n_tokens or total), d)
+    n = min(total, n_tokens or total)
+    sample_takes(units, n)  # refuses an empty split now, not on the first pass
+    return ValidationSplit(units, n, d)
 
 
 class ValidationSplit:
