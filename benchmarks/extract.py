@@ -6,7 +6,7 @@
 
 Both sides see the same pre-decoded, preprocessed images in the same batches:
 
-- command: `feature_extraction.extract.write_shards`, the function `python -m
+- command: `feature_extraction.shard_loop.write_shards`, the function `python -m
   feature_extraction` runs: DataLoader + collate, forward under inference_mode (bf16
   autocast on CUDA), float16 tokens to the host, a writer thread that streams them into
   webdataset tars (sha256, float64 statistics, fsync, rename, sidecar).
@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from feature_extraction.backbones import load_backbone
-from feature_extraction.extract import extract, write_shards
+from feature_extraction.extract import extract
 from feature_extraction.images import ImageDataset, ImageRecord, list_images
+from feature_extraction.shard_loop import write_shards
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), from the vendors' data sheets.
 PEAK_BF16_TFLOPS = {

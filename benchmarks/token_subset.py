@@ -8,7 +8,7 @@ shape) with `shards.write_shard`, the function the extraction's writer processes
 
 - all tokens (the reference): every sample `[261, 768]`, no positions.
 - subset: per batch of `--batch_size` images, `token_selection.selected_positions` picks
-  the tokens and a gather keeps them, as `extract.forward_tokens` does on the device;
+  the tokens and a gather keeps them, as `shard_loop.forward_tokens` does on the device;
   each sample is `[5 + N, 768]` plus its `positions.npy`.
 
 Printed: bytes on disk, their ratio to the all-token shard (the disk saving that the

@@ -2,6 +2,8 @@
 
 `extract` is what `python -m feature_extraction` runs, once per SLURM array task (or
 torchrun rank, or alone). `finalize` (`shards/finalize.py`) assembles `manifest.json` once every shard exists.
+This module decides what to write (arguments, output checks, `extraction.json`, the task split); the hot loop
+that writes it (`write_shards`, `forward_tokens`) is `shard_loop.py`.
 
 Design choices:
 
@@ -46,24 +48,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
-import signal
-import sys
-import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor
-from tqdm import tqdm
 
 from feature_extraction import __version__
-from feature_extraction.backbones import Backbone, get_backbone_spec, load_backbone
-from feature_extraction.images import CONTENT_HASH_KEY, ImageDataset, ImageRecord, collate_images, list_images
+from feature_extraction.backbones import get_backbone_spec, load_backbone
+from feature_extraction.images import ImageDataset, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
+from feature_extraction.shard_loop import write_shards
 from feature_extraction.shards import (
     assign_shards,
     format_indices,
@@ -74,11 +67,10 @@ from feature_extraction.shards import (
     shards_for_task,
 )
 from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
-from feature_extraction.shards.writers import ShardWriters
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 from feature_extraction.validate import check_int
 
-__all__ = ["default_task", "extract", "forward_tokens", "image_id_from_key", "image_key", "write_shards"]
+__all__ = ["default_task", "extract", "image_id_from_key", "image_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,179 +110,6 @@ def _resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device} but no CUDA device is visible; use --device cpu or auto")
     return resolved
-
-
-def forward_tokens(
-    backbone: Backbone, pixels: Tensor, device: torch.device, positions: Tensor | None = None
-) -> tuple[Tensor, Any]:
-    """Start the forward of one batch; returns float16 tokens `[B, n_tokens, d]` on the host and a CUDA event.
-
-    `positions [B, n]` (int, per image) keeps only those tokens, gathered on the device.
-
-    On CUDA the copy to pinned host memory is asynchronous: the caller waits on the event
-    (`event.synchronize()`) only after queueing the next batch, so the GPU never idles on
-    the host. The event is None on the CPU.
-    """
-    on_cuda = device.type == "cuda"
-    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_cuda):
-        tokens = backbone(pixels.to(device, non_blocking=True)).to(torch.float16)
-        if positions is not None:
-            index = positions.to(device, torch.int64, non_blocking=True)
-            tokens = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
-    if not on_cuda:
-        return tokens, None
-    host = torch.empty(tokens.shape, dtype=torch.float16, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
-
-
-def _record_meta(record: ImageRecord, digest: str | None = None) -> dict:
-    """`meta.json` of a sample: the original id, its label, where the image came from and its content hash."""
-    meta: dict[str, Any] = {"image_id": record.image_id, "label": record.label}
-    if record.class_name is not None:
-        meta["class_name"] = record.class_name
-    if record.kind == "samples":
-        meta["source"] = f"skimage.data.{record.member}"
-    else:
-        meta["source"] = os.path.abspath(record.source)
-        if record.kind == "tar":
-            meta["member"] = record.member
-    if digest is not None:
-        meta[CONTENT_HASH_KEY] = digest
-    return meta
-
-
-def _ignore_stop_signals(_worker_id: int) -> None:
-    """A Ctrl-C or a SIGTERM sent to the whole group (scancel) reaches the loader workers too; only the main
-    process acts on it (it stops the workers and aborts the open shards), so a worker killed by the signal never
-    adds a second line to the one stop line."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def write_shards(
-    backbone: Backbone,
-    dataset: torch.utils.data.Dataset,
-    records: Sequence[ImageRecord],
-    shards: Sequence[tuple[int, Sequence[int]]],
-    out_dpath: Path,
-    *,
-    batch_size: int,
-    num_workers: int,
-    device: torch.device,
-    num_writers: int = 4,
-    progress: bool = True,
-    positions_of: Callable[[list[str]], np.ndarray] | None = None,
-) -> dict:
-    """Run the backbone over each shard's records and write the shards; the command's hot loop.
-
-    `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
-    `(i, pixels, content hash)` for record `i`, or `(i, None, why)` when it cannot be read. `positions_of(image_ids)`,
-    when given, says which tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
-    """
-    if not shards:
-        return {"images": 0, "skipped": 0, "seconds": 0.0}
-    batches, batch_shard = [], []
-    for position, (_, items) in enumerate(shards):
-        for start in range(0, len(items), batch_size):
-            batches.append(list(items[start : start + batch_size]))
-            batch_shard.append(position)
-    last_batch_of = {position: b for b, position in enumerate(batch_shard)}
-    n_images = sum(len(items) for _, items in shards)
-    max_shard = max((len(items) for _, items in shards), default=1)
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_sampler=batches,
-        collate_fn=collate_images,
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        worker_init_fn=_ignore_stop_signals,
-    )
-    start_time = time.perf_counter()
-    # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
-    writer = ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
-    batch_iter = iter(loader)
-    interactive = sys.stderr.isatty()
-    bar = tqdm(
-        total=n_images,
-        unit="img",
-        disable=not progress or n_images == 0,
-        dynamic_ncols=interactive,
-        mininterval=0.5 if interactive else 30.0,
-        desc="extract",
-    )
-    counts = {"images": 0, "skipped": 0}
-    skipped: list[dict] = []
-
-    def flush(
-        batch_no: int,
-        ok: list[int],
-        tokens: Tensor | None,
-        event: Any,
-        failed: list[int],
-        positions: np.ndarray | None,
-        hashes: list[str],
-        reasons: list[str],
-    ) -> None:
-        nonlocal skipped
-        position = batch_shard[batch_no]
-        index = shards[position][0]
-        if batch_no == 0 or batch_shard[batch_no - 1] != position:
-            writer.send(position, "begin", index)
-        if tokens is not None:
-            if event is not None:
-                event.synchronize()
-            writer.send_samples(
-                position,
-                tokens,
-                [image_key(records[i].image_id) for i in ok],
-                [_record_meta(records[i], digest) for i, digest in zip(ok, hashes)],
-                positions,
-            )
-        skipped += [
-            {
-                "image_id": records[i].image_id,
-                "source": _record_meta(records[i])["source"],
-                "shard": index,
-                "reason": why,
-            }
-            for i, why in zip(failed, reasons)
-        ]
-        if last_batch_of[position] == batch_no:
-            writer.send(position, "end", skipped)
-            skipped = []
-        counts["images"] += len(ok)
-        counts["skipped"] += len(failed)
-        bar.update(len(ok) + len(failed))
-
-    try:
-        pending = None
-        for batch_no, (ok, pixels, failed, hashes, reasons) in enumerate(batch_iter):
-            positions = None
-            if positions_of is not None and pixels is not None:
-                positions = positions_of([records[i].image_id for i in ok])
-            tokens, event = (
-                forward_tokens(backbone, pixels, device, None if positions is None else torch.from_numpy(positions))
-                if pixels is not None
-                else (None, None)
-            )
-            if pending is not None:
-                flush(*pending)
-            pending = (batch_no, ok, tokens, event, failed, positions, hashes, reasons)
-        if pending is not None:
-            flush(*pending)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        shutdown = getattr(batch_iter, "_shutdown_workers", None)  # workers only with num_workers > 0
-        if shutdown is not None:
-            shutdown()  # now, not whenever the traceback lets go of the iterator
-        raise
-    finally:
-        bar.close()
-    return {**counts, "seconds": time.perf_counter() - start_time}
 
 
 def extract(

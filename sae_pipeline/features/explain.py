@@ -198,7 +198,7 @@ def image_tokens(
     backbone: Any, selection: dict | None, pixels: torch.Tensor, ids: list[str], device: torch.device
 ) -> tuple[torch.Tensor, np.ndarray | None]:
     """The tokens the extraction stores for these images (float16 ``[B, t, d]``) and their positions (None: all)."""
-    from feature_extraction.extract import forward_tokens
+    from feature_extraction.shard_loop import forward_tokens
     from feature_extraction.token_selection import selected_positions
 
     spec = backbone.spec
