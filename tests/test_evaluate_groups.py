@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sae_pipeline.evaluate.run_training import ensure_runs
+from sae_pipeline.evaluate.run_training import ensure_runs, work_units
 from sae_pipeline.evaluate.runs import log_dpath, plan_runs
 from sae_pipeline.evaluate.studies import logged_metrics
 
@@ -51,3 +51,17 @@ def test_grouped_runs_equal_the_runs_alone(tmp_path: Path, monkeypatch: pytest.M
     assert f"--ckpt_path {grouped / 'runs' / group / 'checkpoints' / 'last.ckpt'}" in record["command"]
     assert sorted(p.name for p in (grouped / "runs" / group).glob("version_*")) == ["version_0"]
     assert logged_metrics(specs[0], grouped) == logged_metrics(specs[0], alone)
+
+
+def test_a_grid_that_shares_its_data_is_split_until_every_job_has_a_group() -> None:
+    points = [(k, p) for k in (4, 8) for p in (32, 48, 64)]
+    specs = plan_runs(["mpsae", "relu", "topk"], points, "digits", 6, REPO_DPATH / "configs", "digits")
+    assert len({spec.shared() for spec in specs}) == 1  # the whole grid could be one group
+    assert work_units(specs, group=True, jobs=1) == [specs]
+    halves = work_units(specs, group=True, jobs=2)
+    assert halves == [specs[0::2], specs[1::2]]  # dealt alternately: each half mixes variants and sizes
+    assert {spec.variant for spec in halves[0]} == {spec.variant for spec in halves[1]} == {"mpsae", "relu", "topk"}
+    parts = work_units(specs, group=True, jobs=5)
+    assert len(parts) == 5 and sorted(spec.name for part in parts for spec in part) == sorted(s.name for s in specs)
+    assert sorted(len(unit) for unit in work_units(specs[:3], group=True, jobs=8)) == [1, 1, 1]
+    assert work_units(specs, group=False, jobs=2) == [[spec] for spec in specs]

@@ -33,7 +33,8 @@ def ensure_runs(
 
     ``on_done(spec, trained)`` is called once per run (the progress bar), finished runs first. With
     ``group``, unfinished runs that share data, steps and every config section but the model train as
-    one group (:func:`train_group`: one pass over the data for all of them); ``jobs`` then counts groups.
+    one group (:func:`train_group`: one pass over the data for all of them), split so that each of the
+    ``jobs`` has one (:func:`work_units`).
     """
     out_dpath = Path(out_dpath)
     todo = []
@@ -45,9 +46,7 @@ def ensure_runs(
             todo.append(spec)
     (out_dpath / "logs").mkdir(parents=True, exist_ok=True)
 
-    units: dict[str, list[RunSpec]] = {}
-    for spec in todo:
-        units.setdefault(spec.shared() if group else spec.name, []).append(spec)
+    units = work_units(todo, group, jobs)
 
     def one(unit: list[RunSpec]) -> list[RunSpec]:
         threads = max(1, (os.cpu_count() or 1) // jobs)
@@ -61,14 +60,31 @@ def ensure_runs(
         return unit
 
     if jobs == 1:
-        return [spec for unit in units.values() for spec in one(unit)]
+        return [spec for unit in units for spec in one(unit)]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
-            return [spec for unit in pool.map(one, units.values()) for spec in unit]
+            return [spec for unit in pool.map(one, units) for spec in unit]
         except BaseException:  # Ctrl-C / SIGTERM (or a failed run): the other runs save and stop too
             pool.shutdown(wait=False, cancel_futures=True)
             _stop_live_runs()
             raise
+
+
+def work_units(todo: list[RunSpec], group: bool, jobs: int) -> list[list[RunSpec]]:
+    """The ``fit`` commands to run: each run alone, or (``group``) the runs that share data and steps
+    together. Groups are split until every job has one: a grid whose runs all share data would
+    otherwise be one group, one job, and the other jobs' cores would idle (each job gets
+    ``cpu_count // jobs`` threads). A split deals members alternately, so each part mixes the
+    grid's variants and sizes and the parts take about as long."""
+    keyed: dict[str, list[RunSpec]] = {}
+    for spec in todo:
+        keyed.setdefault(spec.shared() if group else spec.name, []).append(spec)
+    units = list(keyed.values())
+    while len(units) < jobs and any(len(unit) > 1 for unit in units):
+        largest = max(units, key=len)
+        units.remove(largest)
+        units += [largest[0::2], largest[1::2]]
+    return units
 
 
 _LIVE: set[subprocess.Popen] = set()  # the `fit` subprocesses running now (jobs > 1)
