@@ -15,11 +15,14 @@ dense ``[B, d_sae]`` matmuls per step and keeps ``k`` such tensors for backward.
    matmul ``C = r_0 @ W_decᵀ``; each later step either updates them with a row of the Gram
    matrix, ``C −= c_j · G[j]`` (``G = W_dec W_decᵀ``, ``B·d_sae`` memory-bound work per step,
    ``2·d_sae²·d_in`` FLOPs once), or recomputes them with a matmul (``2·B·d_in·d_sae`` FLOPs
-   per step). See :func:`prefer_gram` for the choice.
+   per step). See :func:`prefer_gram` for the choice. A large Gram matrix is formed per call
+   and freed before the backward (it is the step's memory peak: d_sae² elements); one up to
+   ``CPU_KEPT_GRAM_BYTES`` is kept between steps on CPU.
 2. :class:`MatchingPursuitFunction` recomputes the ``c_t`` and ``x_hat`` from the indices on
    ``[B, d_in]`` tensors (so the outputs never depend on Gram-path rounding) and saves only
    the inputs, the indices and the coefficients ``[B, k]``. Its backward is a reverse scan
-   over t with ``[B, d_in]`` adjoints; gradients reach ``W_dec`` by one ``index_add_``.
+   over t with ``[B, d_in]`` adjoints; gradients reach ``W_dec`` by ``index_add_`` (on CPU
+   per block of tokens, so that its scratch stays within ``CPU_BACKWARD_SCRATCH_BYTES``).
 
 Backward, derived by hand. With ``D_t = W_dec[j_t]`` (per token), upstream gradients
 ``ḡ_t`` on ``c_t`` and ``g`` on ``x_hat``, and ``a_t`` the adjoint of ``r_t`` (``a_k = 0``,
@@ -52,6 +55,14 @@ GRAM_MAX_BYTES = 4 * 2**30
 # Rows of the batch processed together on CPU: the correlations of a chunk (chunk × d_sae)
 # then stay in cache across the k steps; on GPUs the whole batch runs at once.
 CPU_CHUNK_ROWS = 256
+# The backward's gathered atoms and their gradients (2 · k · d_in per token) on CPU are made
+# for as many tokens at a time as fit here, not for the whole batch (k · B · d_in each,
+# 96 MiB apiece at B = 1024, k = 32, d_in = 768); these two bounded buffers are kept in the workspace.
+CPU_BACKWARD_SCRATCH_BYTES = 32 * 2**20
+# A Gram matrix up to this size (d_sae = 4096 in float32) is kept in the workspace between
+# steps; a larger one lives for its selection only: kept, it would be held through the backward
+# pass and the optimiser step too (256 MiB at d_sae = 8192, the step's peak either way).
+CPU_KEPT_GRAM_BYTES = 64 * 2**20
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -124,9 +135,12 @@ class Workspace:
     """Scratch tensors kept between calls, on CPU only.
 
     On CPU a fresh multi-MB tensor is mapped anew by the allocator and page-faults on first
-    touch: allocating the 4096² float32 Gram matrix costs about a third of its matmul on a
-    2-core box, every training step. Reusing one buffer avoids that. On GPUs the caching
-    allocator already reuses memory, so nothing is kept. Not part of any state_dict.
+    touch, every training step; reusing one buffer avoids that. Only buffers that stay small
+    belong here (MP's correlations of one row chunk, ``CPU_CHUNK_ROWS × d_sae``, a Gram matrix
+    up to ``CPU_KEPT_GRAM_BYTES`` and the backward's atoms of ``CPU_BACKWARD_SCRATCH_BYTES``
+    worth of tokens): what is kept is held through the backward pass and the optimiser step
+    too, so a larger Gram matrix is allocated per call instead. On GPUs the caching allocator
+    already reuses memory, so nothing is kept. Not part of any state_dict.
     """
 
     def __init__(self) -> None:
@@ -182,12 +196,19 @@ def select_atoms(
     W_dec = W_dec.detach()
     workspace = Workspace() if workspace is None else workspace
     device = residual.device
+    on_cpu = device.type == "cpu"
     gram = None
-    if use_gram:
-        gram = workspace.get("gram", (d_sae, d_sae), work_dtype, device)
+    if use_gram:  # kept between steps only while small (page faults of a fresh one cost ~1/3 of its matmul)
+        gram_bytes = d_sae * d_sae * torch.finfo(work_dtype).bits // 8
+        keep = gram_bytes <= CPU_KEPT_GRAM_BYTES
+        gram = (
+            workspace.get("gram", (d_sae, d_sae), work_dtype, device)
+            if keep
+            else torch.empty(d_sae, d_sae, dtype=work_dtype, device=device)
+        )
+    if gram is not None:
         correlate(W_dec, W_dec, gram)
-    indices = torch.empty(n_tokens, k, dtype=torch.int64, device=residual.device)
-    on_cpu = residual.device.type == "cpu"
+    indices = torch.empty(n_tokens, k, dtype=torch.int64, device=device)
     chunk = CPU_CHUNK_ROWS if on_cpu else max(n_tokens, 1)
     block = argmax_block_size(d_sae) if on_cpu else None
     rows_max = min(chunk, n_tokens)
@@ -204,12 +225,11 @@ def select_atoms(
             out[:, t] = j
             if t == k - 1:
                 break
-            if gram is not None and rows_buffer is not None:
-                gram_rows = torch.index_select(gram, 0, j, out=rows_buffer[:n_rows])
-                corr.addcmul_(gram_rows, c, value=-1.0)
-            else:
+            if gram is None or rows_buffer is None:
                 r = r - c.to(r.dtype) * W_dec.index_select(0, j)
                 correlate(r, W_dec, corr)
+            else:
+                corr.addcmul_(torch.index_select(gram, 0, j, out=rows_buffer[:n_rows]), c, value=-1.0)
     return indices
 
 
@@ -245,49 +265,79 @@ class MatchingPursuitFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_coefficients: Tensor | None, grad_x_hat: Tensor | None) -> tuple[Tensor | None, ...]:
         x, W_dec, b_pre, indices, coefficients = ctx.saved_tensors
-        workspace: Workspace = ctx.workspace
         dtype = compute_dtype(x.dtype)
-        device = x.device
         n_tokens, k = indices.shape
         d_in = W_dec.shape[1]
-        # D_t for all t, step-major so that each step's [B, d_in] slice is contiguous.
-        flat_indices = indices.T.reshape(-1)
-        atoms = workspace.get("atoms", (k, n_tokens, d_in), dtype, device)
-        if W_dec.dtype == dtype:
-            torch.index_select(W_dec, 0, flat_indices, out=atoms.view(-1, d_in))
-        else:
-            atoms.view(-1, d_in).copy_(W_dec.index_select(0, flat_indices))
         c = coefficients.to(dtype)
         g = None if grad_x_hat is None else grad_x_hat.to(dtype)
         g_c = None if grad_coefficients is None else grad_coefficients.to(dtype)
         r = x.to(dtype) - b_pre.to(dtype)
-        for t in range(k):  # r_k, by the same operations as the forward pass
-            r.addcmul_(atoms[t], c[:, t, None], value=-1.0)
-        # u_t = g − a_t (a_t: adjoint of r_t, a_k = 0); then γ_t = ḡ_t + <u_t, D_t>,
-        # ∂D_t = γ_t r_{t-1} + c_t u_t and u_{t-1} = u_t − γ_t D_t.
         u = torch.zeros_like(r) if g is None else g.clone()
-        grad_atoms = workspace.get("grad_atoms", (k, n_tokens, d_in), dtype, device)
-        for t in range(k - 1, -1, -1):
-            d = atoms[t]
-            c_t = c[:, t, None]
-            gamma = torch.linalg.vecdot(u, d)
-            if g_c is not None:
-                gamma += g_c[:, t]
-            gamma = gamma[:, None]
-            r.addcmul_(d, c_t)  # r_{t-1}
-            torch.mul(r, gamma, out=grad_atoms[t])
-            grad_atoms[t].addcmul_(u, c_t)
-            u.addcmul_(d, gamma, value=-1.0)
+        grad_W_dec = torch.zeros(W_dec.shape, dtype=dtype, device=x.device) if ctx.needs_input_grad[1] else None
+        rows = n_tokens
+        if (
+            x.device.type == "cpu" and n_tokens > 0
+        ):  # bounded scratch: atoms and their gradients of `rows` tokens, blocks of equal size
+            fit = max(1, CPU_BACKWARD_SCRATCH_BYTES // (2 * k * d_in * torch.finfo(dtype).bits // 8))
+            rows = -(-n_tokens // -(-n_tokens // fit))
+        atoms = ctx.workspace.get("atoms", (k * min(rows, n_tokens), d_in), dtype, x.device)
+        grad_atoms = ctx.workspace.get("grad_atoms", (k * min(rows, n_tokens), d_in), dtype, x.device)
+        for start in range(0, n_tokens, rows):
+            part = slice(start, start + rows)
+            g_c_part = None if g_c is None else g_c[part]
+            reverse_scan(W_dec, indices[part], c[part], g_c_part, r[part], u[part], grad_W_dec, atoms, grad_atoms)
         grad_x = None
         if ctx.needs_input_grad[0]:  # ∂x = a_0 = g − u_0
             grad_x = (-u if g is None else g - u).to(x.dtype)
         grad_b_pre = u.sum(0).to(b_pre.dtype) if ctx.needs_input_grad[2] else None  # Σ (g − a_0)
-        grad_W_dec = None
-        if ctx.needs_input_grad[1]:
-            grad_W_dec = torch.zeros(W_dec.shape, dtype=dtype, device=device)
-            grad_W_dec.index_add_(0, flat_indices, grad_atoms.view(-1, d_in))
+        if grad_W_dec is not None:
             grad_W_dec = grad_W_dec.to(W_dec.dtype)
         return grad_x, grad_W_dec, grad_b_pre, None, None
+
+
+def reverse_scan(
+    W_dec: Tensor,
+    indices: Tensor,
+    c: Tensor,
+    g_c: Tensor | None,
+    r: Tensor,
+    u: Tensor,
+    grad_W_dec: Tensor | None,
+    atoms_buffer: Tensor,
+    grad_atoms_buffer: Tensor,
+) -> None:
+    """The backward's reverse scan for a block of tokens, in place: ``r`` enters as ``r_0`` and
+    ``u`` as ``g``, ``u`` leaves as ``u_0``; the atoms' gradients are added to ``grad_W_dec``.
+    The buffers (``[≥ k·n, d_in]``) hold the block's atoms and their gradients."""
+    n_tokens, k = indices.shape
+    d_in = W_dec.shape[1]
+    dtype = r.dtype
+    # D_t for all t, step-major so that each step's [n, d_in] slice is contiguous.
+    flat_indices = indices.T.reshape(-1)
+    atoms = atoms_buffer[: k * n_tokens].view(k, n_tokens, d_in)
+    if W_dec.dtype == dtype:
+        torch.index_select(W_dec, 0, flat_indices, out=atoms.view(-1, d_in))
+    else:
+        atoms.view(-1, d_in).copy_(W_dec.index_select(0, flat_indices))
+    for t in range(k):  # r_k, by the same operations as the forward pass
+        r.addcmul_(atoms[t], c[:, t, None], value=-1.0)
+    # u_t = g − a_t (a_t: adjoint of r_t, a_k = 0); then γ_t = ḡ_t + <u_t, D_t>,
+    # ∂D_t = γ_t r_{t-1} + c_t u_t and u_{t-1} = u_t − γ_t D_t.
+    grad_atoms = None if grad_W_dec is None else grad_atoms_buffer[: k * n_tokens].view(k, n_tokens, d_in)
+    for t in range(k - 1, -1, -1):
+        d = atoms[t]
+        c_t = c[:, t, None]
+        gamma = torch.linalg.vecdot(u, d)
+        if g_c is not None:
+            gamma += g_c[:, t]
+        gamma = gamma[:, None]
+        r.addcmul_(d, c_t)  # r_{t-1}
+        if grad_atoms is not None:
+            torch.mul(r, gamma, out=grad_atoms[t])
+            grad_atoms[t].addcmul_(u, c_t)
+        u.addcmul_(d, gamma, value=-1.0)
+    if grad_W_dec is not None and grad_atoms is not None:
+        grad_W_dec.index_add_(0, flat_indices, grad_atoms.view(-1, d_in))
 
 
 def matching_pursuit(
