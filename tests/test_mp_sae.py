@@ -156,6 +156,9 @@ def test_prefer_gram_follows_the_cost_model() -> None:
         gram_cost = 2 * d_sae**2 * d_in + (k - 1) * n_tokens * d_sae * cpu
         matmul_cost = (k - 1) * n_tokens * 2 * d_in * d_sae
         assert prefer_gram(n_tokens, k, d_in, d_sae, cpu) == (gram_cost < matmul_cost)
+        syrk_cost = d_sae**2 * (d_in + cpu) + (k - 1) * n_tokens * d_sae * cpu  # half the FLOPs, then a mirror
+        assert prefer_gram(n_tokens, k, d_in, d_sae, cpu, symmetric=True) == (syrk_cost < matmul_cost)
+    assert not prefer_gram(3500, 2, 256, 4096, cpu) and prefer_gram(3500, 2, 256, 4096, cpu, symmetric=True)
 
 
 def test_no_batch_by_dictionary_tensor_is_saved_for_backward() -> None:

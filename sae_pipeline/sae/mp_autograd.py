@@ -47,6 +47,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from sae_pipeline.sae.gram import gram_into, uses_syrk
+
 Selection = Literal["auto", "gram", "matmul"]
 
 # Above this size the Gram matrix is not formed even when it would save FLOPs
@@ -85,23 +87,32 @@ def element_cost(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def prefer_gram(
-    n_tokens: int, k: int, d_in: int, d_sae: int, cost_per_element: float = 24.0, element_size: int = 4
+    n_tokens: int,
+    k: int,
+    d_in: int,
+    d_sae: int,
+    cost_per_element: float = 24.0,
+    element_size: int = 4,
+    symmetric: bool = False,
 ) -> bool:
     """Whether the Gram-update selection is cheaper than a correlation matmul per step.
 
     Both start with one matmul ``r_0 @ W_decᵀ`` and take an argmax per step. For the k − 1
-    updates, the Gram path pays ``2·d_sae²·d_in`` FLOPs once (``G = W_dec W_decᵀ``) plus
-    ``B·d_sae`` memory-bound elements per step (``cost_per_element`` FLOPs each, see
-    :func:`element_cost`); the matmul path pays ``2·B·d_in·d_sae`` FLOPs per step. So the Gram
-    matrix wins when ``2·d_sae²·d_in < (k−1)·B·d_sae·(2·d_in − cost_per_element)``: on CPU at
-    d_in = 256 about when ``B·(k−1) > 1.1·d_sae``. At B=1024, k=16, d_sae=4096: 15 360 > 4 506,
-    Gram (8.6 GFLOPs once instead of 32 over the steps). A Gram matrix larger than
+    updates, the Gram path pays for ``G = W_dec W_decᵀ`` once plus ``B·d_sae`` memory-bound
+    elements per step (``cost_per_element`` FLOPs each, see :func:`element_cost`); the matmul
+    path pays ``2·B·d_in·d_sae`` FLOPs per step. G costs ``2·d_sae²·d_in`` FLOPs as a matmul,
+    or, ``symmetric`` (CPU, :mod:`.gram`), ``d_sae²·d_in`` by syrk plus ``d_sae²`` elements to
+    mirror its triangle. So with the matmul the Gram path wins when
+    ``2·d_sae²·d_in < (k−1)·B·d_sae·(2·d_in − cost_per_element)``, and on CPU at d_in = 256
+    about when ``B·(k−1) > 0.57·d_sae``. At B=1024, k=16, d_sae=4096: 15 360 > 2 350, Gram
+    (4.3 GFLOPs once instead of 32 over the steps). A Gram matrix larger than
     ``GRAM_MAX_BYTES`` is never formed.
     """
     if k <= 1 or d_sae * d_sae * element_size > GRAM_MAX_BYTES:
         return False
     saving_per_element = 2 * d_in - cost_per_element
-    return saving_per_element > 0 and 2 * d_sae * d_sae * d_in < (k - 1) * n_tokens * d_sae * saving_per_element
+    gram_cost = d_sae * d_sae * (d_in + cost_per_element if symmetric else 2 * d_in)
+    return saving_per_element > 0 and gram_cost < (k - 1) * n_tokens * d_sae * saving_per_element
 
 
 def argmax_block_size(d_sae: int) -> int | None:
@@ -187,7 +198,8 @@ def select_atoms(
     work_dtype = compute_dtype(residual.dtype)
     if selection == "auto":
         cost = element_cost(residual.device, residual.dtype)
-        use_gram = prefer_gram(n_tokens, k, d_in, d_sae, cost, torch.finfo(work_dtype).bits // 8)
+        size = torch.finfo(work_dtype).bits // 8
+        use_gram = prefer_gram(n_tokens, k, d_in, d_sae, cost, size, uses_syrk(residual.device, work_dtype))
     elif selection in ("gram", "matmul"):
         use_gram = selection == "gram" and k > 1
     else:
@@ -207,7 +219,7 @@ def select_atoms(
             else torch.empty(d_sae, d_sae, dtype=work_dtype, device=device)
         )
     if gram is not None:
-        correlate(W_dec, W_dec, gram)
+        gram_into(W_dec, gram)
     indices = torch.empty(n_tokens, k, dtype=torch.int64, device=device)
     chunk = CPU_CHUNK_ROWS if on_cpu else max(n_tokens, 1)
     block = argmax_block_size(d_sae) if on_cpu else None
