@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from threadpoolctl import threadpool_info
@@ -52,3 +56,13 @@ def test_only_cpu_float_buffers_take_the_syrk_path() -> None:
     cpu = torch.device("cpu")
     assert uses_syrk(cpu, torch.float32) and uses_syrk(cpu, torch.float64)
     assert not uses_syrk(cpu, torch.bfloat16) and not uses_syrk(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("preset", [None, "28"])
+def test_importing_the_package_shortens_the_openblas_spin_unless_the_user_set_it(preset: str | None) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    code = "import os, sae_pipeline; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (preset or "4")

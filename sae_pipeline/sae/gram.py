@@ -4,8 +4,8 @@ On CPU it is the training step's largest cost: as a matmul, ``2·d_sae²·d_in``
 a 0.8 s step at d_in 768, d_sae 8 192 on 2 threads. G is symmetric, so BLAS ``?syrk`` computes one
 triangle with half the FLOPs. torch has no syrk, so it is called through SciPy's BLAS (already a
 dependency), its threads held to torch's count for the call (threadpoolctl), so the two thread pools
-never ask for more cores than torch was given. The other triangle is then mirrored block by block,
-``d_sae²`` memory-bound copies. GPUs keep the matmul: cuBLAS makes the Gram cheap there.
+never ask for more cores than torch was given. The other triangle is then mirrored tile by tile,
+``d_sae²/2`` memory-bound copies. GPUs keep the matmul: cuBLAS makes the Gram cheap there.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from torch import Tensor
 if TYPE_CHECKING:
     from threadpoolctl import ThreadpoolController
 
-# Rows mirrored per copy: a [block, d_sae] strip of the upper triangle from the lower one.
+# Side of the square tiles the triangle is mirrored in: a tile and its transpose stay in cache
+# (two 256 KiB float32 tiles). Measured at d_sae 8 192 on 2 threads: 0.07 s in 256-tiles, 0.17 s
+# in [256, d_sae] strips, 0.65 s as one whole-matrix ``tril + trilᵀ``.
 MIRROR_BLOCK = 256
 _SYRK = {torch.float32: "ssyrk", torch.float64: "dsyrk"}
 
@@ -52,12 +54,13 @@ def gram_into(W_dec: Tensor, out: Tensor) -> None:
 def mirror_lower(matrix: Tensor, block: int = MIRROR_BLOCK) -> None:
     """Fill the strict upper triangle of a square ``matrix`` from its lower one, in place."""
     size = matrix.shape[0]
-    for start in range(0, size, block):
-        stop = min(start + block, size)
-        diagonal = matrix[start:stop, start:stop]
+    for row in range(0, size, block):
+        row_end = min(row + block, size)
+        diagonal = matrix[row:row_end, row:row_end]
         diagonal.copy_(diagonal.tril() + diagonal.tril(-1).T)
-        if stop < size:
-            matrix[start:stop, stop:].copy_(matrix[stop:, start:stop].T)
+        for column in range(row_end, size, block):
+            column_end = min(column + block, size)
+            matrix[row:row_end, column:column_end].copy_(matrix[column:column_end, row:row_end].T)
 
 
 def _syrk(dtype: torch.dtype) -> Callable[..., np.ndarray]:
