@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sae_pipeline.evaluate.run_training import ensure_runs, work_units
+from sae_pipeline.evaluate.run_training import ensure_runs, run_cost, work_units
 from sae_pipeline.evaluate.runs import log_dpath, plan_runs
 from sae_pipeline.evaluate.studies import logged_metrics
 
@@ -54,13 +54,20 @@ def test_grouped_runs_equal_the_runs_alone(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_a_grid_that_shares_its_data_is_split_until_every_job_has_a_group() -> None:
-    points = [(k, p) for k in (4, 8) for p in (32, 48, 64)]
+    points = [(k, 1000) for k in (5, 10, 20, 40)] + [(10, p) for p in (500, 2000)]  # the MNIST grid's points
     specs = plan_runs(["mpsae", "relu", "topk"], points, "digits", 6, REPO_DPATH / "configs", "digits")
     assert len({spec.shared() for spec in specs}) == 1  # the whole grid could be one group
     assert work_units(specs, group=True, jobs=1) == [specs]
     halves = work_units(specs, group=True, jobs=2)
-    assert halves == [specs[0::2], specs[1::2]]  # dealt alternately: each half mixes variants and sizes
-    assert {spec.variant for spec in halves[0]} == {spec.variant for spec in halves[1]} == {"mpsae", "relu", "topk"}
+    assert sorted(spec.name for half in halves for spec in half) == sorted(spec.name for spec in specs)
+    for variant in ("mpsae", "relu", "topk"):  # each half: half of every variant, one of its two costliest runs
+        counts = [sum(spec.variant == variant for spec in half) for half in halves]
+        assert counts == [3, 3], (variant, counts)
+        for half in halves:
+            costs = sorted((run_cost(spec) for spec in half if spec.variant == variant), reverse=True)
+            assert costs[0] >= 20_000, (variant, costs)  # k 40 (40 000) or k 20 / p 2000 (20 000)
+    totals = [sum(map(run_cost, half)) for half in halves]
+    assert abs(totals[0] - totals[1]) <= max(map(run_cost, specs)) / 2, totals
     parts = work_units(specs, group=True, jobs=5)
     assert len(parts) == 5 and sorted(spec.name for part in parts for spec in part) == sorted(s.name for s in specs)
     assert sorted(len(unit) for unit in work_units(specs[:3], group=True, jobs=8)) == [1, 1, 1]

@@ -74,17 +74,35 @@ def work_units(todo: list[RunSpec], group: bool, jobs: int) -> list[list[RunSpec
     """The ``fit`` commands to run: each run alone, or (``group``) the runs that share data and steps
     together. Groups are split until every job has one: a grid whose runs all share data would
     otherwise be one group, one job, and the other jobs' cores would idle (each job gets
-    ``cpu_count // jobs`` threads). A split deals members alternately, so each part mixes the
-    grid's variants and sizes and the parts take about as long."""
+    ``cpu_count // jobs`` threads). The costliest part is split first (:func:`split_evenly`)."""
     keyed: dict[str, list[RunSpec]] = {}
     for spec in todo:
         keyed.setdefault(spec.shared() if group else spec.name, []).append(spec)
     units = list(keyed.values())
     while len(units) < jobs and any(len(unit) > 1 for unit in units):
-        largest = max(units, key=len)
-        units.remove(largest)
-        units += [largest[0::2], largest[1::2]]
+        costliest = max(units, key=lambda unit: sum(map(run_cost, unit)) if len(unit) > 1 else -1)
+        units.remove(costliest)
+        units += split_evenly(costliest)
     return units
+
+
+def run_cost(spec: RunSpec) -> int:
+    """A run's cost relative to the grid's others, for balancing: ``p · k`` (every variant's step grows
+    with the dictionary, a pursuit's also with its steps)."""
+    return spec.p * max(spec.k, 1)
+
+
+def split_evenly(unit: list[RunSpec]) -> list[list[RunSpec]]:
+    """Two parts of a group that take about as long: each variant's runs, costliest first, dealt in
+    snake order (A B B A, continuing across variants), so each part gets half of every variant and
+    its costly and cheap runs alternate. Dealing alternately in plan order gave one half every
+    k = 40 and p = 2000 run of the MNIST grid (it trained 6 minutes after the other had finished)."""
+    variants = list(dict.fromkeys(spec.variant for spec in unit))
+    ordered = sorted(unit, key=lambda spec: (variants.index(spec.variant), -run_cost(spec)))
+    parts: tuple[list[RunSpec], list[RunSpec]] = ([], [])
+    for index, spec in enumerate(ordered):
+        parts[index % 4 in (1, 2)].append(spec)
+    return [parts[0], parts[1]]
 
 
 _LIVE: set[subprocess.Popen] = set()  # the `fit` subprocesses running now (jobs > 1)
