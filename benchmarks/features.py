@@ -47,7 +47,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.scaling_fit import run_measured
 
 warnings.filterwarnings("ignore")
 REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m benchmarks.features` from here
@@ -227,7 +228,9 @@ def memory(args: argparse.Namespace, work: Path) -> None:
             "--top",
             str(args.top),
         ]
-        out = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, check=True).stdout
+        # From a small launcher: a child forked straight from this driver would start its ru_maxrss at the
+        # driver's RSS (Linux carries it across fork + exec) and hide the growth this part measures.
+        out = run_measured(command, cwd=REPO_DPATH, timeout=None)["stdout"]
         result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
         peaks.append(result["peak_bytes"])
         print(f"   {result['tokens']:>10,} tokens: peak {result['peak_bytes'] / 2**20:,.0f} MiB")

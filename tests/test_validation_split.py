@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from feature_extraction import shards as S
-from sae_pipeline.data.sources import iter_sample, open_source, read_sample
+from sae_pipeline.data.sample import iter_sample, read_sample
+from sae_pipeline.data.sources import open_source
 from sae_pipeline.data.validation import validation_split, validation_tokens
 from sae_pipeline.evaluate import sae_dir, studies
 from sae_pipeline.evaluate.studies import reconstruction_r2

@@ -2,6 +2,7 @@
 
 - ``sources.py``: where tokens come from (shard directories, HDF5 token caches, digits,
   MNIST), cut into *units* of known token count.
+- ``sample.py``: an even, deterministic sample of a split (the figures' sample, the studies).
 - ``streams.py``: split units over ranks and workers, shuffle, equal batch counts.
 - ``loaders.py``: the DataLoaders (shared-memory hand-over, one-line worker errors,
   mid-epoch resume).
@@ -12,6 +13,7 @@
 
 from sae_pipeline.data.datamodule import ActivationDataModule
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
+from sae_pipeline.data.sample import read_sample
 from sae_pipeline.data.sources import (
     Chunk,
     RowSource,
@@ -20,7 +22,6 @@ from sae_pipeline.data.sources import (
     load_mnist,
     load_mnist_sample,
     open_source,
-    read_sample,
 )
 from sae_pipeline.data.streams import BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream
 from sae_pipeline.data.validation import validation_tokens

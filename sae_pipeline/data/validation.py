@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from feature_extraction.validate import check_float
-from sae_pipeline.data.sources import iter_sample, open_source, read_sample, sample_takes
+from sae_pipeline.data.sample import iter_sample, read_sample, sample_takes
+from sae_pipeline.data.sources import open_source
 
 __all__ = ["ValidationSplit", "validation_split", "validation_tokens"]
 

@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from sae_pipeline.artifacts import load_sae
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.data.sources import read_sample
+from sae_pipeline.data.sample import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
 from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
