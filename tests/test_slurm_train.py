@@ -1,5 +1,6 @@
 """slurm/train.sh and slurm/sweep.sh on a real single-node SLURM: 2-task gloo DDP on the CPU,
-pre-emption (SIGUSR1 -> hpc checkpoint -> requeue -> resume), bad input, an array sweep.
+pre-emption of a group of SAEs (SIGUSR1 -> hpc checkpoint -> requeue -> resume), bad input, an array sweep.
+(One SAE's requeue on two nodes: tests/test_slurm_multinode.py.)
 
 One cluster and one set of shards (made by the extraction command) serve the whole module.
 The training runs are the demo's (configs/demo_shards.yaml): 6 training shards of 34 tokens,
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import system_tools
 import torch
+import yaml
 from slurm_cluster import EXECUTABLES, INSTALL_HINT, SlurmCluster
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -106,10 +108,10 @@ def log_text(workdir: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in sorted((workdir / "logs").glob("*.out")))
 
 
-def train_args(shards: Path, *extra: str) -> list[str]:
+def train_args(shards: Path, *extra: str, config: Path = DEMO_CONFIG) -> list[str]:
     return [
         str(TRAIN_SH),
-        str(DEMO_CONFIG),
+        str(config),
         "--data.source",
         str(shards),
         "--trainer.max_epochs",
@@ -157,12 +159,23 @@ def test_two_task_job_trains_with_lightning_ddp(uninterrupted: tuple[Path, str])
     assert logged_steps(run_dpath / f"slurm-{job_id}")[-1][-1] == EPOCHS * STEPS_PER_EPOCH - 1
 
 
+def group_config(workdir: Path) -> Path:
+    """The demo config's SAE as member ``demo`` of a group, beside a smaller TopK member."""
+    config = yaml.safe_load(DEMO_CONFIG.read_text())
+    alone = config.pop("model")
+    small = {**alone, "sae": {"class_path": "sae_pipeline.sae.TopKSAE", "init_args": {"d_sae": 64, "k": 4}}}
+    config["model"] = {"members": {"demo": alone, "small": small}}
+    fpath = workdir / "demo_group.yaml"
+    fpath.write_text(yaml.safe_dump(config))
+    return fpath
+
+
 @pytest.mark.slow
-def test_usr1_requeues_and_the_job_resumes_where_it_stopped(
+def test_usr1_requeues_a_group_and_the_job_resumes_where_it_stopped(
     cluster: SlurmCluster, shards: Path, tmp_path: Path, uninterrupted: tuple[Path, str]
 ) -> None:
-    job_id = submit(cluster, tmp_path, train_args(shards))
-    run_dpath = tmp_path / "runs" / "demo_shards"
+    job_id = submit(cluster, tmp_path, train_args(shards, config=group_config(tmp_path)))
+    run_dpath = tmp_path / "runs" / "demo_group"
     deadline = time.time() + 240
     last_fpath = run_dpath / f"slurm-{job_id}" / "checkpoints" / "last.ckpt"
     while not last_fpath.exists():  # training is under way (step >= 10)
@@ -203,21 +216,23 @@ def test_usr1_requeues_and_the_job_resumes_where_it_stopped(
     loader_state = hpc["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert loader_state["epoch"] * STEPS_PER_EPOCH + loader_state["batches_done"] == saved_step
 
-    # One TensorBoard run, continued: the steps of the second event file follow those of the first.
+    # Each member's TensorBoard run, continued: the steps of its second event file follow those of the first.
     assert sorted(p.name for p in run_dpath.iterdir()) == [f"slurm-{job_id}"]
-    before, after = logged_steps(version_dpath)
-    assert before and after and before[-1] < saved_step <= after[0]
-    assert after[-1] == EPOCHS * STEPS_PER_EPOCH - 1
+    for member in ("demo", "small"):
+        before, after = logged_steps(version_dpath / member)
+        assert before and after and before[-1] < saved_step <= after[0], member
+        assert after[-1] == EPOCHS * STEPS_PER_EPOCH - 1
 
-    # The same end as the run that was never interrupted: step count and the trained weights
-    # (optimiser, schedule, dead-latent clock and data order all resumed).
+    # Member `demo` ends as the single SAE never interrupted: step count and the trained weights
+    # (optimiser, schedule, dead-latent clock and data order all resumed; a member equals its SAE alone).
     final = torch.load(version_dpath / "checkpoints" / "last.ckpt", weights_only=True)
     reference_dpath, reference_job = uninterrupted
     reference_fpath = reference_dpath / "runs" / "demo_shards" / f"slurm-{reference_job}" / "checkpoints" / "last.ckpt"
     reference = torch.load(reference_fpath, weights_only=True)
     assert final["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert any(name.startswith("members.small.") for name in final["state_dict"])
     for name, value in reference["state_dict"].items():
-        torch.testing.assert_close(final["state_dict"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(final["state_dict"][f"members.demo.{name}"], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
