@@ -229,6 +229,10 @@ def run_measured(
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             raise RuntimeError(f"{' '.join(command)} ran past {timeout:.0f} s and was killed") from None
+        except BaseException:  # Ctrl-C at the driver: its own session keeps the command from the signal, so stop it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
         wall = time.perf_counter() - start
         out.seek(0)
         err.seek(0)
