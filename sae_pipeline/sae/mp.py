@@ -49,7 +49,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         if selection not in ("auto", "gram", "matmul"):
             raise ValueError(f"selection must be 'auto', 'gram' or 'matmul', got {selection!r}")
         self.selection: Selection = selection
-        self.workspace = Workspace()  # CPU scratch buffers (a chunk's correlations), not state
+        self.workspace = Workspace()  # CPU scratch buffers (a chunk's correlations, a small Gram matrix), not state
 
     def resolve_k(self, k: int | None) -> int | None:
         """``k`` ≥ 1 with no upper bound (the trained ``self.k`` when None): a pursuit may run more steps

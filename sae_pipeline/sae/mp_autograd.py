@@ -14,10 +14,10 @@ dense ``[B, d_sae]`` matmuls per step and keeps ``k`` such tensors for backward.
 1. :func:`select_atoms` (no grad) finds the indices ``[B, k]``. Correlations start as one
    matmul ``C = r_0 @ W_decᵀ``; each later step either updates them with a row of the Gram
    matrix, ``C −= c_j · G[j]`` (``G = W_dec W_decᵀ``, ``B·d_sae`` memory-bound work per step,
-   ``2·d_sae²·d_in`` FLOPs once), or recomputes them with a matmul (``2·B·d_in·d_sae`` FLOPs
-   per step). See :func:`prefer_gram` for the choice. A large Gram matrix is formed per call
-   and freed before the backward (it is the step's memory peak: d_sae² elements); one up to
-   ``CPU_KEPT_GRAM_BYTES`` is kept between steps on CPU.
+   ``2·d_sae²·d_in`` FLOPs once, half that by syrk on CPU: :mod:`.gram`), or recomputes them
+   with a matmul (``2·B·d_in·d_sae`` FLOPs per step). See :func:`prefer_gram` for the choice.
+   A large Gram matrix is formed per call and freed before the backward (it is the step's
+   memory peak: d_sae² elements); one up to ``CPU_KEPT_GRAM_BYTES`` is kept between steps on CPU.
 2. :class:`MatchingPursuitFunction` recomputes the ``c_t`` and ``x_hat`` from the indices on
    ``[B, d_in]`` tensors (so the outputs never depend on Gram-path rounding) and saves only
    the inputs, the indices and the coefficients ``[B, k]``. Its backward is a reverse scan
