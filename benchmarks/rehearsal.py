@@ -20,6 +20,7 @@ DataLoader workers included) and its disk as the bytes under its output folder:
 3. ``features``: the feature browser of each member (``--name``) on the first ``--part_shards`` shards
    (a copy-free part: hard links and its own manifest); the pass is linear in tokens, the site is not.
 4. ``export`` of both members, then ``evaluate sae`` of each on the validation split.
+   (``--quick`` runs 3 and 4's per-member stages for the MP-SAE member only.)
 5. ``predict``: the MP-SAE member's codes of the same first ``--part_shards`` shards.
 
 Prints a markdown table (and ``DIR/rehearsal.json``) with each stage projected to the full size:
@@ -215,7 +216,8 @@ def rehearse(args: argparse.Namespace) -> dict:
 
     n_part = min(n_shards, args.part_shards)
     part = part_of_shards(out, n_part)
-    for name in MEMBERS:
+    studied = ("mpsae",) if args.quick else MEMBERS  # --quick: one member's features and evaluation (fewer processes)
+    for name in studied:
         argv = ["-m", "sae_pipeline", "features", "--config", str(config), "--ckpt_path", str(final)]
         argv += ["--data.source", str(part), "--name", name, "--top", str(size["top"])]
         argv += ["--out", str(out / "features" / name)]
@@ -224,7 +226,7 @@ def rehearse(args: argparse.Namespace) -> dict:
         rows[-1]["tokens_fraction"] = n_part / n_shards
     argv = ["-m", "sae_pipeline", "export", "--ckpt_path", str(final), "--out", str(out / "export")]
     row("export", run_stage(argv), out / "export", scales=False, note="both members")
-    for name in MEMBERS:
+    for name in studied:
         argv = [
             "-m",
             "sae_pipeline.evaluate",
@@ -255,7 +257,7 @@ def rehearse(args: argparse.Namespace) -> dict:
         "n_batches": n_batches,
         "resume": count,
         "rows": rows,
-        "r2": {name: _r2(out / "eval" / name) for name in MEMBERS},
+        "r2": {name: _r2(out / "eval" / name) for name in studied},
     }
     (out / "rehearsal.json").write_text(json.dumps(results, indent=1) + "\n")
     return results

@@ -1,6 +1,6 @@
 """``python -m benchmarks.rehearsal --quick``: every stage as a real process, the ``kill -9`` of ``fit`` and its
 resume counted batch by batch and token by token; and the audit's check failing on a repeated batch.
-(The quick run starts ten ``python -m`` processes: slow.)"""
+(The quick run starts eight ``python -m`` processes: slow.)"""
 
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ STAGES = [
     "shards",
     "fit, killed (kill -9)",
     "fit, resumed (--ckpt_path last)",
-    "features topk",
     "features mpsae",
     "export",
-    "evaluate sae topk",
     "evaluate sae mpsae",
     "predict mpsae",
 ]
