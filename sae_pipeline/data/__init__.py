@@ -2,6 +2,7 @@
 
 - ``sources.py``: where tokens come from (shard directories, HDF5 token caches, digits,
   MNIST), cut into *units* of known token count.
+- ``mnist.py``: MNIST, downloaded, or the 5000-digit sample a wheel ships (offline).
 - ``sample.py``: an even, deterministic sample of a split (the figures' sample, the studies).
 - ``streams.py``: split units over ranks and workers, shuffle, equal batch counts.
 - ``loaders.py``: the DataLoaders (shared-memory hand-over, one-line worker errors,
@@ -13,14 +14,13 @@
 
 from sae_pipeline.data.datamodule import ActivationDataModule
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
+from sae_pipeline.data.mnist import load_mnist, load_mnist_sample
 from sae_pipeline.data.sample import read_sample
 from sae_pipeline.data.sources import (
     Chunk,
     RowSource,
     ShardSource,
     ShardUnit,
-    load_mnist,
-    load_mnist_sample,
     open_source,
 )
 from sae_pipeline.data.streams import BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream

@@ -39,8 +39,9 @@ import torch.distributed as dist
 
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
+from sae_pipeline.data.mnist import load_mnist
 from sae_pipeline.data.sample import read_sample
-from sae_pipeline.data.sources import RowSource, ShardSource, load_mnist, open_source
+from sae_pipeline.data.sources import RowSource, ShardSource, open_source
 from sae_pipeline.data.streams import OrderedTokenStream, ShuffledTokenStream, check_shuffle_buffer
 
 # Our streams' __len__ is exact per rank and per worker by construction (streams.py).

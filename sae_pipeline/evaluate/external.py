@@ -102,11 +102,11 @@ def load_data(data: str, data_dpath: str) -> torch.Tensor | None:
     if data == "digits28":
         return digits_as_mnist()
     if data == "mnist_sample":
-        from sae_pipeline.data.sources import load_mnist_sample
+        from sae_pipeline.data.mnist import load_mnist_sample
 
         return torch.from_numpy(load_mnist_sample().astype(np.float32) / 255.0)
     if data == "mnist":
-        from sae_pipeline.data.sources import load_mnist
+        from sae_pipeline.data.mnist import load_mnist
 
         return torch.from_numpy(load_mnist(data_dpath, allow_download=False).astype(np.float32) / 255.0)
     raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
