@@ -61,7 +61,7 @@ def write_tiny_shards(dpath: Path, n_shards: int, images_per_shard: int = 2, tok
 
 def write_image_shards(dpath: Path, n_images: int, d: int, images_per_shard: int = 16) -> None:
     """Shards in DINOv2's token layout whose images are scikit-image's bundled astronaut (the site draws them)."""
-    from benchmarks.features import write_synthetic_shards
+    from benchmarks.features_data import write_synthetic_shards
 
     with _no_fsync():
         write_synthetic_shards(dpath, n_images, d, images_per_shard=images_per_shard)
@@ -69,7 +69,7 @@ def write_image_shards(dpath: Path, n_images: int, d: int, images_per_shard: int
 
 def write_sae(dpath: Path, d_in: int, d_sae: int, k: int) -> Path:
     """A random TopK SAE as ``python -m sae_pipeline export`` writes it (config.json + sae.safetensors)."""
-    from benchmarks.features import make_sae
+    from benchmarks.features_data import make_sae
     from sae_pipeline.artifacts.export import EXPORT_FORMAT
     from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME, write_export_files
     from sae_pipeline.sae.config import sae_config
