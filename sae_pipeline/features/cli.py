@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     from sae_pipeline.features.heatmaps import layout_of
     from sae_pipeline.features.pass_module import FeaturesModule
     from sae_pipeline.features.site import build_site
-    from sae_pipeline.training.interrupts import Interrupts
+    from sae_pipeline.training.interrupts import Interrupts, interruption
 
     sae = load_model(args)
     batch_size = int(settings["data.batch_size"])
@@ -268,10 +268,13 @@ def main(argv: list[str] | None = None) -> int:
             atoms=args.atoms,
             n_neighbours=args.neighbours,
         )
-    except Interrupted as stop:
+    except BaseException as exn:
+        stop = interruption(exn)
+        if stop is None:
+            raise
         kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
         stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
-        raise
+        raise stop from (None if stop is exn else exn)
     report_image_checks(out)
     print(
         f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
@@ -292,7 +295,26 @@ def pass_progress_bar() -> Any:
         base = RichProgressBar
     except ImportError:
         base = TQDMProgressBar
-    return type("FeaturesPassBar", (base,), {"predict_description": property(lambda self: "Features pass")})()
+    return type(
+        "FeaturesPassBar",
+        (StopsQuietly, base),
+        {"predict_description": property(lambda self: "Features pass")},
+    )()
+
+
+class StopsQuietly:
+    """A progress bar whose own teardown cannot replace a stop (SIGTERM / Ctrl-C) with its error.
+
+    A signal that lands while Rich starts its refresh thread leaves the display half started, and
+    its ``stop()`` then raises; Lightning would skip the rest of its exception handling for it.
+    """
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        try:
+            super().on_exception(trainer, pl_module, exception)  # type: ignore[misc]
+        except Exception:
+            if not isinstance(exception, Interrupted):
+                raise
 
 
 def report_image_checks(out: Path) -> None:

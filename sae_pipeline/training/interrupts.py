@@ -51,7 +51,15 @@ from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.checkpointing import save_final_checkpoint
 from sae_pipeline.training.step_boundary import StepBoundaryCallback, max_over_ranks
 
-__all__ = ["HANDLED", "HANDLER", "Interrupted", "Interrupts", "raise_if_interrupted", "stop_signals"]
+__all__ = [
+    "HANDLED",
+    "HANDLER",
+    "Interrupted",
+    "Interrupts",
+    "interruption",
+    "raise_if_interrupted",
+    "stop_signals",
+]
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
 RESUME_HINT = "continue with the same command and --ckpt_path last"
@@ -121,12 +129,32 @@ def raise_if_interrupted() -> None:
         raise Interrupted(HANDLER.pending, announce=HANDLER.rank == 0)
 
 
+def interruption(exn: BaseException) -> Interrupted | None:
+    """The stop a signal asked for, whatever exception it surfaced as; None if no signal came.
+
+    The handler raises where the program is. A library caught half-way through an update can then
+    fail in its own cleanup (Rich's progress bar, stopped between creating and starting its refresh
+    thread, raises "cannot join thread before it is started"), and that error replaces ours: the
+    command must still exit 128 + signal with its one line, not 1 with a traceback.
+    """
+    if isinstance(exn, Interrupted):
+        return exn
+    if HANDLER.pending and HANDLER.users:
+        return Interrupted(HANDLER.pending, announce=HANDLER.rank == 0)
+    return None
+
+
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """SIGTERM / Ctrl-C raise :class:`Interrupted` in this block (fit defers it to a step boundary)."""
     installed = HANDLER.acquire()
     try:
         yield
+    except Exception as exn:  # an error on the way out of a stop is the stop (see interruption)
+        stop = interruption(exn) if installed else None
+        if stop is None:
+            raise
+        raise stop from exn
     finally:
         if installed:
             HANDLER.release()

@@ -1,0 +1,75 @@
+"""A signal stays the stop even when a library's cleanup fails on the way out.
+
+The SIGTERM / Ctrl-C handler raises where the program is (sae_pipeline.training.interrupts). A CI run
+caught it inside Rich's progress bar start, between creating and starting its refresh thread; the
+bar's ``stop()`` then raised "cannot join thread before it is started", which replaced the stop:
+``features`` exited 1 with a traceback instead of 143 with its one line. These tests put the signal
+exactly there, in-process, instead of waiting for the race.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning as L
+import pytest
+import rich.live
+import torch
+from torch.utils.data import DataLoader
+
+from feature_extraction.exit_status import Interrupted
+from sae_pipeline.features.cli import pass_progress_bar
+from sae_pipeline.training.interrupts import HANDLER, Interrupts, interruption, stop_signals
+
+
+class Doubler(L.LightningModule):
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return 2 * batch
+
+
+def signal_while_rich_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM arrives inside ``Live.start``: the handler raises there, as it did in CI."""
+    original = rich.live.Live.start
+
+    def start(self: rich.live.Live, refresh: bool = False) -> None:
+        original(self, refresh)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(rich.live.Live, "start", start)
+
+
+def test_the_features_bar_lets_a_stop_through_when_rich_was_caught_starting(monkeypatch: pytest.MonkeyPatch) -> None:
+    signal_while_rich_starts(monkeypatch)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[Interrupts(), pass_progress_bar()],
+    )
+    with pytest.raises(Interrupted) as info:  # the Interrupts callback installs the handler
+        trainer.predict(Doubler(), DataLoader(torch.zeros(4, 3), batch_size=2))
+    assert info.value.code == 128 + signal.SIGTERM
+    assert HANDLER.users == 0  # the Interrupts callback let go of the handler
+
+
+def test_an_error_raised_after_a_signal_exits_as_the_signal() -> None:
+    with pytest.raises(Interrupted) as info, stop_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises Interrupted here
+        finally:
+            raise RuntimeError("cannot join thread before it is started")  # what the cleanup raised
+    assert info.value.code == 128 + signal.SIGTERM
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_an_error_without_a_signal_is_left_as_it_is() -> None:
+    with pytest.raises(RuntimeError, match="a real bug"), stop_signals():
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(Interrupted), stop_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert interruption(RuntimeError("later")) is None  # outside stop_signals() no signal is pending
+    with stop_signals():
+        assert interruption(ValueError("x")) is None  # nor in the next one
