@@ -73,3 +73,25 @@ def test_an_error_without_a_signal_is_left_as_it_is() -> None:
     assert interruption(RuntimeError("later")) is None  # outside stop_signals() no signal is pending
     with stop_signals():
         assert interruption(ValueError("x")) is None  # nor in the next one
+
+
+def test_features_stopped_before_its_pass_says_no_site_was_written(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """CI caught a Ctrl-C after the pass's Trainer was built but before the pass: the line must still say what
+    was kept, not the generic "rerun the same command"."""
+    import sae_pipeline.features.cli as features_cli
+    from sae_pipeline.__main__ import main
+
+    def load_model(args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, before any data is read
+
+    monkeypatch.setattr(features_cli, "load_model", load_model)
+    site = tmp_path / "site"
+    argv = ["features", "--sae", str(tmp_path), "--data.source", "digits", "--out", str(site)]
+    assert main(argv) == 128 + signal.SIGTERM
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        line == f"terminated (SIGTERM): no site written to {site} (nothing was written there); rerun the same command"
+    )
+    assert not site.exists()

@@ -216,6 +216,30 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as error:
         raise ValueError(f"{flag_error(error)} (see {PROG} --help)") from None
     settings = resolve_settings(args)
+    from sae_pipeline.training.interrupts import interruption  # loaded already under python -m sae_pipeline
+
+    try:
+        written = write_site(args, settings)
+    except BaseException as exn:  # stopped anywhere before the site is swapped in: nothing was written
+        stop = interruption(exn)
+        if stop is None:
+            raise
+        kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
+        stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
+        raise stop from (None if stop is exn else exn)
+    if written is not None:  # rank 0
+        out, done = written
+        report_image_checks(out)
+        print(
+            f"{done}: open {out / 'index.html'} (or: python -m http.server --directory {out}, then "
+            "http://localhost:8000)",
+            flush=True,
+        )
+    return 0
+
+
+def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path, str] | None:
+    """The pass over the data, then the site (rank 0): its folder and what was done, None on other ranks."""
     start = time.perf_counter()
 
     import lightning as L
@@ -224,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     from sae_pipeline.features.heatmaps import layout_of
     from sae_pipeline.features.pass_module import FeaturesModule
     from sae_pipeline.features.site import build_site
-    from sae_pipeline.training.interrupts import Interrupts, interruption
+    from sae_pipeline.training.interrupts import Interrupts
 
     sae = load_model(args)
     batch_size = int(settings["data.batch_size"])
@@ -252,37 +276,26 @@ def main(argv: list[str] | None = None) -> int:
         inference_mode=True,
         callbacks=[Interrupts(), pass_progress_bar()],
     )
-    try:
-        trainer.predict(module, datamodule=datamodule)
-        if trainer.global_rank != 0:
-            return 0
-        assert module.state is not None and module.collection is not None
-        out = build_site(
-            Path(args.out),
-            sae.cpu(),
-            module.state,
-            module.collection,
-            layout,
-            datamodule,
-            images_dpath=args.images,
-            atoms=args.atoms,
-            n_neighbours=args.neighbours,
-        )
-    except BaseException as exn:
-        stop = interruption(exn)
-        if stop is None:
-            raise
-        kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
-        stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
-        raise stop from (None if stop is exn else exn)
-    report_image_checks(out)
-    print(
-        f"feature browser for {sae.d_sae} atoms over {int(module.state['n_tokens'])} tokens written in "
-        f"{time.perf_counter() - start:.0f} s: open {out / 'index.html'} "
-        f"(or: python -m http.server --directory {out}, then http://localhost:8000)",
-        flush=True,
+    trainer.predict(module, datamodule=datamodule)
+    if trainer.global_rank != 0:
+        return None
+    assert module.state is not None and module.collection is not None
+    out = build_site(
+        Path(args.out),
+        sae.cpu(),
+        module.state,
+        module.collection,
+        layout,
+        datamodule,
+        images_dpath=args.images,
+        atoms=args.atoms,
+        n_neighbours=args.neighbours,
     )
-    return 0
+    n_tokens = int(module.state["n_tokens"])
+    return (
+        out,
+        f"feature browser for {sae.d_sae} atoms over {n_tokens} tokens written in {time.perf_counter() - start:.0f} s",
+    )
 
 
 def pass_progress_bar() -> Any:
