@@ -9,7 +9,7 @@ Nothing here decides which images or shards to write; the caller passes them.
   (`shards/writers.py`), writer processes that hash and write the tars while the next batches run.
 - On CUDA the copy of a batch's tokens to the host is asynchronous: `write_shards` queues the next forward
   before it waits on the previous batch's event, so the GPU never idles on the host.
-- A Ctrl-C or SIGTERM sent to the whole group is acted on by the main process only (`_ignore_stop_signals` in
+- A Ctrl-C or SIGTERM sent to the whole group is acted on by the main process only (`loader_worker_init` in
   the loader workers): it aborts the open shards and stops the workers, so the command prints one stop line.
 """
 
@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,26 @@ def _record_meta(record: ImageRecord, digest: str | None = None) -> dict:
     return meta
 
 
-def _ignore_stop_signals(_worker_id: int) -> None:
+def loader_worker_init(_worker_id: int) -> None:
     """A Ctrl-C or a SIGTERM sent to the whole group (scancel) reaches the loader workers too; only the main
-    process acts on it (it stops the workers and aborts the open shards), so a worker killed by the signal never
-    adds a second line to the one stop line."""
+    process acts on it (it stops the workers and aborts the open shards), so a worker never adds a second line to
+    the one stop line: neither by dying of the signal nor by `quiet_dropped_handoff`'s traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.excepthook = quiet_dropped_handoff
+
+
+def quiet_dropped_handoff(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """A worker hands each batch's shared memory to the main process through multiprocessing's resource sharer, a
+    thread that prints any error it meets. A stop that lands while the main process is taking a batch drops that
+    connection half-way, and the worker's sharer printed the reset as a traceback under the stop line (CI, Ctrl-C
+    during extraction). The main process says why it stopped; every other error prints as usual."""
+    sharer = os.path.join("multiprocessing", "resource_sharer.py")
+    if issubclass(kind, (ConnectionError, EOFError)) and any(
+        frame.filename.endswith(sharer) for frame in traceback.extract_tb(trace)
+    ):
+        return
+    sys.__excepthook__(kind, error, trace)
 
 
 def write_shards(
@@ -123,7 +138,7 @@ def write_shards(
         collate_fn=collate_images,
         num_workers=num_workers,
         pin_memory=device.type == "cuda",
-        worker_init_fn=_ignore_stop_signals,
+        worker_init_fn=loader_worker_init,
     )
     start_time = time.perf_counter()
     # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).

@@ -4,13 +4,17 @@ The SIGTERM / Ctrl-C handler raises where the program is (sae_pipeline.training.
 caught it inside Rich's progress bar start, between creating and starting its refresh thread; the
 bar's ``stop()`` then raised "cannot join thread before it is started", which replaced the stop:
 ``features`` exited 1 with a traceback instead of 143 with its one line. These tests put the signal
-exactly there, in-process, instead of waiting for the race.
+exactly there, in-process, instead of waiting for the race. Another CI run caught a stop while extraction's
+main process was taking a batch from a loader worker, whose resource sharer then printed the dropped
+connection; the last test drops such a connection on purpose.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -95,3 +99,33 @@ def test_features_stopped_before_its_pass_says_no_site_was_written(
         line == f"terminated (SIGTERM): no site written to {site} (nothing was written there); rerun the same command"
     )
     assert not site.exists()
+
+
+HANDOFF = """
+import os, socket, sys, time
+from multiprocessing import resource_sharer
+from feature_extraction.shard_loop import loader_worker_init
+if sys.argv[1] == "worker":
+    loader_worker_init(0)
+read_end, _ = os.pipe()
+resource_sharer.DupFd(read_end)  # a batch waiting to be fetched: the sharer's thread listens
+address = resource_sharer._resource_sharer._address
+fetcher = socket.socket(socket.AF_UNIX)
+fetcher.connect(address)
+time.sleep(0.3)  # the sharer has sent its challenge; the fetcher is stopped before it answers
+fetcher.close()
+time.sleep(0.5)
+sys.excepthook(ValueError, ValueError("an unrelated error"), None)
+"""
+
+
+@pytest.mark.parametrize("process", ["worker", "plain"])
+def test_a_fetch_dropped_by_a_stop_leaves_no_traceback_in_a_loader_worker(process: str) -> None:
+    """CI: Ctrl-C landed while extraction's main process was taking a batch from its loader worker; the worker's
+    resource sharer printed the dropped connection's traceback under the stop line. A plain process (no worker
+    init) still prints it, so this reproduces the drop; unrelated errors print in both."""
+    result = subprocess.run([sys.executable, "-c", HANDOFF, process], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "ValueError: an unrelated error" in result.stderr
+    dropped = "resource_sharer.py" in result.stderr
+    assert dropped == (process == "plain"), result.stderr
