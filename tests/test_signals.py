@@ -381,6 +381,14 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
 
 
 @pytest.mark.slow
+def command_line(pid: int) -> str:
+    """A process's command line; empty once it has gone (a short-lived helper between the listing and the read)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_path: Path) -> None:
     """``docker stop`` / ``timeout`` signal only the launcher (rank 0): it forwards to the rank it started."""
     codes = tmp_path / "codes.h5"
@@ -400,9 +408,10 @@ def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_
         "ddp",
     )
     command.wait_for(lambda: len(list(tmp_path.glob("codes.h5.rank*.tmp"))) == 2, "both ranks writing their part")
-    (rank1,) = [
-        int(pid) for pid in Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text().split()
-    ]
+    children = Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text().split()
+    ranks = [int(pid) for pid in children if "sae_pipeline" in command_line(int(pid))]
+    assert len(ranks) == 1, f"rank 0's children {children}: {len(ranks)} run sae_pipeline"
+    (rank1,) = ranks
     command.signal(signal.SIGTERM)
     assert command.finish() == 143, command.text()[-3000:]
     assert "no codes written" in the_line(command, signal.SIGTERM)  # printed once, by rank 0
