@@ -109,6 +109,16 @@ def test_misspelled_key_exits_non_zero_through_the_command(tmp_path: Path) -> No
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_unknown_command_lists_every_command(tmp_path: Path) -> None:
+    result = run_cli(["trian"], tmp_path, timeout=60)
+    assert result.returncode == 2
+    from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS
+
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: ") and "'trian'" in line
+    assert all(name in line for name in [*LIGHTNING_COMMANDS, *COMMANDS]), line
+
+
 @pytest.mark.slow
 def test_non_finite_data_stops_with_one_line_error(tmp_path: Path) -> None:
     tokens = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)

@@ -18,6 +18,7 @@ import skimage.data
 import torch
 import xxhash
 from PIL import Image
+from terminal import child_pids
 
 from feature_extraction import shards as S
 from feature_extraction.__main__ import build_parser, main
@@ -405,8 +406,7 @@ def test_resume_after_sigkill(tmp_path) -> None:
     deadline = time.time() + 120
     while not (out / "shard-000000.tar").exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.002)
-    children_fpath = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-    writers = [int(pid) for pid in children_fpath.read_text().split()] if children_fpath.exists() else []
+    writers = child_pids(process.pid)
     process.send_signal(signal.SIGKILL)
     _, stderr = process.communicate()
     assert process.returncode == -signal.SIGKILL, stderr.decode()[-2000:]

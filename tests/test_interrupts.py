@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from terminal import default_sigint
+from terminal import ENV, child_pids, default_sigint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
@@ -41,7 +41,6 @@ ARGS = [
     "--trainer.enable_model_summary",
     "false",
 ]
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
 def start(cwd: Path, *extra: str) -> subprocess.Popen:
@@ -131,11 +130,6 @@ def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
     step = saved_step(err, "SIGINT", last)
     assert 2 <= step < MAX_STEPS and "Traceback" not in err and "KeyboardInterrupt" not in err
     assert torch.load(tmp_path / last, weights_only=True)["global_step"] == step
-
-
-def child_pids(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(child) for child in children.read_text().split()] if children.exists() else []
 
 
 @pytest.mark.slow

@@ -5,28 +5,26 @@ Each case starts the real ``python -m sae_pipeline ...`` as a subprocess in its 
 (as a terminal does), waits until it is working (a line in its output or a file it writes), sends
 the signal once (Ctrl-C to the whole group, SIGTERM to the process) and checks the exit status, the
 one ``interrupted (Ctrl-C): ...`` / ``terminated (SIGTERM): ...`` line, and the files left.
-``fit`` itself is covered by tests/test_interrupts.py.
+``fit`` itself is covered by tests/test_interrupts.py. Two checks of what ``fit`` and ``features``
+print (Lightning's noise silenced, a resume already at max_steps) read the run the cases start
+from, rather than train another one elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from terminal import default_sigint
+from terminal import ENV, TIMEOUT_S, Command, child_pids, command_line
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-TIMEOUT_S = 240
 HEADS = {signal.SIGINT: "interrupted (Ctrl-C): ", signal.SIGTERM: "terminated (SIGTERM): "}
 
 
@@ -40,63 +38,6 @@ def run_sae_pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=TIMEOUT_S,
     )
-
-
-class Command:
-    """A running ``python -m MODULE ARGS`` whose stdout and stderr are read as they come."""
-
-    def __init__(self, cwd: Path, *args: str, module: str = "sae_pipeline", env: dict | None = None) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=cwd,
-            env=env or ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=default_sigint,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-            for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line)
-
-    def text(self) -> str:
-        return "".join(self.out) + "".join(self.err)
-
-    def wait_for(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ready():
-            assert self.process.poll() is None, (
-                f"exited {self.process.returncode} before {what}:\n{self.text()[-3000:]}"
-            )
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.02)
-
-    def signal(self, signum: int) -> None:
-        if signum == signal.SIGINT:
-            os.killpg(self.process.pid, signum)  # a terminal's Ctrl-C: the whole process group
-        else:
-            self.process.send_signal(signum)
-
-    def finish(self) -> int:
-        try:
-            self.process.wait(timeout=TIMEOUT_S)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-        for reader in self._readers:
-            reader.join(timeout=10)
-        return self.process.returncode
 
 
 def the_line(command: Command, signum: int) -> str:
@@ -269,23 +210,6 @@ def test_second_ctrl_c_during_a_checkpoint_save_exits_130_and_keeps_the_previous
         assert torch.load(fpath, weights_only=True)["global_step"] in (2, 4)
 
 
-def test_an_unknown_command_lists_every_command(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", "trian"],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS
-
-    (line,) = result.stderr.splitlines()
-    assert line.startswith("error: ") and "'trian'" in line
-    assert all(name in line for name in [*LIGHTNING_COMMANDS, *COMMANDS]), line
-
-
 @pytest.mark.slow
 def test_lightning_noise_is_silenced_and_the_features_pass_has_its_name(trained: Path) -> None:
     for log in ("fit.log", "features.log"):
@@ -381,14 +305,6 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
 
 
 @pytest.mark.slow
-def command_line(pid: int) -> str:
-    """A process's command line; empty once it has gone (a short-lived helper between the listing and the read)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
-
-
 def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_path: Path) -> None:
     """``docker stop`` / ``timeout`` signal only the launcher (rank 0): it forwards to the rank it started."""
     codes = tmp_path / "codes.h5"
@@ -408,8 +324,8 @@ def test_sigterm_to_rank_0_of_a_ddp_predict_stops_every_rank(trained: Path, tmp_
         "ddp",
     )
     command.wait_for(lambda: len(list(tmp_path.glob("codes.h5.rank*.tmp"))) == 2, "both ranks writing their part")
-    children = Path(f"/proc/{command.process.pid}/task/{command.process.pid}/children").read_text().split()
-    ranks = [int(pid) for pid in children if "sae_pipeline" in command_line(int(pid))]
+    children = child_pids(command.process.pid)
+    ranks = [pid for pid in children if "sae_pipeline" in command_line(pid)]
     assert len(ranks) == 1, f"rank 0's children {children}: {len(ranks)} run sae_pipeline"
     (rank1,) = ranks
     command.signal(signal.SIGTERM)
