@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from sae_pipeline.evaluate.run_training import ensure_runs, run_cost, work_units
@@ -51,6 +52,24 @@ def test_grouped_runs_equal_the_runs_alone(tmp_path: Path, monkeypatch: pytest.M
     assert f"--ckpt_path {grouped / 'runs' / group / 'checkpoints' / 'last.ckpt'}" in record["command"]
     assert sorted(p.name for p in (grouped / "runs" / group).glob("version_*")) == ["version_0"]
     assert logged_metrics(specs[0], grouped) == logged_metrics(specs[0], alone)
+
+    # A study folder is an artifact: a group.yaml edited to name a module (a callback planted beside it,
+    # importable from the folder the user runs in) is refused on resume, nothing imported or trained.
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "evilmod.py").write_text(f"from pathlib import Path\nPath({str(plant / 'IMPORTED')!r}).touch()\n")
+    monkeypatch.syspath_prepend(str(plant))
+    config_fpath = grouped / "runs" / group / "group.yaml"
+    config = yaml.safe_load(config_fpath.read_text())
+    config.setdefault("trainer", {})["callbacks"] = [{"class_path": "evilmod.Evil"}]
+    config_fpath.write_text(yaml.safe_dump(config, sort_keys=False))
+    for spec in specs:
+        (grouped / "models" / spec.name / "study_run.json").unlink()
+    ckpt_bytes = (grouped / "runs" / group / "checkpoints" / "last.ckpt").read_bytes()
+    with pytest.raises(ValueError, match=r"group\.yaml: not the config this study writes"):
+        ensure_runs(specs, grouped)
+    assert not (plant / "IMPORTED").exists()
+    assert (grouped / "runs" / group / "checkpoints" / "last.ckpt").read_bytes() == ckpt_bytes
 
 
 def test_a_grid_that_shares_its_data_is_split_until_every_job_has_a_group() -> None:

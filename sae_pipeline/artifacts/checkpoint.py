@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from sae_pipeline.sae import SparseAutoencoder
-from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths
+from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths, resolve_sae_class
 
 __all__ = [
     "CheckpointError",
     "MOVED_MODULES",
+    "check_model_classes",
     "checkpoint_d_in",
     "checkpoint_input_scale",
     "current_class_path",
@@ -52,6 +53,10 @@ __all__ = [
 FIT_KEYS = ("optimizer_states", "loops")  # what `fit --ckpt_path` needs beyond the weights
 REQUIRED_KEYS = ("state_dict",)  # what every reader needs, and "sae_config" (one SAE) or "sae_group" (a group)
 CONFIG_KEYS = ("sae_config", "sae_group", "hyper_parameters", "datamodule_hyper_parameters")  # class paths
+MODEL_KEYS = ("sae_config", "sae_group", "hyper_parameters")  # what the model is built from
+#: The modules ``fit`` trains, as a checkpoint's ``_class_path`` names them (the CLI's model given by class path).
+MODEL_CLASSES = ("sae_pipeline.training.module.SAEModule", "sae_pipeline.training.group.SAEGroupModule")
+DAMAGED = "the checkpoint is damaged or not from this package; pass one written by `fit`"
 HINT = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt, which fit prints)"
 LAST_HINT = f"{HINT} or `last` for the newest"
 
@@ -127,8 +132,13 @@ def read_checkpoint(
         )
     configs = {key: checkpoint.get(key) for key in CONFIG_KEYS}
     _upgrade_class_paths(configs)
+    where = f"{flag} {fpath}"
     try:
-        check_class_paths(configs, f"{flag} {fpath}")
+        check_class_paths({key: configs[key] for key in MODEL_KEYS}, where, strings=True)
+        check_class_paths(configs["datamodule_hyper_parameters"], where)
+        check_model_classes(configs["hyper_parameters"], where)
+        for entry in (configs["sae_group"] or {}).values() if isinstance(configs["sae_group"], dict) else ():
+            check_model_classes(entry.get("hyper_parameters") if isinstance(entry, dict) else None, where)
     except ExportError as exn:
         raise CheckpointError(str(exn)) from None
     if for_fit and any(key not in checkpoint for key in FIT_KEYS):
@@ -189,6 +199,62 @@ def _upgrade_class_paths(data: object) -> None:
     elif isinstance(data, list):
         for value in data:
             _upgrade_class_paths(value)
+
+
+def check_model_classes(hyper_parameters: object, where: str) -> None:
+    """Refuse model hyper-parameters that name a class ``fit`` never stores there.
+
+    The CLI parses these into its config, and the parser turns text into a class wherever the type
+    allows one: a dict's ``class_path`` at any depth (also under ``Any``, as a group's members are
+    typed), or a plain string for ``model.sae``. ``fit`` stores classes in two places only: the
+    model's own (``_class_path``) and each SAE (``sae``, a group member's ``sae``). There a class must
+    be one of ours or an SAE class :func:`~sae_pipeline.sae.config.resolve_sae_class` accepts (so a
+    loaded module's class that is no SAE, ``subprocess.Popen``, is refused as well as an unloaded
+    module); anywhere else a ``class_path`` is refused.
+    """
+    if hyper_parameters is None:
+        return
+    if not isinstance(hyper_parameters, dict):
+        raise CheckpointError(f"{where}: hyper_parameters is not a mapping; {DAMAGED}")
+    hparams = dict(hyper_parameters)
+    model_class = hparams.pop("_class_path", None)
+    if model_class is not None and model_class not in MODEL_CLASSES:
+        raise CheckpointError(f"{where}: names {model_class!r} as its model, which fit never trains; {DAMAGED}")
+    members = hparams.get("members")
+    saes = {"model.sae": hparams.pop("sae")} if "sae" in hparams else {}
+    if isinstance(members, dict):
+        hparams["members"] = {
+            name: dict(entry) if isinstance(entry, dict) else entry for name, entry in members.items()
+        }
+        for name, entry in hparams["members"].items():
+            if isinstance(entry, dict) and "sae" in entry:
+                saes[f"model.members.{name}.sae"] = entry.pop("sae")
+    for position, sae in saes.items():
+        class_path = sae if isinstance(sae, str) else sae.get("class_path") if isinstance(sae, dict) else None
+        if not isinstance(class_path, str):
+            raise CheckpointError(f"{where}: {position} is {type(sae).__name__}, not an SAE's class path; {DAMAGED}")
+        check_class_paths(class_path, f"{where}: {position}", strings=True)  # the fix names the trust list
+        try:
+            resolve_sae_class(class_path)  # the class path alone: the parser reads it, not a variant key
+        except ExportError:
+            raise CheckpointError(
+                f"{where}: {position} names {class_path!r}, which is not an SAE class; {DAMAGED}"
+            ) from None
+        if isinstance(sae, dict):
+            _refuse_nested_classes(sae.get("init_args"), f"{position}.init_args", where)
+    _refuse_nested_classes(hparams, "hyper_parameters", where)
+
+
+def _refuse_nested_classes(data: object, position: str, where: str) -> None:
+    """No ``class_path`` under ``data``: an SAE's arguments are JSON scalars, and a model setting names no class."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if key in ("class_path", "_class_path"):
+                raise CheckpointError(f"{where}: {position} names class {value!r} where fit stores none; {DAMAGED}")
+            _refuse_nested_classes(value, f"{position}.{key}", where)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            _refuse_nested_classes(value, position, where)
 
 
 def sae_from_checkpoint(checkpoint: dict[str, Any]) -> SparseAutoencoder:

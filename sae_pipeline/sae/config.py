@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 import sys
 from typing import Any
 
@@ -30,6 +31,8 @@ from sae_pipeline.sae.base import SparseAutoencoder
 
 #: Comma-separated modules (or packages) an artifact's ``class_path`` may import: the user's own SAE subclasses.
 TRUSTED_MODULES_ENV = "SAE_PIPELINE_TRUSTED_MODULES"
+#: The shape of a class named by its import path (``package.module.Name``).
+IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 
 
 class ExportError(ValueError):
@@ -108,23 +111,33 @@ def untrusted_class_path(class_path: object) -> str | None:
     )
 
 
-def check_class_paths(data: object, where: str) -> None:
+def check_class_paths(data: object, where: str, strings: bool = False) -> None:
     """Refuse an artifact whose saved config names a module that reading it would import.
 
     LightningCLI merges a checkpoint's hyper-parameters into the parsed config and jsonargparse
     imports every ``class_path`` there, so a checkpoint is checked whole, before that happens.
+    With ``strings``, a plain string shaped as an import path counts too: jsonargparse reads a string
+    given for a class-typed argument (``model.sae: evilmod.EvilSAE``) as that class's path. It is for
+    the model's sections, where no setting of ours is such a string; a data section may hold a file
+    name such as ``acts.h5``, which is not read as a class.
     """
     if isinstance(data, dict):
         for key, value in data.items():
             if key in ("class_path", "_class_path") and isinstance(value, str):
-                problem = untrusted_class_path(value)
-                if problem:
-                    raise ExportError(f"{where}: {problem}")
+                _refuse_untrusted(value, where)
             else:
-                check_class_paths(value, where)
+                check_class_paths(value, where, strings)
     elif isinstance(data, (list, tuple)):
         for value in data:
-            check_class_paths(value, where)
+            check_class_paths(value, where, strings)
+    elif strings and isinstance(data, str) and IMPORT_PATH.fullmatch(data):
+        _refuse_untrusted(data, where)
+
+
+def _refuse_untrusted(class_path: str, where: str) -> None:
+    problem = untrusted_class_path(class_path)
+    if problem:
+        raise ExportError(f"{where}: {problem}")
 
 
 def resolve_sae_class(class_path: str, variant: object = None) -> type[SparseAutoencoder]:
