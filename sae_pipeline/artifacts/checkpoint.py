@@ -56,6 +56,7 @@ CONFIG_KEYS = ("sae_config", "sae_group", "hyper_parameters", "datamodule_hyper_
 MODEL_KEYS = ("sae_config", "sae_group", "hyper_parameters")  # what the model is built from
 #: The modules ``fit`` trains, as a checkpoint's ``_class_path`` names them (the CLI's model given by class path).
 MODEL_CLASSES = ("sae_pipeline.training.module.SAEModule", "sae_pipeline.training.group.SAEGroupModule")
+INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"  # what LightningCLI stores as ``_instantiator``
 DAMAGED = "the checkpoint is damaged or not from this package; pass one written by `fit`"
 HINT = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt, which fit prints)"
 LAST_HINT = f"{HINT} or `last` for the newest"
@@ -134,11 +135,11 @@ def read_checkpoint(
     _upgrade_class_paths(configs)
     where = f"{flag} {fpath}"
     try:
-        check_class_paths({key: configs[key] for key in MODEL_KEYS}, where, strings=True)
+        check_instantiator(configs, where)
+        check_class_paths(_without_instantiator({key: configs[key] for key in MODEL_KEYS}), where, strings=True)
         check_class_paths(configs["datamodule_hyper_parameters"], where)
-        check_model_classes(configs["hyper_parameters"], where)
-        for entry in (configs["sae_group"] or {}).values() if isinstance(configs["sae_group"], dict) else ():
-            check_model_classes(entry.get("hyper_parameters") if isinstance(entry, dict) else None, where)
+        for hyper_parameters in (configs["hyper_parameters"], *_group_hyper_parameters(configs["sae_group"])):
+            check_model_classes(hyper_parameters, where)
     except ExportError as exn:
         raise CheckpointError(str(exn)) from None
     if for_fit and any(key not in checkpoint for key in FIT_KEYS):
@@ -201,6 +202,28 @@ def _upgrade_class_paths(data: object) -> None:
             _upgrade_class_paths(value)
 
 
+def check_instantiator(configs: dict[str, Any], where: str) -> None:
+    """LightningCLI stores the function that built the model as ``_instantiator`` beside the hyper-parameters;
+    the CLI drops it before parsing, and ``load_from_checkpoint`` (which we never call) would import it.
+    Only Lightning's own is accepted, so a reader that does call it runs nothing the file chose."""
+    for section in (configs["hyper_parameters"], *_group_hyper_parameters(configs["sae_group"])):
+        value = section.get("_instantiator", INSTANTIATOR) if isinstance(section, dict) else INSTANTIATOR
+        if value != INSTANTIATOR:
+            raise CheckpointError(f"{where}: names {value!r} as the model's instantiator, not Lightning's; {DAMAGED}")
+
+
+def _group_hyper_parameters(group: object) -> list[object]:
+    entries = group.values() if isinstance(group, dict) else ()
+    return [entry.get("hyper_parameters") for entry in entries if isinstance(entry, dict)]
+
+
+def _without_instantiator(data: object) -> object:
+    """``data`` with every ``_instantiator`` key left out (checked by :func:`check_instantiator`)."""
+    if isinstance(data, dict):
+        return {key: _without_instantiator(value) for key, value in data.items() if key != "_instantiator"}
+    return data
+
+
 def check_model_classes(hyper_parameters: object, where: str) -> None:
     """Refuse model hyper-parameters that name a class ``fit`` never stores there.
 
@@ -217,6 +240,7 @@ def check_model_classes(hyper_parameters: object, where: str) -> None:
     if not isinstance(hyper_parameters, dict):
         raise CheckpointError(f"{where}: hyper_parameters is not a mapping; {DAMAGED}")
     hparams = dict(hyper_parameters)
+    hparams.pop("_instantiator", None)
     model_class = hparams.pop("_class_path", None)
     if model_class is not None and model_class not in MODEL_CLASSES:
         raise CheckpointError(f"{where}: names {model_class!r} as its model, which fit never trains; {DAMAGED}")
@@ -235,7 +259,9 @@ def check_model_classes(hyper_parameters: object, where: str) -> None:
             raise CheckpointError(f"{where}: {position} is {type(sae).__name__}, not an SAE's class path; {DAMAGED}")
         check_class_paths(class_path, f"{where}: {position}", strings=True)  # the fix names the trust list
         try:
-            resolve_sae_class(class_path)  # the class path alone: the parser reads it, not a variant key
+            # The class path alone (the parser reads it, not a variant key); a bare class name is one of the
+            # package's variants, as the group and jsonargparse read it (a bare name imports nothing).
+            resolve_sae_class(class_path if "." in class_path else f"sae_pipeline.sae.{class_path}")
         except ExportError:
             raise CheckpointError(
                 f"{where}: {position} names {class_path!r}, which is not an SAE class; {DAMAGED}"

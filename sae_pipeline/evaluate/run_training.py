@@ -163,14 +163,16 @@ def train_group(specs: list[RunSpec], out_dpath: Path, in_process: bool = True, 
     for spec in specs:
         shutil.rmtree(out_dpath / "models" / spec.name, ignore_errors=True)
     config_fpath = run_dpath / "group.yaml"
+    config = {key: value for key, value in specs[0].config().items() if key != "model"}
+    config["model"] = {"members": {spec.name: spec.member() for spec in specs}}
+    config = json.loads(json.dumps(config))  # plain ints (jsonargparse's PositiveInt is a subclass)
     if resume is None:
         shutil.rmtree(run_dpath, ignore_errors=True)
         run_dpath.mkdir(parents=True)
-        config = {key: value for key, value in specs[0].config().items() if key != "model"}
-        config["model"] = {"members": {spec.name: spec.member() for spec in specs}}
-        config = json.loads(json.dumps(config))  # plain ints (jsonargparse's PositiveInt is a subclass)
         write_text_atomic(config_fpath, yaml.safe_dump(config, sort_keys=False))
         write_text_atomic(run_dpath / PLAN_FNAME, json.dumps(plan, indent=2) + "\n")
+    else:
+        check_stored_config(config_fpath, config)
     args = ["fit", "--config", str(config_fpath), "--data.source", specs[0].source, *specs[0].run_args(out_dpath, name)]
     ckpt_fpath = _fit(args, resume, run_dpath, out_dpath, f"group {name}", in_process, threads)
     from sae_pipeline.artifacts.export import export_checkpoint
@@ -189,6 +191,26 @@ def train_group(specs: list[RunSpec], out_dpath: Path, in_process: bool = True, 
         write_text_atomic(model_dpath / RUN_FNAME, json.dumps(record, indent=2) + "\n")
         model_dpaths.append(model_dpath)
     return model_dpaths
+
+
+def check_stored_config(config_fpath: Path, config: dict) -> None:
+    """Refuse to resume a group whose stored ``group.yaml`` is not the one this study writes for it.
+
+    A study folder may come from someone else, and ``fit --config`` imports every class its config names
+    (a callback's ``class_path``, from the folder the user runs in). The file is a function of the
+    study's plan, so the one this run would write is the check: any edit is refused, nothing imported.
+    """
+    import yaml
+
+    try:
+        stored = yaml.safe_load(config_fpath.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        stored = None
+    if stored != config:
+        raise ValueError(
+            f"{config_fpath}: not the config this study writes for the group (edited, or from another version); "
+            f"nothing was imported or trained: delete {config_fpath.parent} to train the group again"
+        )
 
 
 def _fit(
