@@ -50,8 +50,8 @@ from sae_pipeline.artifacts.export_files import (
     CONFIG_FNAME,
     EXPORT_FORMAT,
     WEIGHTS_FNAME,
+    check_export_out,
     export_data,
-    refuse_other_export,
     write_export_files,
 )
 from sae_pipeline.sae import SparseAutoencoder, variant_key
@@ -69,6 +69,7 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str |
     training progress and the package version. ``name`` picks a member of a group's checkpoint.
     """
     ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
+    check_export_out(out_dpath, (WEIGHTS_FNAME, CONFIG_FNAME))
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint)
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
@@ -231,7 +232,7 @@ def run(args: Any) -> None:
         else (WEIGHTS_FNAME, CONFIG_FNAME)
     )
     for out in outs.values():  # every member's folder before the first is written
-        refuse_other_export(out, files)
+        check_export_out(out, files)
     for name, out in outs.items():
         if args.format == "saelens":
             out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)

@@ -12,7 +12,9 @@ and the fix: another ``--out``, or remove the folder first). Replacing would lea
 folder, or a ``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting
 a user's files is not the exporter's call. For the same reason a ``config.json`` (``cfg.json``) that
 this package did not write, another program's, is refused the same way: ours says so, by its
-``"format"`` (``metadata.training_library`` in SAELens's), so re-exporting over our own export works.
+``"format"`` (``metadata.training_library`` in SAELens's), so re-exporting over our own export works
+(:func:`check_export_out`, which both exporters call before their work; :func:`write_export_files`, the
+plain writer, judges no file's content).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "SAELENS_CFG_FNAME",
     "SAELENS_WEIGHTS_FNAME",
     "WEIGHTS_FNAME",
+    "check_export_out",
     "export_data",
     "export_format",
     "refuse_other_export",
@@ -127,9 +130,22 @@ def write_export_files(
     return out_dpath
 
 
+def check_export_out(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
+    """The checks of an ``--out`` before an export is made (see the module docstring): no other format's export
+    (:func:`refuse_other_export`), and no config by ``own_files``' names that this package did not write."""
+    refuse_other_export(out_dpath, own_files)
+    for fname in own_files:
+        fpath = Path(out_dpath) / fname
+        if fname in (CONFIG_FNAME, SAELENS_CFG_FNAME) and fpath.exists() and not _written_by_us(fpath):
+            raise ExportError(
+                f"--out {out_dpath} holds a {fname} that this package did not write (another program's file, "
+                f"which the export would replace); pass another --out, or move {fpath} away first"
+            )
+
+
 def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
-    """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``',
-    or an export config by one of ``own_files``' names that this package did not write (see the module docstring)."""
+    """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
+    (see the module docstring: an export folder holds one SAE)."""
     out_dpath = Path(out_dpath)
     for name, files in FORMAT_FILES.items():
         found = [fname for fname in files if fname not in own_files and (out_dpath / fname).exists()]
@@ -137,13 +153,6 @@ def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> No
             raise ExportError(
                 f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
                 f"SAE; pass another --out, or remove {out_dpath} first to replace it"
-            )
-    for fname in own_files:
-        fpath = out_dpath / fname
-        if fname in (CONFIG_FNAME, SAELENS_CFG_FNAME) and fpath.exists() and not _written_by_us(fpath):
-            raise ExportError(
-                f"--out {out_dpath} holds a {fname} that this package did not write (another program's file, "
-                f"which the export would replace); pass another --out, or move {fpath} away first"
             )
 
 

@@ -65,8 +65,8 @@ from sae_pipeline.artifacts.export_files import (
     SAELENS_CFG_FNAME,
     SAELENS_WEIGHTS_FNAME,
     TRAINING_LIBRARY,
+    check_export_out,
     export_data,
-    refuse_other_export,
     write_export_files,
 )
 from sae_pipeline.sae import (
@@ -259,7 +259,7 @@ def export_checkpoint_saelens(
 
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
     """
-    refuse_other_export(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
+    check_export_out(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint).eval()
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
