@@ -13,8 +13,8 @@ folder, or a ``--sae DIR`` that prefers one format, with an SAE the user did not
 a user's files is not the exporter's call. For the same reason a ``config.json`` (``cfg.json``) that
 this package did not write, another program's, is refused the same way: ours says so, by its
 ``"format"`` (``metadata.training_library`` in SAELens's), so re-exporting over our own export works
-(:func:`check_export_out`, which both exporters call before their work; :func:`write_export_files`, the
-plain writer, judges no file's content).
+(`check_export_out`, which both exporters call before their work; `write_export_files`, the plain
+writer, judges no file's content).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def write_export_files(
 
 def check_export_out(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
     """The checks of an ``--out`` before an export is made (see the module docstring): no other format's export
-    (:func:`refuse_other_export`), and no config by ``own_files``' names that this package did not write."""
+    (`refuse_other_export`), and no config by ``own_files``' names that this package did not write."""
     refuse_other_export(out_dpath, own_files)
     for fname in own_files:
         fpath = Path(out_dpath) / fname
