@@ -91,3 +91,50 @@ def test_the_command_refuses_the_other_format(ckpt: Path, tmp_path: Path) -> Non
         )
     ]
     assert contents(out) == before
+
+
+FOREIGN = {  # name: (file in --out, its content, format exported, refused)
+    "another program's config.json": ("config.json", '{"model_type": "bert", "hidden_size": 768}\n', "native", True),
+    "a config.json that is no JSON": ("config.json", "[settings]\nkey = 1\n", "native", True),
+    "SAELens's own cfg.json": ("cfg.json", '{"architecture": "standard", "metadata": {}}\n', "saelens", True),
+    "our export of just after the move": (
+        "config.json",
+        '{"format": "sae_pipeline.artifacts.export/1"}\n',
+        "native",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_a_config_another_program_wrote_is_not_replaced(
+    case: str, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``features`` refuses an --out that is not its site, ``export`` refuses to replace a config it did not
+    write (issue 31, item 4); our own earlier export, in either format's spelling, is replaced as before."""
+    fname, text, fmt, refused = FOREIGN[case]
+    out = tmp_path / "app"
+    out.mkdir()
+    (out / fname).write_text(text)
+    before = contents(out)
+    status, err = export(ckpt, out, fmt, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    if refused:
+        assert status == 2 and len(lines) == 1, err
+        assert f"--out {out} holds a {fname} that this package did not write" in lines[0]
+        assert f"pass another --out, or move {out / fname} away first" in lines[0]
+        assert contents(out) == before
+    else:
+        assert status == 0 and not lines, err
+        assert load_sae(out).d_sae == 32
+
+
+def test_a_groups_export_checks_every_member_folder_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_group_artifacts import group_checkpoint
+
+    ckpt = group_checkpoint(tmp_path / "group.ckpt", ["first", "second"])
+    (tmp_path / "out" / "second").mkdir(parents=True)
+    (tmp_path / "out" / "second" / "config.json").write_text('{"name": "another program"}\n')
+    status, err = export(ckpt, tmp_path / "out", "native", capsys)
+    assert status == 2 and "holds a config.json that this package did not write" in err, err
+    assert not (tmp_path / "out" / "first").exists()  # refused before the first member was written

@@ -270,3 +270,48 @@ def test_pretrained_weights_offline_is_one_line_naming_checkpoint_path(tmp_path,
     )
     assert code == 2 and len(error_lines(err)) == 1 and "pass --checkpoint_path FILE" in error_lines(err)[0], err
     assert "not available offline" in error_lines(err)[0] and not out.exists()
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["checkpoint with the record", "checkpoint before it"])
+@pytest.mark.parametrize("fmt", ["saelens", "native"])
+def test_an_export_is_explained_from_any_folder_once_its_shards_are_gone(
+    built, tmp_path, capsys, monkeypatch, fmt: str, recorded: bool
+) -> None:
+    """Issue 31, item 15: fit and export ran where the shards are the relative path ``shards``. The export keeps
+    the extraction record (from the checkpoint, or from the manifest for a checkpoint that predates it) and the
+    shards' absolute path, so explain runs from another folder, also after the shards were moved away."""
+    import shutil
+
+    from sae_pipeline.sae.config import sae_config
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    shutil.copytree(built["root"] / "shards", work / "shards")
+    elsewhere.mkdir()
+    manifest = S.load_manifest(work / "shards")
+    data = {"source": "shards", "manifest_sha256": S.manifest_sha256(manifest)}
+    if recorded:
+        data["extraction"] = S.extraction_record(manifest)
+    sae = built["sae"]
+    state = {f"sae.{key}": value for key, value in sae.state_dict().items()}
+    torch.save({"state_dict": state, "sae_config": sae_config(sae), "input_scale": 1.0, "data": data}, work / "x.ckpt")
+    monkeypatch.chdir(work)
+    status, _, err = run(["export", "--ckpt_path", "x.ckpt", "--out", "exported", "--format", fmt], capsys)
+    assert status == 0, err
+    assert recorded_extraction(work / "exported") == S.extraction_record(manifest)
+    shutil.rmtree(work / "shards")  # moved away: the export no longer needs them
+    monkeypatch.chdir(elsewhere)
+    args = ["features", "explain", "--sae", str(work / "exported"), "--images", "samples", "--out", "pages"]
+    status, _, err = run(args, capsys)
+    assert status == 0 and not error_lines(err), err
+    summary = json.loads((elsewhere / "pages" / "features.json").read_text())
+    assert summary["backbone"] == "vit_tiny" and len(summary["images"]) == 14
+
+
+def test_an_old_saelens_export_with_a_relative_path_says_so(built, tmp_path) -> None:
+    """A SAELens export from before the record, whose dataset path was relative to where export ran: one line."""
+    config = json.loads((built["sae_dpath"] / "config.json").read_text())
+    (tmp_path / "old").mkdir()
+    metadata = {"dataset_path": "shards", "manifest_sha256": config["data"]["manifest_sha256"]}
+    (tmp_path / "old" / "cfg.json").write_text(json.dumps({"metadata": metadata}))
+    with pytest.raises(ValueError, match="a path relative to the folder it was exported in.*export its checkpoint"):
+        recorded_extraction(tmp_path / "old")

@@ -165,7 +165,10 @@ def test_a_module_the_user_trusts_is_imported(evil_dpath: Path, tmp_path: Path) 
 @pytest.mark.parametrize(
     "config, expected",
     [
-        ({"class_path": "evilmod.EvilSAE", "variant": "topk", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
+        (
+            {"class_path": "sae_pipeline.sae.TopKSAE", "variant": "topk", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}},
+            "TopKSAE",
+        ),
         ({"class_path": "sae_pipeline.sae.topk.TopKSAE", "init_args": {"d_in": 4, "d_sae": 8, "k": 2}}, "TopKSAE"),
         (
             {
@@ -178,8 +181,35 @@ def test_a_module_the_user_trusts_is_imported(evil_dpath: Path, tmp_path: Path) 
     ],
 )
 def test_registered_variants_resolve_by_key_first(config: dict, expected: str) -> None:
-    """An artifact's registry key wins over its class path, so a registered variant never imports."""
+    """An artifact's registry key (or a registered class path) resolves without importing; the two must agree."""
     assert type(build_sae(config)).__name__ == expected
+
+
+@pytest.mark.parametrize(
+    "class_path", ["sae_pipeline.sae.ReLUSAE", "sae_pipeline.sae.mp.MatchingPursuitSAE", "evilmod.EvilSAE"]
+)
+def test_a_variant_and_class_path_that_disagree_are_refused(
+    class_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31, item 7: the key no longer wins silently over a class path naming another class; the line names
+    both, and nothing the class path names is imported."""
+    from sae_pipeline.artifacts import load_sae
+    from sae_pipeline.evaluate.__main__ import main as evaluate_main
+
+    _, ckpt_fpath = trained_checkpoint("topk", tmp_path / "train")
+    export_checkpoint(ckpt_fpath, tmp_path / "sae")
+    config = json.loads((tmp_path / "sae" / "config.json").read_text())
+    assert config["variant"] == "topk"
+    (tmp_path / "sae" / "config.json").write_text(json.dumps({**config, "class_path": class_path}))
+    with pytest.raises(ExportError) as raised:
+        load_sae(tmp_path / "sae")
+    expected = f"variant 'topk' (sae_pipeline.sae.TopKSAE) and class_path {class_path!r} name different classes"
+    assert str(tmp_path / "sae" / "config.json") in str(raised.value) and expected in str(raised.value)
+    args = ["sae", "--sae", str(tmp_path / "sae"), "--data", "digits", "--out", str(tmp_path / "eval")]
+    assert evaluate_main(args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], errors
+    assert "evilmod" not in sys.modules and not (tmp_path / "eval").exists()
 
 
 @pytest.mark.parametrize("class_path", ["os.system", "json.JSONDecoder", "no_such_module_xyz.SAE", "SAE"])

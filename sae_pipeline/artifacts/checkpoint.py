@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ from sae_pipeline.sae.config import ExportError, build_sae, check_class_paths, r
 
 __all__ = [
     "CheckpointError",
+    "MEMBER_NAME",
+    "MEMBER_NAME_RULE",
     "MOVED_MODULES",
     "check_model_classes",
     "checkpoint_d_in",
@@ -60,6 +63,11 @@ INSTANTIATOR = "lightning.pytorch.cli.instantiate_module"  # what LightningCLI s
 DAMAGED = "the checkpoint is damaged or not from this package; pass one written by `fit`"
 HINT = "pass a .ckpt written by `fit` (runs/<name>/version_N/checkpoints/last.ckpt, which fit prints)"
 LAST_HINT = f"{HINT} or `last` for the newest"
+#: A group member's name (``model.members.<name>``): it names folders (the member's TensorBoard run,
+#: ``export``'s ``--out/NAME``), so one plain path component on every file system. Matched whole
+#: (``fullmatch``): ``^...$`` with ``match`` lets a trailing newline through.
+MEMBER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=-]*")
+MEMBER_NAME_RULE = "must start with a letter or digit and hold only letters, digits, '_', '.', '=' and '-'"
 
 #: ``{module before the layout move: its module now}``; see the module docstring.
 MOVED_MODULES: dict[str, str] = {
@@ -122,6 +130,8 @@ def read_checkpoint(
             f"{flag} {fpath}: not a readable checkpoint (truncated, or not written by torch.save: "
             f"{type(exn).__name__}); {hint}"
         ) from None
+    if isinstance(checkpoint, dict) and "sae_group" in checkpoint:
+        member_names(checkpoint, f"{flag} {fpath}")  # before any name is used (a folder, a lookup)
     if isinstance(checkpoint, dict) and (name is not None or "sae_group" in checkpoint and "input_scale" in need):
         checkpoint = select_member(checkpoint, name, f"{flag} {fpath}")
     missing = [key for key in (*REQUIRED_KEYS, *need) if not isinstance(checkpoint, dict) or key not in checkpoint]
@@ -150,17 +160,29 @@ def read_checkpoint(
     return checkpoint
 
 
-def member_names(checkpoint: dict[str, Any]) -> list[str]:
-    """The members of a group's checkpoint, in training order ([] for a single SAE's)."""
+def member_names(checkpoint: dict[str, Any], where: str = "checkpoint") -> list[str]:
+    """The members of a group's checkpoint, in training order ([] for a single SAE's).
+
+    The names come from a file someone else may have written, and ``export`` makes a folder of each:
+    a name that is not `MEMBER_NAME` (``../../x``, an absolute path, ``"abc\\n"``) is a
+    CheckpointError naming ``where``, as the same name in a config is refused.
+    """
     group = checkpoint.get("sae_group")
-    return list(group) if isinstance(group, dict) else []
+    names = list(group) if isinstance(group, dict) else []
+    for name in names:
+        if not isinstance(name, str) or not MEMBER_NAME.fullmatch(name):
+            raise CheckpointError(
+                f"{where}: its group names a member {name!r}, and a member name {MEMBER_NAME_RULE} (it names the "
+                "member's folders); the checkpoint was not written by `fit`: pass another one"
+            )
+    return names
 
 
 def select_member(checkpoint: dict[str, Any], name: str | None, where: str) -> dict[str, Any]:
     """One member of a group's checkpoint (:mod:`sae_pipeline.training.group`), shaped as a single SAE's:
     its weights without the ``members.<name>.`` prefix, its ``sae_config``, ``input_scale`` and
     ``hyper_parameters``, the group's training progress and data."""
-    names = member_names(checkpoint)
+    names = member_names(checkpoint, where)
     if not names:
         raise CheckpointError(f"{where}: holds one SAE, not a group; drop --name {name}")
     if name is None or name not in names:

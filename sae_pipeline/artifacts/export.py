@@ -46,13 +46,18 @@ from sae_pipeline.artifacts.checkpoint import (
     read_checkpoint,
     sae_from_checkpoint,
 )
-from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME, write_export_files
+from sae_pipeline.artifacts.export_files import (
+    CONFIG_FNAME,
+    EXPORT_FORMAT,
+    WEIGHTS_FNAME,
+    check_export_out,
+    export_data,
+    write_export_files,
+)
 from sae_pipeline.sae import SparseAutoencoder, variant_key
 from sae_pipeline.sae.config import ExportError, build_sae, sae_config
 
 __all__ = ["EXPORT_FORMAT", "ExportError", "build_parser", "check_export", "export_checkpoint", "load_native", "main"]
-
-EXPORT_FORMAT = "sae_pipeline.export/1"  # the format's name (see the module docstring)
 
 
 def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str | None = None) -> Path:
@@ -64,6 +69,7 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str |
     training progress and the package version. ``name`` picks a member of a group's checkpoint.
     """
     ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
+    check_export_out(out_dpath, (WEIGHTS_FNAME, CONFIG_FNAME))
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint)
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
@@ -73,6 +79,7 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str |
         for key, value in dict(checkpoint.get("hyper_parameters") or {}).items()
         if not key.startswith("_") and key != "sae"
     }
+    data = export_data(checkpoint)
     config = {
         "format": EXPORT_FORMAT,
         "variant": variant_key(type(sae)),
@@ -83,8 +90,8 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str |
         "input_scale": input_scale,
         "input_scale_folded": True,
         "hyper_parameters": hyper_parameters,
-        "data": checkpoint.get("data"),
-        "manifest_sha256": (checkpoint.get("data") or {}).get("manifest_sha256"),
+        "data": data,
+        "manifest_sha256": (data or {}).get("manifest_sha256"),
         "global_step": checkpoint.get("global_step"),
         "epoch": checkpoint.get("epoch"),
         "checkpoint": str(ckpt_fpath.resolve()),
@@ -215,14 +222,22 @@ def run(args: Any) -> None:
     """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are; a group's
     checkpoint without ``--name``: every member, into ``args.out/NAME``."""
     names = [args.name] if args.name is not None else member_names(read_checkpoint(args.ckpt_path, mmap=True))
-    for name in names or [None]:
-        out = Path(args.out) / name if name is not None and args.name is None else Path(args.out)
+    outs = {
+        name: Path(args.out) / name if name is not None and args.name is None else Path(args.out)
+        for name in names or [None]
+    }
+    files = (
+        (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+        if args.format == "saelens"
+        else (WEIGHTS_FNAME, CONFIG_FNAME)
+    )
+    for out in outs.values():  # every member's folder before the first is written
+        check_export_out(out, files)
+    for name, out in outs.items():
         if args.format == "saelens":
             out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
-            files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
         else:
             out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
-            files = (WEIGHTS_FNAME, CONFIG_FNAME)
         what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
         print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
 

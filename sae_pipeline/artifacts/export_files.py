@@ -10,7 +10,11 @@ One export folder holds one SAE. Exporting again in the same format replaces tha
 refused before anything is written (:func:`refuse_other_export`: exit 2, one line naming the files
 and the fix: another ``--out``, or remove the folder first). Replacing would leave a reader of the
 folder, or a ``--sae DIR`` that prefers one format, with an SAE the user did not mean, and deleting
-a user's files is not the exporter's call.
+a user's files is not the exporter's call. For the same reason a ``config.json`` (``cfg.json``) that
+this package did not write, another program's, is refused the same way: ours says so, by its
+``"format"`` (``metadata.training_library`` in SAELens's), so re-exporting over our own export works
+(`check_export_out`, which both exporters call before their work; `write_export_files`, the plain
+writer, judges no file's content).
 """
 
 from __future__ import annotations
@@ -25,13 +29,18 @@ from safetensors.torch import save_file
 
 from feature_extraction.atomic_files import DiskFullError, atomic_path
 from feature_extraction.file_hashes import file_sha256
+from feature_extraction.shards import extraction_record, manifest_sha256, peek_manifest
 from sae_pipeline.sae.config import ExportError
 
 __all__ = [
     "CONFIG_FNAME",
+    "EXPORT_FORMAT",
+    "EXPORT_FORMATS",
     "SAELENS_CFG_FNAME",
     "SAELENS_WEIGHTS_FNAME",
     "WEIGHTS_FNAME",
+    "check_export_out",
+    "export_data",
     "export_format",
     "refuse_other_export",
     "write_export_files",
@@ -41,6 +50,9 @@ CONFIG_FNAME = "config.json"  # native
 WEIGHTS_FNAME = "sae.safetensors"  # native
 SAELENS_CFG_FNAME = "cfg.json"
 SAELENS_WEIGHTS_FNAME = "sae_weights.safetensors"
+EXPORT_FORMAT = "sae_pipeline.export/1"  # native config.json's "format": the format's name, not a module's
+EXPORT_FORMATS = (EXPORT_FORMAT, "sae_pipeline.artifacts.export/1")  # the second: exports of just after the move
+TRAINING_LIBRARY = "sae_pipeline"  # what our SAELens cfg.json's metadata.training_library says
 FORMAT_FILES = {"native": (WEIGHTS_FNAME, CONFIG_FNAME), "SAELens": (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME)}
 
 
@@ -51,6 +63,27 @@ def export_format(dpath: Path | str) -> str:
     if not (dpath / CONFIG_FNAME).is_file() and (dpath / SAELENS_CFG_FNAME).is_file():
         return "saelens"
     return "native"
+
+
+def export_data(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's record of its data (``data``: source, manifest sha256, extraction), as an export keeps it.
+
+    An export is read from other folders than the one ``fit`` ran in, and ``features explain`` needs the
+    backbone behind the tokens: a shard folder found from here is stored as an absolute path, and a
+    checkpoint that predates the extraction record gets it from that folder's manifest when its sha256 is
+    the one the checkpoint was trained on. The export then needs the shards no more.
+    """
+    data = checkpoint.get("data")
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    source = data.get("source")
+    manifest = peek_manifest(str(source)) if source else None
+    if manifest is not None:
+        data["source"] = os.path.abspath(str(source))
+        if not isinstance(data.get("extraction"), dict) and data.get("manifest_sha256") == manifest_sha256(manifest):
+            data["extraction"] = extraction_record(manifest)
+    return data
 
 
 def write_export_files(
@@ -97,6 +130,19 @@ def write_export_files(
     return out_dpath
 
 
+def check_export_out(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
+    """The checks of an ``--out`` before an export is made (see the module docstring): no other format's export
+    (`refuse_other_export`), and no config by ``own_files``' names that this package did not write."""
+    refuse_other_export(out_dpath, own_files)
+    for fname in own_files:
+        fpath = Path(out_dpath) / fname
+        if fname in (CONFIG_FNAME, SAELENS_CFG_FNAME) and fpath.exists() and not _written_by_us(fpath):
+            raise ExportError(
+                f"--out {out_dpath} holds a {fname} that this package did not write (another program's file, "
+                f"which the export would replace); pass another --out, or move {fpath} away first"
+            )
+
+
 def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> None:
     """Raise a one-line ExportError when ``out_dpath`` holds files of another export format than ``own_files``'
     (see the module docstring: an export folder holds one SAE)."""
@@ -108,3 +154,17 @@ def refuse_other_export(out_dpath: Path | str, own_files: tuple[str, ...]) -> No
                 f"--out {out_dpath} holds a {name} export ({', '.join(found)}) and one folder holds one "
                 f"SAE; pass another --out, or remove {out_dpath} first to replace it"
             )
+
+
+def _written_by_us(config_fpath: Path) -> bool:
+    """Whether an export config file is one this package wrote (see the module docstring)."""
+    try:
+        config = json.loads(config_fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    if config_fpath.name == CONFIG_FNAME:
+        return config.get("format") in EXPORT_FORMATS
+    metadata = config.get("metadata")
+    return isinstance(metadata, dict) and metadata.get("training_library") == TRAINING_LIBRARY

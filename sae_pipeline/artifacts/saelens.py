@@ -64,7 +64,9 @@ from sae_pipeline.artifacts.checkpoint import checkpoint_input_scale, read_check
 from sae_pipeline.artifacts.export_files import (
     SAELENS_CFG_FNAME,
     SAELENS_WEIGHTS_FNAME,
-    refuse_other_export,
+    TRAINING_LIBRARY,
+    check_export_out,
+    export_data,
     write_export_files,
 )
 from sae_pipeline.sae import (
@@ -159,7 +161,7 @@ def saelens_config(sae: SparseAutoencoder, metadata: dict[str, Any] | None = Non
     config["metadata"] = {
         "sae_lens_version": SAELENS_FORMAT_VERSION,
         "sae_lens_training_version": None,
-        "training_library": "sae_pipeline",
+        "training_library": TRAINING_LIBRARY,
         "sae_pipeline_version": sae_pipeline.__version__,
         "training_architecture": variant_key(type(sae)),
         "training_architecture_details": sae_config(sae)["init_args"],
@@ -224,10 +226,13 @@ def checkpoint_probe(checkpoint: dict[str, Any], probe: str | None, n_tokens: in
 
 
 def data_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What SAELens's metadata can say about the data: source, backbone and layer (from a shard manifest)."""
-    data = dict(checkpoint.get("data") or {})
+    """What SAELens's metadata can say about the data: source (absolute for shards), backbone and layer (from
+    a shard manifest), and the extraction record ``features explain`` runs (as the native ``data.extraction``)."""
+    data = export_data(checkpoint) or {}
     source = data.get("source")
     metadata: dict[str, Any] = {"dataset_path": source, "manifest_sha256": data.get("manifest_sha256")}
+    if isinstance(data.get("extraction"), dict):
+        metadata["extraction"] = data["extraction"]
     manifest = peek_manifest(str(source)) if source else None
     if manifest is not None:
         backbone = manifest.get("backbone") or {}
@@ -254,7 +259,7 @@ def export_checkpoint_saelens(
 
     Everything is checked before anything is written, so a refused export leaves ``out_dpath`` as it was.
     """
-    refuse_other_export(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
+    check_export_out(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
     sae = sae_from_checkpoint(checkpoint).eval()
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")

@@ -10,9 +10,13 @@ that fire most on it, by maximum and by sum over its tokens, each with its heatm
 Where the backbone comes from: the SAE's ``config.json`` keeps the extraction's record
 (``data.extraction``: backbone spec and preprocessing, layer, pretrained flag, checkpoint path,
 the random weights' seed, token selection; :func:`feature_extraction.shards.extraction_record`),
-copied from the shard manifest by ``fit`` and ``export``. Exports from before that record fall
-back to ``manifest.json`` in the recorded ``data.source``, if its sha256 still matches the one
-the SAE records (a SAELens export: its ``metadata.dataset_path`` and ``manifest_sha256``).
+copied from the shard manifest by ``fit`` and ``export`` (a SAELens export: ``metadata.extraction``),
+so explain needs neither the shards nor the folder the export was made in: moved or deleted
+shards change nothing. Exports from before that record fall back to ``manifest.json`` in the
+recorded ``data.source``, if its sha256 still matches the one the SAE records (a SAELens export:
+its ``metadata.dataset_path`` and ``manifest_sha256``); when it is not there (the shards moved, or
+the path was relative to the folder the export ran in) one line names it, and exporting the
+checkpoint again stores the record (taken from the manifest when the checkpoint predates it).
 Nothing the artifact names is imported: the backbone is looked up by name in
 the registry (``feature_extraction.backbones.BACKBONES``) and must match the recorded spec.
 Random weights (test backbones) are drawn from the recorded seed as the extraction drew them, so
@@ -100,7 +104,8 @@ def recorded_extraction(sae_dpath: Path) -> dict:
     if isinstance(config.get("data"), dict):
         data = config["data"]
     elif isinstance(metadata := read_json(sae_dpath / SAELENS_CFG_FNAME).get("metadata"), dict):
-        data = {"source": metadata.get("dataset_path"), "manifest_sha256": metadata.get("manifest_sha256")}
+        data = {key: metadata.get(key) for key in ("extraction", "manifest_sha256")}
+        data["source"] = metadata.get("dataset_path")
     if isinstance(data.get("extraction"), dict):
         return data["extraction"]
     source, sha = data.get("source"), data.get("manifest_sha256") or config.get("manifest_sha256")
@@ -108,14 +113,15 @@ def recorded_extraction(sae_dpath: Path) -> dict:
     if source and sha:
         manifest = peek_manifest(source)
         if manifest is None:
-            why = f"records no backbone and its shards' manifest {Path(source) / 'manifest.json'} is not there"
+            where = "" if Path(source).is_absolute() else ", a path relative to the folder it was exported in"
+            why = f"records no backbone and its shards' manifest {Path(source) / 'manifest.json'} is not there{where}"
         elif manifest_sha256(manifest) != sha:
             why = f"records no backbone and the manifest at {source} is not the one it was trained on (sha256 differs)"
         elif (record := extraction_record(manifest)) is not None:
             return record
     raise ValueError(
         f"--sae {sae_dpath}: {why}; explain needs an SAE trained on shards of python -m feature_extraction "
-        "(an export from before this version: export its checkpoint again)"
+        "(an export from before this version: export its checkpoint again, which stores the backbone in the export)"
     )
 
 

@@ -73,15 +73,28 @@ def sae_config(sae: SparseAutoencoder) -> dict[str, Any]:
 
 def _registered(class_path: str, variant: object = None) -> type[SparseAutoencoder] | None:
     """The registry's class for an artifact's ``variant`` key or ``class_path`` (its public path
-    ``sae_pipeline.sae.Name`` or its defining module's), None when neither names a variant."""
+    ``sae_pipeline.sae.Name`` or its defining module's), None when neither names a variant. A ``variant``
+    and ``class_path`` that name different classes are an ExportError naming both: which of the two the
+    author meant cannot be known, and taking the key's silently loads an SAE the file's class path denies."""
     from sae_pipeline.sae import SAE_ALIASES, SAE_REGISTRY
 
+    named = next(
+        (
+            cls
+            for cls in SAE_REGISTRY.values()
+            if class_path in (class_path_of(cls), f"{cls.__module__}.{cls.__qualname__}")
+        ),
+        None,
+    )
     if isinstance(variant, str) and SAE_ALIASES.get(variant, variant) in SAE_REGISTRY:
-        return SAE_REGISTRY[SAE_ALIASES.get(variant, variant)]
-    for cls in SAE_REGISTRY.values():
-        if class_path in (class_path_of(cls), f"{cls.__module__}.{cls.__qualname__}"):
-            return cls
-    return None
+        cls = SAE_REGISTRY[SAE_ALIASES.get(variant, variant)]
+        if named is not cls:  # loading either would hand the user an SAE the other field denies
+            raise ExportError(
+                f"variant {variant!r} ({class_path_of(cls)}) and class_path {class_path!r} name different "
+                "classes; the file was edited or damaged: fix one of the two, or export the SAE again"
+            )
+        return cls
+    return named
 
 
 def trusted_modules() -> tuple[str, ...]:

@@ -38,7 +38,6 @@ Design choices:
 from __future__ import annotations
 
 import math
-import re
 from functools import partial
 from typing import Any
 
@@ -49,11 +48,11 @@ from torch import Tensor
 
 import sae_pipeline
 from feature_extraction.validate import check_float
+from sae_pipeline.artifacts.checkpoint import MEMBER_NAME, MEMBER_NAME_RULE
 from sae_pipeline.sae.config import build_sae, sae_config
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.module import SAEModule, adam_implementation, param_groups, warmup_cosine_factor
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=-]*$")  # a folder name on every file system
 MEMBER_KEYS = ("lr", "warmup_steps", "min_lr", "normalize_input", "inference_ks", "babel_r_max")
 CLIP_ALGORITHMS = ("norm", "value")
 
@@ -62,11 +61,8 @@ def member_entry(name: str, entry: Any, d_in: int | None) -> tuple[dict[str, Any
     """Check one member's config; return (its SAE's ``{class_path, init_args}`` with ``d_in`` filled in,
     its other settings). Every problem is a ValueError naming ``model.members.<name>``."""
     where = f"model.members.{name}"
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        raise ValueError(
-            f"model.members: name {name!r} must start with a letter or digit and hold only letters, digits, "
-            "'_', '.', '=' and '-' (it names the member's folders)"
-        )
+    if not isinstance(name, str) or not MEMBER_NAME.fullmatch(name):
+        raise ValueError(f"model.members: name {name!r} {MEMBER_NAME_RULE} (it names the member's folders)")
     if not isinstance(entry, dict) or not isinstance(entry.get("sae"), dict):
         raise ValueError(f"{where}: must hold sae: {{class_path: ..., init_args: ...}} as a single run's model does")
     unknown = sorted(set(entry) - {"sae", "seed", "gradient_clip_val", "gradient_clip_algorithm", *MEMBER_KEYS})

@@ -5,6 +5,8 @@ own: a hint to use ``srun`` (on any machine where ``srun`` exists, also when the
 be local), advertisements for its cloud products ("Tip: ... litlogger", "... litmodels"), "TPU
 available: False", "Loading `train_dataloader` to estimate number of stepping batches", and a
 deprecation warning from inside Lightning itself (``LeafSpec``, which the user cannot act on).
+A group's fit with periodic checkpoints adds 13 lines of advice for manual optimisation that read
+like a bug and do not apply (the group checkpoints the weights after the step on purpose).
 They bury the product's own lines (``--ckpt_path last: FILE``, ``Final checkpoint ...``), so
 :func:`quiet_lightning` drops exactly these, matched by their text: every other Lightning
 message and warning (which GPU is used, a real misconfiguration) still shows.
@@ -29,6 +31,10 @@ NOISE_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     r"Couldn't infer the batch indices fetched from your dataloader",  # predict: the codes carry their ids
     r"The dirpath has changed from",  # validate/test/predict from a checkpoint of another run folder
+    # a group (manual optimisation) with --checkpoint.every_n_train_steps: 13 lines of advice to save the weights
+    # from before the step; the checkpoint holds the weights after global_step steps on purpose (what a resume
+    # continues from, as a single run's does)
+    r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
 )
 LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
 
