@@ -73,13 +73,19 @@ def forge(dpath: Path, index: int, forgery: Forgery) -> Path:
     """Rewrite shard ``index`` from ``forgery(its members)``; its sidecar and the manifest then vouch for it."""
     tar_fpath = dpath / S.shard_fname(index)
     with tarfile.open(tar_fpath) as tar:
-        members = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
-    data = b"".join(head + pad(body) for head, body in forgery(members)) + bytes(2 * tarfile.BLOCKSIZE)
+        forged = forgery([(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()])
+    data = b"".join(head + pad(body) for head, body in forged) + bytes(2 * tarfile.BLOCKSIZE)
     tar_fpath.write_bytes(data)
     sha256, n_bytes = hashlib.sha256(data).hexdigest(), len(data)
     sidecar_fpath = dpath / S.sidecar_fname(index)
     sidecar = json.loads(sidecar_fpath.read_text())
     sidecar.update(sha256=sha256, bytes=n_bytes, xxh3_64=xxhash.xxh3_64_hexdigest(data))
+    for suffix, digests in sidecar["sample_checksums"].items():  # the members' checksums, as a forger writes them
+        if suffix != "algorithm":
+            names = [head[:100].rstrip(b"\0").decode() for head, _ in forged]
+            digests[:] = [
+                xxhash.xxh3_64_hexdigest(body) for name, (_, body) in zip(names, forged) if name.endswith(suffix)
+            ]
     sidecar_fpath.write_text(json.dumps(sidecar))
     manifest = json.loads((dpath / S.MANIFEST_FNAME).read_text())
     manifest["shards"][index].update(sha256=sha256, bytes=n_bytes)
@@ -230,6 +236,35 @@ def test_a_sidecar_or_manifest_declaring_more_samples_than_the_shard_holds_is_re
     (shards / S.MANIFEST_FNAME).write_text(json.dumps(manifest))
     with pytest.raises(S.ShardFormatError, match=r"shard 'shard-000001\.tar' declares 1000000000 samples of \[5, 8\]"):
         S.load_manifest(shards)
+
+
+@pytest.mark.parametrize("reader", [stream, webdataset, browser], ids=lambda f: f.__name__)
+def test_a_positions_header_declaring_10_12_elements_is_refused(tmp_path: Path, reader: Callable) -> None:
+    rng = np.random.default_rng(0)
+    samples = [
+        (f"img{i}", rng.standard_normal((3, D)).astype(np.float16), {}, np.array([0, 2, 4], np.int16)) for i in range(3)
+    ]
+    S.write_shard(tmp_path, 0, samples)
+    selection = {"patches_per_image": 2, "keep_prefix_tokens": True, "seed": 0}
+    S.write_manifest(
+        tmp_path,
+        n_shards=1,
+        spec={"name": "tiny"},
+        layer=0,
+        tokens_per_image=3,
+        n_prefix_tokens=1,
+        grid=(2, 2),
+        token_selection=selection,
+    )
+
+    def forgery(members: list[tuple[str, bytes]]) -> list[Member]:
+        forged = npy_header((10**12,), "<i4") + bytes(64)
+        return regular([(name, forged if name == "img0.positions.npy" else data) for name, data in members])
+
+    tar_fpath = forge(tmp_path, 0, forgery)
+    message = r"img0.*positions\.npy'.*declares int32 \[1000000000000\] = 4000000000000 bytes, the member holds 64"
+    line = refused_within_bounded_memory(lambda: reader(tmp_path), S.ShardFormatError, message)
+    assert line.startswith(f"{tar_fpath}: "), line
 
 
 def absurd_cache(fpath: Path, rows: int = 10**12, **extra: tuple[int, ...]) -> Path:

@@ -13,7 +13,8 @@ The format is still webdataset's (written by ``wds.TarWriter``, readable by any
 webdataset pipeline, tested in ``tests/test_shards.py``); the key of a member follows
 webdataset's rule (the name up to the first dot of its last path component), and a
 sample whose tokens are missing, malformed or cut short raises ``ShardFormatError``
-naming the shard.
+naming the shard. What a member declares (its size, its ``.npy`` shape) is checked before
+memory is taken by it (``tar_scan.py``, ``npy.py``): a shard is someone else's data.
 """
 
 from __future__ import annotations
