@@ -124,6 +124,34 @@ def write_token_cache(
             h5.create_dataset("token_positions", data=token_positions.astype(np.int32))
 
 
+def _check_sizes(fpath: Path, h5: h5py.File) -> None:
+    """A cache's datasets must hold what their shapes declare, checked before a row is read.
+
+    HDF5 lets a dataset declare any shape and store nothing (unwritten chunks read as zeros), and
+    the readers size their reads and index arrays by that shape, so a cache of someone else's is
+    refused unless its tokens are floats, uncompressed as ``write_token_cache`` writes them, and
+    fit in the file, and ``image_ids`` / ``token_positions`` have one entry per token row.
+    """
+    tokens = h5["tokens"]
+    fix = "rewrite it with feature_extraction.h5cache.write_token_cache"
+    if tokens.dtype.kind != "f":
+        raise CacheFormatError(f"{fpath}: dataset 'tokens' is {tokens.dtype}, expected floats; {fix}")
+    if tokens.compression is not None:
+        raise CacheFormatError(f"{fpath}: dataset 'tokens' is compressed ({tokens.compression}); {fix}")
+    size = fpath.stat().st_size
+    if tokens.nbytes > size:
+        raise CacheFormatError(
+            f"{fpath}: dataset 'tokens' declares {list(tokens.shape)} {tokens.dtype} = {tokens.nbytes} bytes in a "
+            f"file of {size} bytes; the cache is corrupt or forged, {fix}"
+        )
+    for name in ("image_ids", "token_positions"):
+        if name in h5 and (not isinstance(h5[name], h5py.Dataset) or h5[name].shape != (tokens.shape[0],)):
+            found = list(h5[name].shape) if isinstance(h5[name], h5py.Dataset) else "a group"
+            raise CacheFormatError(
+                f"{fpath}: dataset {name!r} is {found}, expected [{tokens.shape[0]}] (one per token row); {fix}"
+            )
+
+
 class TokenCache:
     """Random-access reader of a file from ``write_token_cache``.
 
@@ -144,6 +172,7 @@ class TokenCache:
                     "rewrite it with write_token_cache(fpath, tokens.reshape(-1, d))"
                 )
             self._n, self.d = (int(s) for s in h5["tokens"].shape)
+            _check_sizes(self.fpath, h5)
             self.attrs = read_h5_attrs(h5)
             self.has_image_ids = "image_ids" in h5
             self.has_token_positions = "token_positions" in h5
@@ -165,7 +194,7 @@ class TokenCache:
                 raise IndexError(f"index {index} out of range for {self.fpath} with {self._n} rows")
             return int(index) % self._n
         if isinstance(index, slice):
-            return np.arange(self._n)[index]
+            return np.arange(*index.indices(self._n))  # the rows asked for, not an index of every row
         idx = np.asarray(index)
         if idx.dtype == bool:
             if idx.shape != (self._n,):

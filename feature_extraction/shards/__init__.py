@@ -11,7 +11,9 @@ side, the feature browser and the evaluation read through it.
 - ``read.py``: random-access reading of a shard's samples (the training stream's reader)
   and webdataset's decoding for any other pipeline (its readers are importable from here:
   ``from feature_extraction.shards import iter_shard_samples``); ``tar_scan.py``: where each
-  member of a shard's tar lies (what the reader and the integrity checks share).
+  member of a shard's tar lies (what the reader and the integrity checks share), each member
+  checked first; ``npy.py``: a member's ``.npy`` header, its declared size checked before anything
+  is allocated (docs/formats.md, "What a reader refuses").
 - ``sidecar.py``: a shard's sidecar, and the completion and intactness tests.
 - ``integrity.py``: the checksums in each sidecar, who checks them, the repair command.
 - ``manifest.py``: ``manifest.json``, assembled from the sidecars (``write_manifest``),

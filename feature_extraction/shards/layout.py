@@ -47,6 +47,7 @@ __all__ = [
     "image_id_from_key",
     "image_key",
     "member_key",
+    "member_name_problem",
     "shard_fname",
     "shards_for_task",
     "sidecar_fname",
@@ -129,6 +130,27 @@ def member_key(name: str) -> tuple[str, str]:
     directory, _, base = name.rpartition("/")
     stem, dot, suffix = base.partition(".")
     return (f"{directory}/{stem}" if directory else stem), suffix
+
+
+def member_name_problem(name: str) -> str | None:
+    """What makes ``name`` no member of a shard (None: it is ``KEY.SUFFIX`` of the key scheme).
+
+    A shard is read, never unpacked, but its names still travel: a key becomes an image id,
+    a path in the feature browser, a line in a report. So a name must be what ``image_key``
+    can produce: relative, no empty, ``.`` or ``..`` component, not reserved by webdataset,
+    and with a suffix.
+    """
+    key, suffix = member_key(name)
+    parts = key.split("/")
+    if name.startswith("/"):
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in parts):
+        return "has an empty, '.' or '..' path component (a path outside its sample)"
+    if key.startswith("__"):
+        return "starts with '__' (reserved by webdataset)"
+    if not suffix:
+        return "has no suffix (KEY.tokens.npy, KEY.meta.json, KEY.positions.npy)"
+    return None
 
 
 def check_key(key: str) -> None:

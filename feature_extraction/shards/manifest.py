@@ -34,7 +34,7 @@ from feature_extraction.shards.layout import (
     sidecar_index,
 )
 from feature_extraction.shards.manifest_stats import check_manifest_stats
-from feature_extraction.shards.sidecar import read_json_object, read_sidecar, shard_is_complete
+from feature_extraction.shards.sidecar import MIN_SAMPLE_BYTES, read_json_object, read_sidecar, shard_is_complete
 from feature_extraction.token_selection import full_token_count, token_kinds
 from feature_extraction.validate import check_int
 
@@ -214,6 +214,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             raise ShardFormatError(f"{fpath}: field 'shards' entry {entry!r} needs {', '.join(SHARD_FIELDS)}")
         if Path(entry["fname"]).name != entry["fname"]:
             raise ShardFormatError(f"{fpath}: field 'shards' fname {entry['fname']!r} must be a plain file name")
+        _check_entry_sizes(entry, manifest, fpath)
     for field in ("n_images", "n_tokens"):
         total = sum(e["count" if field == "n_images" else "n_tokens"] for e in manifest["shards"])
         if manifest[field] != total:
@@ -238,6 +239,23 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
             )
     check_manifest_stats(shards_dpath, manifest)  # a hand-edited 'stats' would train on the wrong scale
     return manifest
+
+
+def _check_entry_sizes(entry: dict, manifest: dict, fpath: Path) -> None:
+    """A shard entry's samples and tokens must fit in its bytes: what a reader sizes its reads by, checked first."""
+    sizes = [entry["count"], entry["n_tokens"], entry["bytes"], manifest["tokens_per_image"], manifest["d"]]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in sizes):
+        raise ShardFormatError(
+            f"{fpath}: shard {entry['fname']!r}: fields 'count', 'n_tokens', 'bytes', 'tokens_per_image', 'd' must "
+            f"be integers >= 0, got {sizes}; re-run finalize"
+        )
+    count, n_tokens, n_bytes, tokens_per_image, d = sizes
+    if n_tokens != count * tokens_per_image or count * (MIN_SAMPLE_BYTES + tokens_per_image * d * 2) > n_bytes:
+        raise ShardFormatError(
+            f"{fpath}: shard {entry['fname']!r} declares {count} samples of [{tokens_per_image}, {d}] float16 tokens "
+            f"({n_tokens} tokens), more than its {n_bytes} bytes hold; the manifest is corrupt or forged, "
+            f"run `python -m feature_extraction finalize --out {fpath.parent}` to rewrite it"
+        )
 
 
 def manifest_sha256(manifest: dict) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards.layout import EXTRACTION_FNAME, MANIFEST_FNAME, ShardFormatError, sidecar_fpath
-from feature_extraction.shards.sidecar import read_json_object
+from feature_extraction.shards.sidecar import load_sidecar
 
 __all__ = ["RTOL", "check_manifest_stats", "sidecar_stats"]
 
@@ -43,7 +43,7 @@ def sidecar_stats(shards_dpath: Path, manifest: dict) -> RunningStats:
                 f"{fpath}: sidecar missing, so the statistics in {MANIFEST_FNAME} cannot be "
                 f"checked; restore it or re-extract the shard"
             )
-        sidecar = read_json_object(fpath, "sidecar")
+        sidecar = load_sidecar(fpath)  # its size checked before the parse
         try:
             stats = stats.merge(RunningStats.from_json(sidecar["stats"]))
         except (KeyError, ValueError) as exn:

@@ -13,12 +13,12 @@ The format is still webdataset's (written by ``wds.TarWriter``, readable by any
 webdataset pipeline, tested in ``tests/test_shards.py``); the key of a member follows
 webdataset's rule (the name up to the first dot of its last path component), and a
 sample whose tokens are missing, malformed or cut short raises ``ShardFormatError``
-naming the shard.
+naming the shard. What a member declares (its size, its ``.npy`` shape) is checked before
+memory is taken by it (``tar_scan.py``, ``npy.py``): a shard is someone else's data.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import tarfile
 from collections.abc import Iterator, Sequence
@@ -29,79 +29,51 @@ import xxhash
 
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key
-from feature_extraction.shards.tar_scan import check_tar_end, iter_members
+from feature_extraction.shards.npy import MAX_HEADER_BYTES, check_data_bytes, decode_npy, read_npy_header
+from feature_extraction.shards.tar_scan import check_members, check_tar_end, iter_members
 
 __all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "read_shard_samples"]
 
-NPY_PREFIX = 128  # numpy pads .npy headers to 64 bytes; ours take 128
-_HEADERS: dict[bytes, tuple[int, ...]] = {}  # .npy header bytes -> shape, for headers already checked
-
-
-def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bytes]:  # noqa: ANN001 (binary file)
-    """``(shape, header bytes)`` of the ``.npy`` at the stream's position; the stream is left after the header.
-
-    Every sample of a shard has the same header bytes, so the parse (numpy's, a
-    ``literal_eval``) is cached by those bytes: it was a tenth of the reader's time.
-    """
-    head = stream.read(NPY_PREFIX)
-    if len(head) < 10 or head[:6] != b"\x93NUMPY":
-        raise ShardFormatError(f"{where} is not a valid .npy (no NUMPY magic); re-extract the shard")
-    if head[6] == 1:
-        length = 10 + int.from_bytes(head[8:10], "little")
-    else:
-        length = 12 + int.from_bytes(head[8:12], "little")
-    if length > len(head):
-        head += stream.read(length - len(head))
-    else:
-        stream.seek(length - len(head), 1)
-    header = head[:length]
-    if (parsed := _HEADERS.get(header)) is None:
-        try:
-            buffer = io.BytesIO(header)
-            version = np.lib.format.read_magic(buffer)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran_order, dtype = read_header(buffer)
-        except (ValueError, SyntaxError) as exn:
-            raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
-        if dtype != np.float16 or len(shape) != 2 or fortran_order:
-            raise ShardFormatError(
-                f"{where} is {dtype} {list(shape)}{' (Fortran order)' if fortran_order else ''}, "
-                "expected C-ordered float16 [n_tokens, d]; re-extract the shard"
-            )
-        if len(_HEADERS) >= 64:
-            _HEADERS.clear()
-        parsed = _HEADERS[header] = shape
-    return parsed, header
+MAX_META_BYTES = 1 << 20  # a meta.json holds an id, a label and a source: a few hundred bytes
 
 
 def _read_tokens(
-    stream,
+    stream,  # noqa: ANN001 (binary file)
     where: str,
     offset: int,
-    size: int,  # noqa: ANN001 (binary file)
+    size: int,
     checksum: int | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """The float16 ``[n, d]`` array of one ``tokens.npy`` member, read once into place.
 
-    With ``checksum`` (the sidecar's xxh3-64 of the member), the bytes read are checked
-    against it: a flipped byte anywhere in the member is an error, never training data.
+    The header is checked before the array is allocated: C-ordered float16 ``[n, d]``, of
+    ``shape`` when the caller knows it (the manifest's tokens per image x d), declaring exactly
+    the bytes the member holds. With ``checksum`` (the sidecar's xxh3-64 of the member), the
+    bytes read are checked against it: a flipped byte anywhere in the member is an error, never
+    training data.
     """
     stream.seek(offset)
-    shape, header = _npy_header(stream, where)
-    tokens = np.empty(shape, np.float16)
-    if len(header) + tokens.nbytes > size:
+    found, dtype, fortran_order, header = read_npy_header(stream, size, where)
+    if dtype != np.float16 or len(found) != 2 or fortran_order:
         raise ShardFormatError(
-            f"{where}: its .npy header promises more bytes than the member holds; re-extract the shard"
+            f"{where} is {dtype} {list(found)}{' (Fortran order)' if fortran_order else ''}, "
+            "expected C-ordered float16 [n_tokens, d]; re-extract the shard"
         )
+    if shape is not None and tuple(found) != tuple(shape):
+        raise ShardFormatError(
+            f"{where}: its .npy header declares tokens {list(found)}, the manifest says {list(shape)} "
+            "(tokens per image, d); re-extract the shard"
+        )
+    check_data_bytes(found, dtype, size, header, where)
+    tokens = np.empty(found, np.float16)
     data = memoryview(tokens).cast("B")
     if stream.readinto(data) != tokens.nbytes:
         raise ShardFormatError(f"{where} is cut short; re-extract the shard")
     if checksum is not None:
         hasher = xxhash.xxh3_64(header)
         hasher.update(data)
-        if hasher.intdigest() != checksum or len(header) + tokens.nbytes != size:
+        if hasher.intdigest() != checksum:
             raise _mismatch(where)
     return tokens
 
@@ -116,20 +88,28 @@ def _mismatch(where: str) -> ShardFormatError:
 
 def decode_positions(data: bytes, n_tokens: int, where: str) -> np.ndarray:
     """A sample's ``positions.npy``: int ``[n_tokens]`` full-sequence positions, checked, never unpickled."""
-    try:
-        positions = np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exn:
-        raise ShardFormatError(f"{where} is not a valid .npy ({exn}); re-extract the shard") from None
-    if (
-        not isinstance(positions, np.ndarray)
-        or positions.dtype not in (np.int16, np.int32)
-        or positions.shape != (n_tokens,)
-    ):
-        got = f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, np.ndarray) else "an .npz"
+    positions = decode_npy(data, where)
+    if positions.dtype not in (np.int16, np.int32) or positions.shape != (n_tokens,):
         raise ShardFormatError(
-            f"{where} is {got}, expected int16/int32 [{n_tokens}] (one per stored token); re-extract the shard"
+            f"{where} is {positions.dtype} {list(positions.shape)}, expected int16/int32 [{n_tokens}] "
+            "(one per stored token); re-extract the shard"
         )
     return positions
+
+
+def _read_member(stream, where: str, offset: int, size: int, limit: int) -> bytes:  # noqa: ANN001 (binary file)
+    """A small member's bytes (``positions.npy``, ``meta.json``), refused unread above ``limit``."""
+    if size > limit:
+        raise ShardFormatError(
+            f"{where} declares {size} bytes, at most {limit} fit what it holds; the shard is corrupt or "
+            "forged, re-extract it"
+        )
+    stream.seek(offset)
+    return stream.read(size)
+
+
+def _positions_limit(n_tokens: int) -> int:
+    return MAX_HEADER_BYTES + 4 * n_tokens  # int32, one per token
 
 
 def iter_shard_tokens(
@@ -139,6 +119,7 @@ def iter_shard_tokens(
     with_positions: bool = False,
     checksums: integrity.SampleChecksums | None = None,
     with_meta: bool = False,
+    shape: tuple[int, int] | None = None,
 ) -> Iterator[tuple]:
     """Yield ``(key, tokens float16 [n, d])`` of samples ``first..last`` (inclusive) of one shard, in order.
 
@@ -149,7 +130,9 @@ def iter_shard_tokens(
     only for the samples yielded (the feature browser's labels). Samples before ``first`` are counted but
     not read; reading stops after ``last``. A missing, truncated or corrupt shard raises
     ``ShardFormatError`` naming it; with ``checksums`` (``integrity.load_sample_checksums``)
-    every member read is checked against its sidecar, naming the command that repairs it.
+    every member read is checked against its sidecar, naming the command that repairs it. With
+    ``shape`` (the manifest's ``[tokens_per_image, d]``) a sample of any other shape is refused
+    before its tokens are allocated.
     """
     fpath = Path(fpath)
     if not fpath.is_file():
@@ -179,6 +162,7 @@ def iter_shard_tokens(
                     offset,
                     size,
                     None if checksums is None else checksums.tokens[index],
+                    shape,
                 )
                 extra: tuple = ()
                 if not with_positions:
@@ -189,8 +173,7 @@ def iter_shard_tokens(
                     extra = (None,)
                 else:
                     where = f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}"
-                    stream.seek(positions[1])
-                    data = stream.read(positions[2])
+                    data = _read_member(stream, where, *positions[1:], _positions_limit(len(tokens)))
                     if (
                         checksums is not None
                         and checksums.positions is not None
@@ -209,13 +192,12 @@ def iter_shard_tokens(
 
 def _read_meta(stream, fpath: Path, member: tuple[str, int, int]) -> dict:  # noqa: ANN001 (binary file)
     """A sample's ``meta.json`` as a dict (not covered by the sidecar's checksums; a non-object reads as ``{}``)."""
-    stream.seek(member[1])
+    where = f"{fpath}: member {member[0] + '.' + META_SUFFIX!r}"
+    data = _read_member(stream, where, *member[1:], MAX_META_BYTES)
     try:
-        meta = json.loads(stream.read(member[2]))
+        meta = json.loads(data)
     except ValueError as exn:
-        raise ShardFormatError(
-            f"{fpath}: member {member[0] + '.' + META_SUFFIX!r} is not valid JSON ({exn}); re-extract the shard"
-        ) from None
+        raise ShardFormatError(f"{where} is not valid JSON ({exn}); re-extract the shard") from None
     return meta if isinstance(meta, dict) else {}
 
 
@@ -226,17 +208,16 @@ def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
     Usable as a ``.map`` stage in the training pipeline; never unpickles.
     """
     key = sample.get("__key__", "?")
-    where = f"sample {key!r}" + (f" in {sample['__url__']}" if "__url__" in sample else "")
+    where = (f"{sample['__url__']}: " if "__url__" in sample else "") + f"sample {key!r}"
     for field in (TOKENS_SUFFIX, META_SUFFIX):
         if field not in sample:
             raise ShardFormatError(f"{where}: missing {field!r}; the shard is corrupt, re-extract it")
-    try:
-        tokens = np.load(io.BytesIO(sample[TOKENS_SUFFIX]), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exn:
-        raise ShardFormatError(f"{where}: 'tokens.npy' is not a valid .npy ({exn}); re-extract the shard") from None
-    if not isinstance(tokens, np.ndarray) or tokens.dtype != np.float16 or tokens.ndim != 2:
-        got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, np.ndarray) else "an .npz archive"
-        raise ShardFormatError(f"{where}: 'tokens.npy' is {got}, expected float16 [n_tokens, d]; re-extract the shard")
+    tokens = decode_npy(sample[TOKENS_SUFFIX], f"{where}: 'tokens.npy'")  # refuses a forged size unallocated
+    if tokens.dtype != np.float16 or tokens.ndim != 2:
+        raise ShardFormatError(
+            f"{where}: 'tokens.npy' is {tokens.dtype} {list(tokens.shape)}, expected float16 [n_tokens, d]; "
+            "re-extract the shard"
+        )
     try:
         meta = json.loads(sample[META_SUFFIX])
     except (ValueError, UnicodeDecodeError) as exn:
@@ -259,6 +240,7 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
         if not fpath.is_file():
             raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
         check_tar_end(fpath)
+        check_members(fpath)  # webdataset reads what the headers declare: names, kinds and sizes checked first
         try:
             # webdataset's reader on a stream we own, so the file is closed even when the
             # consumer stops early (its url_opener leaves handles to the garbage collector).
@@ -280,7 +262,7 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
                             tokens,
                             meta,
                             decode_positions(
-                                sample[POSITIONS_SUFFIX], len(tokens), f"sample {key!r} in {fpath}: 'positions.npy'"
+                                sample[POSITIONS_SUFFIX], len(tokens), f"{fpath}: sample {key!r}: 'positions.npy'"
                             ),
                         )
         except ShardFormatError:
@@ -292,13 +274,13 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
 
 
 def read_shard_samples(
-    fpath: Path | str, indices: Sequence[int]
+    fpath: Path | str, indices: Sequence[int], shape: tuple[int, int] | None = None
 ) -> Iterator[tuple[int, str, np.ndarray, np.ndarray | None, dict]]:
     """Yield ``(index, key, tokens, positions or None, meta)`` of the samples ``indices`` of one shard, in order.
 
     For readers that need a few samples of many shards (the feature browser re-reads the
     top images' tokens): one scan of the member headers, and only the wanted samples'
-    members are read. Checked like ``iter_shard_tokens``; a wanted index beyond the shard's
+    members are read. Checked like ``iter_shard_tokens`` (``shape`` too); a wanted index beyond the shard's
     last sample raises ``ShardFormatError``.
     """
     fpath = Path(fpath)
@@ -323,26 +305,14 @@ def read_shard_samples(
                 if index != wanted[0]:
                     continue
                 where = f"{fpath}: member {name!r}"
-                tokens = _read_tokens(stream, where, offset, size)
+                tokens = _read_tokens(stream, where, offset, size, shape=shape)
                 positions = None
                 if POSITIONS_SUFFIX in members:
-                    stream.seek(members[POSITIONS_SUFFIX][0])
-                    positions = decode_positions(
-                        stream.read(members[POSITIONS_SUFFIX][1]),
-                        len(tokens),
-                        f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}",
-                    )
-                meta: dict = {}
-                if META_SUFFIX in members:
-                    stream.seek(members[META_SUFFIX][0])
-                    try:
-                        meta = json.loads(stream.read(members[META_SUFFIX][1]))
-                    except (ValueError, UnicodeDecodeError) as exn:
-                        raise ShardFormatError(
-                            f"{fpath}: member {key + '.' + META_SUFFIX!r} is not valid JSON "
-                            f"({exn}); re-extract the shard"
-                        ) from None
-                yield index, key, tokens, positions, meta if isinstance(meta, dict) else {}
+                    where = f"{fpath}: member {key + '.' + POSITIONS_SUFFIX!r}"
+                    data = _read_member(stream, where, *members[POSITIONS_SUFFIX], _positions_limit(len(tokens)))
+                    positions = decode_positions(data, len(tokens), where)
+                meta = _read_meta(stream, fpath, (key, *members[META_SUFFIX])) if META_SUFFIX in members else {}
+                yield index, key, tokens, positions, meta
                 wanted.pop(0)
                 if not wanted:
                     return

@@ -24,7 +24,6 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +41,7 @@ from feature_extraction.shards.integrity import (
 )
 from feature_extraction.shards.layout import sidecar_fpath
 from feature_extraction.shards.read import iter_shard_tokens
+from feature_extraction.shards.sidecar import load_sidecar
 from sae_pipeline.data.mnist import load_mnist, load_mnist_sample
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
@@ -110,7 +110,15 @@ class ShardUnit:
         first, last = lo // tpi, (hi - 1) // tpi
         checksums = self._sample_checksums() if self.verify else None
         with contextlib.closing(
-            iter_shard_tokens(self.fpath, first, last, with_positions=with_ids, checksums=checksums, with_meta=with_ids)
+            iter_shard_tokens(
+                self.fpath,
+                first,
+                last,
+                with_positions=with_ids,
+                checksums=checksums,
+                with_meta=with_ids,
+                shape=(tpi, self.d),  # a forged header is refused before its tokens are allocated
+            )
         ) as samples:
             for index, (key, tokens, *extra) in enumerate(samples, start=first):
                 if tokens.shape != (tpi, self.d):
@@ -138,7 +146,9 @@ class ShardUnit:
         if self._checksums is False:
             sidecar_where = sidecar_fpath(self.fpath)
             try:
-                sidecar = json.loads(sidecar_where.read_text(encoding="utf-8"))
+                sidecar = load_sidecar(sidecar_where)  # a forged size is refused before the parse
+            except ShardFormatError:
+                raise
             except (OSError, ValueError) as exn:
                 raise ShardFormatError(
                     f"{sidecar_where}: unreadable sidecar ({type(exn).__name__}); {repair_command(self.fpath.parent)}"

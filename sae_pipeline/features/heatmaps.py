@@ -177,7 +177,8 @@ def _collect_shard_images(
         if shard % world_size != rank:
             continue
         shard_keys = wanted[shard_of == shard]
-        samples = list(read_shard_samples(fpaths[shard], (shard_keys - first_image[shard]).tolist()))
+        shape = (layout.tokens_per_image, source.d)  # a forged .npy header is refused before it is allocated
+        samples = list(read_shard_samples(fpaths[shard], (shard_keys - first_image[shard]).tolist(), shape))
         for start in range(0, len(samples), max(1, ENCODE_TOKENS // layout.tokens_per_image)):
             chunk = samples[start : start + max(1, ENCODE_TOKENS // layout.tokens_per_image)]
             x = torch.from_numpy(np.concatenate([tokens for _, _, tokens, _, _ in chunk]).astype(np.float32))
