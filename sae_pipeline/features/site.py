@@ -116,6 +116,7 @@ def build_site(
             "sae_class": type(sae).__name__,
             "d_in": sae.d_in,
             "d_sae": sae.d_sae,
+            "sae_sha256": sae.content_sha256(),
             "k": sae.k,
             "top": int(state["value"].shape[1]),
             "n_tokens": int(state["n_tokens"]),
