@@ -6,6 +6,7 @@ is one line, and every page renders in Chromium with no broken link or image."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import re
@@ -266,6 +267,28 @@ def test_the_extractions_weights_are_recorded_and_checked(built, tmp_path, capsy
     build_backbone(old, str(same), D_IN)  # an old record still loads
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: --checkpoint_path") and "not checked" in err[0], err
+
+
+@pytest.mark.parametrize("name", ["relu", "jumprelu", "topk", "mpsae"])
+def test_the_sae_hash_survives_both_export_formats(name: str, tmp_path) -> None:
+    """A site built from a checkpoint records the hash that explain computes from its export, native or SAELens
+    (JumpReLU's threshold crosses as exp / log), so the right site is never refused; a trained step changes it."""
+    from sae_pipeline.artifacts import load_sae
+    from sae_pipeline.artifacts.saelens import write_saelens
+    from sae_pipeline.sae import get_sae_class
+
+    cls = get_sae_class(name)
+    torch.manual_seed(0)
+    sae = cls(d_in=16, d_sae=64, **({"k": 4} if "k" in inspect.signature(cls).parameters else {}))
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    digest = sae.content_sha256()
+    assert load_sae(write_export(sae, tmp_path / "native")).content_sha256() == digest
+    assert load_sae(write_saelens(sae, tmp_path / "saelens")).content_sha256() == digest
+    with torch.no_grad():
+        sae.W_dec[0, 0] += 1e-6
+    assert sae.content_sha256() != digest
 
 
 def one_photo(tmp_path: Path) -> Path:

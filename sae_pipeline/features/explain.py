@@ -29,8 +29,11 @@ the site replaces it whole, ``explained/`` included.
 Bad input is one line, exit 2, before anything is written: an SAE that records no backbone
 (trained on digits, MNIST, an ``.h5`` cache, or hand-made shards), a backbone whose weights
 file is not here or whose pretrained weights cannot be downloaded (``--checkpoint_path FILE``),
-a backbone producing tokens of another width than the SAE's ``d_in``, a ``--site`` of another
-SAE. An image that does not decode is skipped, named on stderr and listed on the index page.
+weights other than the extraction's (the record's ``weights_sha256``: same architecture, other
+tokens), a backbone producing tokens of another width than the SAE's ``d_in``, a ``--site`` of
+another SAE (its ``features.json`` ``sae_sha256``: the atom links would point into another
+dictionary). Records and sites from before those hashes are used with one warning each. An image
+that does not decode is skipped, named once on stderr and listed on the index page.
 """
 
 from __future__ import annotations
