@@ -229,12 +229,16 @@ def sample_array(name: str) -> np.ndarray:
 class ImageDataset(torch.utils.data.Dataset):
     """Map-style dataset over records.
 
-    Item i is `(i, pixels, content hash)`, or `(i, None, why)` when the image cannot be read.
+    Item i is `(i, pixels, content hash)`, or `(i, None, why)` when the image cannot be read, logged as a
+    warning unless `log_skips` is False (a caller that reports the skipped images itself: one line each).
     """
 
-    def __init__(self, records: list[ImageRecord], preprocess: Callable[[Image.Image], Tensor]) -> None:
+    def __init__(
+        self, records: list[ImageRecord], preprocess: Callable[[Image.Image], Tensor], log_skips: bool = True
+    ) -> None:
         self.records = records
         self.preprocess = preprocess
+        self.log_skips = log_skips
         self._fds: dict[str, int] = {}  # open tar files of this process
         self._fds_pid = os.getpid()
 
@@ -248,7 +252,8 @@ class ImageDataset(torch.utils.data.Dataset):
         except Exception as error:  # PIL raises OSError, SyntaxError, ValueError, EOFError, ...
             # Without object addresses ("<_io.BytesIO object at 0x...>"): reruns and task splits list the same reason.
             why = f"{type(error).__name__}: {_ADDRESS.sub('', str(error))}".strip()
-            logger.warning("skipping unreadable image %s (%s)", record.image_id, why)
+            if self.log_skips:
+                logger.warning("skipping unreadable image %s (%s)", record.image_id, why)
             return i, None, why
         return i, self.preprocess(image), digest
 

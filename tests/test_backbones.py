@@ -177,7 +177,10 @@ def test_checkpoint_roundtrip_timm(tmp_path) -> None:
             loaded = load_backbone("dinov2_tiny", checkpoint_path=str(tmp_path / fpath))
             torch.testing.assert_close(loaded(images), expected)
             assert loaded.to_json()["checkpoint_path"] == str(tmp_path / fpath)
-        assert not torch.allclose(load_backbone("dinov2_tiny")(images), expected)
+            assert loaded.to_json()["weights_sha256"] == source.weights_sha256()  # the numbers, not the file format
+        other = load_backbone("dinov2_tiny")
+        assert not torch.allclose(other(images), expected)
+        assert other.weights_sha256() != source.weights_sha256()
 
 
 def test_checkpoint_resamples_position_embedding(tmp_path) -> None:

@@ -6,9 +6,11 @@ is one line, and every page renders in Chromium with no broken link or image."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 import torch
 from features_fixtures import identity_sae, write_export
 from in_process import error_lines, run
+from PIL import Image
 from site_walk import chromium, walk_site
 
 from feature_extraction import shards as S
@@ -197,6 +200,8 @@ def record_with(built, tmp_path: Path, name: str, sae, **weights) -> Path:
         ("weights file gone", "pass --checkpoint_path FILE"),
         ("other d_in", "but the SAE takes d_in = 12"),
         ("another site", "not this one"),
+        ("another SAE's site of the same size", "is the site of another SAE"),
+        ("other backbone weights", "other weights than the extraction's"),
         ("bad device", "--device 'nope' is not a torch device"),
     ],
 )
@@ -211,6 +216,12 @@ def test_bad_input_is_one_line(built, tmp_path, capsys, case: str, message: str)
         )
     elif case == "other d_in":
         sae_dpath = record_with(built, tmp_path, "narrow", identity_sae())
+    elif case == "another SAE's site of the same size":  # d_in and d_sae agree: only the hash tells
+        torch.manual_seed(1)
+        sae_dpath = record_with(built, tmp_path, "other_sae", ReLUSAE(d_in=D_IN, d_sae=D_SAE))
+        extra = ["--site", str(built["site"])]
+    elif case == "other backbone weights":  # the same architecture (vit_tiny) with other numbers
+        extra = ["--checkpoint_path", str(vit_tiny_weights(tmp_path, seed=1))]
     elif case == "bad device":
         extra = ["--device", "nope"]
     else:
@@ -224,6 +235,91 @@ def test_bad_input_is_one_line(built, tmp_path, capsys, case: str, message: str)
     )
     assert code == 2 and len(error_lines(err)) == 1 and message in error_lines(err)[0], err
     assert not out.exists()
+
+
+def vit_tiny_weights(tmp_path: Path, seed: int) -> Path:
+    """vit_tiny's random weights of ``seed`` as a .safetensors file (the extraction drew seed 0)."""
+    from safetensors.torch import save_file
+
+    from feature_extraction.backbones import load_backbone
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = load_backbone("vit_tiny").model
+    fpath = tmp_path / f"vit_tiny_{seed}.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fpath))
+    return fpath
+
+
+def test_the_extractions_weights_are_recorded_and_checked(built, tmp_path, capsys) -> None:
+    """The manifest names the backbone's weights by content: the seed's weights saved as a file pass, others do
+    not; a record from before the hash cannot tell, and says so once."""
+    from sae_pipeline.features.explain import build_backbone
+
+    record = recorded_extraction(built["sae_dpath"])
+    assert len(record["backbone"]["weights_sha256"]) == 64
+    same = vit_tiny_weights(tmp_path, seed=0)
+    assert build_backbone(record, str(same), D_IN).weights_sha256() == record["backbone"]["weights_sha256"]
+    with pytest.raises(ValueError, match="other weights than the extraction's"):
+        build_backbone(record, str(vit_tiny_weights(tmp_path, seed=1)), D_IN)
+    assert capsys.readouterr().err == ""
+    old = {**record, "backbone": {k: v for k, v in record["backbone"].items() if k != "weights_sha256"}}
+    build_backbone(old, str(same), D_IN)  # an old record still loads
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: --checkpoint_path") and "not checked" in err[0], err
+
+
+@pytest.mark.parametrize("name", ["relu", "jumprelu", "topk", "mpsae"])
+def test_the_sae_hash_survives_both_export_formats(name: str, tmp_path) -> None:
+    """A site built from a checkpoint records the hash that explain computes from its export, native or SAELens
+    (JumpReLU's threshold crosses as exp / log), so the right site is never refused; a trained step changes it."""
+    from sae_pipeline.artifacts import load_sae
+    from sae_pipeline.artifacts.saelens import write_saelens
+    from sae_pipeline.sae import get_sae_class
+
+    cls = get_sae_class(name)
+    torch.manual_seed(0)
+    sae = cls(d_in=16, d_sae=64, **({"k": 4} if "k" in inspect.signature(cls).parameters else {}))
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    digest = sae.content_sha256()
+    assert load_sae(write_export(sae, tmp_path / "native")).content_sha256() == digest
+    assert load_sae(write_saelens(sae, tmp_path / "saelens")).content_sha256() == digest
+    with torch.no_grad():
+        sae.W_dec[0, 0] += 1e-6
+    assert sae.content_sha256() != digest
+
+
+def one_photo(tmp_path: Path) -> Path:
+    fpath = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(fpath)
+    return fpath
+
+
+def test_a_site_from_before_sae_hashes_is_used_with_one_warning(built, tmp_path, capsys) -> None:
+    """A site whose features.json has no sae_sha256 cannot be told from another SAE's: said once, then used."""
+    old_site = tmp_path / "old_site"
+    shutil.copytree(built["site"], old_site, ignore=shutil.ignore_patterns("explained"))
+    summary = json.loads((old_site / "features.json").read_text())
+    assert len(summary.pop("sae_sha256")) == 64
+    (old_site / "features.json").write_text(json.dumps(summary))
+    args = ["features", "explain", "--sae", str(built["sae_dpath"]), "--images", str(one_photo(tmp_path))]
+    code, _, err = run([*args, "--site", str(old_site)], capsys)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 1 and "built before sites recorded their SAE's hash" in warnings[0], err
+    assert (old_site / "explained" / "images" / "index.html").is_file()
+
+
+def test_an_image_that_does_not_decode_is_named_once(built, tmp_path, capsys, caplog) -> None:
+    """explain names each skipped image in one warning line, not also through the image reader's log."""
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not an image")
+    args = ["--images", str(one_photo(tmp_path)), str(broken), "--out", str(tmp_path / "out")]
+    code, _, err = run(["features", "explain", "--sae", str(built["sae_dpath"]), *args], capsys)
+    said = [line for line in err.splitlines() if "broken.jpg" in line]
+    said += [record.getMessage() for record in caplog.records if "broken.jpg" in record.getMessage()]
+    assert code == 0 and len(said) == 1 and said[0].startswith("warning: broken.jpg: does not decode"), said
 
 
 @pytest.mark.slow

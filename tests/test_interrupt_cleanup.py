@@ -12,9 +12,13 @@ connection; the last test drops such a connection on purpose.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -99,6 +103,63 @@ def test_features_stopped_before_its_pass_says_no_site_was_written(
         line == f"terminated (SIGTERM): no site written to {site} (nothing was written there); rerun the same command"
     )
     assert not site.exists()
+
+
+@pytest.mark.parametrize("where", ["between the renames", "while the previous site is deleted"])
+def test_sigterm_in_another_thread_during_the_site_swap_waits_for_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, where: str
+) -> None:
+    """The swap blocks the signals in the main thread only; CI had one land in another thread (Rich's refresh
+    thread) while the previous site was being deleted: Python ran the handler in the main thread there, which
+    left half the old copy behind and said "the previous site there is unchanged" with the new site in place.
+    The swap now finishes first, and the line says the new site is in place."""
+    from features_fixtures import identity_sae, write_export, write_shards
+
+    from sae_pipeline.__main__ import main
+
+    write_shards(tmp_path / "shards", tmp_path / "images")
+    site = tmp_path / "site"
+    argv = ["features", "--sae", str(write_export(identity_sae(), tmp_path / "sae")), "--out", str(site)]
+    argv += ["--data.source", str(tmp_path / "shards"), "--data.num_workers", "0", "--trainer.accelerator", "cpu"]
+    assert main(argv) == 0
+    previous = (site / "features.json").stat().st_ino
+    pages = sorted(p.relative_to(site) for p in site.rglob("*"))
+    waiting = threading.Event()
+    other = threading.Thread(target=waiting.wait, daemon=True)  # a thread that does not block SIGTERM
+    other.start()
+
+    def signal_the_other_thread() -> None:
+        signal.pthread_kill(other.ident, signal.SIGTERM)
+        time.sleep(0.2)  # Python runs the handler in the main thread at its next bytecode
+
+    rename, rmtree = Path.rename, shutil.rmtree
+
+    def rename_then_signal(self: Path, target: Path) -> Path:
+        moved = rename(self, target)
+        if where == "between the renames" and Path(target).name.startswith(".site.old-"):
+            signal_the_other_thread()
+        return moved
+
+    def rmtree_with_signal(path, *args, **kwargs) -> None:
+        if where == "while the previous site is deleted" and Path(path).name.startswith(".site.old-"):
+            rmtree(Path(path) / "atoms")  # the old copy half deleted when the signal lands
+            signal_the_other_thread()
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "rename", rename_then_signal)
+    monkeypatch.setattr(shutil, "rmtree", rmtree_with_signal)
+    try:
+        assert main(argv) == 128 + signal.SIGTERM
+    finally:
+        waiting.set()
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (
+        f"terminated (SIGTERM): the new site is in place in {site}, whole (the stop came after its swap); "
+        f"open {site / 'index.html'}"
+    )
+    assert (site / "features.json").stat().st_ino != previous  # the new site
+    assert sorted(p.relative_to(site) for p in site.rglob("*")) == pages  # whole
+    assert not list(tmp_path.glob(".site.*"))  # no staging folder, no (half-deleted) old copy
 
 
 HANDOFF = """

@@ -3,6 +3,11 @@
 The `Backbone` module returns *all* tokens of one layer, prefix tokens (CLS, registers)
 first, then the patch tokens in row-major grid order; its `to_json` is the manifest's
 backbone record. Everything library-specific sits in the adapter modules (`ADAPTERS`).
+
+The record names the weights twice: by where they came from (`pretrained`, `checkpoint_path`;
+the random weights' seed is in the extraction record) and by what they are (`weights_sha256`,
+over the loaded tensors): a file moved, converted to another format or downloaded again still
+matches, other weights of the same architecture do not (`features explain` refuses them).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from feature_extraction.backbones.adapter import Adapter, Layout
 from feature_extraction.backbones.registry import get_backbone_spec
 from feature_extraction.backbones.spec import BackboneSpec
 from feature_extraction.backbones.weights import read_state_dict
+from feature_extraction.file_hashes import tensors_sha256
 
 ADAPTERS: dict[str, Adapter] = {"timm": timm_adapter, "open_clip": open_clip_adapter}
 
@@ -72,7 +78,12 @@ class Backbone(nn.Module):
             "preprocess": self.preprocess_config,
             "pretrained": self.pretrained,
             "checkpoint_path": self.checkpoint_path,
+            "weights_sha256": self.weights_sha256(),
         }
+
+    def weights_sha256(self) -> str:
+        """The loaded weights' identity (:func:`~feature_extraction.file_hashes.tensors_sha256`)."""
+        return tensors_sha256(self.model.state_dict())
 
 
 def load_backbone(

@@ -24,7 +24,8 @@ code 2, before the pass starts and before anything is written.
 Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
 130 / 143 (:mod:`sae_pipeline.training.interrupts`): the site is built in a staging folder beside ``--out``
 and swapped in whole at the end, so an interruption leaves the previous site (or nothing) in
-``--out``; the one line says so and to rerun the same command.
+``--out``; the one line says so and to rerun the same command. A stop that lands during the swap waits
+for it (in whichever thread it lands): the new site is then in place, and the line says that instead.
 """
 
 from __future__ import annotations
@@ -216,16 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as error:
         raise ValueError(f"{flag_error(error)} (see {PROG} --help)") from None
     settings = resolve_settings(args)
+    from sae_pipeline.features.site_dir import site_identity
     from sae_pipeline.training.interrupts import interruption  # loaded already under python -m sae_pipeline
 
+    before = site_identity(Path(args.out))
     try:
         written = write_site(args, settings)
-    except BaseException as exn:  # stopped anywhere before the site is swapped in: nothing was written
+    except BaseException as exn:  # stopped anywhere: the line says which site is in --out now
         stop = interruption(exn)
         if stop is None:
             raise
-        kept = "the previous site there is unchanged" if Path(args.out).exists() else "nothing was written there"
-        stop.detail = stop.detail or f"no site written to {args.out} ({kept}); rerun the same command"
+        stop.detail = stop.detail or stopped_detail(Path(args.out), before)
         raise stop from (None if stop is exn else exn)
     if written is not None:  # rank 0
         out, done = written
@@ -236,6 +238,17 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     return 0
+
+
+def stopped_detail(out: Path, before: tuple[int, int] | None) -> str:
+    """What a stop leaves in ``out``: the new site (the stop came after its swap), the previous one, or none."""
+    from sae_pipeline.features.site_dir import site_identity
+
+    now = site_identity(out)
+    if now is not None and now != before:
+        return f"the new site is in place in {out}, whole (the stop came after its swap); open {out / 'index.html'}"
+    kept = "the previous site there is unchanged" if now is not None else "nothing was written there"
+    return f"no site written to {out} ({kept}); rerun the same command"
 
 
 def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path, str] | None:

@@ -33,8 +33,11 @@ the site replaces it whole, ``explained/`` included.
 Bad input is one line, exit 2, before anything is written: an SAE that records no backbone
 (trained on digits, MNIST, an ``.h5`` cache, or hand-made shards), a backbone whose weights
 file is not here or whose pretrained weights cannot be downloaded (``--checkpoint_path FILE``),
-a backbone producing tokens of another width than the SAE's ``d_in``, a ``--site`` of another
-SAE. An image that does not decode is skipped, named on stderr and listed on the index page.
+weights other than the extraction's (the record's ``weights_sha256``: same architecture, other
+tokens), a backbone producing tokens of another width than the SAE's ``d_in``, a ``--site`` of
+another SAE (its ``features.json`` ``sae_sha256``: the atom links would point into another
+dictionary). Records and sites from before those hashes are used with one warning each. An image
+that does not decode is skipped, named once on stderr and listed on the index page.
 """
 
 from __future__ import annotations
@@ -169,12 +172,46 @@ def build_backbone(record: dict, checkpoint_path: str | None, d_in: int) -> Any:
             "--checkpoint_path FILE (the same weights as a local .safetensors or state dict), or set "
             "HF_HUB_OFFLINE=1 with them in the Hugging Face cache"
         ) from None
+    check_weights(backbone, recorded, checkpoint_path, fpath)
     if json.loads(json.dumps(backbone.preprocess_config)) != recorded.get("preprocess"):
         raise ValueError(
             f"backbone {name!r}: its preprocessing now differs from the recorded one ({recorded.get('preprocess')}); "
             "use the library versions that extracted the shards"
         )
     return backbone
+
+
+def check_weights(backbone: Any, recorded: dict, checkpoint_path: str | None, fpath: str | None) -> None:
+    """Refuse weights other than the extraction's (same architecture, other numbers: other tokens).
+
+    A record from before ``weights_sha256`` cannot tell: a ``--checkpoint_path`` then gets one warning.
+    """
+    from feature_extraction.file_hashes import short_digest
+
+    name, expected = recorded.get("name"), recorded.get("weights_sha256")
+    if not expected:
+        if checkpoint_path is not None:
+            print(
+                f"warning: --checkpoint_path {checkpoint_path}: not checked, the SAE's extraction record predates "
+                "weights hashes (re-extract and retrain to have it checked)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    actual = backbone.weights_sha256()
+    if actual == expected:
+        return
+    theirs, ours = short_digest(expected), short_digest(actual)
+    if checkpoint_path is not None:
+        raise ValueError(
+            f"--checkpoint_path {checkpoint_path}: other weights than the extraction's (sha256 {ours}, the extraction "
+            f"used {theirs}); pass the weights file the extraction of backbone {name!r} used"
+        )
+    source = f"the weights file {fpath}" if fpath else "the recorded weights (download or seed)"
+    raise ValueError(
+        f"backbone {name!r}: {source} are not the extraction's now (sha256 {ours}, the extraction used {theirs}); "
+        "pass --checkpoint_path FILE with the extraction's weights"
+    )
 
 
 def image_records(paths: list[str]) -> list[Any]:
@@ -227,7 +264,7 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
 
     spec = backbone.spec
     view = view_transform(record["backbone"].get("preprocess"), spec.image_size)
-    dataset = ImageDataset(records, lambda image: (backbone.preprocess(image), view(image)))
+    dataset = ImageDataset(records, lambda image: (backbone.preprocess(image), view(image)), log_skips=False)
     selection = record.get("token_selection")
     torch_device = torch.device(device)
     backbone.to(torch_device)
@@ -253,23 +290,42 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
     return {"explained": explained, "skipped": skipped}
 
 
-def site_atom_links(site: Path, sae: Any, images_dpath: Path) -> Any:
-    """``atom -> href`` from ``images_dpath`` to the site's atom pages (None where the site has no page)."""
-    from sae_pipeline.features.atom_pages import atom_fname
+def check_site(site: Path, sae: Any) -> bool:
+    """Refuse the site of another SAE; False when the site predates ``sae_sha256`` (cannot tell)."""
+    from feature_extraction.file_hashes import short_digest
     from sae_pipeline.features.site_dir import MARKER_FNAME
 
     try:
         summary = json.loads((site / MARKER_FNAME).read_text())
     except (OSError, ValueError):
+        summary = None
+    if not isinstance(summary, dict):
         raise ValueError(
             f"--site {site}: not a feature browser site (no readable {MARKER_FNAME}); build one with "
             "python -m sae_pipeline features, or leave --site out"
-        ) from None
+        )
     if (summary.get("d_in"), summary.get("d_sae")) != (sae.d_in, sae.d_sae):
         raise ValueError(
             f"--site {site}: is the site of an SAE with d_in {summary.get('d_in')}, d_sae {summary.get('d_sae')}, "
             f"not this one (d_in {sae.d_in}, d_sae {sae.d_sae}); pass the site built from --sae"
         )
+    recorded = summary.get("sae_sha256")
+    if not recorded:
+        return False
+    if recorded != (ours := sae.content_sha256()):
+        raise ValueError(
+            f"--site {site}: is the site of another SAE (sae_sha256 {short_digest(str(recorded))}, --sae has "
+            f"{short_digest(ours)}): its atom pages are another dictionary's; pass the site built from --sae, or "
+            f"rebuild it: python -m sae_pipeline features --sae SAE_DIR --data.source DATA --out {site}"
+        )
+    return True
+
+
+def site_atom_links(site: Path, sae: Any, images_dpath: Path) -> Any:
+    """``atom -> href`` from ``images_dpath`` to the site's atom pages (None where the site has no page)."""
+    from sae_pipeline.features.atom_pages import atom_fname
+
+    check_site(site, sae)
     width = len(str(sae.d_sae - 1))
 
     def href(atom: int) -> str | None:
@@ -347,8 +403,13 @@ def main(argv: list[str]) -> int:
     out = Path(args.out) if args.out else Path(args.site) / "explained"
     record = recorded_extraction(sae_dpath)
     sae = load_sae(sae_dpath).eval()
-    if site is not None:
-        site_atom_links(site, sae, out)  # its one-line checks, before the backbone loads
+    if site is not None and not check_site(site, sae):  # its one-line checks, before the backbone loads
+        print(
+            f"warning: --site {site}: built before sites recorded their SAE's hash, so it cannot be told from "
+            "the site of another SAE of the same size; rebuild it with python -m sae_pipeline features to check",
+            file=sys.stderr,
+            flush=True,
+        )
     records = image_records(args.images)
     check_out_dir(out)
     remove_stale_partials(out)

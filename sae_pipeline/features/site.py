@@ -18,7 +18,8 @@ served as is by ``python -m http.server``):
 - ``thumbs/``: one thumbnail per image, written once however many atoms show it;
   ``atoms/img/``: the atoms of pixel data as images; ``assets/``: the stylesheet and script;
 - ``features.npz`` (the merged table and statistics, numeric arrays only: no pickle) and
-  ``features.json`` (what was run; also how a rerun recognises a site it may replace);
+  ``features.json`` (what was run; also how a rerun recognises a site it may replace; its
+  ``sae_sha256`` names the SAE, so that ``features explain --site`` links only into its own site);
 - wherever the images carry labels, the label statistics of each atom on its page and on the
   index, and ``labels/<id>.html`` per label (:mod:`sae_pipeline.features.label_pages`).
 
@@ -116,6 +117,7 @@ def build_site(
             "sae_class": type(sae).__name__,
             "d_in": sae.d_in,
             "d_sae": sae.d_sae,
+            "sae_sha256": sae.content_sha256(),
             "k": sae.k,
             "top": int(state["value"].shape[1]),
             "n_tokens": int(state["n_tokens"]),

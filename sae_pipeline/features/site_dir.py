@@ -6,6 +6,8 @@ is checked before the pass: its folder must be writable and ``--out`` must not b
 (pass a folder inside it); either is one line, exit 2. A run killed before the swap leaves its
 staging folder behind; the next run removes those whose process is gone. A full disk removes the
 staging folder and ends with one ``no space left on device`` line (exit 1), the previous site whole.
+A SIGTERM or Ctrl-C during the swap takes effect once it is done: the new site is then in place, whole,
+and the features command's line says so (:func:`site_identity`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 from feature_extraction.atomic_files import DiskFullError, out_of_space
 from feature_extraction.output_dirs import dir_problem
+from sae_pipeline.training.interrupts import stops_held
 
 MARKER_FNAME = "features.json"  # in every site: what was run, and how a rerun recognises a site it may replace
 
@@ -77,17 +79,25 @@ def staged_site(out: Path) -> Iterator[Path]:
 
 
 def _swap_in(staging: Path, out: Path) -> None:
-    """Replace ``out`` by ``staging``; SIGINT / SIGTERM wait for the two renames (never no site at ``out``)."""
+    """Replace ``out`` by ``staging``: the previous site renamed aside, the new one renamed in, the aside copy
+    deleted. SIGINT / SIGTERM wait for all three, in whichever thread they land (:func:`stops_held`), so a
+    stop finds the previous site or the new one in ``out``, never none, and no half-deleted copy beside it."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    held = {signal.SIGINT, signal.SIGTERM}
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
+    with stops_held():
         if out.exists():
             out.rename(old)
         staging.rename(out)
         shutil.rmtree(old, ignore_errors=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def site_identity(out: Path) -> tuple[int, int] | None:
+    """Which site is in ``out`` now (its marker file's device and inode; None: none): the stop's line compares
+    it with the one before the run to say truthfully whether the new site is in place."""
+    try:
+        stat = (out / MARKER_FNAME).stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _alive(pid: int) -> bool:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from feature_extraction.file_hashes import tensors_sha256
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
@@ -260,6 +261,15 @@ class SparseAutoencoder(nn.Module):
     def dead_mask(self) -> Tensor:
         """Bool ``[d_sae]``: latents that have not fired for ``dead_after_tokens`` tokens."""
         return self.tokens_since_fired >= self.dead_after_tokens
+
+    def content_sha256(self) -> str:
+        """Which dictionary this is: a sha256 over the parameters (float32), not the training counters.
+
+        A checkpoint, its export and its SAELens export give the same digest (the input scale folded);
+        a feature site records it, so ``features explain`` links only into the site of the same SAE.
+        """
+        params = {name: p.detach().float() if p.is_floating_point() else p for name, p in self.named_parameters()}
+        return tensors_sha256(params)
 
     @torch.no_grad()
     def fold_input_scale(self, scale: float) -> None:

@@ -19,6 +19,8 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   An exception raised by a signal handler is lost when it lands in a ``__del__`` or weakref
   callback ("Exception ignored in ..."), so the stop is also sticky: every later batch of a
   stage, and each page of the features site, raises it again (:func:`raise_if_interrupted`).
+  Steps that must not be cut in half (the swap of a features site into ``--out``) run in
+  :func:`stops_held`: the stop waits for their end, whichever thread the signal lands in.
 - **During ``fit``**: the handler only records the signal. After each training batch (and each
   validation pass) the ranks all-reduce what they received (one small all-reduce per step under
   DDP, none in a single process), so a signal that reached one rank stops every rank at the same
@@ -59,6 +61,7 @@ __all__ = [
     "interruption",
     "raise_if_interrupted",
     "stop_signals",
+    "stops_held",
 ]
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
@@ -76,6 +79,8 @@ class _Handler:
         self.rank = 0
         self.previous_unraisable_hook = sys.unraisablehook
         self.pending = 0  # the signal of a stop already raised (raised again at the next check)
+        self.held = 0  # depth of stops_held() blocks: a signal then waits for the block's end
+        self.deferred = 0  # the signal that arrived inside such a block
 
     def __call__(self, signum: int, frame: Any) -> None:
         if get_worker_info() is not None:
@@ -83,9 +88,16 @@ class _Handler:
         if self.users == 0:  # reinstated after we let go (Lightning's teardown restores what it found)
             _call_previous(self.previous.get(signum, signal.SIG_DFL), signum, frame)
             return
+        if self.held:
+            self.deferred = self.deferred or signum
+            return
         if self.training is not None:
             self.training.record(signum)
             return
+        self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        """Raise the stop (rank 0 of a DDP launch first forwards the signal to the ranks it started)."""
         launcher, self.launcher = self.launcher, None
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)
@@ -97,7 +109,7 @@ class _Handler:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self.users == 0:
-            self.pending = 0
+            self.pending, self.deferred = 0, 0
             self.previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             for signum in HANDLED:
                 previous = signal.signal(signum, self)
@@ -158,6 +170,34 @@ def stop_signals() -> Iterator[None]:
     finally:
         if installed:
             HANDLER.release()
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """SIGTERM / Ctrl-C wait for the end of the block, then stop as usual: for steps that must not be cut in half.
+
+    ``pthread_sigmask`` blocks the signals for this thread only: another thread (Rich's refresh
+    thread, a loader's) still receives them, and Python then runs the handler here, in the main
+    thread, at the next bytecode, wherever the block is. So the handler itself waits too while a
+    block is open (:attr:`_Handler.held`), and the stop is raised when the last block ends (or
+    left pending for :func:`interruption` when the block raises). The mask spares the block's
+    system calls the interruption, and holds the signals where our handler is not installed.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED) if main else None
+    HANDLER.held += 1
+    signum = 0
+    try:
+        yield
+    finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal blocked until now is handled here: held
+        HANDLER.held -= 1
+        if not HANDLER.held:
+            signum, HANDLER.deferred = HANDLER.deferred, 0
+            HANDLER.pending = HANDLER.pending or signum
+    if signum and HANDLER.users:
+        HANDLER.stop(signum)
 
 
 class Interrupts(StepBoundaryCallback):
