@@ -35,6 +35,7 @@ What this subclass adds to LightningCLI:
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,18 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
 from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
-from sae_pipeline.cli_args import check_config_files, config_files, names_group, normalize_args
+from sae_pipeline.cli_args import (
+    check_config_files,
+    config_files,
+    member_flags,
+    merge_member_flags,
+    names_group,
+    normalize_args,
+)
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 from sae_pipeline.training import lightning_compat
@@ -105,6 +113,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self._prepared = False
         self._ckpt_d_in: int | None = None
         self._ckpt_hyper_parameters: dict[str, Any] | None = None
+        self._nothing_to_train: str | None = None  # fit --ckpt_path already at max_steps: the line saying so
         kwargs.setdefault("save_config_callback", FitConfigSaver)
         self._explicit: Namespace | None = None  # what config files and flags set (ckpt_config)
         given = sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else []
@@ -143,7 +152,20 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.training.ckpt_config`). With ``--ckpt_path``
         and no ``model.sae`` the SAE is the checkpoint's: the check of required arguments waits until
-        :meth:`_check_ckpt_path` has filled it in."""
+        :meth:`_check_ckpt_path` has filled it in. ``--model.members.NAME.KEY`` flags are merged into their
+        member (:func:`sae_pipeline.cli_args.member_flags`): the parse without them gives the config's members,
+        and the merged members are passed as one ``--model.members`` after every other argument."""
+        if self.group and (args is None or isinstance(args, (list, tuple))):
+            rest, flags = member_flags(sys.argv[1:] if args is None else list(args))
+            first = explicit_config(parser, rest) if flags else None
+            if first is not None:
+                section = first.get(first.get("subcommand")) if first.get("subcommand") else first
+                members = merge_member_flags(section.get("model.members"), flags)
+                merged = [*rest, f"--model.members={json.dumps(members, default=str)}"]
+                if args is None:  # as cli_main's normalize_args: LightningCLI reads sys.argv itself
+                    sys.argv[1:] = merged
+                else:
+                    args = merged
         self._explicit = explicit_config(parser, args)
         subcommand = self._explicit.get("subcommand") if self._explicit is not None else None
         explicit = self._explicit.get(subcommand) if subcommand else None
@@ -267,6 +289,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             config.ckpt_path = ckpt_path = str(found)
         checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
         self._check_model_config(config, subcommand, str(ckpt_path), checkpoint)
+        if subcommand == "fit":
+            self._nothing_to_train = nothing_to_train(str(ckpt_path), checkpoint, config.trainer.get("max_steps"))
         self._ckpt_d_in = checkpoint_d_in(checkpoint)
         self._ckpt_source = (checkpoint.get("data") or {}).get("source")
         self._ckpt_hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})  # merged by lightning_compat
@@ -280,7 +304,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
         explicit_model = explicit.get("model") if explicit is not None else None
         if self.group or "sae_group" in checkpoint:
-            check_group_against_checkpoint(ckpt_path, checkpoint, config.get("model"), self.group)
+            written = explicit_model if explicit is not None else config.get("model")
+            check_group_against_checkpoint(ckpt_path, checkpoint, written, self.group)
             return
         check_against_checkpoint(ckpt_path, checkpoint, config.get("model"), explicit_model)
         if explicit is None or sets_sae_class(explicit_model):
@@ -329,11 +354,20 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         except MisconfigurationException as exn:
             raise ValueError(trainer_setup_error(exn, config_init.get("trainer") or {})) from None
 
-    # --- after fit ------------------------------------------------------------------------------
+    # --- fit ------------------------------------------------------------------------------------
+    def fit(self, model: Any, **kwargs: Any) -> None:
+        """``trainer.fit``, unless ``--ckpt_path`` is already at ``--trainer.max_steps``: then one line says so and
+        nothing runs, so no empty ``version_N`` is left (exit 0: the run is done, as a rerun of a finished job
+        finds it; LightningCLI calls this method in place of ``trainer.fit``)."""
+        if self._nothing_to_train is None:
+            self.trainer.fit(model, **kwargs)
+        elif rank_zero_only.rank == 0:
+            print(self._nothing_to_train, flush=True)
+
     def after_fit(self) -> None:
         """Tell the user which files hold what this run trained (rank 0 only)."""
         trainer = self.trainer
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or self._nothing_to_train is not None:
             return
         callback = trainer.checkpoint_callback
         ckpt = getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None)
@@ -361,6 +395,17 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             print(f"TensorBoard runs: {log_dir}/<member>/   (tensorboard --logdir {log_dir})", flush=True)
         elif log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
+
+
+def nothing_to_train(ckpt_path: str, checkpoint: dict[str, Any], max_steps: Any) -> str | None:
+    """The line for a ``fit --ckpt_path`` whose checkpoint already reached ``--trainer.max_steps``, or None."""
+    step = checkpoint.get("global_step")
+    if not isinstance(max_steps, int) or max_steps < 0 or not isinstance(step, int) or step < max_steps:
+        return None
+    return (
+        f"Nothing to train: {ckpt_path} is already at global step {step} (--trainer.max_steps {max_steps}); "
+        "raise it to train further"
+    )
 
 
 def already_done(trainer: Any) -> str | None:

@@ -3,6 +3,10 @@
 - ``--model.lr -1e-3``: argparse takes ``-1e-3`` for an option (its negative-number rule
   knows ``-1`` and ``-0.5``, not exponents) and says "expected one argument"; joined as
   ``--model.lr=-1e-3`` the value reaches the model, which names what is wrong with it.
+- ``--model.members.NAME.lr 0.01``: ``model.members`` is a plain mapping to jsonargparse, so a flag below a
+  member replaced the whole member (``{lr: 0.01}``: "must hold sae"); these flags are taken out
+  (:func:`member_flags`) and merged into the config's members (:func:`merge_member_flags`), over every
+  config file, as other flags are (``SAECLI.parse_arguments``).
 - A YAML syntax error in ``--config FILE``: jsonargparse reports it over several lines without
   the file's name; here it is one line naming the file, the line and the column.
 """
@@ -15,7 +19,10 @@ from pathlib import Path
 import yaml
 
 from sae_pipeline.config_files import check_includes
+from sae_pipeline.training.group import plain_config
 
+MEMBER_FLAG = "--model.members."
+EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf|-nan", re.IGNORECASE)
 
 
@@ -29,6 +36,55 @@ def normalize_args(args: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def member_flags(args: list[str]) -> tuple[list[str], list[tuple[str, list[str], str]]]:
+    """Take ``--model.members.NAME.KEY[.KEY...] VALUE`` (or ``=VALUE``) out of ``args``: (the other arguments,
+    ``[(NAME, [KEY, ...], VALUE), ...]``). A flag naming a whole member (``--model.members.NAME '{...}'``)
+    stays, for the parser."""
+    rest: list[str] = []
+    flags: list[tuple[str, list[str], str]] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        flag, joined, value = arg.partition("=")
+        path = flag[len(MEMBER_FLAG) :].split(".") if flag.startswith(MEMBER_FLAG) else []
+        if len(path) >= 2 and all(path) and (joined or index + 1 < len(args)):
+            if not joined:
+                index += 1
+                value = args[index]
+            flags.append((path[0], path[1:], value))
+        else:
+            rest.append(arg)
+        index += 1
+    return rest, flags
+
+
+def merge_member_flags(members: object, flags: list[tuple[str, list[str], str]]) -> object:
+    """``members`` with each flag's value (read as YAML, as the parser reads a value of any type) set at its
+    place, the dicts on the way created where missing."""
+    if not flags:
+        return members
+    merged = plain_config(members) if members is not None else {}
+    if not isinstance(merged, dict):
+        return members  # not a mapping: the group's own check says so
+    for name, keys, text in flags:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value):
+            value = float(value)  # YAML 1.1 reads 1e-3 as a string; the parser (and a typed flag) as a float
+        node = merged.setdefault(name, {})
+        for key in keys[:-1]:
+            if not isinstance(node, dict):
+                break
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        if isinstance(node, dict):
+            node[keys[-1]] = value
+    return merged
 
 
 def config_files(args: list[str], option: str = "--config") -> list[str]:

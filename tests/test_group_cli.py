@@ -137,9 +137,15 @@ def test_bad_groups_are_one_error_line(tmp_path: Path, capsys: pytest.CaptureFix
     text = write_config(tmp_path, MEMBERS).read_text()
     duplicate.write_text(text.replace("  jump:", "  topk:"))
     wrong_d_in = {"a": {"sae": {"class_path": "TopKSAE", "init_args": {"d_in": 12, "d_sae": 32, "k": 2}}}}
+    # the full class path: complete init_args that jsonargparse can build an SAE from
+    full_path = {
+        "a": {"sae": {"class_path": "sae_pipeline.sae.TopKSAE", "init_args": {"d_in": 12, "d_sae": 32, "k": 2}}}
+    }
+    d_in_line = "model.members.a.sae.init_args.d_in=12 differs from the data's d_in=64; drop d_in from the member"
     cases = [
         (["--config", str(duplicate)], "model.members names 'topk' twice"),
-        (["--config", str(write_config(tmp_path, wrong_d_in, "d_in"))], "d_in=12 differs from the data's d_in=64"),
+        (["--config", str(write_config(tmp_path, wrong_d_in, "d_in"))], d_in_line),
+        (["--config", str(write_config(tmp_path, full_path, "full_path"))], d_in_line),
         (["--config", str(write_config(tmp_path, {}, "empty"))], "model.members is empty"),
         (
             ["--config", str(write_config(tmp_path, MEMBERS)), "--trainer.gradient_clip_val", "1"],
@@ -161,6 +167,117 @@ def test_shipped_group_config_parses(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert cli.group and list(cli.model.members) == ["topk_k10", "mpsae_k10", "relu"]
     assert {member.sae.d_in for member in cli.model.members.values()} == {64}  # from the data
     assert cli.model.clipping["relu"] == (1.0, "norm") and cli.model.clipping["topk_k10"][0] is None
+
+
+def test_member_flags_merge_into_the_member_and_a_right_d_in_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model.members.NAME.KEY`` sets one setting of the member, as ``--model.lr`` does for one SAE (it
+    replaced the whole member: "must hold sae"); ``d_in`` equal to the data's is accepted."""
+    from sae_pipeline.cli import cli_main
+
+    monkeypatch.setattr("sys.argv", ["sae_pipeline"])
+    members = {name: {**entry, "sae": {**entry["sae"]}} for name, entry in MEMBERS.items()}
+    members["topk"]["sae"] = {"class_path": "sae_pipeline.sae.TopKSAE", "init_args": {"d_in": 64, "d_sae": 96, "k": 4}}
+    config = str(write_config(tmp_path, members))
+    flags = ["--model.members.topk.lr", "0.05", "--model.members.jump.sae.init_args.d_sae=40"]
+    cli = cli_main(["--config", config, *flags, "--model.members.jump.gradient_clip_val", "2"], run=False)
+    topk, jump = cli.model.members["topk"], cli.model.members["jump"]
+    assert (topk.hparams.lr, topk.sae.d_in, topk.sae.d_sae, topk.sae.k) == (0.05, 64, 96, 4)
+    assert (jump.sae.d_sae, jump.sae.d_in, jump.hparams.warmup_steps) == (40, 64, 2)  # the rest of the member kept
+    assert cli.model.clipping["jump"] == (2, "norm")
+
+
+def resume_args(cwd: Path, members: object, *flags: str) -> list[str]:
+    ckpt = str(cwd / "runs" / "pair" / "version_0" / "checkpoints" / "last.ckpt")
+    return ["fit", "--config", str(write_config(cwd, members, "changed")), "--ckpt_path", ckpt, *flags, *QUIET]
+
+
+def changed(name: str, **change: object) -> dict[str, object]:
+    """MEMBERS with one member's entry (or its SAE's init_args, under ``init_args``) changed."""
+    members = {key: {**entry, "sae": {**entry["sae"]}} for key, entry in MEMBERS.items()}  # type: ignore[dict-item]
+    if "init_args" in change:
+        members[name]["sae"]["init_args"] = {**members[name]["sae"]["init_args"], **change.pop("init_args")}
+    members[name].update(change)
+    return members
+
+
+RESUME_REFUSED = {
+    "k in the config": (
+        changed("topk", init_args={"k": 3}),
+        [],
+        "its member topk holds TopKSAE(d_sae=96, k=4) but the config asks for TopKSAE(d_sae=96, k=3)",
+    ),
+    "another variant": (
+        changed("topk", sae={"class_path": "ReLUSAE", "init_args": {"d_sae": 96}}),
+        [],
+        "its member topk holds TopKSAE(d_sae=96, k=4) but the config asks for ReLUSAE(d_sae=96)",
+    ),
+    "lr in the config": (
+        changed("topk", lr=0.01),
+        [],
+        "was trained with model.members.topk.lr=0.002 but the config asks for model.members.topk.lr=0.01",
+    ),
+    "an lr flag": (
+        MEMBERS,
+        ["--model.members.topk.lr", "0.1"],
+        "model.members.topk.lr=0.002 but the config asks for model.members.topk.lr=0.1",
+    ),
+    "a clipping flag": (
+        MEMBERS,
+        ["--model.members.jump.gradient_clip_val", "2"],
+        "was trained with "
+        "model.members.jump.gradient_clip_val=0.5 but the config asks for model.members.jump.gradient_clip_val=2",
+    ),
+    "a k flag": (MEMBERS, ["--model.members.topk.sae.init_args.k", "5"], "asks for TopKSAE(d_sae=96, k=5)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_REFUSED))
+def test_resuming_a_group_with_a_changed_member_is_refused_in_one_line(
+    case: str, fitted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The single-SAE rule (tests/test_resume_config.py) for each member: an explicit disagreement with the
+    checkpoint names both values (the checkpoint's members trained on, exit 0)."""
+    cwd, _ = fitted
+    members, flags, expected = RESUME_REFUSED[case]
+    before = sorted(str(path) for path in (cwd / "runs").rglob("*"))
+    status, _, err = in_dir(cwd, resume_args(cwd, members, *flags), capsys)
+    lines = error_lines(err)
+    assert status == 2 and len(lines) == 1 and expected in lines[0], err[-3000:]
+    assert "pass the config the run was trained with (its version_N/config.yaml)" in lines[0]
+    assert sorted(str(path) for path in (cwd / "runs").rglob("*")) == before  # nothing written
+
+
+def test_a_member_flag_equal_to_the_checkpoints_is_accepted(
+    fitted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cwd, _ = fitted
+    ckpt = str(cwd / "runs" / "pair" / "version_0" / "checkpoints" / "last.ckpt")
+    flags = ["--model.members.topk.lr", "2e-3", "--model.members.jump.sae.init_args.d_sae", "80"]
+    status, _, err = in_dir(
+        cwd, ["validate", "--config", str(cwd / "pair.yaml"), "--ckpt_path", ckpt, *flags, *QUIET], capsys
+    )
+    assert status == 0, err[-3000:]
+
+
+def test_a_single_sae_config_with_a_group_checkpoint_is_one_error_line(
+    fitted: tuple[Path, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not the config parser's usage and "Parsing of ckpt_path hyperparameters failed!"."""
+    cwd, _ = fitted
+    ckpt = str(cwd / "runs" / "pair" / "version_0" / "checkpoints" / "last.ckpt")
+    before = sorted(str(path) for path in (cwd / "runs").rglob("*"))
+    config = str(REPO_DPATH / "configs" / "topk_digits.yaml")
+    status, _, err = in_dir(cwd, ["fit", "--config", config, "--ckpt_path", ckpt, *QUIET], capsys)
+    lines = error_lines(err)
+    assert status == 2 and len(lines) == 1, err[-3000:]
+    assert (
+        f"--ckpt_path {ckpt} holds a group of 2 SAEs (topk, jump) but the config names one SAE; pass the group's "
+        "config (its version_N/config.yaml) or start a new run without --ckpt_path" in lines[0]
+    ), lines[0]
+    assert "usage:" not in err and "Parsing of ckpt_path" not in err
+    assert sorted(str(path) for path in (cwd / "runs").rglob("*")) == before
 
 
 @pytest.mark.slow

@@ -195,3 +195,41 @@ def test_a_config_without_sae_or_data_names_what_is_missing(
     assert status == 2
     assert error_lines(err) == ["error: the following arguments are required: fit.data.source"], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_group_config_with_a_single_sae_checkpoint_is_one_error_line(
+    mp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line names what the checkpoint holds, what the config names and the fix (the group's side:
+    tests/test_group_cli.py)."""
+    monkeypatch.chdir(tmp_path)
+    members = {
+        "a": {"sae": {"class_path": "TopKSAE", "init_args": {"d_sae": 32, "k": 2}}},
+        "b": {"sae": {"class_path": "ReLUSAE", "init_args": {"d_sae": 32}}},
+    }
+    config = tmp_path / "pair.yaml"
+    config.write_text(yaml.safe_dump({"model": {"members": members}, "data": {"source": "digits"}}))
+    ckpt = str(mp_run / CKPT)
+    status, _out, err = run(["fit", "--config", str(config), *QUIET, "--ckpt_path", ckpt], capsys)
+    assert status == 2, err[-3000:]
+    assert error_lines(err) == [
+        f"error: CheckpointError: --ckpt_path {ckpt} holds one SAE, MatchingPursuitSAE(d_sae=64, k=10), but the "
+        "config names a group of 2 SAEs (a, b); pass that SAE's config (its version_N/config.yaml) or start a new "
+        "run without --ckpt_path"
+    ], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resuming_a_run_already_at_max_steps_trains_nothing_and_leaves_no_run_folder(
+    mp_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 0 with one line (the run is done, as a rerun of a finished job finds it), and no empty version_1."""
+    monkeypatch.chdir(mp_run)
+    before = sorted(str(p.relative_to(mp_run)) for p in mp_run.rglob("*"))
+    args = ["fit", "--config", MPSAE, "--model.sae.init_args.d_sae", D_SAE, "--trainer.max_steps", "2", *QUIET]
+    status, out, err = run([*args, "--ckpt_path", CKPT], capsys)
+    assert status == 0, err[-3000:]
+    assert [line for line in out.splitlines() if line] == [
+        f"Nothing to train: {CKPT} is already at global step 2 (--trainer.max_steps 2); raise it to train further"
+    ], out
+    assert sorted(str(p.relative_to(mp_run)) for p in mp_run.rglob("*")) == before

@@ -24,6 +24,10 @@ and for ``validate``, ``test`` and ``predict`` alike:
   MatchingPursuitSAE(d_sae=1000, k=10) ...``). A requeued SLURM job started that way, whose
   ``--ckpt_path`` gives way to the job's own hpc checkpoint, takes that checkpoint's SAE and
   hyper-parameters the same way (Lightning merges those of ``--ckpt_path`` only).
+- A group (:mod:`sae_pipeline.training.group`): the same per member (:func:`check_group_against_checkpoint`;
+  Lightning's merge replaces the config's members with the checkpoint's, so a changed ``k`` or ``lr``
+  would otherwise be dropped without a word), and a group's checkpoint with a single SAE's config (or
+  the reverse) is one line naming what the checkpoint holds.
 
 "Explicit" is what :func:`explicit_config` reads: the same arguments parsed again without
 defaults (jsonargparse's ``parse_args(defaults=False)``, with its private ``_skip_validation``,
@@ -40,6 +44,7 @@ from typing import Any
 from jsonargparse import Namespace
 
 from sae_pipeline.artifacts.checkpoint import CheckpointError
+from sae_pipeline.training.group import CLIP_KEYS, plain_config
 
 SHOWN_ARGS = ("d_sae", "k")  # always named in an SAE's label, so the two SAEs are recognisable
 LINKED_ARGS = ("d_in",)  # linked from the data; checked against it after instantiation
@@ -89,55 +94,111 @@ def check_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: 
     checkpoint's (see the module docstring). ``model``: the parsed ``model`` section (defaults filled);
     ``explicit_model``: the same section parsed without defaults (None: nothing explicit)."""
     ckpt_sae = checkpoint.get("sae_config") or {}
-    ckpt_class = str(ckpt_sae.get("class_path", "?"))
-    ckpt_args = dict(ckpt_sae.get("init_args") or {})
     user_sae = _get(explicit_model, "sae")
     if user_sae is not None:
-        user_class = str(_get(_get(model, "sae"), "class_path")) if sets_sae_class(explicit_model) else ckpt_class
-        user_args = _as_dict(_get(user_sae, "init_args"))
-        differing = [
-            key
-            for key in user_args
-            if key in ckpt_args
-            and key not in LINKED_ARGS
-            and user_args[key] is not None
-            and user_args[key] != ckpt_args[key]
-        ]
-        if _class_name(user_class) != _class_name(ckpt_class) or differing:
-            raise CheckpointError(
-                f"--ckpt_path {ckpt_path} holds {sae_label(ckpt_class, ckpt_args, differing)} but "
-                f"the config asks for {sae_label(user_class, user_args, differing)}; {FIX}"
-            )
-    hparams = checkpoint.get("hyper_parameters") or {}
-    explicit = _as_dict(explicit_model)
-    differing = [key for key in explicit if key != "sae" and key in hparams and _plain(explicit[key]) != hparams[key]]
-    if differing:
-        theirs = ", ".join(f"model.{key}={hparams[key]!r}" for key in differing)
-        ours = ", ".join(f"model.{key}={_plain(explicit[key])!r}" for key in differing)
-        raise CheckpointError(
-            f"--ckpt_path {ckpt_path} was trained with {theirs} but the config asks for {ours} "
-            f"(a run from a checkpoint keeps its model settings); {FIX}"
-        )
+        user_class = str(_get(_get(model, "sae"), "class_path")) if sets_sae_class(explicit_model) else None
+        _check_sae(f"--ckpt_path {ckpt_path}", ckpt_sae, user_class, _as_dict(_get(user_sae, "init_args")))
+    explicit = {key: value for key, value in _as_dict(explicit_model).items() if key != "sae"}
+    _check_settings(ckpt_path, checkpoint.get("hyper_parameters") or {}, explicit, "model.")
 
 
-def check_group_against_checkpoint(ckpt_path: str, checkpoint: dict[str, Any], model: Any, group: bool) -> None:
-    """A group's checkpoint goes with a group config holding the same members (their settings come from the
-    checkpoint, as a single run's do); a single SAE's checkpoint with a single SAE's config."""
+def check_group_against_checkpoint(
+    ckpt_path: str, checkpoint: dict[str, Any], explicit_model: Any, group: bool
+) -> None:
+    """A group's checkpoint goes with a group config, a single SAE's with a single SAE's config (one line naming
+    what the checkpoint holds otherwise: LightningCLI's merge of its hyper-parameters would fail with the
+    parser's usage). The group's members are the checkpoint's, and what the user wrote for them must agree, as
+    for one SAE: a config naming members names the same ones; a member's SAE class, its ``init_args`` given
+    (``d_in`` and ``null`` aside) and its settings given (``lr``, ..., ``seed``, ``gradient_clip_val``) equal
+    the checkpoint's, or one line names both values. Member flags alone (``--model.members.NAME.lr``) may name
+    some members only. ``explicit_model``: the ``model`` section parsed without defaults."""
     saved = checkpoint.get("sae_group")
-    if not group:
+    members = plain_config(_get(explicit_model, "members"))
+    members = members if isinstance(members, dict) else None
+    if saved is not None and (not group or (members is None and _get(explicit_model, "sae") is not None)):
         raise CheckpointError(
-            f"--ckpt_path {ckpt_path}: holds a group of SAEs ({', '.join(saved or {})}), the config one SAE; "
-            "pass the group's config, or export one member with: export --ckpt_path FILE --name NAME"
+            f"--ckpt_path {ckpt_path} holds a group of {len(saved)} SAEs ({', '.join(saved)}) but the config names "
+            f"one SAE; pass the group's config (its version_N/config.yaml) or start a new run without --ckpt_path "
+            f"(one member alone: export --ckpt_path {ckpt_path} --name NAME)"
         )
     if saved is None:
+        sae = checkpoint.get("sae_config") or {}
+        held = sae_label(str(sae.get("class_path", "?")), dict(sae.get("init_args") or {}))
+        asked = f"a group of {len(members)} SAEs ({', '.join(members)})" if members else "a group (model.members)"
         raise CheckpointError(
-            f"--ckpt_path {ckpt_path}: holds one SAE, the config a group (model.members); pass that SAE's config"
+            f"--ckpt_path {ckpt_path} holds one SAE, {held}, but the config names {asked}; pass that SAE's config "
+            "(its version_N/config.yaml) or start a new run without --ckpt_path"
         )
-    members = model.get("members") if model is not None else None
-    if members and set(members) != set(saved):
+    if not members:
+        return
+    whole = any(isinstance(entry, dict) and "sae" in entry for entry in members.values())
+    if set(members) - set(saved) or (whole and set(members) != set(saved)):
         raise CheckpointError(
             f"--ckpt_path {ckpt_path}: its group holds {', '.join(saved)}, the config names {', '.join(members)}; "
             "pass the config it was trained with (a group cannot gain or lose members when resumed)"
+        )
+    group_hparams = checkpoint.get("hyper_parameters") or {}
+    saved_entries = group_hparams.get("members") if isinstance(group_hparams.get("members"), dict) else {}
+    for name, entry in members.items():
+        _check_member(ckpt_path, name, entry, saved[name] or {}, saved_entries.get(name) or {}, group_hparams)
+    explicit = {key: value for key, value in _as_dict(explicit_model).items() if key not in ("sae", "members")}
+    _check_settings(ckpt_path, group_hparams, explicit, "model.")
+
+
+def _check_member(
+    ckpt_path: str, name: str, entry: Any, saved: dict[str, Any], saved_entry: Any, group_hparams: dict[str, Any]
+) -> None:
+    """One member against the checkpoint's: its SAE (``sae_group.<name>.sae_config``) and its settings (its
+    module's hyper-parameters; ``seed`` and clipping from the group's saved entry, or the group's defaults)."""
+    if not isinstance(entry, dict):
+        return  # the member's own check names what is wrong with it
+    where = f"--ckpt_path {ckpt_path}: its member {name}"
+    sae = entry.get("sae")
+    if isinstance(sae, dict) and saved.get("sae_config"):
+        class_path = sae.get("class_path")
+        _check_sae(where, saved["sae_config"], str(class_path) if class_path else None, _as_dict(sae.get("init_args")))
+    hparams = dict(saved.get("hyper_parameters") or {})
+    saved_entry = saved_entry if isinstance(saved_entry, dict) else {}
+    known = {key: hparams[key] for key in hparams if key not in ("sae", "seed", *CLIP_KEYS)}
+    known["seed"] = saved_entry.get("seed")
+    for key in CLIP_KEYS:
+        if key in saved_entry:
+            known[key] = saved_entry[key]
+        elif key in group_hparams:
+            known[key] = group_hparams[key]
+    given = {key: value for key, value in entry.items() if key != "sae"}
+    _check_settings(ckpt_path, known, given, f"model.members.{name}.")
+
+
+def _check_sae(where: str, ckpt_sae: dict[str, Any], user_class: str | None, user_args: dict[str, Any]) -> None:
+    """The SAE the user wrote (its class where given, the ``init_args`` given) against the checkpoint's."""
+    ckpt_class = str(ckpt_sae.get("class_path", "?"))
+    ckpt_args = dict(ckpt_sae.get("init_args") or {})
+    user_class = user_class or ckpt_class
+    differing = [
+        key
+        for key in user_args
+        if key in ckpt_args
+        and key not in LINKED_ARGS
+        and user_args[key] is not None
+        and not _same(user_args[key], ckpt_args[key])
+    ]
+    if _class_name(user_class) != _class_name(ckpt_class) or differing:
+        raise CheckpointError(
+            f"{where} holds {sae_label(ckpt_class, ckpt_args, differing)} but "
+            f"the config asks for {sae_label(user_class, user_args, differing)}; {FIX}"
+        )
+
+
+def _check_settings(ckpt_path: str, saved: dict[str, Any], given: dict[str, Any], prefix: str) -> None:
+    """Settings the user gave (``lr``, ...) against those the checkpoint was trained with."""
+    differing = [key for key in given if key in saved and not _same(given[key], saved[key])]
+    if differing:
+        theirs = ", ".join(f"{prefix}{key}={saved[key]!r}" for key in differing)
+        ours = ", ".join(f"{prefix}{key}={plain_config(given[key])!r}" for key in differing)
+        raise CheckpointError(
+            f"--ckpt_path {ckpt_path} was trained with {theirs} but the config asks for {ours} "
+            f"(a run from a checkpoint keeps its model settings); {FIX}"
         )
 
 
@@ -155,8 +216,17 @@ def _as_dict(namespace: Any) -> dict[str, Any]:
     return namespace.as_dict() if isinstance(namespace, Namespace) else dict(namespace)
 
 
-def _plain(value: Any) -> Any:
-    return value.as_dict() if isinstance(value, Namespace) else value
+def _same(given: Any, saved: Any) -> bool:
+    """Equal as the config means them: ``1e-3`` (a string to YAML 1.1) is 0.001, a tuple equals its list."""
+    given, saved = plain_config(given), plain_config(saved)
+    if given == saved:
+        return True
+    if isinstance(given, bool) or isinstance(saved, bool):
+        return False
+    try:
+        return float(given) == float(saved)
+    except (TypeError, ValueError):
+        return False
 
 
 def _class_name(class_path: Any) -> str:

@@ -49,12 +49,14 @@ from torch import Tensor
 import sae_pipeline
 from feature_extraction.validate import check_float
 from sae_pipeline.artifacts.checkpoint import MEMBER_NAME, MEMBER_NAME_RULE
+from sae_pipeline.sae.base import SparseAutoencoder
 from sae_pipeline.sae.config import build_sae, sae_config
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.module import SAEModule, adam_implementation, param_groups, warmup_cosine_factor
 
 MEMBER_KEYS = ("lr", "warmup_steps", "min_lr", "normalize_input", "inference_ks", "babel_r_max")
 CLIP_ALGORITHMS = ("norm", "value")
+CLIP_KEYS = ("gradient_clip_val", "gradient_clip_algorithm")  # a member's, else the group's
 
 
 def member_entry(name: str, entry: Any, d_in: int | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -96,14 +98,18 @@ def build_member(sae_dict: dict[str, Any], settings: dict[str, Any]) -> SAEModul
         return SAEModule(build_sae(sae_dict), **settings)
 
 
-def _plain(value: Any) -> Any:
-    """Dicts and lists all the way down (jsonargparse hands nested sections over as Namespaces)."""
+def plain_config(value: Any) -> Any:
+    """Dicts and lists all the way down (jsonargparse hands nested sections over as Namespaces, and a member's
+    ``sae`` whose ``init_args`` it can complete, ``d_in`` included, as an instance: its config stands for it,
+    so the member is built after its seed and its ``d_in`` checked against the data's)."""
+    if isinstance(value, SparseAutoencoder):
+        return sae_config(value)
     if hasattr(value, "as_dict"):
         value = value.as_dict()
     if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
+        return {key: plain_config(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
+        return [plain_config(item) for item in value]
     return value
 
 
@@ -129,7 +135,7 @@ class SAEGroupModule(L.LightningModule):
         predict_member: str | None = None,
     ) -> None:
         super().__init__()
-        members = _plain(members)
+        members = plain_config(members)
         if not isinstance(members, dict) or not members:
             raise ValueError("model.members is empty; name at least one SAE: members: {NAME: {sae: ...}}")
         self.save_hyperparameters(ignore=["predict_member"])  # a checkpoint's value would override the flag
@@ -355,4 +361,4 @@ class SAEGroupModule(L.LightningModule):
             member.on_load_checkpoint(checkpoint)
 
 
-__all__ = ["SAEGroupModule", "member_entry"]
+__all__ = ["SAEGroupModule", "member_entry", "plain_config"]
