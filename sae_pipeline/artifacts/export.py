@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 import sae_pipeline
 from feature_extraction.exit_status import run_cli
 from feature_extraction.file_hashes import file_sha256
+from feature_extraction.output_lock import output_lock
 from sae_pipeline.artifacts import saelens
 from sae_pipeline.artifacts.checkpoint import (
     checkpoint_input_scale,
@@ -215,16 +216,17 @@ def run(args: Any) -> None:
     """Export ``args.ckpt_path`` into ``args.out`` in ``args.format`` and say where the files are; a group's
     checkpoint without ``--name``: every member, into ``args.out/NAME``."""
     names = [args.name] if args.name is not None else member_names(read_checkpoint(args.ckpt_path, mmap=True))
-    for name in names or [None]:
-        out = Path(args.out) / name if name is not None and args.name is None else Path(args.out)
-        if args.format == "saelens":
-            out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
-            files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
-        else:
-            out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
-            files = (WEIGHTS_FNAME, CONFIG_FNAME)
-        what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
-        print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+    with output_lock(args.out, "export"):
+        for name in names or [None]:
+            out = Path(args.out) / name if name is not None and args.name is None else Path(args.out)
+            if args.format == "saelens":
+                out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
+                files = (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
+            else:
+                out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
+                files = (WEIGHTS_FNAME, CONFIG_FNAME)
+            what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
+            print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:

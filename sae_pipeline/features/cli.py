@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 from feature_extraction.exit_status import Interrupted, flag_error
 from feature_extraction.help_format import DefaultsHelpFormatter
+from feature_extraction.output_lock import output_lock
 from feature_extraction.validate import check_int
 from sae_pipeline.config_files import load_config
 
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from sae_pipeline.training.interrupts import interruption  # loaded already under python -m sae_pipeline
 
     try:
-        written = write_site(args, settings)
+        with output_lock(args.out, "features", beside=True):  # the site is swapped in whole: the lock is beside it
+            written = write_site(args, settings)
     except BaseException as exn:  # stopped anywhere before the site is swapped in: nothing was written
         stop = interruption(exn)
         if stop is None:
