@@ -23,6 +23,9 @@ Design choices:
   skipped and counted, with the reason; each shard's skipped images go to
   `skipped-NNNNNN.json`, written before its sidecar, and `finalize` merges them into
   the manifest's `skipped`. A skipped image changes its shard's count, not the assignment.
+- Each task locks its part of the directory (`output_lock`, `.lock.K-of-N`) while it writes, so a
+  second run of the same task, or of another split, is refused instead of writing the same
+  shards at the same time; the lock of a killed task is taken over by the rerun.
 - `extraction.json` (written first, compared on every rerun and by every task) records
   what the directory holds: backbone, layer, weights, shard size and the image list's
   digest. Another backbone, layer or image set is refused instead of mixed in.

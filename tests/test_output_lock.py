@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from in_process import QUIET, error_lines, fit_in, run
 from PIL import Image
+from terminal import Command
 
 from feature_extraction.__main__ import main as extract_main
 from feature_extraction.output_lock import OutputLocked, lock_fpath, output_lock
@@ -210,3 +212,24 @@ def test_the_lock_is_released_after_each_command(
         status, _, err = run([*fit, "--ckpt_path", "last"], capsys)
         assert status == 0, err[-2000:]
     assert not list(version.parent.glob("*/.lock"))
+
+
+@pytest.mark.slow
+def test_a_resume_holds_its_run_until_sigterm(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real fits of one run: the second resume is refused naming the first; SIGTERM (143) releases the run."""
+    version = tmp_path / "runs" / "topk_digits" / "version_0"
+    shutil.copytree(trained / "runs" / "topk_digits" / "version_0", version)
+    fit = ["fit", "--config", TOPK_DIGITS, "--model.sae.init_args.d_sae", "64", *QUIET, "--ckpt_path", "last"]
+    first = Command(tmp_path, *fit, "--trainer.max_steps", "1000000", "--trainer.max_epochs", "-1")
+    try:
+        first.wait_for((version / ".lock").is_file, "the resume's lock")
+        monkeypatch.chdir(tmp_path)
+        status, _, err = run([*fit, "--trainer.max_steps", "3"], capsys)
+        assert status == 2 and len(error_lines(err)) == 1, err[-2000:]
+        assert f"the run runs/topk_digits/version_0 is being written by pid {first.process.pid} on host {HOST}" in err
+    finally:
+        first.signal(signal.SIGTERM)
+        assert first.finish() == 143, first.text()[-3000:]
+    assert not (version / ".lock").exists()
