@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from feature_extraction.atomic_files import DiskFullError, out_of_space
 from feature_extraction.output_dirs import check_output_path
 
 __all__ = ["LOCK_FNAME", "OutputLocked", "is_launching_process", "lock_fpath", "output_lock"]
@@ -131,6 +132,9 @@ def _create(fpath: Path, record: dict[str, Any]) -> bool:
     try:
         os.write(fd, json.dumps(record).encode("utf-8"))
         os.fsync(fd)
+    except BaseException:
+        fpath.unlink(missing_ok=True)  # never leave a lock that names no holder
+        raise
     finally:
         os.close(fd)
     return True
@@ -224,6 +228,8 @@ def output_lock(
                 if _create(fpath, record):
                     break
             except OSError as exn:
+                if out_of_space(exn):
+                    raise DiskFullError(fpath, f"nothing was written to {path}") from exn
                 raise OutputLocked(
                     f"{what} {path}: cannot create its lock file {fpath} ({exn.strerror or exn}); choose a "
                     "writable location or fix its permissions"

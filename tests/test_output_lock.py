@@ -3,6 +3,7 @@ holder, a dead holder's lock is taken over, and the lock goes away however the h
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ from PIL import Image
 from terminal import Command
 
 from feature_extraction.__main__ import main as extract_main
+from feature_extraction.atomic_files import DiskFullError
 from feature_extraction.output_lock import OutputLocked, lock_fpath, output_lock
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -107,6 +109,18 @@ def test_the_lock_goes_away_after_an_error(tmp_path: Path) -> None:
     with pytest.raises(ZeroDivisionError), output_lock(tmp_path / "out", "evaluate"):
         assert (tmp_path / "out" / ".lock").is_file()
         _ = 1 / 0
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_full_disk_leaves_no_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(os, "write", no_space)
+    with pytest.raises(DiskFullError, match="nothing was written to"), output_lock(tmp_path / "out", "export"):
+        pass
+    monkeypatch.undo()
     assert list((tmp_path / "out").iterdir()) == []
 
 
