@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from feature_extraction.atomic_files import DiskFullError, out_of_space
-from feature_extraction.output_dirs import check_output_path
+from feature_extraction.output_dirs import dir_problem, prepare_output_dir
 
 __all__ = ["LOCK_FNAME", "OutputLocked", "is_launching_process", "lock_fpath", "output_lock"]
 
@@ -185,13 +185,6 @@ def _clashing_split(fpath: Path, part: tuple[int, int]) -> tuple[Path, dict[str,
     return None
 
 
-def _make_dirs(dpath: Path) -> list[Path]:
-    """Create ``dpath`` and its missing parents; returns those created, deepest first."""
-    missing = [p for p in (dpath, *dpath.parents) if not p.exists()]
-    dpath.mkdir(parents=True, exist_ok=True)
-    return missing
-
-
 @contextmanager
 def output_lock(
     path: Path | str,
@@ -213,14 +206,22 @@ def output_lock(
         yield None
         return
     fpath = lock_fpath(path, beside, part)
-    check_output_path(fpath.parent, what)  # a file in the way, or not writable: the one line of output_dirs
-    try:
-        created = _make_dirs(fpath.parent)
-    except OSError as exn:
-        raise OutputLocked(
-            f"{what} {path}: cannot create {fpath.parent} for its lock file ({exn.strerror or exn}); "
-            "choose a writable location"
-        ) from None
+    created = [p for p in (fpath.parent, *fpath.parent.parents) if not p.exists()]  # removed again if left empty
+    if not beside:  # a file in the way, or not writable: the one line of output_dirs
+        prepare_output_dir(path, what)
+    else:
+        problem = dir_problem(path.parent)
+        if problem:  # the one line the site's own check gives
+            raise ValueError(
+                f"{what} {path}: its folder {path.parent} {problem}; choose a writable location for {what}"
+            )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exn:
+            raise OutputLocked(
+                f"{what} {path}: cannot create {path.parent} for its lock file ({exn.strerror or exn}); "
+                "choose a writable location"
+            ) from None
     record = _holder_record(command)
     try:
         for _ in range(5):
@@ -229,7 +230,7 @@ def output_lock(
                     break
             except OSError as exn:
                 if out_of_space(exn):
-                    raise DiskFullError(fpath, f"nothing was written to {path}") from exn
+                    raise DiskFullError(fpath) from exn  # the command says what it kept
                 raise OutputLocked(
                     f"{what} {path}: cannot create its lock file {fpath} ({exn.strerror or exn}); choose a "
                     "writable location or fix its permissions"
