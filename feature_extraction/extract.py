@@ -23,6 +23,9 @@ Design choices:
   skipped and counted, with the reason; each shard's skipped images go to
   `skipped-NNNNNN.json`, written before its sidecar, and `finalize` merges them into
   the manifest's `skipped`. A skipped image changes its shard's count, not the assignment.
+- Each task locks its part of the directory (`output_lock`, `.lock.K-of-N`) while it writes, so a
+  second run of the same task, or of another split, is refused instead of writing the same
+  shards at the same time; the lock of a killed task is taken over by the rerun.
 - `extraction.json` (written first, compared on every rerun and by every task) records
   what the directory holds: backbone, layer, weights, shard size and the image list's
   digest. Another backbone, layer or image set is refused instead of mixed in.
@@ -56,6 +59,7 @@ from feature_extraction import __version__
 from feature_extraction.backbones import get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
+from feature_extraction.output_lock import output_lock
 from feature_extraction.shard_loop import write_shards
 from feature_extraction.shards import (
     assign_shards,
@@ -207,57 +211,58 @@ def extract(
         "package_version": __version__,
         "token_selection": selection,
     }
-    check_or_create_record(out_dpath, record)
+    with output_lock(out_dpath, "extract", part=(task_index, num_tasks)):  # one writer per task's shards
+        check_or_create_record(out_dpath, record)
 
-    owned = shards_for_task(len(shards), task_index, num_tasks)
-    complete = [i for i in owned if shard_is_complete(out_dpath, i)]
-    corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
-    if corrupt:
-        logger.warning(
-            "shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
-            format_indices(corrupt),
-        )
-    todo = [i for i in owned if i not in complete or i in corrupt]
-    logger.info(
-        "task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)",
-        task_index,
-        num_tasks,
-        len(owned),
-        len(shards),
-        len(owned) - len(todo),
-        len(todo),
-        spec.name,
-        model.layer,
-        torch_device,
-    )
-    if selection is not None:
-        stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, selection).values())
+        owned = shards_for_task(len(shards), task_index, num_tasks)
+        complete = [i for i in owned if shard_is_complete(out_dpath, i)]
+        corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
+        if corrupt:
+            logger.warning(
+                "shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
+                format_indices(corrupt),
+            )
+        todo = [i for i in owned if i not in complete or i in corrupt]
         logger.info(
-            "storing %d of %d tokens per image: %d seeded patches (seed %d)%s",
-            stored,
-            spec.n_tokens,
-            selection["patches_per_image"],
-            selection["seed"],
-            " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "",
+            "task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)",
+            task_index,
+            num_tasks,
+            len(owned),
+            len(shards),
+            len(owned) - len(todo),
+            len(todo),
+            spec.name,
+            model.layer,
+            torch_device,
         )
-    counts = write_shards(
-        model,
-        ImageDataset(records, model.preprocess),
-        records,
-        [(i, [by_key[k] for k in shards[i]]) for i in todo],
-        out_dpath,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        device=torch_device,
-        num_writers=num_writers,
-        progress=progress,
-        positions_of=None
-        if selection is None
-        else functools.partial(
-            selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
-        ),
-    )
-    finalized = finalize_if_last(out_dpath, len(shards))
+        if selection is not None:
+            stored = sum(token_kinds(spec.n_prefix_tokens, spec.grid, selection).values())
+            logger.info(
+                "storing %d of %d tokens per image: %d seeded patches (seed %d)%s",
+                stored,
+                spec.n_tokens,
+                selection["patches_per_image"],
+                selection["seed"],
+                " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "",
+            )
+        counts = write_shards(
+            model,
+            ImageDataset(records, model.preprocess),
+            records,
+            [(i, [by_key[k] for k in shards[i]]) for i in todo],
+            out_dpath,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            device=torch_device,
+            num_writers=num_writers,
+            progress=progress,
+            positions_of=None
+            if selection is None
+            else functools.partial(
+                selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
+            ),
+        )
+        finalized = finalize_if_last(out_dpath, len(shards))
     return {
         "out": str(out_dpath),
         "task_index": task_index,

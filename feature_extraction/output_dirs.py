@@ -7,7 +7,8 @@ writes and removes a probe file, so every way of being unwritable (permissions, 
 mount, a path through a file) is found before anything runs. Used by the extraction,
 `evaluate` and `export`; the training CLI checks its run folder, `--checkpoint.dirpath` and
 `--codes.fpath` with `dir_problem`, `check_writable_dir` and `check_writable_file`, which create
-nothing (Lightning creates the folders later). Writing the files themselves is `atomic_files`'.
+nothing (Lightning creates the folders later). Writing the files themselves is `atomic_files`';
+one writer at a time, `output_lock`'s.
 """
 
 from __future__ import annotations

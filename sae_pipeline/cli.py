@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
+from feature_extraction.output_lock import output_lock
 from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
 from sae_pipeline.cli_args import (
     check_config_files,
@@ -121,15 +123,17 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
-        super().__init__(
-            SAEGroupModule if group else SAEModule,
-            ActivationDataModule,
-            args=args,
-            run=run,
-            auto_configure_optimizers=False,
-            parser_class=SAEArgumentParser,
-            **kwargs,
-        )
+        self._locks = ExitStack()  # output_lock of the run a fit resumes, held while the command runs
+        with self._locks:
+            super().__init__(
+                SAEGroupModule if group else SAEModule,
+                ActivationDataModule,
+                args=args,
+                run=run,
+                auto_configure_optimizers=False,
+                parser_class=SAEArgumentParser,
+                **kwargs,
+            )
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         target = "model.d_in" if self.group else "model.sae.init_args.d_in"
@@ -287,6 +291,9 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
                 )
             rank_zero_info(f"--ckpt_path last: {found}")
             config.ckpt_path = ckpt_path = str(found)
+            if subcommand == "fit":  # one resume of a run at a time; released when the command ends
+                run_dpath = found.parent.parent if found.parent.name == "checkpoints" else found.parent
+                self._locks.enter_context(output_lock(run_dpath, "fit --ckpt_path last", what="the run"))
         checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
         self._check_model_config(config, subcommand, str(ckpt_path), checkpoint)
         if subcommand == "fit":

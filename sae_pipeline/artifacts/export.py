@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 import sae_pipeline
 from feature_extraction.exit_status import run_cli
 from feature_extraction.file_hashes import file_sha256
+from feature_extraction.output_lock import output_lock
 from sae_pipeline.artifacts import saelens
 from sae_pipeline.artifacts.checkpoint import (
     checkpoint_input_scale,
@@ -231,15 +232,16 @@ def run(args: Any) -> None:
         if args.format == "saelens"
         else (WEIGHTS_FNAME, CONFIG_FNAME)
     )
-    for out in outs.values():  # every member's folder before the first is written
-        check_export_out(out, files)
-    for name, out in outs.items():
-        if args.format == "saelens":
-            out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
-        else:
-            out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
-        what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
-        print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
+    with output_lock(args.out, "export"):
+        for out in outs.values():  # every member's folder before the first is written
+            check_export_out(out, files)
+        for name, out in outs.items():
+            if args.format == "saelens":
+                out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
+            else:
+                out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
+            what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path
+            print(f"exported {what} -> {out_dpath / files[0]}, {out_dpath / files[1]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 from feature_extraction.exit_status import run_cli
 from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
+from feature_extraction.output_lock import output_lock
 from sae_pipeline.evaluate import run_training, runs  # light: torch loads once the flags are valid
 
 PROG = "python -m sae_pipeline.evaluate"
@@ -358,24 +359,25 @@ def main(argv: list[str] | None = None) -> int:
     def run(config: Any) -> Path:
         args = flags(config)
         check_output_path(args.out, "--out")  # before any work: nothing is created until the input is valid
-        if args.command == "report":
-            from sae_pipeline.evaluate.report import read_results, write_report, write_results
+        with output_lock(args.out, f"evaluate {args.command}"):  # one writer per study folder
+            if args.command == "report":
+                from sae_pipeline.evaluate.report import read_results, write_report, write_results
 
-            results = read_results(Path(args.out))
-            if not results:
-                raise ValueError(f"--out {args.out}: no results.json; run a study into it first")
-            if "runs" in results:
-                from sae_pipeline.evaluate.claims import check_claims, count_claims
+                results = read_results(Path(args.out))
+                if not results:
+                    raise ValueError(f"--out {args.out}: no results.json; run a study into it first")
+                if "runs" in results:
+                    from sae_pipeline.evaluate.claims import check_claims, count_claims
 
-                results["claims"] = check_claims(results)
-                results["claims_summary"] = count_claims(results["claims"])
-                write_results(results, Path(args.out))
-            return write_report(results, Path(args.out))
-        if args.command == "sae":
-            return run_sae(args)
-        if args.command == "dictionary":
-            return run_dictionary(args) / "report.md"
-        return run_studies(args) / "report.md"
+                    results["claims"] = check_claims(results)
+                    results["claims_summary"] = count_claims(results["claims"])
+                    write_results(results, Path(args.out))
+                return write_report(results, Path(args.out))
+            if args.command == "sae":
+                return run_sae(args)
+            if args.command == "dictionary":
+                return run_dictionary(args) / "report.md"
+            return run_studies(args) / "report.md"
 
     status, out_fpath = run_cli(
         build_parser(),

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from feature_extraction.exit_status import Interrupted, flag_error
 from feature_extraction.help_format import DefaultsHelpFormatter
+from feature_extraction.output_lock import output_lock
 from feature_extraction.validate import check_int
 from sae_pipeline.config_files import load_config
 
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
     before = site_identity(Path(args.out))
     try:
-        written = write_site(args, settings)
+        with output_lock(args.out, "features", beside=True):  # the site is swapped in whole: the lock is beside it
+            written = write_site(args, settings)
     except BaseException as exn:  # stopped anywhere: the line says which site is in --out now
         stop = interruption(exn)
         if stop is None:
