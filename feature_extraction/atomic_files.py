@@ -164,9 +164,13 @@ def free_bytes(dpath: Path | str) -> int:
 
 
 def check_free_space(fpath: Path | str, n_bytes: int, kept: str | None = None) -> None:
-    """Raise :class:`DiskFullError` for ``fpath`` unless ``n_bytes`` fit in its folder's file system."""
+    """Raise :class:`DiskFullError` for ``fpath`` unless ``n_bytes`` fit in its folder's file system (the nearest
+    folder that exists: a writer checks before it creates any)."""
     fpath = Path(fpath)
-    free = free_bytes(fpath.parent)
+    dpath = fpath.parent
+    while not dpath.is_dir() and dpath != dpath.parent:
+        dpath = dpath.parent
+    free = free_bytes(dpath)
     if free < n_bytes:
         raise DiskFullError(fpath, kept, f"{free / 2**20:.1f} MiB free, {n_bytes / 2**20:.1f} MiB needed")
 

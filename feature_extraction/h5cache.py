@@ -24,11 +24,14 @@ from typing import Any
 import h5py
 import numpy as np
 
-from feature_extraction.atomic_files import atomic_path
+from feature_extraction.atomic_files import atomic_path, check_free_space
 
 FORMAT_ATTR = "sae_pipeline_format"
 TOKEN_CACHE_FORMAT = "token_cache/1"
 _TOKENS_CHUNK_BYTES = 1 << 20
+# what HDF5 may write beyond the data's raw bytes: up to 1 MiB of chunk cache per dataset, and metadata
+H5_RESERVE_BYTES = 5 << 20
+_STRING_BYTES = 16  # HDF5's own record of each variable-length string (its heap entry), beside its bytes
 
 
 class CacheFormatError(ValueError):
@@ -82,6 +85,13 @@ def open_checked(
     return h5
 
 
+def cache_bytes(tokens: np.ndarray, image_ids: list[str] | None, token_positions: np.ndarray | None) -> int:
+    """What :func:`write_token_cache` may write: the tokens as stored, ids and positions, and HDF5's reserve."""
+    ids = 0 if image_ids is None else sum(len(str(i).encode()) + _STRING_BYTES for i in image_ids)
+    positions = 0 if token_positions is None else 4 * len(token_positions)  # stored as int32
+    return tokens.nbytes + ids + positions + H5_RESERVE_BYTES
+
+
 def write_token_cache(
     fpath: Path | str,
     tokens: np.ndarray,
@@ -91,7 +101,9 @@ def write_token_cache(
 ) -> None:
     """Write tokens ``[N, d]`` (float16/32/64, stored as given) with optional per-row ids and positions.
 
-    Rows are chunked in about 1 MiB blocks, uncompressed, so random row reads stay cheap.
+    Rows are chunked in about 1 MiB blocks, uncompressed, so random row reads stay cheap. The free space is
+    checked first (:func:`cache_bytes`): HDF5 cannot recover from a failed write, so a cache that does not fit
+    is one ``DiskFullError`` naming what it needs and what is free, and nothing is written.
     """
     fpath = Path(fpath)
     if (
@@ -112,6 +124,8 @@ def write_token_cache(
                 f"token_positions must be integers of shape [{n}], got "
                 f"{token_positions.dtype} {list(token_positions.shape)}"
             )
+    kept = f"the previous {fpath}, unchanged" if fpath.exists() else "nothing, no file was written"
+    check_free_space(fpath, cache_bytes(tokens, image_ids, token_positions), kept)
     fpath.parent.mkdir(parents=True, exist_ok=True)
     rows_per_chunk = max(1, min(n, _TOKENS_CHUNK_BYTES // (tokens.shape[1] * tokens.dtype.itemsize)))
     with atomic_path(fpath) as tmp, h5py.File(tmp, "w") as h5:

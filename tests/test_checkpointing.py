@@ -6,6 +6,7 @@ one interpreter start for the module) on the bundled digits with a small TopK SA
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import system_tools
 import torch
 from in_process import QUIET, error_lines, fit_in, run
 
+from feature_extraction.atomic_files import DiskFullError
 from feature_extraction.h5cache import write_token_cache
 from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
 from sae_pipeline.artifacts.codes import read_codes
@@ -317,3 +319,27 @@ def test_atomic_checkpoint_io_replaces_the_file_whole(tmp_path: Path) -> None:
     assert target.stat().st_ino != inode
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
     assert torch.load(target, weights_only=True)["global_step"] == 2
+
+
+class FullDiskIO(AtomicCheckpointIO):
+    """A disk that is full when the checkpoint's bytes are written."""
+
+    def write(self, checkpoint: dict, f, target: Path) -> None:  # noqa: ANN001
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_names_the_newest_checkpoint_when_last_would_not_find_it(tmp_path: Path) -> None:
+    """Issue 31, item 13: the line advised `--ckpt_path last`, which finds only last*.ckpt: here the older step."""
+    dpath = tmp_path / "checkpoints"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 2}, dpath / "last.ckpt")
+    periodic = dpath / "epoch=0-step=4.ckpt"  # the step's periodic file, saved just before its last.ckpt
+    AtomicCheckpointIO().save_checkpoint({"global_step": 4}, periodic)
+    stamp = (dpath / "last.ckpt").stat().st_mtime_ns + 10**9
+    os.utime(periodic, ns=(stamp, stamp))
+    with pytest.raises(DiskFullError) as info:
+        FullDiskIO().save_checkpoint({"global_step": 4}, dpath / "last.ckpt")
+    assert (
+        f"kept: the checkpoints already in {dpath} (epoch=0-step=4.ckpt, last.ckpt), unchanged "
+        f"(fit --ckpt_path {periodic} resumes from the newest)"
+    ) in str(info.value)
+    assert step_of(dpath / "last.ckpt") == 2 and sorted(p.name for p in dpath.iterdir()) == [periodic.name, "last.ckpt"]

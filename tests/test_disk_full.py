@@ -21,6 +21,7 @@ import torch
 from features_fixtures import identity_sae, write_export, write_shards
 from in_process import QUIET
 
+from sae_pipeline.artifacts.checkpoint import read_checkpoint
 from sae_pipeline.sae import TopKSAE
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.training.module import SAEModule
@@ -289,6 +290,22 @@ def test_a_full_disk_is_one_line_and_keeps_what_was_there(
     assert leftovers(disk) == []
     after = snapshot(disk)
     assert {name: after.get(name) for name in before} == before  # everything that was there, unchanged
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_last_ckpt_names_the_periodic_checkpoint_it_kept(disk: Path, trained: Path) -> None:
+    """Issue 31, item 13: room for the step's periodic checkpoint but not for its last.ckpt. The line advised
+    `--ckpt_path last`, which finds only last*.ckpt, so nothing: it must name the file kept."""
+    fill(disk, 100_000 + trained.stat().st_size * 3 // 2)  # the logs and one checkpoint, not two
+    result = sae_pipeline(
+        "fit", *SMALL_FIT, "--checkpoint.every_n_train_steps", "2", "--trainer.default_root_dir", str(disk)
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = one_error_line(result.stderr)
+    (kept,) = (disk / "topk_digits" / "version_0" / "checkpoints").glob("*.ckpt")
+    assert kept.name != "last.ckpt" and f"(fit --ckpt_path {kept} resumes from the newest)" in line, line
+    assert read_checkpoint(kept, for_fit=True)["global_step"] == 2  # what fit --ckpt_path checks, whole
+    assert leftovers(disk) == []
 
 
 def test_codes_writer_stops_before_hdf5_fails(disk: Path) -> None:

@@ -110,3 +110,68 @@ def test_report_puts_the_in_sample_note_and_the_training_rows_r2_beside_the_refe
         and "| MP-SAE (paper authors) | 2, 8 | 0.934 | 0.921 |" in probing
     )
     assert "both its R² are in-sample" in probing
+
+
+# --- issue 31, item 14: labels checked before training; k above the columns noted; evaluate's own flags ----------
+def no_training(monkeypatch) -> None:
+    """Any training run fails the test: the refusals below must come before the first one."""
+    from sae_pipeline.evaluate import run_training
+
+    def ensure_runs(*args, **kwargs):
+        raise AssertionError("a run was trained before the input was refused")
+
+    monkeypatch.setattr(run_training, "ensure_runs", ensure_runs)
+
+
+def test_data_of_one_class_is_refused_before_any_run_trains(tmp_path, capsys, monkeypatch, token_shards) -> None:
+    no_training(monkeypatch)
+    shards = tmp_path / "shards"
+    token_shards(shards, [1] * 5, 8)  # one image per shard, each its shard's image 0: every label is 0
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "topk_tiny.yaml").write_text(
+        "model: {sae: {class_path: sae_pipeline.sae.TopKSAE, init_args: {d_sae: 16, k: 2}}}\n"
+        "data: {source: x, batch_size: 8, num_workers: 0, val_fraction: 0.2}\n"
+    )
+    out = tmp_path / "out"
+    grid = ["--variants", "topk", "--k", "2", "--k_main", "2", "--p", "16", "--p_main", "16"]
+    assert main(["probing", "--data", str(shards), "--out", str(out), "--config_dir", str(configs), *grid]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: --data {shards}: probing needs two classes or more in both the training and the validation "
+        "split (found 1 and 1); pass labelled data of several classes"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["probing", "dictionary"])
+def test_offline_mnist_advice_names_evaluates_own_flags(command, tmp_path, capsys, monkeypatch) -> None:
+    """evaluate has --data and --data_dpath, not fit's --data.data_dpath / --data.allow_download."""
+    no_training(monkeypatch)
+    empty, out = tmp_path / "empty", tmp_path / "out"
+    empty.mkdir()
+    extra = ["--npz", "authors"] if command == "dictionary" else []
+    assert main([command, "--data", "mnist", "--data_dpath", str(empty), "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: mnist: not found under --data_dpath={empty} (expected MNIST/raw/)"), err
+    assert "\n" not in err and "--data." not in err and "--data mnist_sample" in err
+    assert not out.exists()
+
+
+def test_a_probe_k_above_the_columns_is_noted(tmp_path) -> None:
+    from sae_pipeline.evaluate.report import ABOVE_COLUMNS_NOTE, probing_section
+
+    rng = np.random.default_rng(0)
+    x_train, train_labels = planted(rng, 200, 3, 12)
+    x_test, test_labels = planted(rng, 60, 3, 12)
+    raw = sparse_probing(x_train, balanced_tasks(train_labels), x_test, balanced_tasks(test_labels), [2, 30], True)
+    assert raw["n_columns"] == 12 and raw["mean"]["30"] == raw["mean"]["all"]  # k = 30 used all 12 columns
+    model = {**raw, "n_columns": 64, "k": 2, "p": 64}  # a model with 64 latents: k = 30 is a k-sparse probe
+    study = {"ks": [2, 30], "labels": [0, 1, 2], "n_train_rows": 200, "n_val_rows": 60, "raw": raw}
+    study.update(task_rows={"train": {"0": 1, "1": 1, "2": 1}, "val": {"0": 1, "1": 1, "2": 1}})
+    study["variants"] = {"topk": {**model, "r2_train": 0.5, "r2_val": 0.5}}
+    lines = probing_section(study)
+    (raw_row,) = [line for line in lines if line.startswith("| raw inputs")]
+    model_row = next(line for line in lines if line.startswith("| TopK"))  # the accuracies (then the R² table)
+    assert f"| {raw['mean']['30']:.3f} (all 12) |" in raw_row and "(all" not in model_row
+    assert ABOVE_COLUMNS_NOTE in lines

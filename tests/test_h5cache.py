@@ -195,3 +195,25 @@ def test_readers_reject_wrong_or_missing_files(cache_data, tmp_path):
         TokenCache(tmp_path / "junk.h5")
     with pytest.raises(ValueError, match="outside"):
         CodesWriter(tmp_path / "c.h5").write(["a"], np.zeros(1, int), np.zeros((1, 1), int), np.zeros((1, 1)))
+
+
+def test_a_cache_that_does_not_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Issue 31, item 19: the writer had no free-space check, and HDF5 cannot recover from a failed write."""
+    import feature_extraction.atomic_files as atomic_files
+    from feature_extraction.atomic_files import DiskFullError
+
+    monkeypatch.setattr(atomic_files, "free_bytes", lambda dpath: 2 << 20)  # 2 MiB free
+    tokens = np.zeros((1024, 256), np.float32)  # 1 MiB of tokens, + HDF5's 5 MiB reserve
+    previous = tmp_path / "previous.h5"
+    previous.write_bytes(b"previous cache")
+    for fpath, kept in (
+        (tmp_path / "new" / "cache.h5", "kept: nothing, no file was written"),
+        (previous, f"kept: the previous {previous}, unchanged"),
+    ):
+        with pytest.raises(DiskFullError) as info:
+            write_token_cache(fpath, tokens, image_ids=[f"img{i}" for i in range(1024)])
+        line = str(info.value)
+        assert line.startswith(f"no space left on device writing {fpath} (2.0 MiB free, 6.0 MiB needed); {kept}")
+        assert line.endswith("; free space and rerun the same command"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["previous.h5"]  # no folder, no temporary file
+    assert previous.read_bytes() == b"previous cache"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import QUIET, run
 from terminal import ENV, child_pids, default_sigint
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -146,3 +147,110 @@ def test_sigterm_to_one_ddp_rank_stops_every_rank_with_a_checkpoint(tmp_path: Pa
     assert torch.load(tmp_path / last, weights_only=True)["global_step"] == step
     time.sleep(0.5)
     assert not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
+
+
+# --- issue 31, item 12: the last line says what is on disk, wherever the second Ctrl-C lands ---------------------
+TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
+SMALL_FIT = ["fit", "--config", TOPK_DIGITS, "--model.sae.init_args.d_sae", "128", "--trainer.max_steps", "20"]
+SMALL_FIT += ["--trainer.max_epochs", "-1", "--checkpoint.every_n_train_steps", "2", *QUIET]
+STOP_STEP = 3  # not a checkpoint step: last.ckpt holds step 2 until the stop's save
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # the handler runs in this (the main) thread before the next line
+
+
+def ctrl_c_at_the_stop_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first Ctrl-C lands during step STOP_STEP (the check at its end saves and stops)."""
+    from sae_pipeline.training.interrupts import Interrupts
+
+    check = Interrupts._check
+
+    def first_ctrl_c(self: Interrupts, trainer) -> None:  # noqa: ANN001
+        if trainer.global_step == STOP_STEP and not self.received:
+            ctrl_c()
+        check(self, trainer)
+
+    monkeypatch.setattr(Interrupts, "_check", first_ctrl_c)
+
+
+def second_ctrl_c_after_the_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save of the stop finished (renamed into place); the Ctrl-C lands before the line saying so is raised."""
+    from sae_pipeline.training import interrupts
+
+    save = interrupts.save_final_checkpoint
+
+    def save_then_ctrl_c(trainer) -> str:  # noqa: ANN001
+        fpath = save(trainer)
+        ctrl_c()
+        return fpath
+
+    monkeypatch.setattr(interrupts, "save_final_checkpoint", save_then_ctrl_c)
+
+
+def second_ctrl_c_in_the_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop was raised; the Ctrl-C lands while Lightning tears the run down."""
+    from sae_pipeline.training.interrupts import Interrupts
+
+    disarm = Interrupts._disarm
+
+    def disarm_then_ctrl_c(self: Interrupts) -> None:
+        armed = self._armed and self.received
+        disarm(self)
+        if armed:
+            ctrl_c()
+
+    monkeypatch.setattr(Interrupts, "_disarm", disarm_then_ctrl_c)
+
+
+def second_ctrl_c_in_the_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ctrl-C lands half-way through writing the stop's last.ckpt: the save is abandoned."""
+    from sae_pipeline.training.checkpointing import AtomicCheckpointIO
+
+    write = AtomicCheckpointIO.write
+
+    def write_half_then_ctrl_c(self: AtomicCheckpointIO, checkpoint: dict, f, target: Path) -> None:  # noqa: ANN001
+        if target.name == "last.ckpt" and checkpoint["global_step"] == STOP_STEP:
+            f.write(b"half a checkpoint")
+            ctrl_c()
+        write(self, checkpoint, f, target)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "write", write_half_then_ctrl_c)
+
+
+LAST = "runs/topk_digits/version_0/checkpoints/last.ckpt"
+SECOND_CTRL_C = {  # where the second Ctrl-C lands -> (how, the line)
+    "after the save": (
+        second_ctrl_c_after_the_save,
+        f"saved {LAST} at global step {STOP_STEP}; continue with the same command and --ckpt_path last",
+    ),
+    "in the teardown": (
+        second_ctrl_c_in_the_teardown,
+        f"saved {LAST} at global step {STOP_STEP}; continue with the same command and --ckpt_path last",
+    ),
+    "in the save": (
+        second_ctrl_c_in_the_save,
+        f"stopped without saving; the previous checkpoint is kept: {LAST} (global step 2); "
+        "continue with the same command and --ckpt_path last",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(SECOND_CTRL_C))
+def test_the_line_after_a_second_ctrl_c_says_what_is_on_disk(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 31, item 12: a second Ctrl-C just after the save said "nothing was saved" (in the teardown) or "without
+    saving" (before the line was raised) while last.ckpt held the stop's step. In-process, each signal sent where
+    the race put it."""
+    second, expected = SECOND_CTRL_C[where]
+    ctrl_c_at_the_stop_step(monkeypatch)
+    second(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run(SMALL_FIT, capsys)
+    assert status == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("interrupted (Ctrl-C): ")]
+    assert lines == [f"interrupted (Ctrl-C): {expected}"], err[-3000:]
+    step = STOP_STEP if "saved " in expected else 2
+    assert torch.load(tmp_path / LAST, weights_only=True)["global_step"] == step
+    assert not list((tmp_path / LAST).parent.glob(".*"))  # no partial file left

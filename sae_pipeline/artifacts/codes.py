@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 
 from feature_extraction.atomic_files import atomic_path, check_free_space
-from feature_extraction.h5cache import FORMAT_ATTR, open_checked, read_attrs, write_attrs
+from feature_extraction.h5cache import FORMAT_ATTR, H5_RESERVE_BYTES, open_checked, read_attrs, write_attrs
 from feature_extraction.validate import check_int
 
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
@@ -37,8 +37,6 @@ WRITER = "python -m sae_pipeline predict"
 MERGE_CHUNK_ROWS = 1 << 16
 _CODES_CHUNK_ROWS = 4096
 _CODES_CHUNK_COLS = 32
-# what HDF5 may still write beyond a chunk's raw bytes: up to 1 MiB of chunk cache per dataset, and metadata
-H5_RESERVE_BYTES = 5 << 20
 
 
 class CodesWriter:

@@ -42,7 +42,7 @@ from feature_extraction.shards.integrity import (
 from feature_extraction.shards.layout import sidecar_fpath
 from feature_extraction.shards.read import iter_shard_tokens
 from feature_extraction.shards.sidecar import load_sidecar
-from sae_pipeline.data.mnist import load_mnist, load_mnist_sample
+from sae_pipeline.data.mnist import FIT_FLAGS, DataFlags, load_mnist, load_mnist_sample
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
@@ -368,8 +368,11 @@ class RowSource:
         return total / n, sq_norm / n
 
 
-def open_source(source: str, data_dpath: str | Path = "data", allow_download: bool = False) -> ShardSource | RowSource:
-    """Resolve ``--data.source``; a one-line ValueError names a missing or empty source and the accepted forms."""
+def open_source(
+    source: str, data_dpath: str | Path = "data", allow_download: bool = False, flags: DataFlags = FIT_FLAGS
+) -> ShardSource | RowSource:
+    """Resolve ``--data.source``; a one-line ValueError names a missing or empty source and the accepted forms
+    (MNIST's in the running command's ``flags``)."""
     if source == "digits":
         from sklearn.datasets import load_digits
 
@@ -377,10 +380,10 @@ def open_source(source: str, data_dpath: str | Path = "data", allow_download: bo
         images = digits.images.reshape(-1, 64).astype(np.float32) / 16.0  # pixel values 0..16
         return RowSource("digits", ArrayRows("digits", images, 1.0, digits.target), (8, 8))
     if source == "mnist_sample":
-        images, labels = load_mnist_sample(with_labels=True)
+        images, labels = load_mnist_sample(with_labels=True, flags=flags)
         return RowSource("mnist_sample", ArrayRows("mnist_sample", images, 1 / 255, labels), (28, 28))
     if source == "mnist":
-        images, labels = load_mnist(data_dpath, allow_download, with_labels=True)
+        images, labels = load_mnist(data_dpath, allow_download, with_labels=True, flags=flags)
         return RowSource("mnist", ArrayRows("mnist", images, 1 / 255, labels), (28, 28))
     if not isinstance(source, str) or not source:
         raise ValueError(f"--data.source is empty; pass {SOURCE_FORMS}")

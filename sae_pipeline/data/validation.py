@@ -21,15 +21,16 @@ import torch
 from torch import Tensor
 
 from feature_extraction.validate import check_float
+from sae_pipeline.data.mnist import FIT_FLAGS, DataFlags
 from sae_pipeline.data.sample import iter_sample, read_sample, sample_takes
 from sae_pipeline.data.sources import open_source
 
 __all__ = ["ValidationSplit", "validation_split", "validation_tokens"]
 
 
-def _units(source: str, val_fraction: float, data_dpath: str) -> tuple[list, int]:
+def _units(source: str, val_fraction: float, data_dpath: str, flags: DataFlags = FIT_FLAGS) -> tuple[list, int]:
     check_float("--val_fraction", val_fraction, 0.0, 1.0, strict_minimum=True, strict_maximum=True)
-    opened = open_source(source, data_dpath)
+    opened = open_source(source, data_dpath, flags=flags)
     return opened.units("val", val_fraction), int(opened.d)
 
 
@@ -44,10 +45,15 @@ def validation_tokens(
 
 
 def validation_split(
-    source: str, val_fraction: float, n_tokens: int | None = None, data_dpath: str = "data"
+    source: str,
+    val_fraction: float,
+    n_tokens: int | None = None,
+    data_dpath: str = "data",
+    flags: DataFlags = FIT_FLAGS,
 ) -> ValidationSplit:
-    """:func:`validation_tokens`' rows, in its order, read block by block on each pass instead of held whole."""
-    units, d = _units(source, val_fraction, data_dpath)
+    """:func:`validation_tokens`' rows, in its order, read block by block on each pass instead of held whole
+    (``flags``: how the running command spells its data flags, for MNIST's advice)."""
+    units, d = _units(source, val_fraction, data_dpath, flags)
     total = sum(unit.n_tokens for unit in units)
     n = min(total, n_tokens or total)
     sample_takes(units, n)  # refuses an empty split now, not on the first pass

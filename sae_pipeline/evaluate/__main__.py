@@ -218,6 +218,7 @@ def run_studies(args: Any) -> Path:
 
     from sae_pipeline.evaluate import studies
     from sae_pipeline.evaluate.claims import check_claims, count_claims
+    from sae_pipeline.evaluate.data_flags import check_mnist
     from sae_pipeline.evaluate.report import read_results, save_figures, study_figures, write_report, write_results
     from sae_pipeline.sae import SAE_REGISTRY
 
@@ -232,6 +233,7 @@ def run_studies(args: Any) -> Path:
     if min(ps) < 2:
         raise ValueError(f"--p {min(ps)}: a dictionary needs at least 2 atoms")
     runs.check_source(args.data)
+    check_mnist(args.data, args.data_dpath)
     if "probing" in chosen:
         from sae_pipeline.evaluate.probing import check_labelled
 
@@ -246,6 +248,10 @@ def run_studies(args: Any) -> Path:
         for v in variants
         if any(study in ("coherence", "concepts", "probing") for study in chosen)
     ]
+    if "probing" in chosen:
+        from sae_pipeline.evaluate.probing import check_classes
+
+        check_classes(main_specs[0])  # before anything trains: a study of one class would refuse only at the end
     out_dpath = prepare_output_dir(args.out, "--out")
     results = read_results(out_dpath)
 

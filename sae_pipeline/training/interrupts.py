@@ -29,6 +29,10 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   with ``... saved FILE at global step N; continue with the same command and --ckpt_path last``.
   A second Ctrl-C while waiting for (or during) that save stops at once with one line; the save in
   progress is abandoned (its hidden partial file removed) and the previous checkpoint stays intact.
+  The save is whole or absent (written to a hidden file, renamed into place), and the last line is
+  read from the run's checkpoint folder when it is written (:func:`stop_detail`), not from how far
+  the save got: a second Ctrl-C just after the rename, or during Lightning's teardown, still says
+  "saved FILE at global step N"; one that abandoned the save names the checkpoint kept and its step.
 
 DataLoader workers are forked with this handler, so a terminal's Ctrl-C (sent to the whole process
 group) does not end their loop; there the handler does nothing and the main process stops the run.
@@ -50,7 +54,12 @@ from torch.utils.data import get_worker_info
 
 from feature_extraction.exit_status import Interrupted
 from sae_pipeline.training import lightning_compat
-from sae_pipeline.training.checkpointing import save_final_checkpoint
+from sae_pipeline.training.checkpointing import (
+    final_checkpoint_dir,
+    newest_whole_checkpoint,
+    resume_flag,
+    save_final_checkpoint,
+)
 from sae_pipeline.training.step_boundary import StepBoundaryCallback, max_over_ranks
 
 __all__ = [
@@ -81,6 +90,8 @@ class _Handler:
         self.pending = 0  # the signal of a stop already raised (raised again at the next check)
         self.held = 0  # depth of stops_held() blocks: a signal then waits for the block's end
         self.deferred = 0  # the signal that arrived inside such a block
+        self.fit: L.Trainer | None = None  # the Trainer of a fit begun here: its stop's line reads its checkpoints
+        self.reporting = False  # the stop is decided and its line is being written: later signals change nothing
 
     def __call__(self, signum: int, frame: Any) -> None:
         if get_worker_info() is not None:
@@ -90,6 +101,8 @@ class _Handler:
             return
         if self.held:
             self.deferred = self.deferred or signum
+            return
+        if self.reporting:
             return
         if self.training is not None:
             self.training.record(signum)
@@ -109,7 +122,7 @@ class _Handler:
         if threading.current_thread() is not threading.main_thread():
             return False
         if self.users == 0:
-            self.pending, self.deferred = 0, 0
+            self.pending, self.deferred, self.fit, self.reporting = 0, 0, None, False
             self.previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             for signum in HANDLED:
                 previous = signal.signal(signum, self)
@@ -121,10 +134,19 @@ class _Handler:
     def release(self) -> None:
         self.users -= 1
         if self.users == 0:
-            self.training, self.launcher, self.rank = None, None, 0
+            self.training, self.launcher, self.rank, self.fit, self.reporting = None, None, 0, None, False
             sys.unraisablehook = self.previous_unraisable_hook
             for signum in HANDLED:
                 signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+
+    def report(self, stop: Interrupted) -> None:
+        """Put what a stopped fit left on disk in ``stop``'s line (see :func:`stop_detail`); once it is read, more
+        signals are ignored."""
+        if self.fit is None or not stop.announce:
+            return
+        self.reporting = True
+        with contextlib.suppress(OSError):  # the line the stop was raised with stays
+            stop.detail = stop_detail(self.fit)
 
     def _unraisable(self, unraisable: Any) -> None:
         """Our stop, lost in a ``__del__``: no "Exception ignored" traceback (the next check raises it again)."""
@@ -162,10 +184,15 @@ def stop_signals() -> Iterator[None]:
     installed = HANDLER.acquire()
     try:
         yield
+    except Interrupted as stop:
+        if installed:
+            HANDLER.report(stop)
+        raise
     except Exception as exn:  # an error on the way out of a stop is the stop (see interruption)
         stop = interruption(exn) if installed else None
         if stop is None:
             raise
+        HANDLER.report(stop)
         raise stop from exn
     finally:
         if installed:
@@ -218,7 +245,7 @@ class Interrupts(StepBoundaryCallback):
         lightning_compat.mute_sigterm_notifier(trainer)
         HANDLER.rank = trainer.global_rank
         if stage == "fit":
-            HANDLER.training = self
+            HANDLER.training, HANDLER.fit = self, trainer
         else:
             HANDLER.launcher = trainer.strategy.launcher if trainer.global_rank == 0 else None
 
@@ -249,12 +276,8 @@ class Interrupts(StepBoundaryCallback):
     # --- fit: record, then stop at the step boundary ---------------------------------------------
     def record(self, signum: int) -> None:
         """Called by the handler during fit (signal-handler context: no printing but ``os.write``)."""
-        if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
-            raise Interrupted(
-                signum,
-                f"Ctrl-C again: stopped without saving; the previous checkpoint is kept; {RESUME_HINT}",
-                announce=self._rank == 0,
-            )
+        if self.received and signum == signal.SIGINT:  # a second Ctrl-C: stop now, the save abandoned if unfinished
+            raise Interrupted(signum, announce=self._rank == 0)  # its line is read from the disk (stop_detail)
         if not self.received:
             self.received = signum
             if self._rank == 0:
@@ -279,6 +302,25 @@ class Interrupts(StepBoundaryCallback):
             f"saved {fpath} at global step {trainer.global_step}; {RESUME_HINT}",
             announce=trainer.is_global_zero,
         )
+
+
+def stop_detail(trainer: L.Trainer) -> str:
+    """What a stopped fit left, read from its checkpoint folder when the line is written.
+
+    Not from how far the stop's save got: a second Ctrl-C can land anywhere, also after the save was renamed
+    into place and before the line saying so was raised, or in Lightning's teardown after it. The save is
+    whole or absent (``AtomicCheckpointIO``), so the newest checkpoint that reads whole is the truth: this
+    step's state if it holds the trainer's global step, else the one kept from before.
+    """
+    dpath = final_checkpoint_dir(trainer)
+    found = newest_whole_checkpoint(dpath)
+    if found is None:
+        return f"stopped without saving, no checkpoint in {dpath} yet; rerun the same command"
+    fpath, step = found
+    resume = f"continue with the same command and {resume_flag(fpath)}"
+    if step == trainer.global_step:
+        return f"saved {fpath} at global step {step}; {resume}"
+    return f"stopped without saving; the previous checkpoint is kept: {fpath} (global step {step}); {resume}"
 
 
 def _call_previous(previous: Any, signum: int, frame: Any) -> None:
