@@ -19,7 +19,7 @@ from sae_pipeline.training.module import SAEModule
 from tests.test_module import make_data, memory_loader, trainer
 from tests.test_sync_free import D_IN, D_SAE, LOG_EVERY, SETTINGS, STEPS, build, initialised
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 class CudaSyncCheck(L.Callback):
