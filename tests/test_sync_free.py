@@ -1,5 +1,5 @@
 """The training step never waits for the device: no host read on the steps Lightning does not log, for
-every variant alone and in a group (counted on the CPU by :mod:`sae_pipeline.training.sync_guard`; the
+every variant alone and in a group (counted on the CPU by `sae_pipeline.training.sync_guard`; the
 same steps run on a GPU under CUDA's own sync check in ``tests/test_gpu_sync.py``), and the sync-free
 code computes what the host-read shortcuts that the CPU keeps compute (float64)."""
 

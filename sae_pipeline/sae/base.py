@@ -149,7 +149,7 @@ class SparseAutoencoder(nn.Module):
     k_above_d_sae: ClassVar[bool] = False
     #: Constructor keyword arguments (besides d_in=12, d_sae=48) for the shared contract tests.
     test_kwargs: ClassVar[dict[str, Any]] = {}
-    #: Whether a training step avoids every host read of a device value (see :meth:`avoids_host_reads`);
+    #: Whether a training step avoids every host read of a device value (see `avoids_host_reads`);
     #: None: on every device but the CPU. Not a constructor argument: it changes the cost, not the result.
     sync_free: bool | None = None
 

@@ -25,7 +25,7 @@ stays valid on narrower inputs, and training cannot crash on a token whose resid
 
 Fast and exact, as MP-SAE:
 
-1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
+1. `select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
    QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
    Gram–Schmidt (re-orthogonalised when an atom lies mostly in the span), so ``L`` is the
    Cholesky factor of the Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs
@@ -157,7 +157,7 @@ def next_atom(
     per token instead of a distance update of every atom per step; retries are rare (an atom near the
     span has a correlation near 0). A token with no atom left (all masked) gets ``j = −1``, ``q = 0``
     and an identity row (``stopped``). ``sync_free``: ``corr`` has every dependent atom masked already
-    (:func:`select_atoms`), so one argmax, and the stopped tokens are set on the device.
+    (`select_atoms`), so one argmax, and the stopped tokens are set on the device.
     """
     if sync_free:
         j, best = first_argmax(corr, block)
@@ -230,7 +230,7 @@ def gather_atoms(W_dec: Tensor, indices: Tensor, dtype: torch.dtype) -> Tensor:
 class LeastSquaresFunction(torch.autograd.Function):
     """``(x, W_dec, b_pre, indices, L, z) -> (coefficients [B, k], x_hat [B, d_in])``: the least-squares
     fit of ``x − b_pre`` on the atoms ``indices``, given their factor ``L`` and ``z = Q (x − b_pre)``
-    from :func:`select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
+    from `select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
 
     @staticmethod
     def forward(

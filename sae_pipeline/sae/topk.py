@@ -70,7 +70,7 @@ class TopKSAE(ShallowSAE):
 
         ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero while no
         latent is dead: on the CPU at no cost (a host read of the dead mask skips it); where host reads
-        are avoided (:meth:`avoids_host_reads`) it is computed and then replaced by 0 on the device. On
+        are avoided (`avoids_host_reads`) it is computed and then replaced by 0 on the device. On
         the sparse path it gathers the dead columns of the detached ``pre`` and decodes sparsely; on the
         dense path, when fewer than ``k_aux`` latents are dead, the extra picks are live latents
         masked to -inf, whose values are replaced by 0.
@@ -105,7 +105,7 @@ class TopKSAE(ShallowSAE):
     def masked_auxiliary_loss(self, x: Tensor, output: SAEOutput, dead: Tensor) -> Tensor:
         """AuxK without a host read: ``k_aux`` picks per token among all latents, the live ones masked to
         -inf before the ``topk`` and worth 0 after it (on the sparse path, the dead latents' entries of
-        the detached ``pre``, as :meth:`auxiliary_loss` gathers them)."""
+        the detached ``pre``, as `auxiliary_loss` gathers them)."""
         assert output.pre_acts is not None
         residual = (x - output.x_hat).detach()
         if output.sparse is None:

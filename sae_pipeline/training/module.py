@@ -22,7 +22,7 @@ owns everything a training run adds to it:
 - No host read in the training step on a GPU: the loss is logged as a tensor (Lightning reads it
   only on the steps it writes), the other train metrics are computed on those steps only, and
   NaN/Inf is noted on the device and read then, or before a checkpoint is written
-  (:mod:`sae_pipeline.training.non_finite`).
+  (`sae_pipeline.training.non_finite`).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class SAEModule(L.LightningModule):
         (shared with :class:`sae_pipeline.training.group.SAEGroupModule`, which runs it per member).
 
         NaN/Inf in the batch or the loss raises at once on the CPU; on a GPU it is noted on the device
-        and raised by :meth:`raise_if_non_finite` (logging steps, checkpoints), naming the same step."""
+        and raised by `raise_if_non_finite` (logging steps, checkpoints), naming the same step."""
         deferred = self.sae.avoids_host_reads(batch["x"])
         x = self.preprocess(batch["x"]) if deferred else self._checked_input(batch, "training")
         with self.sae.finite_checked_by_caller():

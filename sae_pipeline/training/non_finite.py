@@ -6,7 +6,7 @@ step would wait for the previous one to finish. On such devices the training mod
 finiteness on the device instead (a few scalar kernels) and reads it on the steps Lightning logs and
 before every checkpoint is written: the error still names the first bad step and its shards, and no
 checkpoint holds weights that saw the bad batch. On the CPU, where the read is free, the module
-checks each batch at once (:meth:`SparseAutoencoder.avoids_host_reads`).
+checks each batch at once (`SparseAutoencoder.avoids_host_reads`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class NonFiniteWatch:
         self._sources[step] = batch_sources(batch)
 
     def raise_if_seen(self, where: str, lr_setting: str) -> None:
-        """Raise :class:`NonFiniteBatchError` for the first bad step noted since the last call, if any
+        """Raise `NonFiniteBatchError` for the first bad step noted since the last call, if any
         (``where``: "training of SAE 'a'"; ``lr_setting``: the learning rate to lower and its value)."""
         if self._step is None or self._n_bad is None or self._loss is None:
             return
