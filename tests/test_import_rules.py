@@ -43,6 +43,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # The training module reads and writes an SAE through sae/ only, never through the export or predict commands.
     "sae_pipeline.training.module": (
         "sae_pipeline.training.lightning_compat",
+        "sae_pipeline.training.non_finite",  # NaN/Inf errors; imports nothing of sae_pipeline
         "sae_pipeline.sae",
         "sae_pipeline.metrics",
         "feature_extraction",

@@ -16,6 +16,7 @@ The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -149,6 +150,9 @@ class SparseAutoencoder(nn.Module):
     k_above_d_sae: ClassVar[bool] = False
     #: Constructor keyword arguments (besides d_in=12, d_sae=48) for the shared contract tests.
     test_kwargs: ClassVar[dict[str, Any]] = {}
+    #: Whether a training step avoids every host read of a device value (see `avoids_host_reads`);
+    #: None: on every device but the CPU. Not a constructor argument: it changes the cost, not the result.
+    sync_free: bool | None = None
 
     @classmethod
     def sparsity_init_args(cls, k: int, data: str = "digits") -> dict[str, Any]:
@@ -169,6 +173,7 @@ class SparseAutoencoder(nn.Module):
         self.W_dec = nn.Parameter(W_dec)
         self.b_pre = nn.Parameter(torch.zeros(d_in))
         self.register_buffer("tokens_since_fired", torch.zeros(d_sae, dtype=torch.int64))
+        self._finite_checked_by_caller = False
 
     # --- inference ---------------------------------------------------------------------
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
@@ -285,6 +290,27 @@ class SparseAutoencoder(nn.Module):
         self.b_pre.div_(scale)
 
     # --- helpers ---------------------------------------------------------------------------
+    def avoids_host_reads(self, x: Tensor) -> bool:
+        """Whether the step on ``x``'s device must not read a device value on the host.
+
+        On a GPU such a read (``bool(t)``, ``int(t.sum())``, a size that depends on the data) makes the
+        host wait until the GPU has caught up, every step; there a variant computes the same result with
+        device-side masks instead (``torch.where``, a fixed-size ``topk``). On the CPU the read is free,
+        so the cheaper data-dependent shortcuts stay (skip AuxK while no latent is dead, the sparse path
+        of a data-sized support). ``sync_free`` forces either (the tests run the GPU's code on the CPU).
+        """
+        return x.device.type != "cpu" if self.sync_free is None else self.sync_free
+
+    @contextmanager
+    def finite_checked_by_caller(self) -> Iterator[None]:
+        """Within it, ``forward`` does not check that the input is finite (a host read): the training
+        module checks each batch itself, on the device, and reads the result on logging steps."""
+        before, self._finite_checked_by_caller = self._finite_checked_by_caller, True
+        try:
+            yield
+        finally:
+            self._finite_checked_by_caller = before
+
     def resolve_k(self, k: int | None) -> int | None:
         """``k`` validated against ``d_sae``, or the trained ``self.k`` when None."""
         if k is None:
@@ -298,7 +324,7 @@ class SparseAutoencoder(nn.Module):
             raise ValueError(f"x must be a tensor of shape [batch, d_in={self.d_in}], got {shape}")
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        if not torch.isfinite(x).all():
+        if not self._finite_checked_by_caller and not torch.isfinite(x).all():
             raise ValueError("x contains NaN or inf; drop or repair non-finite tokens before the SAE")
 
     def extra_repr(self) -> str:

@@ -173,7 +173,7 @@ class JumpReLUSAE(ShallowSAE):
         start = UNCALIBRATED_THRESHOLD if self.initial_threshold is None else self.initial_threshold
         self.log_threshold = nn.Parameter(torch.full((d_sae,), math.log(start)))
         # Calibrate on the first training batch only if θ is still at its placeholder then (a resumed
-        # or loaded model is not); checked once per process, so one host sync in a whole run.
+        # or loaded model is not); decided on the device, once per process.
         self._calibration_pending = self.initial_threshold is None and self.target_l0 is not None
 
     @property
@@ -201,8 +201,7 @@ class JumpReLUSAE(ShallowSAE):
         self._token_scale = token_scale(x, self.b_pre).to(pre.dtype) if self.token_scaled_threshold else None
         if self._calibration_pending and self.training:
             self._calibration_pending = False
-            if bool((self.log_threshold == math.log(UNCALIBRATED_THRESHOLD)).all()):
-                self.calibrate_threshold(pre if self._token_scale is None else pre / self._token_scale)
+            self.calibrate_threshold(pre if self._token_scale is None else pre / self._token_scale)
         return pre
 
     def gate(self, rows: Tensor | None = None, latents: Tensor | None = None) -> tuple[Tensor, float | Tensor]:
@@ -219,10 +218,13 @@ class JumpReLUSAE(ShallowSAE):
     @torch.no_grad()
     def calibrate_threshold(self, pre: Tensor) -> None:
         """θ = the ``1 − target_l0/d_sae`` quantile of ``pre`` (all latents pooled; ``pre / s(x)`` with a
-        token-scaled threshold), averaged over ranks."""
+        token-scaled threshold), averaged over ranks, if θ is still at its placeholder (else unchanged);
+        decided on the device (``torch.where``), so the first step does not wait for the GPU either."""
         assert self.target_l0 is not None
         value = mean_over_ranks(pooled_cut(pre, self.target_l0))
-        self.log_threshold.fill_(math.log(max(float(value), MIN_CALIBRATED_THRESHOLD)))
+        calibrated = value.double().clamp_min(MIN_CALIBRATED_THRESHOLD).log().to(self.log_threshold.dtype)
+        placeholder = (self.log_threshold == math.log(UNCALIBRATED_THRESHOLD)).all()
+        self.log_threshold.copy_(torch.where(placeholder, calibrated, self.log_threshold))
 
     def activate(self, pre: Tensor, k: int | None) -> Tensor:
         """``pre · H(pre − θ)``; with ``k`` given, the ``k`` largest of those codes per token
@@ -233,6 +235,8 @@ class JumpReLUSAE(ShallowSAE):
     def select_support(self, pre: Tensor) -> SparseCodes | None:
         """The active latents and those within ε/2 below θ (``(pre − θ)/ε > −½``): the rectangle
         kernel gives the latter a straight-through θ gradient although their code is 0."""
+        if self.avoids_host_reads(pre):  # the support's size is the data's: dense, not a read of its size
+            return None
         threshold, bandwidth = self.gate()
         mask = (pre - threshold.detach()).div_(bandwidth) > -0.5
         return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None

@@ -31,7 +31,7 @@ from torch import Tensor
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.sae.base import SAEOutput
 from sae_pipeline.sae.batchtopk import BatchTopKSAE
-from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode
+from sae_pipeline.sae.sparse_decode import SparseCodes, row_offsets, sparse_decode
 
 
 def prefix_widths(d_sae: int, n_prefixes: int, prefix_ratio: float) -> tuple[int, ...]:
@@ -94,15 +94,19 @@ class MatryoshkaBatchTopKSAE(BatchTopKSAE):
         return out
 
     def group_contribution(self, output: SAEOutput, low: int, high: int) -> Tensor:
-        """``codes[:, low:high] @ W_dec[low:high]`` ``[B, d_in]``, decoded sparsely on the sparse path."""
+        """``codes[:, low:high] @ W_dec[low:high]`` ``[B, d_in]``, decoded sparsely on the sparse path: the
+        group's entries picked out (a data-sized selection, on the CPU), or, where host reads are avoided,
+        every entry with the others' values set to 0 (the same sums: adding 0 changes no float)."""
         codes = output.sparse
         if codes is None:
             return output.codes[:, low:high] @ self.W_dec[low:high]
+        assert codes.values is not None
         keep = (codes.indices >= low) & (codes.indices < high)
+        if self.avoids_host_reads(codes.values):
+            return sparse_decode(codes.with_values(torch.where(keep, codes.values, 0.0)), self.W_dec)
         rows = codes.rows[keep]
-        crow = torch.zeros(codes.batch_size + 1, dtype=torch.int64, device=rows.device)
-        torch.cumsum(torch.bincount(rows, minlength=codes.batch_size), 0, out=crow[1:])
-        group = SparseCodes(codes.indices[keep], rows, crow, self.d_sae, codes.values[keep])  # type: ignore[index]
+        crow = row_offsets(rows, codes.batch_size)
+        group = SparseCodes(codes.indices[keep], rows, crow, self.d_sae, codes.values[keep])
         return sparse_decode(group, self.W_dec)
 
     def extra_repr(self) -> str:

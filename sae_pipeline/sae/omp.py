@@ -25,7 +25,7 @@ stays valid on narrower inputs, and training cannot crash on a token whose resid
 
 Fast and exact, as MP-SAE:
 
-1. :func:`select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
+1. `select_atoms` (no autograd) runs the pursuit batched over tokens with an incremental
    QR factorisation of the selected atoms: ``D_S = L Q`` (rows), ``Q`` orthonormal, built by
    Gram–Schmidt (re-orthogonalised when an atom lies mostly in the span), so ``L`` is the
    Cholesky factor of the Gram matrix ``D_S D_Sᵀ`` without ever forming it. A new atom costs
@@ -83,7 +83,7 @@ RANK_TOLERANCE = 100.0
 
 @torch.no_grad()
 def select_atoms(
-    y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None
+    y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None, sync_free: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """OMP on ``y [B, d_in]``: ``(indices [B, k], L [B, k, k], z [B, k], r [B, d_in])``, no autograd.
 
@@ -91,6 +91,13 @@ def select_atoms(
     compute dtype (float32 for half inputs). In float64 the indices are those of the plain loop. A
     step a token does not take (no atom left to lower its residual) has index −1, ``z = 0`` and an
     identity row in ``L``, so the least-squares solve and its backward ignore it.
+
+    ``sync_free`` (a GPU's training step): no host read. The rank rule is then applied to every atom
+    before the argmax, from each atom's squared distance to the span kept per token
+    (``‖d_j‖² − Σ_t <q_t, d_j>²``, one ``[B, d_sae]`` update per step from the correlations' own
+    ``<q_t, d_j>``), instead of to the winner after it, retried until none is dependent (a loop whose
+    length is the data's). The same atoms are picked unless an atom's distance lies within rounding of
+    the tolerance.
     """
     n_tokens, d_in = y.shape
     d_sae = W_dec.shape[0]
@@ -111,6 +118,7 @@ def select_atoms(
     corr_buffer = workspace.get("omp_correlations", (rows_max, d_sae), dtype, device)
     proj_buffer = workspace.get("omp_projections", (rows_max, d_sae), dtype, device)
     Q = workspace.get("omp_q", (rows_max, k, d_in), dtype, device)
+    distance_buffer = workspace.get("omp_distances", (rows_max, d_sae), dtype, device) if sync_free else None
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
         n = stop - start
@@ -118,8 +126,9 @@ def select_atoms(
         corr, proj = corr_buffer[:n], proj_buffer[:n]
         torch.matmul(r, W.T, out=corr)  # <r_0, d_j>
         corr.masked_fill_(atom_sq <= 0, float("-inf"))  # zero atoms never help
+        distances = None if distance_buffer is None else distance_buffer[:n].copy_(atom_sq.expand(n, d_sae))
         for t in range(k):
-            j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance)
+            j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance, sync_free)
             indices[start:stop, t] = j
             Q[:n, t] = q
             L[start:stop, t, : t + 1] = row
@@ -131,11 +140,13 @@ def select_atoms(
             torch.matmul(q, W.T, out=proj)  # <q_t, d_j>
             corr.addcmul_(proj, z_t[:, None], value=-1.0)  # <r_t, d_j>; masked entries stay -inf
             corr.scatter_(1, j.clamp_min(0)[:, None], float("-inf"))  # selected: never again
+            if distances is not None:  # in the span now: never again
+                corr.masked_fill_(distances.addcmul_(proj, proj, value=-1.0) <= tolerance, float("-inf"))
     return indices, L, z, residual
 
 
 def next_atom(
-    corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor
+    corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor, sync_free: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The step's atom per token, ``(j [n], q [n, d_in], row [n, t + 1], stopped [n])``: the largest
     correlation among atoms not in the span of the selected ones.
@@ -145,8 +156,21 @@ def next_atom(
     and the argmax retried. That is the argmax over the allowed atoms, at the cost of one Gram–Schmidt
     per token instead of a distance update of every atom per step; retries are rare (an atom near the
     span has a correlation near 0). A token with no atom left (all masked) gets ``j = −1``, ``q = 0``
-    and an identity row (``stopped``).
+    and an identity row (``stopped``). ``sync_free``: ``corr`` has every dependent atom masked already
+    (`select_atoms`), so one argmax, and the stopped tokens are set on the device.
     """
+    if sync_free:
+        j, best = first_argmax(corr, block)
+        q, row = orthonormal_step(W.index_select(0, j), Q, sync_free=True)
+        stopped = torch.isinf(best[:, 0])
+        identity = torch.zeros_like(row[:1])
+        identity[0, -1] = 1.0
+        return (
+            torch.where(stopped, -1, j),
+            torch.where(stopped[:, None], 0.0, q),
+            torch.where(stopped[:, None], identity, row),
+            stopped,
+        )
     rows = torch.arange(corr.shape[0], device=corr.device)
     while True:
         j, best = first_argmax(corr, block)
@@ -164,14 +188,16 @@ def next_atom(
     return j, q, row, stopped
 
 
-def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
+def orthonormal_step(d: Tensor, Q: Tensor, sync_free: bool = False) -> tuple[Tensor, Tensor]:
     """Gram–Schmidt of the new atoms ``d [n, d_in]`` against ``Q [n, t, d_in]`` (orthonormal rows),
     re-orthogonalised once ("twice is enough", Giraud et al. 2005) when some token's atom lost more
     than 3/4 of its squared norm to the projection (below that, one pass keeps ``q`` orthogonal to
     ``Q`` to within a few roundings; the DGKS criterion): ``(q [n, d_in],
     row [n, t + 1])`` where ``d = Σ_i row_i q_i`` and ``row_t = ‖d − Σ_{i<t} row_i q_i‖``, the
     distance of ``d`` to the span of ``Q``. Broadcast products, not ``bmm``: on CPU a batch of
-    [t, d_in] × [d_in, 1] products costs ~10x more through ``bmm``.
+    [t, d_in] × [d_in, 1] products costs ~10x more through ``bmm``. ``sync_free``: the second pass is
+    always computed and kept only where the batch needs it (``torch.where``): the same result without
+    reading the test on the host.
     """
     t = Q.shape[1]
     row = d.new_empty(d.shape[0], t + 1)
@@ -179,7 +205,12 @@ def orthonormal_step(d: Tensor, Q: Tensor) -> tuple[Tensor, Tensor]:
     if t:
         w = torch.linalg.vecdot(Q, v[:, None, :])  # [n, t]
         v = v - (w[:, :, None] * Q).sum(1)
-        if bool((v.square().sum(1) < REORTHOGONALIZE * d.square().sum(1)).any()):
+        needed = (v.square().sum(1) < REORTHOGONALIZE * d.square().sum(1)).any()
+        if sync_free:
+            again = torch.linalg.vecdot(Q, v[:, None, :])
+            v = torch.where(needed, v - (again[:, :, None] * Q).sum(1), v)
+            w = torch.where(needed, w + again, w)
+        elif bool(needed):
             again = torch.linalg.vecdot(Q, v[:, None, :])
             v = v - (again[:, :, None] * Q).sum(1)
             w = w + again
@@ -199,7 +230,7 @@ def gather_atoms(W_dec: Tensor, indices: Tensor, dtype: torch.dtype) -> Tensor:
 class LeastSquaresFunction(torch.autograd.Function):
     """``(x, W_dec, b_pre, indices, L, z) -> (coefficients [B, k], x_hat [B, d_in])``: the least-squares
     fit of ``x − b_pre`` on the atoms ``indices``, given their factor ``L`` and ``z = Q (x − b_pre)``
-    from :func:`select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
+    from `select_atoms`. Differentiable in ``x``, ``W_dec``, ``b_pre`` (module docstring)."""
 
     @staticmethod
     def forward(
@@ -240,11 +271,11 @@ class LeastSquaresFunction(torch.autograd.Function):
 
 
 def orthogonal_matching_pursuit(
-    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None
+    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None, sync_free: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
-    ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop."""
-    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace)
+    ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop (``sync_free``: see select_atoms)."""
+    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free)
     coefficients, x_hat = LeastSquaresFunction.apply(x, W_dec, b_pre, indices, L, z)
     return indices, coefficients, x_hat
 
@@ -298,7 +329,9 @@ class OMPSAE(SparseAutoencoder):
         the codes are sparse (dense ``[B, d_sae]`` only if read)."""
         self.check_input(x)
         assert self.k is not None
-        indices, coefficients, x_hat = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, self.k, self.workspace)
+        indices, coefficients, x_hat = orthogonal_matching_pursuit(
+            x, self.W_dec, self.b_pre, self.k, self.workspace, self.avoids_host_reads(x)
+        )
         codes = SparseCodes.from_topk(indices.clamp_min(0), self.d_sae).with_values(coefficients.reshape(-1))
         return SAEOutput(x_hat=x_hat, pre_acts=None, sparse=codes)
 

@@ -103,25 +103,26 @@ class ReLUSAE(ShallowSAE):
             if initial_l0 is None
             else check_float("initial_l0", initial_l0, 0.0, float(d_sae), strict_minimum=True)
         )
-        self._calibration_pending = self.initial_l0 is not None  # checked once per process: one host sync a run
+        self._calibration_pending = self.initial_l0 is not None  # once per process, on the first training batch
 
     def pre_activations(self, x: Tensor) -> Tensor:
         """The encoder's ``pre``; on the first training batch with ``initial_l0``, after setting ``b_enc``."""
         pre = super().pre_activations(x)
         if self._calibration_pending and self.training:
             self._calibration_pending = False
-            if not bool(self.b_enc.detach().any()):
-                # shifted, not recomputed: under autocast a second addmm would read the cached bf16 copy of
-                # b_enc from before the change
-                pre = pre + self.calibrate_bias(pre).to(pre.dtype)
+            # shifted, not recomputed: under autocast a second addmm would read the cached bf16 copy of
+            # b_enc from before the change
+            pre = pre + self.calibrate_bias(pre).to(pre.dtype)
         return pre
 
     @torch.no_grad()
     def calibrate_bias(self, pre: Tensor) -> Tensor:
-        """``b_enc −=`` each latent's cut for ``initial_l0`` on this batch, averaged over ranks; returns the
-        change ``[d_sae]``."""
+        """``b_enc −=`` each latent's cut for ``initial_l0`` on this batch, averaged over ranks, unless ``b_enc``
+        was set already (a loaded or resumed model: the change is 0); returns the change ``[d_sae]``.
+        Decided on the device (``torch.where``), so the first step does not wait for the GPU either."""
         assert self.initial_l0 is not None
-        shift = -mean_over_ranks(per_latent_cut(pre, self.initial_l0)).to(self.b_enc.dtype)
+        cut = mean_over_ranks(per_latent_cut(pre, self.initial_l0)).to(self.b_enc.dtype)
+        shift = torch.where(self.b_enc.any(), torch.zeros_like(cut), -cut)
         self.b_enc.add_(shift)
         return shift
 
@@ -135,7 +136,9 @@ class ReLUSAE(ShallowSAE):
         return codes if k is None else keep_top_k(codes, k)
 
     def select_support(self, pre: Tensor) -> SparseCodes | None:
-        """``pre > 0``, when few enough are."""
+        """``pre > 0``, when few enough are; the dense path where host reads are avoided."""
+        if self.avoids_host_reads(pre):  # the support's size is the data's: dense, not a read of its size
+            return None
         mask = pre > 0
         return SparseCodes.from_mask(mask) if self.fits_sparse(int(mask.sum()), pre.shape[0]) else None
 

@@ -53,7 +53,7 @@ class SparseCodes:
         """From per-token ``indices [B, k]`` (every token has k entries)."""
         batch, k = indices.shape
         device = indices.device
-        rows = torch.arange(batch, device=device).repeat_interleave(k)
+        rows = torch.arange(batch, device=device)[:, None].expand(batch, k).reshape(-1)
         crow = torch.arange(0, batch * k + 1, k, device=device)
         return cls(indices.reshape(-1), rows, crow, d_sae)
 
@@ -62,13 +62,13 @@ class SparseCodes:
         """From indices into the flattened ``[B, d_sae]`` (e.g. a batch-wide top-k), any order."""
         flat_indices = flat_indices.sort().values
         rows = torch.div(flat_indices, d_sae, rounding_mode="floor")
-        return cls(flat_indices - rows * d_sae, rows, _crow(rows, batch), d_sae)
+        return cls(flat_indices - rows * d_sae, rows, row_offsets(rows, batch), d_sae)
 
     @classmethod
     def from_mask(cls, mask: Tensor) -> SparseCodes:
         """From a bool ``[B, d_sae]`` support."""
         rows, indices = mask.nonzero(as_tuple=True)
-        return cls(indices, rows, _crow(rows, mask.shape[0]), mask.shape[1])
+        return cls(indices, rows, row_offsets(rows, mask.shape[0]), mask.shape[1])
 
     def with_values(self, values: Tensor) -> SparseCodes:
         out = SparseCodes(self.indices, self.rows, self.crow, self.d_sae, values)
@@ -89,8 +89,9 @@ class SparseCodes:
     @torch.no_grad()
     def fired(self) -> Tensor:
         """Bool ``[d_sae]``: latents with a nonzero code on some token of the batch."""
-        fired = torch.zeros(self.d_sae, dtype=torch.bool, device=self.indices.device)
-        return fired.index_fill_(0, self.indices[self._values() != 0], True)
+        hits = torch.zeros(self.d_sae, dtype=torch.int64, device=self.indices.device)
+        hits.index_add_(0, self.indices, (self._values() != 0).to(torch.int64))  # no mask: no data-sized tensor
+        return hits > 0
 
     @torch.no_grad()
     def l0(self) -> Tensor:
@@ -102,9 +103,7 @@ class SparseCodes:
         latent, the tokens in that order, and the latents' offsets."""
         if self._by_latent is None:
             order = _stable_argsort(self.indices)
-            counts = torch.bincount(self.indices, minlength=self.d_sae)
-            latent_crow = torch.zeros(self.d_sae + 1, dtype=torch.int64, device=self.indices.device)
-            torch.cumsum(counts, 0, out=latent_crow[1:])
+            latent_crow = row_offsets(self.indices.index_select(0, order), self.d_sae)
             self._by_latent = (order, self.rows.index_select(0, order), latent_crow)
         return self._by_latent
 
@@ -126,10 +125,10 @@ def _stable_argsort(indices: Tensor) -> Tensor:
     return torch.argsort(indices, stable=True)
 
 
-def _crow(rows: Tensor, batch: int) -> Tensor:
-    crow = torch.zeros(batch + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(torch.bincount(rows, minlength=batch), 0, out=crow[1:])
-    return crow
+def row_offsets(rows: Tensor, batch: int) -> Tensor:
+    """Offsets ``[batch + 1]`` of the groups of sorted ``rows``: a search, not ``bincount`` (which reads
+    the largest row back to the host on a GPU)."""
+    return torch.searchsorted(rows, torch.arange(batch + 1, device=rows.device, dtype=rows.dtype))
 
 
 # --- the three sparse products -----------------------------------------------------------------

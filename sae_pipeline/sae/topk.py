@@ -68,15 +68,18 @@ class TopKSAE(ShallowSAE):
     def auxiliary_loss(self, x: Tensor, output: SAEOutput) -> Tensor:
         """``α · mse(e_hat, (x − x_hat).detach())`` with ``e_hat`` from the top ``k_aux`` dead latents.
 
-        ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero, at no
-        cost, while no latent is dead (one host read of the dead mask per step). On the sparse
-        path it gathers the dead columns of the detached ``pre`` and decodes sparsely; on the
+        ``e_hat = Σ relu(pre_j) · W_dec[j]`` over those latents, without ``b_pre``. Zero while no
+        latent is dead: on the CPU at no cost (a host read of the dead mask skips it); where host reads
+        are avoided (`avoids_host_reads`) it is computed and then replaced by 0 on the device. On
+        the sparse path it gathers the dead columns of the detached ``pre`` and decodes sparsely; on the
         dense path, when fewer than ``k_aux`` latents are dead, the extra picks are live latents
         masked to -inf, whose values are replaced by 0.
         """
         if output.pre_acts is None:
             raise ValueError("output.pre_acts is None; pass the SAEOutput of this SAE's forward")
         dead = self.dead_mask().to(output.pre_acts.device)
+        if self.avoids_host_reads(x):
+            return torch.where(dead.any(), self.masked_auxiliary_loss(x, output, dead), 0.0)
         if not bool(dead.any()):
             return output.x_hat.new_zeros(())
         residual = (x - output.x_hat).detach()
@@ -88,11 +91,31 @@ class TopKSAE(ShallowSAE):
             values = F.relu(sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support))
             e_hat = sparse_decode(support.with_values(values), self.W_dec)
             return self.aux_coefficient * F.mse_loss(e_hat, residual)
+        return self.dense_auxiliary_loss(output, dead, residual)
+
+    def dense_auxiliary_loss(self, output: SAEOutput, dead: Tensor, residual: Tensor) -> Tensor:
+        """AuxK from the dense ``pre`` (``k_aux`` picks per token, those among live latents worth 0)."""
+        assert output.pre_acts is not None
         masked = torch.where(dead, F.relu(output.pre_acts), float("-inf"))
         values, indices = masked.topk(self.k_aux, dim=-1, sorted=False)
         values = torch.where(torch.isfinite(values), values, 0.0)
         aux_codes = torch.zeros_like(output.pre_acts).scatter(-1, indices, values)
         return self.aux_coefficient * F.mse_loss(aux_codes @ self.W_dec, residual)
+
+    def masked_auxiliary_loss(self, x: Tensor, output: SAEOutput, dead: Tensor) -> Tensor:
+        """AuxK without a host read: ``k_aux`` picks per token among all latents, the live ones masked to
+        -inf before the ``topk`` and worth 0 after it (on the sparse path, the dead latents' entries of
+        the detached ``pre``, as `auxiliary_loss` gathers them)."""
+        assert output.pre_acts is not None
+        residual = (x - output.x_hat).detach()
+        if output.sparse is None:
+            return self.dense_auxiliary_loss(output, dead, residual)
+        top = torch.where(dead, output.pre_acts, float("-inf")).topk(self.k_aux, dim=-1, sorted=False)
+        support = SparseCodes.from_topk(top.indices, self.d_sae)
+        values = F.relu(sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support))
+        values = torch.where(torch.isfinite(top.values).reshape(-1), values, 0.0)
+        e_hat = sparse_decode(support.with_values(values), self.W_dec)
+        return self.aux_coefficient * F.mse_loss(e_hat, residual)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_aux={self.k_aux}, aux_coefficient={self.aux_coefficient}"

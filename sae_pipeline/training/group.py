@@ -234,7 +234,8 @@ class SAEGroupModule(L.LightningModule):
         lrs = self._member_lrs() if logging else {}
         for name, member in self.named_members():
             x, output, losses = member.step_loss(batch)
-            if logging:
+            if logging:  # the steps Lightning writes: the only ones whose values are read on the host
+                member.raise_if_non_finite()
                 self.log_member(
                     name, {"train/loss": losses.loss, **member.train_metrics(x, output, losses), "lr": lrs[name]}
                 )
@@ -344,6 +345,8 @@ class SAEGroupModule(L.LightningModule):
     # --- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Per member, what a single run's checkpoint holds at its top level (plain data, no pickle)."""
+        for _, member in self.named_members():
+            member.raise_if_non_finite()
         checkpoint["sae_group"] = {
             name: {
                 "sae_config": sae_config(member.sae),

@@ -19,6 +19,10 @@ owns everything a training run adds to it:
 - Exact validation metrics: float64 sums all-reduced once per epoch, valid even when a
   rank received no validation batch.
 - NaN/Inf in a batch stops training with the global step and the shards named.
+- No host read in the training step on a GPU: the loss is logged as a tensor (Lightning reads it
+  only on the steps it writes), the other train metrics are computed on those steps only, and
+  NaN/Inf is noted on the device and read then, or before a checkpoint is written
+  (`sae_pipeline.training.non_finite`).
 """
 
 from __future__ import annotations
@@ -40,10 +44,8 @@ from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae.sparse_decode import sparse_codes
 from sae_pipeline.training import lightning_compat
-
-
-class NonFiniteBatchError(FloatingPointError, ValueError):
-    """A batch (or the loss on it) holds NaN or Inf; the message names the global step and the shards."""
+from sae_pipeline.training.non_finite import NonFiniteBatchError as NonFiniteBatchError  # callers import it here
+from sae_pipeline.training.non_finite import NonFiniteWatch, batch_sources, non_finite_batch, non_finite_loss
 
 
 def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -86,13 +88,6 @@ def param_groups(sae: SparseAutoencoder, lr: float) -> list[dict[str, Any]]:
         raise ValueError(f"{type(sae).__name__}.lr_scales names {unknown}, which are not its parameters")
     groups = [{"params": [p for name, p in named.items() if name not in scales], "lr": lr}]
     return groups + [{"params": [named[name]], "lr": lr * scale} for name, scale in scales.items()]
-
-
-def _sources(batch: dict[str, Any], shown: int = 3) -> str:
-    """The shards (or row blocks) of a batch for an error message: a few names, then how many more."""
-    names = [str(name) for name in batch.get("shards", [])]
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"shards {', '.join(names[:shown])}{more}" if names else "an unnamed source"
 
 
 def _world_size() -> int:
@@ -152,6 +147,7 @@ class SAEModule(L.LightningModule):
         # Where messages say the settings are, and which SAE they are about (a group's member changes both).
         self.config_prefix = "model"
         self.label = ""
+        self.non_finite = NonFiniteWatch()  # where the GPU's step notes NaN/Inf (see step_loss)
 
     # --- input ----------------------------------------------------------------------------
     def preprocess(self, x: Tensor) -> Tensor:
@@ -162,10 +158,7 @@ class SAEModule(L.LightningModule):
         x = batch["x"]
         if not torch.isfinite(x).all():
             n_bad = int((~torch.isfinite(x)).sum())
-            raise NonFiniteBatchError(
-                f"{stage}{self.label} at global step {self.global_step}: batch from {_sources(batch)} "
-                f"holds {n_bad} NaN/Inf values; re-extract or drop those shards"
-            )
+            raise non_finite_batch(f"{stage}{self.label}", self.global_step, batch_sources(batch), n_bad)
         return self.preprocess(x)
 
     # --- data-dependent initialisation -----------------------------------------------------
@@ -232,8 +225,9 @@ class SAEModule(L.LightningModule):
     # --- training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         x, output, losses = self.step_loss(batch)
-        self.log("train/loss", losses.loss, prog_bar=True)
+        self.log("train/loss", losses.loss, prog_bar=True)  # a tensor: read only when Lightning writes it
         if self._is_logging_step():
+            self.raise_if_non_finite()
             # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
             # Lightning only writes them every `log_every_n_steps`: compute them only then.
             for name, value in self.train_metrics(x, output, losses).items():
@@ -243,18 +237,30 @@ class SAEModule(L.LightningModule):
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, Any, Any]:
         """Input, SAE output and losses of one training batch, the dead-latent clock advanced
-        (shared with :class:`sae_pipeline.training.group.SAEGroupModule`, which runs it per member)."""
-        x = self._checked_input(batch, "training")
-        output = self.sae(x)
+        (shared with :class:`sae_pipeline.training.group.SAEGroupModule`, which runs it per member).
+
+        NaN/Inf in the batch or the loss raises at once on the CPU; on a GPU it is noted on the device
+        and raised by `raise_if_non_finite` (logging steps, checkpoints), naming the same step."""
+        deferred = self.sae.avoids_host_reads(batch["x"])
+        x = self.preprocess(batch["x"]) if deferred else self._checked_input(batch, "training")
+        with self.sae.finite_checked_by_caller():
+            output = self.sae(x)
         losses = self.sae.loss(x, output, step=self.global_step)
-        if not torch.isfinite(losses.loss):
-            raise NonFiniteBatchError(
-                f"training{self.label} at global step {self.global_step}: loss is {float(losses.loss)} on the "
-                f"batch from {_sources(batch)}; training diverged, lower {self.config_prefix}.lr "
-                f"(now {self.hparams.lr})"
+        if deferred:
+            self.non_finite.note(self.global_step, batch, batch["x"], losses.loss)
+        elif not torch.isfinite(losses.loss):
+            raise non_finite_loss(
+                f"training{self.label}", self.global_step, batch_sources(batch), float(losses.loss), self._lr_setting()
             )
         self.record_firing(output.fired(), x.shape[0])
         return x, output, losses
+
+    def _lr_setting(self) -> str:
+        return f"{self.config_prefix}.lr (now {self.hparams.lr})"
+
+    def raise_if_non_finite(self) -> None:
+        """Raise for a NaN/Inf batch or loss that the step noted on the device (one host read)."""
+        self.non_finite.raise_if_seen(f"training{self.label}", self._lr_setting())
 
     def train_metrics(self, x: Tensor, output: Any, losses: Any) -> dict[str, Tensor]:
         """The training scalars of a logging step beside the loss (also each member's in a group)."""
@@ -279,7 +285,14 @@ class SAEModule(L.LightningModule):
         self.sae.record_firing(counts[:-1] > 0, counts[-1])
 
     def on_train_epoch_end(self) -> None:
+        self.raise_if_non_finite()
         self.train_r2.reset()
+
+    def on_validation_start(self) -> None:
+        self.raise_if_non_finite()
+
+    def on_train_end(self) -> None:
+        self.raise_if_non_finite()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.sae.remove_parallel_grad()
@@ -378,7 +391,8 @@ class SAEModule(L.LightningModule):
 
     # --- checkpoints ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Plain data export needs without unpickling Python objects."""
+        """Plain data export needs without unpickling Python objects; none of weights that saw NaN/Inf."""
+        self.raise_if_non_finite()
         checkpoint["sae_config"] = sae_config(self.sae)
         checkpoint["input_scale"] = float(self.input_scale)
         checkpoint["data"] = self.data_info
