@@ -164,7 +164,7 @@ def free_bytes(dpath: Path | str) -> int:
 
 
 def check_free_space(fpath: Path | str, n_bytes: int, kept: str | None = None) -> None:
-    """Raise :class:`DiskFullError` for ``fpath`` unless ``n_bytes`` fit in its folder's file system (the nearest
+    """Raise `DiskFullError` for ``fpath`` unless ``n_bytes`` fit in its folder's file system (the nearest
     folder that exists: a writer checks before it creates any)."""
     fpath = Path(fpath)
     dpath = fpath.parent

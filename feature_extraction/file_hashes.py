@@ -4,7 +4,7 @@ Beside :mod:`feature_extraction.atomic_files`: what one writes whole, the other 
 sidecar records both digests of its tar (``shards/integrity.py``), the manifest's ``verify`` and an
 export's ``weights_sha256`` the sha256.
 
-Weights are also compared by content, whatever file held them: :func:`tensors_sha256` hashes named
+Weights are also compared by content, whatever file held them: `tensors_sha256` hashes named
 tensors themselves, so a ``.safetensors`` file, a torch state dict and a download of the same numbers
 agree (the manifest's ``backbone.weights_sha256``, a feature site's ``sae_sha256``).
 """

@@ -86,7 +86,7 @@ def open_checked(
 
 
 def cache_bytes(tokens: np.ndarray, image_ids: list[str] | None, token_positions: np.ndarray | None) -> int:
-    """What :func:`write_token_cache` may write: the tokens as stored, ids and positions, and HDF5's reserve."""
+    """What `write_token_cache` may write: the tokens as stored, ids and positions, and HDF5's reserve."""
     ids = 0 if image_ids is None else sum(len(str(i).encode()) + _STRING_BYTES for i in image_ids)
     positions = 0 if token_positions is None else 4 * len(token_positions)  # stored as int32
     return tokens.nbytes + ids + positions + H5_RESERVE_BYTES
@@ -102,7 +102,7 @@ def write_token_cache(
     """Write tokens ``[N, d]`` (float16/32/64, stored as given) with optional per-row ids and positions.
 
     Rows are chunked in about 1 MiB blocks, uncompressed, so random row reads stay cheap. The free space is
-    checked first (:func:`cache_bytes`): HDF5 cannot recover from a failed write, so a cache that does not fit
+    checked first (`cache_bytes`): HDF5 cannot recover from a failed write, so a cache that does not fit
     is one ``DiskFullError`` naming what it needs and what is free, and nothing is written.
     """
     fpath = Path(fpath)

@@ -2,7 +2,7 @@
 
 Why: two extractions into one ``--out`` (or two ``features``, ``export``, ``evaluate`` runs on one
 ``--out``, or two ``fit --ckpt_path last`` of one run) would each write the same files and both
-exit 0 with a mix of the two. :func:`output_lock` is held around a command's write phase; the
+exit 0 with a mix of the two. `output_lock` is held around a command's write phase; the
 second process is refused in one line naming the holder (bad input, exit 2):
 
     error: --out OUT is being written by pid N on host H since T (COMMAND); wait for it to finish,
@@ -199,7 +199,7 @@ def output_lock(
     ``command`` names the holder's command in the refusal (never its arguments: they are not ours to
     print); ``what`` names the output (``--out``, ``the run``); ``beside``: the lock goes next to
     ``path`` (outputs swapped in whole); ``part``: ``(task_index, num_tasks)`` of an extraction task,
-    which locks on every rank. Raises :class:`OutputLocked` when another live process holds it.
+    which locks on every rank. Raises `OutputLocked` when another live process holds it.
     """
     path = Path(path).expanduser()
     if part is None and not is_launching_process():

@@ -156,8 +156,8 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.training.ckpt_config`). With ``--ckpt_path``
         and no ``model.sae`` the SAE is the checkpoint's: the check of required arguments waits until
-        :meth:`_check_ckpt_path` has filled it in. ``--model.members.NAME.KEY`` flags are merged into their
-        member (:func:`sae_pipeline.cli_args.member_flags`): the parse without them gives the config's members,
+        `_check_ckpt_path` has filled it in. ``--model.members.NAME.KEY`` flags are merged into their
+        member (`sae_pipeline.cli_args.member_flags`): the parse without them gives the config's members,
         and the merged members are passed as one ``--model.members`` after every other argument."""
         if self.group and (args is None or isinstance(args, (list, tuple))):
             rest, flags = member_flags(sys.argv[1:] if args is None else list(args))

@@ -5,7 +5,7 @@
   ``--model.lr=-1e-3`` the value reaches the model, which names what is wrong with it.
 - ``--model.members.NAME.lr 0.01``: ``model.members`` is a plain mapping to jsonargparse, so a flag below a
   member replaced the whole member (``{lr: 0.01}``: "must hold sae"); these flags are taken out
-  (:func:`member_flags`) and merged into the config's members (:func:`merge_member_flags`), over every
+  (`member_flags`) and merged into the config's members (`merge_member_flags`), over every
   config file, as other flags are (``SAECLI.parse_arguments``).
 - A YAML syntax error in ``--config FILE``: jsonargparse reports it over several lines without
   the file's name; here it is one line naming the file, the line and the column.

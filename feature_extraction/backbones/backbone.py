@@ -82,7 +82,7 @@ class Backbone(nn.Module):
         }
 
     def weights_sha256(self) -> str:
-        """The loaded weights' identity (:func:`~feature_extraction.file_hashes.tensors_sha256`)."""
+        """The loaded weights' identity (`feature_extraction.file_hashes.tensors_sha256`)."""
         return tensors_sha256(self.model.state_dict())
 
 

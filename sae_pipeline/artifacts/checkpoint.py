@@ -240,7 +240,7 @@ def _group_hyper_parameters(group: object) -> list[object]:
 
 
 def _without_instantiator(data: object) -> object:
-    """``data`` with every ``_instantiator`` key left out (checked by :func:`check_instantiator`)."""
+    """``data`` with every ``_instantiator`` key left out (checked by `check_instantiator`)."""
     if isinstance(data, dict):
         return {key: _without_instantiator(value) for key, value in data.items() if key != "_instantiator"}
     return data
@@ -253,9 +253,11 @@ def check_model_classes(hyper_parameters: object, where: str) -> None:
     allows one: a dict's ``class_path`` at any depth (also under ``Any``, as a group's members are
     typed), or a plain string for ``model.sae``. ``fit`` stores classes in two places only: the
     model's own (``_class_path``) and each SAE (``sae``, a group member's ``sae``). There a class must
-    be one of ours or an SAE class :func:`~sae_pipeline.sae.config.resolve_sae_class` accepts (so a
+    be one of ours or an SAE class `resolve_sae_class` accepts (so a
     loaded module's class that is no SAE, ``subprocess.Popen``, is refused as well as an unloaded
-    module); anywhere else a ``class_path`` is refused.
+    module); anywhere else a ``class_path`` is refused. A module that is not loaded was refused before,
+    by `check_class_paths` (`sae_pipeline.sae.config`) over the same sections (its line names the
+    trust list), so what is left here to refuse is a class that is loaded but no SAE.
     """
     if hyper_parameters is None:
         return
@@ -279,7 +281,6 @@ def check_model_classes(hyper_parameters: object, where: str) -> None:
         class_path = sae if isinstance(sae, str) else sae.get("class_path") if isinstance(sae, dict) else None
         if not isinstance(class_path, str):
             raise CheckpointError(f"{where}: {position} is {type(sae).__name__}, not an SAE's class path; {DAMAGED}")
-        check_class_paths(class_path, f"{where}: {position}", strings=True)  # the fix names the trust list
         try:
             # The class path alone (the parser reads it, not a variant key); a bare class name is one of the
             # package's variants, as the group and jsonargparse read it (a bare name imports nothing).

@@ -5,7 +5,7 @@ here, so both formats are accepted everywhere: the native export (``config.json`
 ``sae.safetensors``, :func:`sae_pipeline.artifacts.export.load_native`) and a SAELens directory
 (``cfg.json`` + ``sae_weights.safetensors``, :func:`sae_pipeline.artifacts.saelens.load_saelens`,
 which builds our equivalent module). Neither reader imports what the folder names
-(:mod:`sae_pipeline.sae.config`). The folder ``export`` fills with a group's members (one export per
+(`sae_pipeline.sae.config`). The folder ``export`` fills with a group's members (one export per
 member, ``DIR/NAME``) holds no export itself: it is refused naming the member folders to pass instead.
 """
 

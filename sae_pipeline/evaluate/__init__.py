@@ -4,7 +4,7 @@
 (see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
 
 - :mod:`.runs`: plan the grid of training runs; :mod:`.run_training`: train / export / resume them through the CLI;
-- :mod:`.data_flags`: how evaluate spells its data flags in advice (``--data_dpath``, not fit's), MNIST checked early;
+- `.data_flags`: how evaluate spells its data flags in advice (``--data_dpath``, not fit's), MNIST checked early;
 - :mod:`.studies`: evaluate each exported run and gather the numbers per study (each SAE's numbers and curves:
   :func:`sae_pipeline.metrics.evaluate_sae`, which the training callback logs too);
 - :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;

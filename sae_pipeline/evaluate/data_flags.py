@@ -2,7 +2,7 @@
 
 ``evaluate`` takes ``--data`` and ``--data_dpath`` and never downloads, where ``fit`` (which trains the
 study's runs) takes ``--data.source``, ``--data.data_dpath`` and ``--data.allow_download``: MNIST's advice
-(:mod:`sae_pipeline.data.mnist`) is given this spelling, so it names flags the user can pass.
+(`sae_pipeline.data.mnist`) is given this spelling, so it names flags the user can pass.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ is checked before the pass: its folder must be writable and ``--out`` must not b
 staging folder behind; the next run removes those whose process is gone. A full disk removes the
 staging folder and ends with one ``no space left on device`` line (exit 1), the previous site whole.
 A SIGTERM or Ctrl-C during the swap takes effect once it is done: the new site is then in place, whole,
-and the features command's line says so (:func:`site_identity`).
+and the features command's line says so (`site_identity`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def staged_site(out: Path) -> Iterator[Path]:
 
 def _swap_in(staging: Path, out: Path) -> None:
     """Replace ``out`` by ``staging``: the previous site renamed aside, the new one renamed in, the aside copy
-    deleted. SIGINT / SIGTERM wait for all three, in whichever thread they land (:func:`stops_held`), so a
+    deleted. SIGINT / SIGTERM wait for all three, in whichever thread they land (`stops_held`), so a
     stop finds the previous site or the new one in ``out``, never none, and no half-deleted copy beside it."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     with stops_held():

@@ -130,7 +130,7 @@ def _stamped(dpath: Path) -> list[tuple[int, bool, Path]]:
 
 def resume_flag(fpath: Path) -> str:
     """How ``fit`` resumes from ``fpath``: ``--ckpt_path last`` finds a run's newest ``last*.ckpt``
-    (:func:`run_checkpoints`), any other file must be named."""
+    (`run_checkpoints`), any other file must be named."""
     return "--ckpt_path last" if fpath.name.startswith("last") else f"--ckpt_path {fpath}"
 
 
@@ -174,7 +174,7 @@ class SAECheckpoint(ModelCheckpoint):
 
 
 def final_checkpoint_dir(trainer: L.Trainer) -> Path:
-    """The folder :func:`save_final_checkpoint` writes the run's ``last.ckpt`` into."""
+    """The folder `save_final_checkpoint` writes the run's ``last.ckpt`` into."""
     callback = trainer.checkpoint_callback
     if isinstance(callback, SAECheckpoint) and not trainer.fast_dev_run:
         return Path(callback.dirpath or trainer.default_root_dir)

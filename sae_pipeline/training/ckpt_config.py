@@ -24,7 +24,7 @@ and for ``validate``, ``test`` and ``predict`` alike:
   MatchingPursuitSAE(d_sae=1000, k=10) ...``). A requeued SLURM job started that way, whose
   ``--ckpt_path`` gives way to the job's own hpc checkpoint, takes that checkpoint's SAE and
   hyper-parameters the same way (Lightning merges those of ``--ckpt_path`` only).
-- A group (:mod:`sae_pipeline.training.group`): the same per member (:func:`check_group_against_checkpoint`;
+- A group (`sae_pipeline.training.group`): the same per member (`check_group_against_checkpoint`;
   Lightning's merge replaces the config's members with the checkpoint's, so a changed ``k`` or ``lr``
   would otherwise be dropped without a word), and a group's checkpoint with a single SAE's config (or
   the reverse) is one line naming what the checkpoint holds.

@@ -20,7 +20,7 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   callback ("Exception ignored in ..."), so the stop is also sticky: every later batch of a
   stage, and each page of the features site, raises it again (:func:`raise_if_interrupted`).
   Steps that must not be cut in half (the swap of a features site into ``--out``) run in
-  :func:`stops_held`: the stop waits for their end, whichever thread the signal lands in.
+  `stops_held`: the stop waits for their end, whichever thread the signal lands in.
 - **During ``fit``**: the handler only records the signal. After each training batch (and each
   validation pass) the ranks all-reduce what they received (one small all-reduce per step under
   DDP, none in a single process), so a signal that reached one rank stops every rank at the same
@@ -30,7 +30,7 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   A second Ctrl-C while waiting for (or during) that save stops at once with one line; the save in
   progress is abandoned (its hidden partial file removed) and the previous checkpoint stays intact.
   The save is whole or absent (written to a hidden file, renamed into place), and the last line is
-  read from the run's checkpoint folder when it is written (:func:`stop_detail`), not from how far
+  read from the run's checkpoint folder when it is written (`stop_detail`), not from how far
   the save got: a second Ctrl-C just after the rename, or during Lightning's teardown, still says
   "saved FILE at global step N"; one that abandoned the save names the checkpoint kept and its step.
 
@@ -140,7 +140,7 @@ class _Handler:
                 signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
 
     def report(self, stop: Interrupted) -> None:
-        """Put what a stopped fit left on disk in ``stop``'s line (see :func:`stop_detail`); once it is read, more
+        """Put what a stopped fit left on disk in ``stop``'s line (see `stop_detail`); once it is read, more
         signals are ignored."""
         if self.fit is None or not stop.announce:
             return
@@ -206,8 +206,8 @@ def stops_held() -> Iterator[None]:
     ``pthread_sigmask`` blocks the signals for this thread only: another thread (Rich's refresh
     thread, a loader's) still receives them, and Python then runs the handler here, in the main
     thread, at the next bytecode, wherever the block is. So the handler itself waits too while a
-    block is open (:attr:`_Handler.held`), and the stop is raised when the last block ends (or
-    left pending for :func:`interruption` when the block raises). The mask spares the block's
+    block is open (`_Handler.held`), and the stop is raised when the last block ends (or
+    left pending for `interruption` when the block raises). The mask spares the block's
     system calls the interruption, and holds the signals where our handler is not installed.
     """
     main = threading.current_thread() is threading.main_thread()

@@ -237,7 +237,7 @@ class SAEModule(L.LightningModule):
 
     def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, Any, Any]:
         """Input, SAE output and losses of one training batch, the dead-latent clock advanced
-        (shared with :class:`sae_pipeline.training.group.SAEGroupModule`, which runs it per member).
+        (shared with `sae_pipeline.training.group.SAEGroupModule`, which runs it per member).
 
         NaN/Inf in the batch or the loss raises at once on the CPU; on a GPU it is noted on the device
         and raised by `raise_if_non_finite` (logging steps, checkpoints), naming the same step."""
