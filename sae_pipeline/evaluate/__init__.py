@@ -10,6 +10,7 @@
 - :mod:`.concepts`: per-atom statistics, selection order, sequential reconstruction;
 - :mod:`.probing`: SAEBench's sparse probing on labelled images, and each run's R² on its training rows;
 - :mod:`.claims`: the paper's claims checked against the numbers;
-- :mod:`.report`: results.json, PNGs, TensorBoard, report.md (the figures: :mod:`sae_pipeline.figures`);
+- `.report`: results.json and report.md; `.report_figures`: the PNGs and their TensorBoard copies (drawn by
+  `sae_pipeline.figures`);
 - :mod:`.external`: load a released MP-SAE dictionary (``.npz``) and evaluate it.
 """

@@ -219,7 +219,8 @@ def run_studies(args: Any) -> Path:
     from sae_pipeline.evaluate import studies
     from sae_pipeline.evaluate.claims import check_claims, count_claims
     from sae_pipeline.evaluate.data_flags import check_mnist
-    from sae_pipeline.evaluate.report import read_results, save_figures, study_figures, write_report, write_results
+    from sae_pipeline.evaluate.report import read_results, write_report, write_results
+    from sae_pipeline.evaluate.report_figures import save_figures, study_figures
     from sae_pipeline.sae import SAE_REGISTRY
 
     start = time.perf_counter()
@@ -322,7 +323,8 @@ def run_studies(args: Any) -> Path:
 
 def run_dictionary(args: Any) -> Path:
     from sae_pipeline.evaluate.external import evaluate_dictionary
-    from sae_pipeline.evaluate.report import read_results, save_figures, write_report, write_results
+    from sae_pipeline.evaluate.report import read_results, write_report, write_results
+    from sae_pipeline.evaluate.report_figures import save_figures
 
     results_part, figures = evaluate_dictionary(
         args.npz, args.data, args.k, args.k_infer, args.r_max, args.max_tokens, args.example_index, args.data_dpath
@@ -337,7 +339,8 @@ def run_dictionary(args: Any) -> Path:
 
 
 def run_sae(args: Any) -> Path:
-    from sae_pipeline.evaluate.report import read_results, save_figures, write_results
+    from sae_pipeline.evaluate.report import read_results, write_results
+    from sae_pipeline.evaluate.report_figures import save_figures
     from sae_pipeline.evaluate.sae_dir import evaluate_sae_dir, summary_line
 
     results_part, figures = evaluate_sae_dir(
