@@ -98,7 +98,7 @@ def test_registry_names_and_unknown_name() -> None:
     assert not any(BACKBONES[n].has_configs for n in TINY)  # configs extract pretrained weights
     assert get_backbone_spec("dinov2").n_tokens == 261  # the paper's count at 224 px
     with pytest.raises(ValueError, match="dinov2_tiny"):
-        get_backbone_spec("dinov3")
+        get_backbone_spec("dinov4")
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -164,21 +164,23 @@ def test_pretrained_entry_layout_matches_record(name: str) -> None:
         assert (type(gelu).__name__ == "QuickGELU") == quick_gelu
 
 
-def test_checkpoint_roundtrip_timm(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["dinov2_tiny", "dinov3_tiny", "pe_core_tiny"])  # ViT, and timm's Eva twice
+def test_checkpoint_roundtrip_timm(tmp_path, name: str) -> None:
     torch.manual_seed(1)
-    source = load_backbone("dinov2_tiny")
+    source = load_backbone(name)
     state = {k: v.contiguous() for k, v in source.model.state_dict().items()}
     save_file(state, tmp_path / "w.safetensors")
     torch.save({"state_dict": state}, tmp_path / "w.pt")
-    images = torch.randn(2, 3, 56, 56)
+    size = source.spec.image_size
+    images = torch.randn(2, 3, size, size)
     with torch.no_grad():
         expected = source(images)
         for fpath in ["w.safetensors", "w.pt"]:
-            loaded = load_backbone("dinov2_tiny", checkpoint_path=str(tmp_path / fpath))
+            loaded = load_backbone(name, checkpoint_path=str(tmp_path / fpath))
             torch.testing.assert_close(loaded(images), expected)
             assert loaded.to_json()["checkpoint_path"] == str(tmp_path / fpath)
             assert loaded.to_json()["weights_sha256"] == source.weights_sha256()  # the numbers, not the file format
-        other = load_backbone("dinov2_tiny")
+        other = load_backbone(name)
         assert not torch.allclose(other(images), expected)
         assert other.weights_sha256() != source.weights_sha256()
 
@@ -267,3 +269,18 @@ def test_pretrained_hub_error_is_wrapped(no_network, monkeypatch, name: str) -> 
     with pytest.raises(RuntimeError, match="--checkpoint_path") as info:
         load_backbone(name, pretrained=True)
     assert "\n" not in str(info.value)
+
+
+def test_checkpoint_in_dinov3_original_names(tmp_path) -> None:
+    """A DINOv3 file in Meta's key names (`storage_tokens` for the registers) loads through timm's Eva
+    filter, which the ViT filter would leave unconverted (a strict load then fails)."""
+    torch.manual_seed(3)
+    source = load_backbone("dinov3_tiny")
+    renamed = {"reg_token": "storage_tokens"}
+    state = {renamed.get(k, k): v.contiguous() for k, v in source.model.state_dict().items()}
+    assert "storage_tokens" in state
+    save_file(state, tmp_path / "meta.safetensors")
+    loaded = load_backbone("dinov3_tiny", checkpoint_path=str(tmp_path / "meta.safetensors"))
+    images = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images), source(images))

@@ -16,7 +16,7 @@ from sae_pipeline.sae import SAE_REGISTRY
 
 CONFIGS_DPATH = Path(__file__).resolve().parents[1] / "configs"
 VARIANTS = list(SAE_REGISTRY)  # each has configs/<key>_<backbone|digits|mnist>.yaml
-BACKBONES = [name for name, spec in BACKBONE_SPECS.items() if spec.has_configs]  # dinov2, siglip, clip, vit
+BACKBONES = [name for name, spec in BACKBONE_SPECS.items() if spec.has_configs]  # the paper's four and the newer ones
 CLASS_NAMES = {key: cls.__name__ for key, cls in SAE_REGISTRY.items()}
 TINY_D = 8
 

@@ -17,6 +17,13 @@ here and require exactly those files. A backbone without them trains with any va
   open_clip's `ViT-B-16-SigLIP` (which wraps this very timm model), with timm's
   `forward_intermediates` and data config, so three of the four families share one
   adapter. CLIP comes from open_clip (OpenAI weights, QuickGELU).
+- The backbones the field moved to since the paper: DINOv3 (timm's port, an `Eva` model with RoPE,
+  CLS + 4 registers) at its native 256 px, where its 16x16 patches give the 261 tokens of DINOv2 at
+  224 px; SigLIP 2 from timm (`vit_base_patch16_siglip_224.v2_webli`), the very model and weights
+  that open_clip's `ViT-B-16-SigLIP2` wraps as its image tower, so it shares SigLIP's path (and does
+  not build open_clip's 256k-token text tower only to drop it); Perception Encoder core
+  (`vit_pe_core_base_patch16_224`, an `Eva` with a CLS token). timm's `Eva` gives the same
+  `forward_intermediates` and data config as its ViTs, so these need no adapter of their own.
 - Tiny entries (no pretrained tag) keep their family's code path (registers, no-CLS
   pooling, open_clip tower) at a width and depth that build and run in milliseconds;
   the tests run every one of them.
@@ -76,15 +83,22 @@ BACKBONES: dict[str, BackboneSpec] = {
         _spec("siglip", "timm", "vit_base_patch16_siglip_224", "webli", 0, 14, 768, 224, 12, has_configs=True),
         _spec("clip", "open_clip", "ViT-B-16", "openai", 1, 14, 768, 224, 12, has_configs=True),
         _spec("vit", "timm", "vit_base_patch16_224", "augreg2_in21k_ft_in1k", 1, 14, 768, 224, 12, has_configs=True),
+        # Newer backbones (2025): DINOv3 at 256 px (5 + 16x16 = 261 tokens), SigLIP 2, Perception Encoder core.
+        _spec("dinov3", "timm", "vit_base_patch16_dinov3", "lvd1689m", 5, 16, 768, 256, 12, has_configs=True),
+        _spec("siglip2", "timm", "vit_base_patch16_siglip_224", "v2_webli", 0, 14, 768, 224, 12, has_configs=True),
+        _spec("pe_core", "timm", "vit_pe_core_base_patch16_224", "fb", 1, 14, 768, 224, 12, has_configs=True),
         # ViT-L sizes (no configs of their own).
         _spec("dinov2_large", "timm", "vit_large_patch14_reg4_dinov2", "lvd142m", 5, 16, 1024, 224, 24, img_size=224),
         _spec("siglip_large", "timm", "vit_large_patch16_siglip_256", "webli", 0, 16, 1024, 256, 24),
         _spec("clip_large", "open_clip", "ViT-L-14", "openai", 1, 16, 1024, 224, 24),
         _spec("vit_large", "timm", "vit_large_patch16_224", "augreg_in21k_ft_in1k", 1, 14, 1024, 224, 24),
+        _spec("dinov3_large", "timm", "vit_large_patch16_dinov3", "lvd1689m", 5, 16, 1024, 256, 24),
         # Test entries: random weights only.
         _spec("dinov2_tiny", "timm", "vit_small_patch14_reg4_dinov2", None, 5, 4, 64, 56, 2, img_size=56, **_TINY_TIMM),
         _spec("siglip_tiny", "timm", "vit_base_patch16_siglip_224", None, 0, 4, 64, 64, 2, img_size=64, **_TINY_TIMM),
         _spec("clip_tiny", "open_clip", "ViT-B-16", None, 1, 4, 64, 32, 2, **_TINY_CLIP),
+        _spec("dinov3_tiny", "timm", "vit_small_patch16_dinov3", None, 5, 4, 64, 64, 2, img_size=64, **_TINY_TIMM),
+        _spec("pe_core_tiny", "timm", "vit_pe_core_base_patch16_224", None, 1, 4, 64, 64, 2, img_size=64, **_TINY_TIMM),
         _spec("vit_tiny", "timm", "vit_tiny_patch16_224", None, 1, 4, 192, 64, 2, img_size=64, depth=2),
     ]
 }

@@ -1,14 +1,19 @@
-"""The timm adapter (DINOv2, SigLIP, supervised ViT): build, tokens of a layer, layout.
+"""The timm adapter (DINOv2, DINOv3, SigLIP, SigLIP 2, PE core, supervised ViT): build, layer tokens, layout.
 
 Preprocessing is timm's data config of the pretrained tag, built at the spec's image
 size (`pretrained_cfg_overlay`). A layer's tokens come from `forward_intermediates`
 (prefix tokens returned separately, put first); the final layer after the final norm is
 `forward_features`, what timm hands its heads.
+
+A weights file goes through the checkpoint filter of the model's own timm module
+(`vision_transformer` for the ViTs, `eva` for DINOv3 and PE): each converts its family's original
+key names (and resamples position embeddings), and one family's filter mangles the other's keys.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +29,6 @@ def build(
 ) -> Built:
     import timm
     from timm.data import create_transform, resolve_model_data_config
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
     full_name = spec.model_name + (f".{spec.pretrained_tag}" if spec.pretrained_tag else "")
     kwargs = copy.deepcopy(spec.model_kwargs)
     size = spec.image_size  # the data config must describe the size the model is built at
@@ -37,7 +40,7 @@ def build(
     if state_dict is not None:
         # timm's own filter converts original DINOv2 keys and resamples position embeddings
         # (e.g. a 518 px checkpoint into our 224 px model).
-        state_dict = checkpoint_filter_fn(state_dict, model)
+        state_dict = checkpoint_filter(model)(state_dict, model)
         own_keys = model.state_dict().keys()
         state_dict = {
             k: v for k, v in state_dict.items() if k in own_keys or not k.startswith("head.")
@@ -54,6 +57,14 @@ def build(
         "interpolation": config["interpolation"],
     }
     return Built(model, preprocess, preprocess_config)
+
+
+def checkpoint_filter(model: nn.Module):  # noqa: ANN201 (timm's filter signature)
+    """The `checkpoint_filter_fn` of the timm module that defines the model's class."""
+    module = importlib.import_module(type(model).__module__)
+    if not hasattr(module, "checkpoint_filter_fn"):
+        module = importlib.import_module("timm.models.vision_transformer")
+    return module.checkpoint_filter_fn
 
 
 def tokens(model: nn.Module, images: Tensor, layer: int, final_norm: bool) -> Tensor:
