@@ -29,6 +29,7 @@ def build(
 ) -> Built:
     import timm
     from timm.data import create_transform, resolve_model_data_config
+
     full_name = spec.model_name + (f".{spec.pretrained_tag}" if spec.pretrained_tag else "")
     kwargs = copy.deepcopy(spec.model_kwargs)
     size = spec.image_size  # the data config must describe the size the model is built at
