@@ -136,7 +136,7 @@ def test_rerun_reuses_finished_runs(study) -> None:
     mtimes = {p: p.stat().st_mtime_ns for p in exports}
     before = json.loads((study / "results.json").read_text())["runs"]
     args = ["--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY, "--probe_k", "1", "4"]
-    assert main(["probing", *args]) == 0
+    assert main(["probing", *args, "--seeds", "2"]) == 0
     assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
     assert not list((study / "runs").glob("*/version_1"))
     after = json.loads((study / "results.json").read_text())
@@ -176,7 +176,7 @@ def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
     chosen = np.argsort(-difference, kind="stable")[:4]
     probe = LogisticRegression(max_iter=1000).fit(codes["train"][:, chosen], y)
     plain = np.mean(probe.predict(codes["val"][:, chosen]) == targets["val"])
-    assert entry["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)
+    assert entry["by_seed"][0]["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)  # the first draw
     assert 0.5 < probing["raw"]["mean"]["all"] <= 1
 
 
@@ -337,7 +337,7 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
         assert entry["r2"] == pytest.approx(logged_scalar(record["log_dpath"], "val/r2"), abs=1e-5)
     assert (out / "figures" / "babel.png").is_file() and "Coherence" in (out / "report.md").read_text()
     # probing over the same runs: the shards' meta.json labels (the image's index in its shard), tokens mean-pooled
-    assert main(["probing", *args[1:], "--probe_k", "1", "2"]) == 0
+    assert main(["probing", *args[1:], "--probe_k", "1", "2", "--seeds", "2"]) == 0
     probing = json.loads((out / "results.json").read_text())["probing"]
     assert (probing["n_train_rows"], probing["n_val_rows"], probing["tokens_per_image"]) == (16, 4, 5)
     assert probing["labels"] == [0, 1, 2, 3] and sorted(probing["variants"]) == ["mpsae", "topk"]
@@ -355,4 +355,4 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
     (rows, y), (val_rows, val_y) = tasks["train"], tasks["val"]
     probe = LogisticRegression(max_iter=1000).fit(pooled["train"][rows], y)
     plain = np.mean(probe.predict(pooled["val"][val_rows]) == val_y)
-    assert probing["raw"]["by_label"]["0"]["all"] == pytest.approx(plain, abs=1e-12)
+    assert probing["raw"]["by_seed"][0]["by_label"]["0"]["all"] == pytest.approx(plain, abs=1e-12)

@@ -145,6 +145,13 @@ def build_parser() -> Any:
                 default=[1, 2, 5, 20],
                 help="numbers of latents (and of raw dimensions) each probe may use",
             )
+            sub.add_argument(
+                "--seeds",
+                type=PositiveInt,
+                default=5,
+                help="draws of the balanced probing tasks: each figure is their mean with a 95%% interval, and "
+                "the models are compared pairwise over them (1: one draw, no interval)",
+            )
     report = add("report", "rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True, help="a study's output folder")
     dictionary = add("dictionary", "concept figures and Babel of an external MP-SAE (.npz)")
@@ -292,7 +299,7 @@ def run_studies(args: Any) -> Path:
             from sae_pipeline.evaluate.probing import probing_study
 
             bar.set_postfix_str("sparse probing")
-            results["probing"] = probing_study(main_specs, out_dpath, sorted(set(args.probe_k)))
+            results["probing"] = probing_study(main_specs, out_dpath, sorted(set(args.probe_k)), seeds=args.seeds)
             bar.update()
         if "mpsae" in variants and any(study in ("coherence", "concepts") for study in chosen):
             bar.set_postfix_str("the authors' MNIST dictionary")

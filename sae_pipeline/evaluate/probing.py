@@ -5,10 +5,14 @@ evenly from the other classes with a fixed seed) of the training split and of th
 the k latents with the largest |mean over the class − mean over the others| on the balanced
 training set; scikit-learn's ``LogisticRegression`` (L2, C = 1, ``max_iter`` 1000, no rescaling) fitted on
 those k latents; its accuracy on the balanced validation set. The same probe on the raw inputs gives the
-references: all dimensions, and the k best single dimensions by the same mean difference.
+references: all dimensions, and the k best single dimensions by the same mean difference. Every model and the
+raw inputs also get the probes on all their columns (evaluate/linear_probe.py: scikit-learn's, and SAEBench's
+own all-dimensions probe), and every figure is the mean over ``--seeds`` draws of the balanced tasks, with its
+interval and the paired comparisons between models (evaluate/probe_stats.py).
 
 What matches SAEBench (``evals/sparse_probing``): the balancing, the |mean difference| selection on the
-training set, the classifier and its settings, accuracy on a balanced held-out set, k = 1, 2, 5 (20 added).
+training set, the classifier and its settings, accuracy on a balanced held-out set, k = 1, 2, 5 (20 added),
+the all-dimensions probe.
 What differs: the data are images (one row each, or a shard directory's tokens mean-pooled per image, labels
 from its meta.json), the split is the run's own train/validation split (4500 / 500 rows on ``mnist_sample``:
 about 900 / 100 rows per task, not 4000 / 1000), and the codes are what the SAE computes (``encode``:
@@ -22,24 +26,25 @@ its R² there is in-sample, and ours on the training rows is the like-for-like n
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
+from tqdm import tqdm
 
 from sae_pipeline.artifacts import load_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
+from sae_pipeline.evaluate.linear_probe import probe_accuracy, saebench_all_probe_accuracy
+from sae_pipeline.evaluate.probe_stats import compare_models, summarise_seeds
 from sae_pipeline.evaluate.runs import RunSpec
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens, reconstruction_r2
 
 PROBE_KS = (1, 2, 5, 20)
 LABELLED_SOURCES = ("digits", "mnist_sample", "mnist")
-PROBE_SEED = 0  # the draw of the negative rows: the same tasks for every run and reference
+PROBE_SEED = 0  # the first draw of the negative rows: the same tasks for every run and reference
+PROBE_SEEDS = 5  # draws per study (`--seeds`): enough for a t-interval, ~5x one draw's probing time
 _CHUNK = 4096
 
 
@@ -103,10 +108,10 @@ def check_classes(spec: RunSpec) -> None:
 
 
 def probe_tasks(
-    train_labels: np.ndarray, val_labels: np.ndarray, source: str
+    train_labels: np.ndarray, val_labels: np.ndarray, source: str, seed: int = PROBE_SEED
 ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """The balanced tasks of both splits; a one-line error when no class has a task in both."""
-    train_tasks, val_tasks = balanced_tasks(train_labels), balanced_tasks(val_labels)
+    """The balanced tasks of both splits (drawn with ``seed``); a one-line error when no class has a task in both."""
+    train_tasks, val_tasks = balanced_tasks(train_labels, seed), balanced_tasks(val_labels, seed)
     if not set(train_tasks) & set(val_tasks):
         raise ValueError(
             f"--data {source}: probing needs two classes or more in both the training and the validation split "
@@ -142,16 +147,6 @@ def top_k_mean_difference(x: np.ndarray, y: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-difference, kind="stable")[:k]
 
 
-def probe_accuracy(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> float:
-    """Held-out accuracy of SAEBench's classifier: ``LogisticRegression`` (L2, C = 1, max_iter 1000)."""
-    if len(np.unique(y_train)) < 2:
-        return float("nan")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        probe = LogisticRegression(C=1.0, max_iter=1000).fit(x_train, y_train)
-    return float((probe.predict(x_test) == y_test).mean())
-
-
 def sparse_probing(
     train_x: np.ndarray,
     train_tasks: dict[int, tuple[np.ndarray, np.ndarray]],
@@ -159,13 +154,16 @@ def sparse_probing(
     test_tasks: dict[int, tuple[np.ndarray, np.ndarray]],
     ks: list[int],
     with_all: bool = False,
+    seed: int = PROBE_SEED,
 ) -> dict[str, Any]:
     """Accuracy per class and k (top-k by mean difference on the training set), and its mean over classes.
 
-    ``with_all`` adds the probe on every column (key ``"all"``). ``n_columns`` says how many columns there
-    were: a k above it uses them all, so its figure is the all-columns one (the report says so).
+    ``with_all`` adds the probes on every column: scikit-learn's (key ``"all"``) and SAEBench's own
+    all-dimensions probe (``"all_saebench"``, evaluate/linear_probe.py; ``seed`` draws its init and batches).
+    ``n_columns`` says how many columns there were: a k above it uses them all, so its figure is the
+    all-columns one (the report says so).
     """
-    keys = [str(k) for k in ks] + (["all"] if with_all else [])
+    keys = [str(k) for k in ks] + (["all", "all_saebench"] if with_all else [])
     by_label: dict[str, dict[str, float]] = {}
     for label, (rows, y) in train_tasks.items():
         if label not in test_tasks:
@@ -178,6 +176,7 @@ def sparse_probing(
             accuracies[str(k)] = probe_accuracy(x_task[:, chosen], y, x_test[:, chosen], test_y)
         if with_all:
             accuracies["all"] = probe_accuracy(x_task, y, x_test, test_y)
+            accuracies["all_saebench"] = saebench_all_probe_accuracy(x_task, y, x_test, test_y, seed)
         by_label[str(label)] = accuracies
     mean = {key: float(np.mean([accuracies[key] for accuracies in by_label.values()])) for key in keys}
     return {"ks": list(ks), "mean": mean, "by_label": by_label, "n_columns": int(train_x.shape[1])}
@@ -228,17 +227,53 @@ def pooled(values: np.ndarray, per_image: int) -> np.ndarray:
     return values.reshape(-1, per_image, values.shape[1]).mean(axis=1) if per_image > 1 else values
 
 
-def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_reference: bool = True) -> dict[str, Any]:
-    """Sparse probing of every run in ``specs`` (one per variant, same data) and of the raw inputs."""
+def probing_study(
+    specs: list[RunSpec], out_dpath: Path, ks: list[int], with_reference: bool = True, seeds: int = PROBE_SEEDS
+) -> dict[str, Any]:
+    """Sparse probing of every run in ``specs`` (one per variant, same data), of the raw inputs and (on
+    MNIST) of the paper authors' dictionary, over ``seeds`` draws of the balanced tasks, with each
+    figure's spread and the paired comparisons between the models (evaluate/probe_stats.py)."""
     data = split_data(specs[0])
     (train_x, train_labels, per_image), (val_x, val_labels, _) = data["train"], data["val"]
-    train_tasks, val_tasks = probe_tasks(train_labels, val_labels, specs[0].source)
+    draws = [probe_tasks(train_labels, val_labels, specs[0].source, PROBE_SEED + s) for s in range(seeds)]
+    train_tasks, val_tasks = draws[0]
 
-    def probe(train: np.ndarray, val: np.ndarray, with_all: bool = False) -> dict[str, Any]:
-        return sparse_probing(train, train_tasks, val, val_tasks, ks, with_all)
+    features: dict[str, tuple[np.ndarray, np.ndarray]] = {
+        "raw": (pooled(train_x.numpy(), per_image), pooled(val_x.numpy(), per_image))
+    }
+    entries: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        sae = load_sae(Path(out_dpath) / "models" / spec.name)
+        features[spec.variant] = (encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
+        entries[spec.variant] = {"run": spec.name, "k": spec.k, "p": spec.p}
+        entries[spec.variant].update(r2_train=reconstruction_r2(sae, train_x), r2_val=reconstruction_r2(sae, val_x))
+    if with_reference and train_x.shape[1] == 784:
+        from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
 
+        sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
+        features["reference"] = (encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
+        entries["reference"] = {"npz": REFERENCE_NPZ_FPATH.name, "k": 10, "p": sae.d_sae}
+        entries["reference"].update(r2_train=reconstruction_r2(sae, train_x), r2_val=reconstruction_r2(sae, val_x))
+    entries["raw"] = {}
+
+    with tqdm(total=seeds * len(features), desc="probing", unit="model", dynamic_ncols=True, leave=False) as bar:
+        for name, (train, val) in features.items():
+            by_seed = []
+            for s, (train_tasks_s, val_tasks_s) in enumerate(draws):
+                by_seed.append(sparse_probing(train, train_tasks_s, val, val_tasks_s, ks, True, PROBE_SEED + s))
+                bar.update()
+            entries[name].update(
+                ks=list(ks),
+                n_columns=by_seed[0]["n_columns"],
+                by_seed=[{"mean": found["mean"], "by_label": found["by_label"]} for found in by_seed],
+            )
+            summarise_seeds(entries[name])
+
+    models = {name: entry for name, entry in entries.items() if name != "raw"}
+    keys = [str(k) for k in ks] + ["all", "all_saebench"]
     result: dict[str, Any] = {
         "ks": list(ks),
+        "seeds": seeds,
         "labels": sorted(set(train_tasks) & set(val_tasks)),
         "n_train_rows": len(train_labels),
         "n_val_rows": len(val_labels),
@@ -247,23 +282,10 @@ def probing_study(specs: list[RunSpec], out_dpath: Path, ks: list[int], with_ref
             "train": {str(c): len(rows) for c, (rows, _) in train_tasks.items() if c in val_tasks},
             "val": {str(c): len(rows) for c, (rows, _) in val_tasks.items() if c in train_tasks},
         },
-        "raw": probe(pooled(train_x.numpy(), per_image), pooled(val_x.numpy(), per_image), with_all=True),
-        "variants": {},
+        "raw": entries["raw"],
+        "variants": {spec.variant: entries[spec.variant] for spec in specs},
+        "comparisons": compare_models(models, keys) if seeds > 1 else [],
     }
-    for spec in specs:
-        sae = load_sae(Path(out_dpath) / "models" / spec.name)
-        entry = probe(encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
-        entry.update(run=spec.name, k=spec.k, p=spec.p)
-        entry["r2_train"] = reconstruction_r2(sae, train_x)
-        entry["r2_val"] = reconstruction_r2(sae, val_x)
-        result["variants"][spec.variant] = entry
-    if with_reference and train_x.shape[1] == 784:
-        from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
-
-        sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
-        entry = probe(encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
-        entry.update(npz=REFERENCE_NPZ_FPATH.name, k=10, p=sae.d_sae)
-        entry["r2_train"] = reconstruction_r2(sae, train_x)
-        entry["r2_val"] = reconstruction_r2(sae, val_x)
-        result["reference"] = entry
+    if "reference" in entries:
+        result["reference"] = entries["reference"]
     return result

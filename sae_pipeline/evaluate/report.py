@@ -259,42 +259,101 @@ ABOVE_COLUMNS_NOTE = (
 
 
 def probing_section(study: dict[str, Any]) -> list[str]:
-    """Sparse probing: mean held-out accuracy over the one-vs-rest tasks, per k, for each model and the raw inputs."""
+    """Sparse probing: mean held-out accuracy over the one-vs-rest tasks, per k, for each model and the raw
+    inputs, with its spread over the draws and the pairwise comparisons (evaluate/probe_stats.py)."""
     ks = study["ks"]
     raw = study["raw"]
-    rows = [
-        [display_label(v), f"{e['k']}, {e['p']}", *[_accuracy(e, k) for k in ks], "–"]
-        for v, e in study["variants"].items()
-    ]
+    models = [(display_label(v), e) for v, e in study["variants"].items()]
     if "reference" in study:
-        e = study["reference"]
-        rows.append([AUTHORS_LABEL, f"{e['k']}, {e['p']}", *[_accuracy(e, k) for k in ks], "–"])
+        models.append((AUTHORS_LABEL, study["reference"]))
+    extra = [key for key in ("all", "all_saebench") if key in raw["mean"]]
+    rows = [
+        [name, f"{e['k']}, {e['p']}", *[_accuracy(e, str(k)) for k in ks], *[_accuracy(e, key) for key in extra]]
+        for name, e in models
+    ]
     rows.append(
-        ["raw inputs (k best dimensions; all)", "–", *[_accuracy(raw, k) for k in ks], f"{raw['mean']['all']:.3f}"]
+        [
+            "raw inputs (k best dimensions; all)",
+            "–",
+            *[_accuracy(raw, str(k)) for k in ks],
+            *[_accuracy(raw, key) for key in extra],
+        ]
     )
-    above = any("(all " in cell for row in rows for cell in row[2:-1])
+    above = any("(all " in cell for row in rows for cell in row[2 : 2 + len(ks)])
     n_train = sum(study["task_rows"]["train"].values()) / len(study["labels"])
     n_val = sum(study["task_rows"]["val"].values()) / len(study["labels"])
+    seeds = study.get("seeds", 1)
+    spread = (
+        f"Each cell is the mean over {seeds} draws of the balanced tasks ± the half-width of its 95 % interval "
+        "(Student's t over the draws): how far the figure moves when the rows that balance each task are redrawn."
+        if seeds > 1
+        else "One draw of the balanced tasks: no spread is known (pass `--seeds N` for intervals)."
+    )
+    headers = {"all": "all dimensions", "all_saebench": "all, SAEBench's probe"}
     return [
         "## Sparse probing (SAEBench's k-sparse probing)",
         "",
         f"Mean held-out accuracy over {len(study['labels'])} one-vs-rest tasks (one per class; balanced sets of "
         f"{n_train:.0f} training and {n_val:.0f} validation rows per task on average, from the "
         f"{study['n_train_rows']} / {study['n_val_rows']} rows of the split); the probe uses the k latents "
-        "with the largest class mean difference on the training set.",
+        "with the largest class mean difference on the training set. " + spread,
         "",
-        *_table(["model", "trained k, p", *[f"k = {k}" for k in ks], "all dimensions"], rows),
+        *_table(["model", "trained k, p", *[f"k = {k}" for k in ks], *[headers[key] for key in extra]], rows),
         "",
         *([ABOVE_COLUMNS_NOTE, ""] if above else []),
+        *(
+            [
+                '"all, SAEBench\'s probe" is the probe SAEBench puts on all dimensions, trained as it trains it: '
+                "it keeps the epoch with the best held-out accuracy, so it reads high by construction.",
+                "",
+            ]
+            if "all_saebench" in extra
+            else []
+        ),
+        *_comparison_lines(study, models),
         *_train_r2_lines(study),
     ]
 
 
-def _accuracy(entry: dict[str, Any], k: int) -> str:
-    """A mean accuracy, marked when k is above the columns the probe had (``n_columns``): then it used them all."""
+def _comparison_lines(study: dict[str, Any], models: list[tuple[str, dict]]) -> list[str]:
+    """Pairwise differences between models, per key: the mean difference over draws and whether it is
+    significant after Holm's correction over every comparison of the study."""
+    comparisons = study.get("comparisons") or []
+    if not comparisons:
+        return []
+    names = {v: display_label(v) for v in study["variants"]} | {"reference": AUTHORS_LABEL}
+    keys = list(dict.fromkeys(c["key"] for c in comparisons))
+    pairs = list(dict.fromkeys((c["a"], c["b"]) for c in comparisons))
+    by = {(c["a"], c["b"], c["key"]): c for c in comparisons}
+
+    def cell(c: dict[str, Any]) -> str:
+        mark = " *" if c["significant"] else ""
+        return f"{c['difference']:+.3f}{mark} ({c['classes_higher']}/{c['n_classes']})"
+
+    label = {"all": "all", "all_saebench": "all (SAEBench)"}
+    rows = [[f"{names[a]} − {names[b]}", *[cell(by[(a, b, key)]) for key in keys]] for a, b in pairs]
+    n_significant = sum(c["significant"] for c in comparisons)
+    return [
+        f"Paired differences between the models (first minus second, mean over the {study['seeds']} draws, which "
+        "share their rows); `*`: significant at 0.05 after Holm's correction over all "
+        f"{len(comparisons)} comparisons (t-test over the draws; {n_significant} are); in brackets, the classes "
+        "where the first is higher. `results.json` holds each interval and p-value.",
+        "",
+        *_table(["models", *[f"k = {key}" if key.isdigit() else label[key] for key in keys]], rows),
+        "",
+    ]
+
+
+def _accuracy(entry: dict[str, Any], key: str) -> str:
+    """A mean accuracy ± its 95 % half-width over draws, marked when k is above the columns the probe had
+    (``n_columns``): then it used them all."""
     n_columns = entry.get("n_columns")
-    mark = f" (all {n_columns})" if n_columns is not None and k > n_columns else ""
-    return f"{entry['mean'][str(k)]:.3f}{mark}"
+    mark = f" (all {n_columns})" if key.isdigit() and n_columns is not None and int(key) > n_columns else ""
+    if key not in entry["mean"]:
+        return "–"  # a study from before the all-latents probes
+    interval = (entry.get("interval") or {}).get(key)
+    spread = f" ± {(interval[1] - interval[0]) / 2:.3f}" if interval else ""
+    return f"{entry['mean'][key]:.3f}{spread}{mark}"
 
 
 def _dictionary_section(study: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ axes helpers (:mod:`sae_pipeline.figures.axes`), each named by its label in the 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -147,16 +148,27 @@ def sequential_reconstruction_figure(sequences: Mapping[str, dict], image_shape:
 def probing_accuracy_figure(
     variants: Mapping[str, dict], raw: dict, reference: tuple[str, dict] | None = None
 ) -> Figure:
-    """Sparse-probing accuracy (mean over one-vs-rest classes) against the number of latents k, per variant;
-    the raw inputs' k best dimensions dashed and all of them as a horizontal line (the references)."""
+    """Sparse-probing accuracy (mean over one-vs-rest classes) against the number of latents k, per variant,
+    with its 95 % interval over the draws of the tasks as error bars where there are several; the raw inputs'
+    k best dimensions dashed and all of them as a horizontal line (the references)."""
     fig, ax = single_axes()
     ks = raw["ks"]
+
+    def draw(entry: dict, **style: Any) -> None:
+        means = [entry["mean"][str(k)] for k in ks]
+        intervals = [(entry.get("interval") or {}).get(str(k)) for k in ks]
+        if all(intervals):
+            errors = [[m - i[0] for m, i in zip(means, intervals)], [i[1] - m for m, i in zip(means, intervals)]]
+            ax.errorbar(ks, means, yerr=errors, capsize=2, **style)
+        else:
+            ax.plot(ks, means, **style)
+
     for variant, entry in variants.items():
-        ax.plot(ks, [entry["mean"][str(k)] for k in ks], marker="o", markersize=4, label=_label(variant))
+        draw(entry, marker="o", markersize=4, label=_label(variant))
     if reference is not None:
         label, entry = reference
-        ax.plot(ks, [entry["mean"][str(k)] for k in ks], marker="s", markersize=4, linestyle=":", label=label)
-    ax.plot(ks, [raw["mean"][str(k)] for k in ks], color="black", linestyle="--", label="raw inputs, top-k dims")
+        draw(entry, marker="s", markersize=4, linestyle=":", label=label)
+    draw(raw, color="black", linestyle="--", label="raw inputs, top-k dims")
     ax.axhline(raw["mean"]["all"], color="grey", linewidth=1, label="raw inputs, all dims")
     log2_axis(ax, ks)
     finish(ax, "k (latents the probe may use)", "held-out accuracy", "Sparse probing (one-vs-rest)", 7)
