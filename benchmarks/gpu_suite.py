@@ -11,16 +11,17 @@ whatever happens to the others: each part is a child process with its own time l
 and all of them share one budget (``--budget``, 7.5 minutes) so the call ends inside the device tool's
 8. A part that fails, times out or is not reached is reported as such in the table, never dropped.
 
-Before the parts: the wheels in ``.whl/`` (when there are any) are installed into ``--site``
-(``/tmp/site``) with the device tool's command, and every part then runs with
-``PYTHONPATH=<site>:<repository>`` (the product runs from the checkout, uninstalled).
+Before the parts: the wheels in ``.whl/`` (when there are any) are installed into ``--site`` (a
+folder of the machine's temporary directory) with the device tool's command, and every part then
+runs with ``PYTHONPATH=<site>:<repository>`` (the product runs from the checkout, uninstalled).
 
 Output, in ``--out`` (default ``$OUT`` when set, which the device tool brings back, else
-gpu_suite_out/): ``logs.txt`` (every part's command, exit status, seconds and whole output, in
-order), ``summary.md`` (the table), ``summary.json`` (the same, for scripts) and ``junit.xml`` (pytest's
-report of the CUDA tests): four files, within the tool's eight. The summary is rewritten after each
-part, so a call cut short still brings back what ran. The table is printed last, under the GPU's
-name as ``nvidia-smi`` gives it; the exit status is 1 when a part did not pass.
+``gpu_suite_out``): ``<out>/logs.txt`` (every part's command, exit status, seconds and whole output,
+in order), ``<out>/summary.md`` (the table), ``<out>/summary.json`` (the same, for scripts) and
+``<out>/junit.xml`` (pytest's report of the CUDA tests): four files, within the tool's eight. The
+summary is rewritten after each part, so a call cut short still brings back what ran. The table is
+printed last, under the GPU's name as ``nvidia-smi`` gives it; the exit status is 1 when a part did
+not pass.
 """
 
 from __future__ import annotations

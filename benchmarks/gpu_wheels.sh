@@ -5,12 +5,13 @@
 #     bash benchmarks/gpu_wheels.sh          # or: make gpu-wheels
 #
 # That machine reaches no registry, so what its image lacks travels with the call (carry .whl); python -m
-# benchmarks.gpu_suite installs these into /tmp/site before its parts run. Only what the image lacks is
-# listed (its package list: the device tool's KINDS.md; it has torch 2.11, lightning 2.6.6, timm,
+# benchmarks.gpu_suite installs these into a folder of its own before its parts run. Only what the image lacks
+# is listed (its package list: the device tool's page of machine kinds; it has torch 2.11, lightning 2.6.6, timm,
 # transformers, huggingface-hub, h5py, tensorboard, xxhash, ...), each with --no-deps, so no second torch or
 # numpy shadows the image's. Versions are the ones the test suite passes with here. Dependencies that
 # no import reaches (plotly, nltk, babe: sae-lens's runners; opencv-python: the image has the headless
-# cv2) stay behind, which keeps the carried set small (about 30 MiB, 20 of them wandb's, which sae-lens imports, against the tool's 64 MiB tree limit).
+# cv2) stay behind, which keeps the carried set small: about 30 MiB (20 of them wandb, which sae-lens
+# imports), against the 64 MiB the device tool carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${WHEEL_DIR:-.whl}

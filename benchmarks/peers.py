@@ -198,9 +198,8 @@ def equality(variant: str, peer_cls: type[Contender], template: SparseAutoencode
         clipped = nonpositive_steps(template, x)
         if clipped:
             return f"not comparable ({clipped} of {x.shape[0] * args.k} steps ≤ 0)"
-    diff = relative_difference(
-        Ours(variant, template, args.batch_size, args.k), peer_cls(variant, template, args.batch_size, args.k), x
-    )
+    rows = x.shape[0]  # --equal-rows: overcomplete's BatchTopK keeps k·rows codes of the batch it is built for
+    diff = relative_difference(Ours(variant, template, rows, args.k), peer_cls(variant, template, rows, args.k), x)
     return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
 
 
