@@ -116,8 +116,8 @@ def judge(part: Part, returncode: int | None, output: str, seconds: float, timeo
     return Result(part.name, "ok", key, seconds)
 
 
-def install_wheels(site: Path, log_fpath: Path, env: dict[str, str]) -> Result | None:
-    wheels = sorted(str(path.relative_to(REPO_DPATH)) for path in (REPO_DPATH / ".whl").glob("*.whl"))
+def install_wheels(wheel_dpath: Path, site: Path, log_fpath: Path, env: dict[str, str]) -> Result | None:
+    wheels = sorted(str(path) for path in wheel_dpath.glob("*.whl"))
     if not wheels:
         return None
     argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
@@ -138,7 +138,14 @@ def write_summary(out: Path, device: str, results: list[Result], dry_run: bool) 
     return table
 
 
-def run_suite(parts: list[Part], out: Path, budget_s: float, dry_run: bool, site: Path | None = None) -> int:
+def run_suite(
+    parts: list[Part],
+    out: Path,
+    budget_s: float,
+    dry_run: bool,
+    site: Path | None = None,
+    wheel_dpath: Path = REPO_DPATH / ".whl",
+) -> int:
     """Runs ``parts`` in order within ``budget_s`` seconds, writes ``out``, prints the table last.
 
     Returns the exit status: 1 if any part did not pass."""
@@ -149,15 +156,14 @@ def run_suite(parts: list[Part], out: Path, budget_s: float, dry_run: bool, site
     device = gpu_name()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     results: list[Result] = []
+    paths = [str(REPO_DPATH), *filter(None, [env.get("PYTHONPATH")])]
     if site is not None and not dry_run:
-        wheels = install_wheels(site, log_fpath, env)
+        wheels = install_wheels(wheel_dpath, site, log_fpath, env)
         if wheels is not None:
             results.append(wheels)
             if wheels.status == "ok":
-                env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO_DPATH), env.get("PYTHONPATH", "")]).rstrip(
-                    os.pathsep
-                )
-    env.setdefault("PYTHONPATH", str(REPO_DPATH))
+                paths.insert(0, str(site))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     if shutil.which("nvidia-smi"):
         run_part("nvidia-smi", ["nvidia-smi"], 30, log_fpath, env)
     for part in parts:

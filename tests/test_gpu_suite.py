@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,32 @@ def test_a_spent_budget_skips_the_rest_and_says_so(tmp_path: Path, capsys: pytes
     assert status == 1
     assert rows["first"][1] == "TIMEOUT"  # clipped to the budget, not its own 60 s
     assert rows["second"][1] == "SKIPPED" and "budget is spent" in rows["second"][2]
+
+
+def tiny_wheel(dpath: Path) -> None:
+    """A one-module wheel, as pip downloads them: what the wheels step installs and the parts then import."""
+    files = {
+        "tinypeer/__init__.py": "VALUE = 42\n",
+        "tinypeer-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypeer\nVersion: 1.0\n",
+        "tinypeer-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in [*files, "tinypeer-1.0.dist-info/RECORD"])
+    dpath.mkdir()
+    with zipfile.ZipFile(dpath / "tinypeer-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in {**files, "tinypeer-1.0.dist-info/RECORD": record}.items():
+            wheel.writestr(name, text)
+
+
+def test_wheels_are_installed_first_and_the_parts_import_them(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tiny_wheel(tmp_path / "whl")
+    parts = [stand_in("import", "import tinypeer, benchmarks; print(tinypeer.VALUE)")]
+    status = gpu_suite.run_suite(
+        parts, tmp_path / "out", budget_s=120, dry_run=False, site=tmp_path / "site", wheel_dpath=tmp_path / "whl"
+    )
+    rows = table_rows(capsys.readouterr().out)
+    assert status == 0, rows
+    assert list(rows) == ["wheels", "import"]
+    assert rows["wheels"][2] == f"1 wheels into {tmp_path / 'site'}" and rows["import"][2] == "42"
 
 
 def test_key_figures_read_the_real_tables() -> None:
