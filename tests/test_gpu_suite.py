@@ -147,12 +147,13 @@ def test_the_parts_are_the_issues_and_fit_the_device_call() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # the dry run's own budget is 30 minutes; about 3 on a quiet 2-core box, 8 on a busy one
 def test_dry_run_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1850,
         cwd=REPO_DPATH,
     )
     rows = table_rows(result.stdout)
@@ -169,3 +170,4 @@ def test_bad_budget_is_one_line_exit_2() -> None:
     with pytest.raises(SystemExit) as exit_info:
         gpu_suite.parse_args(["--budget", "0"])
     assert exit_info.value.code == 2
+    assert gpu_suite.parse_args([]).budget == 450 and gpu_suite.parse_args(["--dry-run"]).budget == 1800
