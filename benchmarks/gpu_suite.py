@@ -84,7 +84,10 @@ def run_part(
         try:
             returncode: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended in between
+                pass
             proc.wait()
             returncode = None
         seconds = time.perf_counter() - start
@@ -186,7 +189,8 @@ def run_suite(
         print(f"[gpu_suite] {part.name}: {result.status} in {seconds:.0f} s", flush=True)
         write_summary(out, device, results, dry_run)
     table = write_summary(out, device, results, dry_run)
-    print(f"\noutput in {out}/ (logs.txt, summary.md, summary.json)\n\n{table}", flush=True)
+    files = ", ".join(sorted(path.name for path in out.iterdir() if path.is_file()))
+    print(f"\noutput in {out}/ ({files})\n\n{table}", flush=True)
     return 0 if all(r.status == "ok" for r in results) else 1
 
 
