@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast lint format bench docs docs-serve install clean
+.PHONY: demo test test-fast lint format bench gpu-wheels gpu-suite docs docs-serve install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.mp_sae
 	$(PY) -m benchmarks.babel
 
+# A lent GPU (docs/where-to-run.md): gpu-wheels here (the peers' wheels into .whl/), then gpu-suite there, in one
+# device call carrying .whl. gpu-suite uses the machine's python3: that image has torch, and no venv is made there.
+gpu-wheels:
+	PYTHON=$(PYTHON) bash benchmarks/gpu_wheels.sh
+
+gpu-suite:
+	$(PYTHON) -m benchmarks.gpu_suite
+
 # The documentation site (mkdocs.yml, docs/) into site/; docs-serve rebuilds it on every edit.
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
@@ -45,4 +53,4 @@ docs-serve: $(STAMP)
 	$(PY) -m mkdocs serve
 
 clean:
-	rm -rf $(VENV) demo_out runs site *.egg-info
+	rm -rf $(VENV) demo_out runs site *.egg-info gpu_suite_out

@@ -140,7 +140,8 @@ class SAELens(Contender):
         import sae_lens
 
         dtype = str(template.W_dec.dtype).removeprefix("torch.")
-        common: dict[str, Any] = dict(d_in=template.d_in, d_sae=template.d_sae, dtype=dtype, device="cpu")
+        device = template.W_dec.device
+        common: dict[str, Any] = dict(d_in=template.d_in, d_sae=template.d_sae, dtype=dtype, device=str(device))
         if self.variant == "mpsae":
             from sae_lens import MatchingPursuitTrainingSAE, MatchingPursuitTrainingSAEConfig
 
@@ -152,7 +153,7 @@ class SAELens(Contender):
                 sae.W_dec.copy_(template.W_dec)
                 sae.b_dec.copy_(template.b_pre)
             self.coefficients = {}
-            self.since_fired = torch.zeros(template.d_sae)
+            self.since_fired = torch.zeros(template.d_sae, device=device)
             return sae.train()
         if self.variant == "topk":
             sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(k=self.k, **common))
@@ -177,7 +178,7 @@ class SAELens(Contender):
             if self.variant == "jumprelu":
                 sae.threshold.copy_(template.threshold)
         self.coefficients = {name: c.value if hasattr(c, "value") else c for name, c in sae.get_coefficients().items()}
-        self.since_fired = torch.zeros(template.d_sae)
+        self.since_fired = torch.zeros(template.d_sae, device=device)
         return sae.train()
 
     def step(self, x: Tensor) -> None:
@@ -245,22 +246,24 @@ class Overcomplete(Contender):
     def build(self, template: SparseAutoencoder) -> nn.Module:
         oc = import_overcomplete()
         d_in, d_sae = template.d_in, template.d_sae
+        device = template.W_dec.device  # overcomplete keeps it and allocates its codes there in every forward
         if self.variant == "mpsae":
-            model = oc.MpSAE(d_in, d_sae, k=self.k).to(template.W_dec.dtype)
+            model = oc.MpSAE(d_in, d_sae, k=self.k, device=str(device)).to(template.W_dec.dtype)
             with torch.no_grad():
                 model.dictionary._weights.copy_(template.W_dec)
             self.criterion: Callable[..., Tensor] = lambda x, x_hat, z_pre, z, D: (x - x_hat).square().mean()
-            self.since_fired = torch.zeros(d_sae)
+            self.since_fired = torch.zeros(d_sae, device=device)
             return model.train()
+        on = str(device)
         if self.variant == "topk":
-            model = oc.TopKSAE(d_in, d_sae, top_k=self.k)
+            model = oc.TopKSAE(d_in, d_sae, top_k=self.k, device=on)
         elif self.variant == "batchtopk":
-            model = oc.BatchTopKSAE(d_in, d_sae, top_k=self.k * self.batch_size)
+            model = oc.BatchTopKSAE(d_in, d_sae, top_k=self.k * self.batch_size, device=on)
         elif self.variant == "jumprelu":
             assert isinstance(template, JumpReLUSAE)
-            model = oc.JumpSAE(d_in, d_sae, kernel="rectangle", bandwidth=template.bandwidth)
+            model = oc.JumpSAE(d_in, d_sae, kernel="rectangle", bandwidth=template.bandwidth, device=on)
         else:
-            model = oc.SAE(d_in, d_sae)
+            model = oc.SAE(d_in, d_sae, device=on)
         linear = model.encoder.final_block[0]
         with torch.no_grad():
             linear.weight.copy_(template.W_enc.T)
@@ -281,7 +284,7 @@ class Overcomplete(Contender):
             self.criterion = criterion
         else:
             self.criterion = lambda x, x_hat, z_pre, z, D: (x - x_hat).square().mean()
-        self.since_fired = torch.zeros(d_sae)
+        self.since_fired = torch.zeros(d_sae, device=device)
         return model.train()
 
     def step(self, x: Tensor) -> None:
@@ -314,23 +317,26 @@ class Sparsify(Contender):
     """EleutherAI sparsify's ``SparseCoder`` (TopK only), stepped as its ``Trainer`` does: FVU +
     AuxK (on dead latents), gradient parallel to the atoms removed, unit-norm atoms after Adam.
     On a CPU its decoder is ``F.embedding_bag`` (Triton off) and its encoder backward an
-    ``index_add_`` over the top-k columns."""
+    ``index_add_`` over the top-k columns; on CUDA its own Triton kernels, as its trainer runs there
+    (``SPARSIFY_DISABLE_TRITON`` is read once, at import: benchmarks/peers.py sets it for a CPU run only)."""
 
     library = "sparsify"
 
     def build(self, template: SparseAutoencoder) -> nn.Module:
-        os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
+        device = template.W_dec.device
+        if device.type == "cpu":
+            os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
         from sparsify import SparseCoder, SparseCoderConfig
 
         coder = SparseCoder(
-            template.d_in, SparseCoderConfig(num_latents=template.d_sae, k=self.k), device="cpu", dtype=torch.float32
+            template.d_in, SparseCoderConfig(num_latents=template.d_sae, k=self.k), device=device, dtype=torch.float32
         )
         with torch.no_grad():
             coder.encoder.weight.copy_(template.W_enc.T)
             coder.encoder.bias.copy_(template.b_enc)
             coder.W_dec.copy_(template.W_dec)
             coder.b_dec.copy_(template.b_pre)
-        self.since_fired = torch.zeros(template.d_sae, dtype=torch.long)
+        self.since_fired = torch.zeros(template.d_sae, dtype=torch.long, device=device)
         return coder.train()
 
     def step(self, x: Tensor) -> None:
@@ -347,7 +353,8 @@ class Sparsify(Contender):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         out = self.model(x)
-        codes = torch.zeros(x.shape[0], self.model.num_latents).scatter(1, out.latent_indices, out.latent_acts)
+        codes = torch.zeros(x.shape[0], self.model.num_latents, dtype=out.latent_acts.dtype, device=x.device)
+        codes = codes.scatter(1, out.latent_indices, out.latent_acts)
         return codes, out.sae_out
 
     def named_grads(self) -> dict[str, Tensor | None]:

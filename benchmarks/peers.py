@@ -3,6 +3,11 @@
     pip install -e ".[bench]"                 # the peers (never a runtime dependency)
     python -m benchmarks.peers                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
     python -m benchmarks.peers --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
+    python -m benchmarks.peers --device cuda --d-sae 19200 --batch-size 4096 --equal-rows 1024   # on a GPU
+
+On CUDA (``--device cuda``) everything above holds on the GPU: the same shapes and dtype (float32), the
+peers stepping as their own trainers do there (sparsify with its Triton decoder). The peers travel to a
+lent GPU machine as wheels (benchmarks/gpu_wheels.sh); benchmarks/gpu_suite.py runs this there.
 
 For each variant (TopK, BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it trains from the
 same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4, torch's
@@ -17,7 +22,9 @@ Timing: contenders are interleaved: each round times a dense encoder GEMM
 (``(x − b_pre) @ W_enc``, ``[B, d_in] × [d_in, d_sae]``, fresh output; MP-SAE: ``W_decᵀ``, its
 first correlations) and then ``--steps``
 steps of every contender; the figure is the median over all rounds (on a shared machine a
-burst of interference spoils single steps, which the median ignores). "÷ GEMM" is the step
+burst of interference spoils single steps, which the median ignores). On CUDA a round's
+``--steps`` steps run between two device syncs (a sync per step would stall the queue and time
+the launch latency instead) and each counts as their mean. "÷ GEMM" is the step
 over the GEMM's median from the same rounds; "÷ ours" the contender's step over ours.
 
 Memory: "resident" is what a contender holds between steps: parameters, gradients, buffers,
@@ -37,6 +44,9 @@ the batch first ("not comparable" otherwise). MP-SAE is compared in float64 (wei
 converted): in float32 a near-tie between two correlations at a late step may resolve
 differently in two implementations (overcomplete's dense correlations against our Gram-row
 updates picked two atoms in the other order on 1 of 1024 tokens at d_sae 8192, 2e-3 relative).
+``--equal-rows N`` checks equality on the batch's first N rows (default: all): at B 4096 and
+d_sae 19200 overcomplete's float64 pursuit keeps k dense ``[B, d_sae]`` tensors under autograd,
+more than an 80 GB GPU holds.
 """
 
 from __future__ import annotations
@@ -90,7 +100,15 @@ def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) 
     return sae
 
 
-def median_step(fn: Callable[[], None], n: int) -> list[float]:
+def median_step(fn: Callable[[], None], n: int, device: torch.device) -> list[float]:
+    """``n`` step times; on CUDA ``n`` copies of their mean between two syncs (the queue stays full)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize(device)
+        return [(time.perf_counter() - start) / n] * n
     times = []
     for _ in range(n):
         start = time.perf_counter()
@@ -180,9 +198,8 @@ def equality(variant: str, peer_cls: type[Contender], template: SparseAutoencode
         clipped = nonpositive_steps(template, x)
         if clipped:
             return f"not comparable ({clipped} of {x.shape[0] * args.k} steps ≤ 0)"
-    diff = relative_difference(
-        Ours(variant, template, args.batch_size, args.k), peer_cls(variant, template, args.batch_size, args.k), x
-    )
+    rows = x.shape[0]  # --equal-rows: overcomplete's BatchTopK keeps k·rows codes of the batch it is built for
+    diff = relative_difference(Ours(variant, template, rows, args.k), peer_cls(variant, template, rows, args.k), x)
     return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
 
 
@@ -205,7 +222,9 @@ def mebibytes(value: float) -> str:
 
 
 def run_shape(d_sae: int, args) -> list[str]:
-    x = make_batch(args.d_in, args.batch_size).to(args.device)
+    device = torch.device(args.device)
+    x = make_batch(args.d_in, args.batch_size).to(device)
+    x_equal = x[: args.equal_rows]
     rows = []
     for variant in args.variants:
         template = make_template(variant, args.d_in, d_sae, args.k, x.cpu()).to(args.device)
@@ -213,7 +232,7 @@ def run_shape(d_sae: int, args) -> list[str]:
         for note in notes:
             print(f"  note: {note}", flush=True)
         equal = {
-            c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x, args)
+            c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x_equal, args)
             for c in contenders
         }
         xc = (x - template.b_pre).detach()
@@ -221,11 +240,11 @@ def run_shape(d_sae: int, args) -> list[str]:
         gemm_times: list[float] = []
         step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
         for round_index in range(args.rounds):
-            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps)  # noqa: B023 (called at once)
+            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps, device)  # noqa: B023 (called at once)
             for c in contenders:
                 if round_index == 0:
-                    median_step(lambda: c.step(x), args.warmup)  # noqa: B023 (called at once)
-                step_times[c.name] += median_step(lambda: c.step(x), args.steps)  # noqa: B023 (called at once)
+                    median_step(lambda: c.step(x), args.warmup, device)  # noqa: B023 (called at once)
+                step_times[c.name] += median_step(lambda: c.step(x), args.steps, device)  # noqa: B023 (called at once)
         gemm = statistics.median(gemm_times)
         ours_time = statistics.median(step_times[contenders[0].name])
         for c in contenders:
@@ -239,6 +258,8 @@ def run_shape(d_sae: int, args) -> list[str]:
             print(row, flush=True)
             rows.append(row)
         del contenders
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next variant's contenders start from the same free memory
     return rows
 
 
@@ -254,14 +275,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the first round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--equal-rows", type=int, default=None, help="rows of the batch the equality check uses (default: all)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one round of 2 steps (a smoke run)")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.d_in, args.d_sae, args.batch_size, args.k = 16, [64], 32, 4
         args.steps, args.warmup, args.rounds = 2, 1, 1
-    for name in ("d_in", "batch_size", "k", "steps", "rounds"):
-        if getattr(args, name) < 1:
+    for name in ("d_in", "batch_size", "k", "steps", "rounds", "equal_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
@@ -276,12 +300,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")
+    if not args.device.startswith("cuda"):
+        os.environ.setdefault("SPARSIFY_DISABLE_TRITON", "1")  # on CUDA sparsify decodes with Triton, as it trains
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    gpu = f"{torch.cuda.get_device_name(args.device)}; " if args.device.startswith("cuda") else ""
     print(
-        f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"machine: {gpu}{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; float32; B={args.batch_size} k={args.k}; "
         f"median over {args.rounds} rounds x {args.steps} steps",
         flush=True,
