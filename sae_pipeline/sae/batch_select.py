@@ -1,0 +1,136 @@
+"""BatchTopK's selection: the ``n`` largest of ``B·d_sae`` values, without a top-k over all of them on a GPU.
+
+The support BatchTopK trains on is the batch top ``n = B·k`` of the ranked pre-activations. On the
+CPU that stays one `torch.topk` (a partial sort, cheap there). On a GPU a `topk` of 131 072 out of
+78.6 M values (the paper shape) is a multi-block radix select plus a gather of values and indices;
+here instead, a threshold search over the float bit patterns finds the n-th largest value, and the
+support is every entry above it plus, of the entries equal to it, those of lowest flat index:
+
+1. every value maps to a 64-bit key whose signed order is the float order (a negative float's key is
+   minus its magnitude bits, -0 counts as +0, a 32-bit float's key fills the high half);
+2. one pass per key byte (2 for bfloat16, 3 for float16, 4 for float32, 8 for float64): a Triton
+   kernel builds the histogram of that byte over the entries whose higher bytes equal the prefix
+   found so far, and a one-program kernel picks the byte where the count from the top reaches the
+   entries still wanted; prefix, mask and that count live in a device tensor, so no pass reads
+   anything back on the host (the step stays free of host synchronisation);
+3. the entries above the threshold and the first ties fill ``n`` slots (`torch.nonzero_static`, a
+   size known in advance), sorted by flat index as `SparseCodes.from_flat` wants them.
+
+The tie rule (lowest flat index among the values equal to the n-th largest) is what CUDA's `topk`
+keeps, so the support equals today's on a GPU; the CPU's `topk` breaks such ties in no documented
+order (`tests/test_batch_select.py` checks both: equal supports without ties at the threshold, the
+rule with them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs none of this
+    triton = None
+
+#: Key bytes that can differ between values of each dtype (the rest of a 64-bit key is 0).
+PASSES = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
+BLOCK = 4096
+
+if triton is not None:
+
+    @triton.jit
+    def _sortable_keys(x, IS64: tl.constexpr):
+        # sign and magnitude to two's complement: a negative float's key is minus its magnitude bits
+        # (which keeps the low zero bits of a bfloat16's float32 zero, so its 2 passes settle every bit)
+        if IS64:
+            bits = tl.where(x == 0, 0.0, x.to(tl.float64)).to(tl.int64, bitcast=True)
+            return tl.where(bits < 0, -(bits & 0x7FFFFFFFFFFFFFFF), bits)
+        else:
+            bits = tl.where(x == 0, 0.0, x.to(tl.float32)).to(tl.int32, bitcast=True)
+            keys = tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+            return keys.to(tl.int64) << 32
+
+    @triton.jit
+    def _byte_histogram_kernel(
+        x_ptr, n, state_ptr, hist_ptr, SHIFT: tl.constexpr, IS64: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < n
+        keys = _sortable_keys(tl.load(x_ptr + offsets, mask=ok, other=0.0), IS64)
+        prefix = tl.load(state_ptr)
+        prefix_mask = tl.load(state_ptr + 1)
+        match = ok & ((keys & prefix_mask) == prefix)
+        byte = (keys >> SHIFT) & 255
+        if SHIFT == 56:  # the sign byte: flip its top bit so that byte order is key order
+            byte = byte ^ 128
+        counts = tl.histogram(byte.to(tl.int32), 256, mask=match)
+        tl.atomic_add(hist_ptr + tl.arange(0, 256), counts)
+
+    @triton.jit
+    def _choose_byte_kernel(hist_ptr, state_ptr, SHIFT: tl.constexpr):
+        i = tl.arange(0, 256)
+        from_top = tl.load(hist_ptr + 255 - i).to(tl.int64)  # from_top[i]: entries with byte 255 - i
+        at_or_above = tl.cumsum(from_top, 0)
+        wanted = tl.load(state_ptr + 2)
+        first = tl.min(tl.where(at_or_above >= wanted, i, 256), 0)
+        above = tl.sum(tl.where(i < first, from_top, 0), 0)
+        byte = tl.full((), 255, tl.int64) - first
+        if SHIFT == 56:
+            byte = byte ^ 128
+        prefix = tl.load(state_ptr) | (byte << SHIFT)
+        prefix_mask = tl.load(state_ptr + 1) | (tl.full((), 255, tl.int64) << SHIFT)
+        tl.store(state_ptr, prefix)
+        tl.store(state_ptr + 1, prefix_mask)
+        tl.store(state_ptr + 2, wanted - above)
+        tl.store(hist_ptr + i, tl.zeros([256], dtype=tl.int32))
+
+
+def radix_applies(values: Tensor) -> bool:
+    """Whether the threshold search runs: Triton imported, a CUDA tensor of a float dtype it keys."""
+    return triton is not None and values.is_cuda and values.dtype in PASSES
+
+
+def batch_top_indices(values: Tensor, n: int) -> Tensor:
+    """Flat indices of the ``n`` largest entries of the 1-D ``values`` (``1 ≤ n ≤ numel``): the threshold
+    search on a GPU (sorted, ties to the lowest index), `torch.topk` elsewhere (any order)."""
+    if not radix_applies(values):
+        return values.topk(n, sorted=False).indices
+    return radix_top_indices(values, n)
+
+
+def threshold_state(values: Tensor, n: int) -> Tensor:
+    """``[key of the n-th largest, its mask, how many entries equal to it the top n holds]`` (int64, on the
+    device), by one histogram pass per key byte."""
+    values = values.contiguous()
+    state = torch.tensor([0, 0, n], dtype=torch.int64, device=values.device)
+    hist = torch.zeros(256, dtype=torch.int32, device=values.device)
+    is64 = values.dtype == torch.float64
+    grid = (triton.cdiv(values.numel(), BLOCK),)
+    for byte in range(PASSES[values.dtype]):
+        shift = 56 - 8 * byte
+        _byte_histogram_kernel[grid](values, values.numel(), state, hist, SHIFT=shift, IS64=is64, BLOCK=BLOCK)
+        _choose_byte_kernel[(1,)](hist, state, SHIFT=shift)
+    return state
+
+
+def key_to_value(key: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float of a 64-bit sortable key (0-d, on the device; the inverse of the kernels' mapping)."""
+    if dtype == torch.float64:
+        return torch.where(key < 0, (-key) | (-(2**63)), key).view(torch.float64)
+    high = (key >> 32).to(torch.int32)
+    return torch.where(high < 0, (-high) | (-(2**31)), high).view(torch.float32).to(dtype)
+
+
+def radix_top_indices(values: Tensor, n: int) -> Tensor:
+    """Sorted flat indices of the ``n`` largest entries of 1-D ``values``; of the entries equal to the n-th
+    largest, those of lowest index. No host synchronisation."""
+    state = threshold_state(values, n)
+    threshold = key_to_value(state[0], values.dtype)
+    ties = state[2]  # entries equal to the threshold that the top n holds; n − ties are above it
+    size = values.numel()
+    above = torch.nonzero_static(values > threshold, size=n, fill_value=size).squeeze(1)
+    equal = torch.nonzero_static(values == threshold, size=n, fill_value=size).squeeze(1)
+    slot = torch.arange(n, device=values.device)
+    picked = torch.cat([torch.where(slot < n - ties, above, size), torch.where(slot < ties, equal, size)])
+    return picked.sort().values[:n]
