@@ -16,10 +16,11 @@ support is every entry above it plus, of the entries equal to it, those of lowes
 3. the entries above the threshold and the first ties fill ``n`` slots (`torch.nonzero_static`, a
    size known in advance), sorted by flat index as `SparseCodes.from_flat` wants them.
 
-The tie rule (lowest flat index among the values equal to the n-th largest) is what CUDA's `topk`
-keeps, so the support equals today's on a GPU; the CPU's `topk` breaks such ties in no documented
-order (`tests/test_batch_select.py` checks both: equal supports without ties at the threshold, the
-rule with them).
+The tie rule (lowest flat index among the values equal to the n-th largest) is the order in which
+CUDA's radix-select `topk` gathers ties, so the support should equal today's on a GPU even then
+(`tests/test_gpu_sparse_kernels.py` checks it); the CPU's `topk` breaks such ties in no documented
+order. The checks (`tests/batch_select_checks.py`): the same support as `topk` where no tie straddles
+the threshold, the same kept values and the rule where one does.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def threshold_state(values: Tensor, n: int) -> Tensor:
     """``[key of the n-th largest, its mask, how many entries equal to it the top n holds]`` (int64, on the
     device), by one histogram pass per key byte."""
     values = values.contiguous()
-    state = torch.tensor([0, 0, n], dtype=torch.int64, device=values.device)
+    state = torch.zeros(3, dtype=torch.int64, device=values.device)
+    state[2] = n  # a fill on the device, not a copy from the host
     hist = torch.zeros(256, dtype=torch.int32, device=values.device)
     is64 = values.dtype == torch.float64
     grid = (triton.cdiv(values.numel(), BLOCK),)
