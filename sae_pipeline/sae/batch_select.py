@@ -11,7 +11,7 @@ support is every entry above it plus, of the entries equal to it, those of lowes
 2. one pass per key byte (2 for bfloat16, 3 for float16, 4 for float32, 8 for float64): a Triton
    kernel builds the histogram of that byte over the entries whose higher bytes equal the prefix
    found so far, and a one-program kernel picks the byte where the count from the top reaches the
-   entries still wanted; prefix, mask and that count live in a device tensor, so no pass reads
+   entries still wanted; the prefix and that count live in a device tensor, so no pass reads
    anything back on the host (the step stays free of host synchronisation);
 3. the entries above the threshold and the first ties fill ``n`` slots (`torch.nonzero_static`, a
    size known in advance), sorted by flat index as `SparseCodes.from_flat` wants them.
@@ -36,7 +36,7 @@ except ImportError:  # the CPU path needs none of this
 
 #: Key bytes that can differ between values of each dtype (the rest of a 64-bit key is 0).
 PASSES = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4, torch.float64: 8}
-BLOCK = 4096
+BLOCK = 8192  # values per program of a histogram pass: fewer programs, fewer atomics on the 256 bins
 
 if triton is not None:
 
@@ -54,14 +54,12 @@ if triton is not None:
 
     @triton.jit
     def _byte_histogram_kernel(
-        x_ptr, n, state_ptr, hist_ptr, SHIFT: tl.constexpr, IS64: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr, n, state_ptr, hist_ptr, prefix_mask, SHIFT: tl.constexpr, IS64: tl.constexpr, BLOCK: tl.constexpr
     ):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offsets < n
         keys = _sortable_keys(tl.load(x_ptr + offsets, mask=ok, other=0.0), IS64)
-        prefix = tl.load(state_ptr)
-        prefix_mask = tl.load(state_ptr + 1)
-        match = ok & ((keys & prefix_mask) == prefix)
+        match = ok & ((keys & prefix_mask) == tl.load(state_ptr))
         byte = (keys >> SHIFT) & 255
         if SHIFT == 56:  # the sign byte: flip its top bit so that byte order is key order
             byte = byte ^ 128
@@ -73,17 +71,14 @@ if triton is not None:
         i = tl.arange(0, 256)
         from_top = tl.load(hist_ptr + 255 - i).to(tl.int64)  # from_top[i]: entries with byte 255 - i
         at_or_above = tl.cumsum(from_top, 0)
-        wanted = tl.load(state_ptr + 2)
+        wanted = tl.load(state_ptr + 1)
         first = tl.min(tl.where(at_or_above >= wanted, i, 256), 0)
         above = tl.sum(tl.where(i < first, from_top, 0), 0)
-        byte = tl.full((), 255, tl.int64) - first
+        byte = (255 - first).to(tl.int64)
         if SHIFT == 56:
             byte = byte ^ 128
-        prefix = tl.load(state_ptr) | (byte << SHIFT)
-        prefix_mask = tl.load(state_ptr + 1) | (tl.full((), 255, tl.int64) << SHIFT)
-        tl.store(state_ptr, prefix)
-        tl.store(state_ptr + 1, prefix_mask)
-        tl.store(state_ptr + 2, wanted - above)
+        tl.store(state_ptr, tl.load(state_ptr) | (byte << SHIFT))
+        tl.store(state_ptr + 1, wanted - above)
         tl.store(hist_ptr + i, tl.zeros([256], dtype=tl.int32))
 
 
@@ -101,17 +96,19 @@ def batch_top_indices(values: Tensor, n: int) -> Tensor:
 
 
 def threshold_state(values: Tensor, n: int) -> Tensor:
-    """``[key of the n-th largest, its mask, how many entries equal to it the top n holds]`` (int64, on the
-    device), by one histogram pass per key byte."""
+    """``[key of the n-th largest, how many entries equal to it the top n holds]`` (int64, on the device), by
+    one histogram pass per key byte (the bytes above the pass's are settled: the host knows their mask)."""
     values = values.contiguous()
-    state = torch.zeros(3, dtype=torch.int64, device=values.device)
-    state[2] = n  # a fill on the device, not a copy from the host
+    state = torch.zeros(2, dtype=torch.int64, device=values.device)
+    state[1] = n  # a fill on the device, not a copy from the host
     hist = torch.zeros(256, dtype=torch.int32, device=values.device)
     is64 = values.dtype == torch.float64
-    grid = (triton.cdiv(values.numel(), BLOCK),)
+    block = max(256, min(BLOCK, triton.next_power_of_2(values.numel())))
+    grid = (triton.cdiv(values.numel(), block),)
     for byte in range(PASSES[values.dtype]):
         shift = 56 - 8 * byte
-        _byte_histogram_kernel[grid](values, values.numel(), state, hist, SHIFT=shift, IS64=is64, BLOCK=BLOCK)
+        settled = -(1 << (shift + 8)) if byte else 0  # the bits above this byte, as a signed 64-bit mask
+        _byte_histogram_kernel[grid](values, values.numel(), state, hist, settled, SHIFT=shift, IS64=is64, BLOCK=block)
         _choose_byte_kernel[(1,)](hist, state, SHIFT=shift)
     return state
 
@@ -129,7 +126,7 @@ def radix_top_indices(values: Tensor, n: int) -> Tensor:
     largest, those of lowest index. No host synchronisation."""
     state = threshold_state(values, n)
     threshold = key_to_value(state[0], values.dtype)
-    ties = state[2]  # entries equal to the threshold that the top n holds; n − ties are above it
+    ties = state[1]  # entries equal to the threshold that the top n holds; n − ties are above it
     size = values.numel()
     above = torch.nonzero_static(values > threshold, size=n, fill_value=size).squeeze(1)
     equal = torch.nonzero_static(values == threshold, size=n, fill_value=size).squeeze(1)
