@@ -74,7 +74,7 @@ def interpreted_selection_checks(batch: int = 16, d_sae: int = 64, k: int = 4) -
 
     def guarded(values: Tensor, n: int) -> Tensor:
         with HostSyncCounter(raise_on_sync=True):
-            return batch_select.radix_top_indices(values, n)
+            return batch_select.radix_top_indices(values, n, out=torch.full((n,), -1))  # poisoned
 
     done = []
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
@@ -85,4 +85,9 @@ def interpreted_selection_checks(batch: int = 16, d_sae: int = 64, k: int = 4) -
             straddled += check_selection(guarded, values, n, f"{name} {dtype}")
             done.append(f"select-{name.replace(' ', '-')}-{dtype}")
         assert straddled >= 2, f"{dtype}: the cases must put ties across the threshold"
+    for dtype in (torch.float32, torch.bfloat16):  # several programs (8192 values each): the scan across them
+        for name, values, n in cases(40, 640, 32, dtype, seed=5):
+            if name in ("random", "ties across the threshold", "coarse", "massive rows"):
+                check_selection(guarded, values, n, f"{name} {dtype} 25600")
+                done.append(f"select-{name.replace(' ', '-')}-{dtype}-25600")
     return done

@@ -34,7 +34,7 @@ def test_threshold_search_matches_cuda_topk_without_a_sync(dtype: torch.dtype) -
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = batch_select.radix_top_indices(values, n)
+            got = batch_select.radix_top_indices(values, n, out=torch.full((n,), -1, device="cuda"))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         check_selection(lambda v, m, got=got: got, values, n, f"{name} {dtype}")

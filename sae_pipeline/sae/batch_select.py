@@ -13,8 +13,9 @@ support is every entry above it plus, of the entries equal to it, those of lowes
    found so far, and a one-program kernel picks the byte where the count from the top reaches the
    entries still wanted; the prefix and that count live in a device tensor, so no pass reads
    anything back on the host (the step stays free of host synchronisation);
-3. the entries above the threshold and the first ties fill ``n`` slots (`torch.nonzero_static`, a
-   size known in advance), sorted by flat index as `SparseCodes.from_flat` wants them.
+3. two more passes write the entries above the threshold and the first ties into ``n`` slots, in
+   flat order (as `SparseCodes.from_flat` wants them): a count per program, a scan over the
+   counts, then each program's kept indices at its offset.
 
 The tie rule (lowest flat index among the values equal to the n-th largest) is the order in which
 CUDA's radix-select `topk` gathers ties, so the support should equal today's on a GPU even then
@@ -81,6 +82,29 @@ if triton is not None:
         tl.store(state_ptr + 1, wanted - above)
         tl.store(hist_ptr + i, tl.zeros([256], dtype=tl.int32))
 
+    @triton.jit
+    def _count_kernel(x_ptr, n, state_ptr, above_ptr, equal_ptr, IS64: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < n
+        keys = _sortable_keys(tl.load(x_ptr + offsets, mask=ok, other=0.0), IS64)
+        threshold = tl.load(state_ptr)
+        tl.store(above_ptr + tl.program_id(0), tl.sum((ok & (keys > threshold)).to(tl.int64), 0))
+        tl.store(equal_ptr + tl.program_id(0), tl.sum((ok & (keys == threshold)).to(tl.int64), 0))
+
+    @triton.jit
+    def _write_kernel(
+        x_ptr, n, state_ptr, equal_before_ptr, kept_before_ptr, out_ptr, IS64: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < n
+        keys = _sortable_keys(tl.load(x_ptr + offsets, mask=ok, other=0.0), IS64)
+        threshold = tl.load(state_ptr)
+        equal = ok & (keys == threshold)
+        tie_rank = tl.load(equal_before_ptr + tl.program_id(0)) + tl.cumsum(equal.to(tl.int64), 0) - 1
+        kept = (ok & (keys > threshold)) | (equal & (tie_rank < tl.load(state_ptr + 1)))
+        slot = tl.load(kept_before_ptr + tl.program_id(0)) + tl.cumsum(kept.to(tl.int64), 0) - 1
+        tl.store(out_ptr + slot, offsets, mask=kept)
+
 
 def radix_applies(values: Tensor) -> bool:
     """Whether the threshold search runs: Triton imported, a CUDA tensor of a float dtype it keys."""
@@ -95,6 +119,12 @@ def batch_top_indices(values: Tensor, n: int) -> Tensor:
     return radix_top_indices(values, n)
 
 
+def _blocks(values: Tensor) -> tuple[int, tuple[int]]:
+    """Values per program and the grid of a pass over ``values``."""
+    block = max(256, min(BLOCK, triton.next_power_of_2(values.numel())))
+    return block, (triton.cdiv(values.numel(), block),)
+
+
 def threshold_state(values: Tensor, n: int) -> Tensor:
     """``[key of the n-th largest, how many entries equal to it the top n holds]`` (int64, on the device), by
     one histogram pass per key byte (the bytes above the pass's are settled: the host knows their mask)."""
@@ -103,8 +133,7 @@ def threshold_state(values: Tensor, n: int) -> Tensor:
     state[1] = n  # a fill on the device, not a copy from the host
     hist = torch.zeros(256, dtype=torch.int32, device=values.device)
     is64 = values.dtype == torch.float64
-    block = max(256, min(BLOCK, triton.next_power_of_2(values.numel())))
-    grid = (triton.cdiv(values.numel(), block),)
+    block, grid = _blocks(values)
     for byte in range(PASSES[values.dtype]):
         shift = 56 - 8 * byte
         settled = -(1 << (shift + 8)) if byte else 0  # the bits above this byte, as a signed 64-bit mask
@@ -113,23 +142,30 @@ def threshold_state(values: Tensor, n: int) -> Tensor:
     return state
 
 
-def key_to_value(key: Tensor, dtype: torch.dtype) -> Tensor:
-    """The float of a 64-bit sortable key (0-d, on the device; the inverse of the kernels' mapping)."""
-    if dtype == torch.float64:
-        return torch.where(key < 0, (-key) | (-(2**63)), key).view(torch.float64)
-    high = (key >> 32).to(torch.int32)
-    return torch.where(high < 0, (-high) | (-(2**31)), high).view(torch.float32).to(dtype)
-
-
-def radix_top_indices(values: Tensor, n: int) -> Tensor:
+def radix_top_indices(values: Tensor, n: int, out: Tensor | None = None) -> Tensor:
     """Sorted flat indices of the ``n`` largest entries of 1-D ``values``; of the entries equal to the n-th
-    largest, those of lowest index. No host synchronisation."""
+    largest, those of lowest index. No host synchronisation: after the threshold search, one pass counts
+    each program's entries above and equal to the threshold, a scan over those counts (one per program)
+    gives each program its first output slot and its first tie's rank, and a second pass writes the
+    kept indices in flat order (into ``out``, int64 ``[n]``, when given: the tests poison it)."""
+    values = values.contiguous()
     state = threshold_state(values, n)
-    threshold = key_to_value(state[0], values.dtype)
-    ties = state[1]  # entries equal to the threshold that the top n holds; n − ties are above it
-    size = values.numel()
-    above = torch.nonzero_static(values > threshold, size=n, fill_value=size).squeeze(1)
-    equal = torch.nonzero_static(values == threshold, size=n, fill_value=size).squeeze(1)
-    slot = torch.arange(n, device=values.device)
-    picked = torch.cat([torch.where(slot < n - ties, above, size), torch.where(slot < ties, equal, size)])
-    return picked.sort().values[:n]
+    block, grid = _blocks(values)
+    above = torch.empty(grid[0], dtype=torch.int64, device=values.device)
+    equal = torch.empty_like(above)
+    _count_kernel[grid](values, values.numel(), state, above, equal, IS64=values.dtype == torch.float64, BLOCK=block)
+    equal_before = equal.cumsum(0) - equal
+    kept = above + (state[1] - equal_before).clamp(min=torch.zeros_like(equal), max=equal)  # the ties it keeps
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=values.device)
+    _write_kernel[grid](
+        values,
+        values.numel(),
+        state,
+        equal_before,
+        kept.cumsum(0) - kept,
+        out,
+        IS64=values.dtype == torch.float64,
+        BLOCK=block,
+    )
+    return out
