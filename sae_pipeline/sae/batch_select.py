@@ -137,7 +137,9 @@ def threshold_state(values: Tensor, n: int) -> Tensor:
     for byte in range(PASSES[values.dtype]):
         shift = 56 - 8 * byte
         settled = -(1 << (shift + 8)) if byte else 0  # the bits above this byte, as a signed 64-bit mask
-        _byte_histogram_kernel[grid](values, values.numel(), state, hist, settled, SHIFT=shift, IS64=is64, BLOCK=block)
+        _byte_histogram_kernel[grid](
+            values, values.numel(), state, hist, settled, SHIFT=shift, IS64=is64, BLOCK=block, num_warps=8
+        )
         _choose_byte_kernel[(1,)](hist, state, SHIFT=shift)
     return state
 
@@ -153,7 +155,9 @@ def radix_top_indices(values: Tensor, n: int, out: Tensor | None = None) -> Tens
     block, grid = _blocks(values)
     above = torch.empty(grid[0], dtype=torch.int64, device=values.device)
     equal = torch.empty_like(above)
-    _count_kernel[grid](values, values.numel(), state, above, equal, IS64=values.dtype == torch.float64, BLOCK=block)
+    _count_kernel[grid](
+        values, values.numel(), state, above, equal, IS64=values.dtype == torch.float64, BLOCK=block, num_warps=8
+    )
     equal_before = equal.cumsum(0) - equal
     kept = above + (state[1] - equal_before).clamp(min=torch.zeros_like(equal), max=equal)  # the ties it keeps
     if out is None:
@@ -167,5 +171,6 @@ def radix_top_indices(values: Tensor, n: int, out: Tensor | None = None) -> Tens
         out,
         IS64=values.dtype == torch.float64,
         BLOCK=block,
+        num_warps=8,
     )
     return out
