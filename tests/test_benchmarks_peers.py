@@ -76,6 +76,17 @@ def test_gpu_dry_run_reports_every_variant_and_extraction() -> None:
     assert "images/s" in result.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
+def test_sparse_kernels_dry_run_times_every_product() -> None:
+    """``python -m benchmarks.sparse_kernels --dry-run``: every row timed on the CPU (Triton's column needs CUDA)."""
+    result = run("sparse_kernels", "--dry-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row[0]: row for row in table_rows(result.stdout) if row[0] != "product"}
+    assert set(rows) == {"decode", "dW_dec", "dvalues", "decode fwd+bwd", "batchtopk select"}
+    for row in rows.values():
+        assert row[1] == "needs CUDA" and row[2].endswith(" ms"), row
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch")
 def test_gpu_without_cuda_says_so() -> None:
     import torch

@@ -90,14 +90,21 @@ class BatchTopKSAE(TopKSAE):
         return torch.zeros_like(flat).scatter(0, indices, flat[indices]).view_as(acts)
 
     def select_support(self, pre: Tensor) -> SparseCodes | None:
-        """Training: the batch top ``B·k`` of ``pre`` (or ``pre / s(x)``); inference: ``pre > max(θ, 0)``
-        (``pre / s(x) > θ``)."""
+        """Training: the batch top ``B·k`` of ``pre`` (or ``pre / s(x)``; on a GPU found by the threshold
+        search of `batch_select.py`, ties at the threshold to the lowest flat index, as CUDA's `topk`);
+        inference: ``pre > max(θ, 0)`` (``pre / s(x) > θ``)."""
         batch = pre.shape[0]
         if self.training:
             n_keep = min(batch * self.k, pre.numel())
             if not self.fits_sparse(n_keep, batch):
                 return None
-            indices = self.ranked(pre).flatten().topk(n_keep, sorted=False).indices
+            ranked = self.ranked(pre).flatten()
+            if ranked.is_cuda:  # imported here: the CPU path never loads Triton
+                from sae_pipeline.sae.batch_select import batch_top_indices
+
+                indices = batch_top_indices(ranked, n_keep)
+            else:
+                indices = ranked.topk(n_keep, sorted=False).indices
             return SparseCodes.from_flat(indices, batch, self.d_sae)
         mask = (self.ranked(pre) > self.threshold) & (pre > 0)
         if not self.fits_sparse(int(mask.sum()), batch):

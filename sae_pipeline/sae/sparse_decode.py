@@ -11,6 +11,9 @@ only the selected (token, latent) pairs:
 - the encoder's backward only over the selected columns: ``∂W_enc[:, j] = Σ_b ∂pre_bj · (x_b − b_pre)``,
   ``∂b_enc[j] = Σ_b ∂pre_bj``, ``∂b_pre = −W_enc · ∂b_enc``.
 
+On a GPU (CUDA tensors of float32/bfloat16/float16, Triton importable) the three products run as
+Triton kernels (`triton_sparse.py`); everywhere else, `F.embedding_bag` and ATen's own gradient.
+
 Dense autograd would instead run three more GEMMs of the encoder's size (``codes @ W_dec``, its
 two gradients) and a fourth for ``∂W_enc``, and allocate several ``[B, d_sae]`` tensors.
 
@@ -132,8 +135,25 @@ def row_offsets(rows: Tensor, batch: int) -> Tensor:
 
 
 # --- the three sparse products -----------------------------------------------------------------
+#: False: the products use `F.embedding_bag` on a GPU too (benchmarks/sparse_kernels.py compares the two).
+use_triton = True
+
+
+def _gpu_kernels(*operands: Tensor) -> Any:
+    """`triton_sparse` where its kernels take these operands (CUDA, Triton importable, float32/16), else
+    None. Imported here, not at the top: the CPU path never loads Triton."""
+    if not use_triton or not all(t.is_cuda for t in operands):
+        return None
+    from sae_pipeline.sae import triton_sparse
+
+    return triton_sparse if triton_sparse.applies(*operands) else None
+
+
 def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
     """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``."""
+    kernels = _gpu_kernels(weight, per_entry)
+    if kernels is not None:
+        return kernels.segment_sums(codes.crow, codes.indices, weight, per_entry)
     return F.embedding_bag(
         codes.indices,
         weight.contiguous(),
@@ -147,6 +167,9 @@ def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
 def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
     """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]``."""
     order, rows, latent_crow = codes.by_latent()
+    kernels = _gpu_kernels(source, per_entry)
+    if kernels is not None:
+        return kernels.segment_sums(latent_crow, rows, source, per_entry, order)
     return F.embedding_bag(
         rows,
         source.contiguous(),
@@ -159,6 +182,9 @@ def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor
 
 def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
     """``out[e] = ⟨tokens[rows[e]], weight[indices[e]]⟩`` ``[nnz]``."""
+    kernels = _gpu_kernels(tokens, weight)
+    if kernels is not None:
+        return kernels.entry_dots(codes.rows, codes.indices, tokens, weight)
     tokens, weight = tokens.contiguous(), weight.contiguous()
     try:  # ATen's own per-sample-weight gradient of embedding_bag: exactly these dot products
         return torch.ops.aten._embedding_bag_per_sample_weights_backward(
