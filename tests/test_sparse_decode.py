@@ -183,3 +183,37 @@ def test_dense_fallback_above_the_density_limit() -> None:
     sae = ReLUSAE(8, 64)  # at init about half the latents fire: far above 1/8
     out = sae(torch.randn(16, 8))
     assert out.sparse is None and out.codes.shape == (16, 64)
+
+
+def test_a_kernel_that_fails_falls_back_once_with_the_reason(monkeypatch) -> None:
+    """A Triton kernel that cannot compile on this GPU costs speed, not the run: the products answer through
+    torch's operators from then on, with one warning naming the reason."""
+    import types
+    import warnings
+
+    from sae_pipeline.sae import sparse_decode as module
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_90a\nmore")
+
+    fake = types.SimpleNamespace(segment_sums=broken, entry_dots=broken)
+    monkeypatch.setattr(module, "use_triton", True)
+    monkeypatch.setattr(module, "_gpu_kernels", lambda *operands: fake if module.use_triton else None)
+    torch.manual_seed(0)
+    codes = module.SparseCodes.from_topk(torch.randn(6, 16).topk(3, dim=1).indices, 16)
+    weight, values, grad = torch.randn(16, 5), torch.randn(18), torch.randn(6, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoded = module.token_sums(codes, weight, values)
+        dots = module.entry_dots(codes, grad, weight)
+        sums = module.latent_sums(codes, grad, values)
+    assert len(calls) == 1 and module.use_triton is False  # tried once, then torch's path only
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "RuntimeError: PTX .version 9.9" in messages[0] and "more" not in messages[0]
+    dense = codes.with_values(values).to_dense()
+    torch.testing.assert_close(decoded, dense @ weight)
+    torch.testing.assert_close(dots, (grad @ weight.T)[codes.rows, codes.indices])
+    torch.testing.assert_close(sums, dense.T @ grad)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from feature_extraction.validate import check_float
+from sae_pipeline.sae import sparse_decode
 from sae_pipeline.sae.base import SAEOutput, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks
 from sae_pipeline.sae.sparse_decode import SparseCodes
@@ -99,10 +100,12 @@ class BatchTopKSAE(TopKSAE):
             if not self.fits_sparse(n_keep, batch):
                 return None
             ranked = self.ranked(pre).flatten()
-            if ranked.is_cuda:  # imported here: the CPU path never loads Triton
+            if ranked.is_cuda and sparse_decode.use_triton:  # imported here: the CPU path never loads Triton
                 from sae_pipeline.sae.batch_select import batch_top_indices
 
-                indices = batch_top_indices(ranked, n_keep)
+                indices = sparse_decode.with_kernels(
+                    lambda: batch_top_indices(ranked, n_keep), lambda: ranked.topk(n_keep, sorted=False).indices
+                )
             else:
                 indices = ranked.topk(n_keep, sorted=False).indices
             return SparseCodes.from_flat(indices, batch, self.d_sae)

@@ -27,6 +27,8 @@ whose straight-through gradient is not 0); those are not active (``fired``, ``l0
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -135,7 +137,8 @@ def row_offsets(rows: Tensor, batch: int) -> Tensor:
 
 
 # --- the three sparse products -----------------------------------------------------------------
-#: False: the products use `F.embedding_bag` on a GPU too (benchmarks/sparse_kernels.py compares the two).
+#: False: the products use `F.embedding_bag` on a GPU too (benchmarks/sparse_kernels.py compares the two);
+#: set to False for the rest of the process when a kernel fails to compile or launch (`with_kernels`).
 use_triton = True
 
 
@@ -149,11 +152,38 @@ def _gpu_kernels(*operands: Tensor) -> Any:
     return triton_sparse if triton_sparse.applies(*operands) else None
 
 
+def with_kernels(kernel_call: Callable[[], Tensor], fallback: Callable[[], Tensor]) -> Tensor:
+    """``kernel_call()``, or ``fallback()`` (torch's own operators, same result) from the first time a Triton
+    kernel fails on this machine: a Triton or driver version that cannot compile it must cost speed, not
+    the run. Said once, with the reason."""
+    global use_triton
+    if use_triton:
+        try:
+            return kernel_call()
+        except Exception as exn:  # noqa: BLE001 (any compile or launch failure: the fallback computes the same)
+            use_triton = False
+            reason = f"{type(exn).__name__}: {str(exn).splitlines()[0] if str(exn) else ''}"
+            warnings.warn(
+                f"the Triton sparse kernels failed on this device ({reason}); using torch's embedding_bag and "
+                "topk for the rest of the run (same results, slower)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return fallback()
+
+
 def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
     """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``."""
     kernels = _gpu_kernels(weight, per_entry)
     if kernels is not None:
-        return kernels.segment_sums(codes.crow, codes.indices, weight, per_entry)
+        return with_kernels(
+            lambda: kernels.segment_sums(codes.crow, codes.indices, weight, per_entry),
+            lambda: _token_sums(codes, weight, per_entry),
+        )
+    return _token_sums(codes, weight, per_entry)
+
+
+def _token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
     return F.embedding_bag(
         codes.indices,
         weight.contiguous(),
@@ -169,7 +199,15 @@ def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor
     order, rows, latent_crow = codes.by_latent()
     kernels = _gpu_kernels(source, per_entry)
     if kernels is not None:
-        return kernels.segment_sums(latent_crow, rows, source, per_entry, order)
+        return with_kernels(
+            lambda: kernels.segment_sums(latent_crow, rows, source, per_entry, order),
+            lambda: _latent_sums(codes, source, per_entry),
+        )
+    return _latent_sums(codes, source, per_entry)
+
+
+def _latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
+    order, rows, latent_crow = codes.by_latent()
     return F.embedding_bag(
         rows,
         source.contiguous(),
@@ -184,7 +222,14 @@ def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
     """``out[e] = ⟨tokens[rows[e]], weight[indices[e]]⟩`` ``[nnz]``."""
     kernels = _gpu_kernels(tokens, weight)
     if kernels is not None:
-        return kernels.entry_dots(codes.rows, codes.indices, tokens, weight)
+        return with_kernels(
+            lambda: kernels.entry_dots(codes.rows, codes.indices, tokens, weight),
+            lambda: _entry_dots(codes, tokens, weight),
+        )
+    return _entry_dots(codes, tokens, weight)
+
+
+def _entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
     tokens, weight = tokens.contiguous(), weight.contiguous()
     try:  # ATen's own per-sample-weight gradient of embedding_bag: exactly these dot products
         return torch.ops.aten._embedding_bag_per_sample_weights_backward(
