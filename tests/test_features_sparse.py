@@ -5,45 +5,18 @@ whether the codes stayed sparse or went through `[B, d_sae]` (`sparse_max_densit
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from features_fixtures import D, write_export, write_shards
 
+from benchmarks.features_sparse import former_image_top
 from sae_pipeline.__main__ import main
 from sae_pipeline.features.image_codes import ImageCodes, split_images
 from sae_pipeline.features.image_top import image_top_atoms
 from sae_pipeline.sae import ShallowSAE, TopKSAE
 from sae_pipeline.sae.inference_codes import from_dense
-
-
-def dense_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: int = 16) -> dict[str, Any]:
-    """The former `image_top_atoms`, over dense ``[tokens, d_sae]`` codes (the reference)."""
-
-    def ranking(values: np.ndarray) -> np.ndarray:
-        positive = np.flatnonzero(values > 0)
-        return positive[np.lexsort((positive, -values[positive]))[:k]]
-
-    codes = np.asarray(codes, np.float32)
-    peak, total = codes.max(axis=0), codes.sum(axis=0)
-    by_max, by_sum = ranking(peak), ranking(total)
-    atoms = np.union1d(by_max, by_sum).astype(np.int64)
-    levels = None
-    if n_full > 0:
-        levels = np.full((len(atoms), n_full), 255, np.uint8)
-        scale = np.maximum(peak[atoms], 1e-12)
-        levels[:, positions] = np.round(np.clip(codes[:, atoms].T / scale[:, None], 0, 1) * 250).astype(np.uint8)
-    return {
-        "atoms": atoms,
-        "max": peak[atoms].astype(np.float32),
-        "sum": total[atoms].astype(np.float32),
-        "top": positions[codes[:, atoms].argmax(axis=0)] if len(atoms) else np.zeros(0, np.int64),
-        "levels": levels,
-        "by_max": by_max.astype(np.int64),
-        "by_sum": by_sum.astype(np.int64),
-    }
 
 
 def random_codes(rng: np.random.Generator, tokens: int, d_sae: int, trial: int) -> np.ndarray:
@@ -63,7 +36,7 @@ def test_image_top_atoms_from_entries_equal_the_dense_computation() -> None:
         positions = rng.permutation(tokens + 4)[:tokens]
         n_full = 0 if trial % 4 == 0 else tokens + 4
         k = int(rng.integers(1, 20))
-        expected = dense_image_top(codes, positions, n_full, k)
+        expected = former_image_top(codes, positions, n_full, k)
         got = image_top_atoms(ImageCodes.from_dense(codes), positions, n_full, k)
         for name, value in expected.items():
             assert (got[name] is None) if value is None else (got[name].dtype == value.dtype), name
@@ -83,7 +56,8 @@ def test_split_images_equals_each_image_read_alone() -> None:
             dense = codes[i * tpi : (i + 1) * tpi]
             nonzero = np.flatnonzero((dense != 0).any(0))
             assert image.atoms.tolist() == nonzero.tolist()
-            assert np.array_equal(image.peak, dense.max(0)[nonzero]) and np.array_equal(image.total, dense.sum(0)[nonzero])
+            assert np.array_equal(image.peak, dense.max(0)[nonzero])
+            assert np.array_equal(image.total, dense.sum(0)[nonzero])
             wanted = rng.permutation(d_sae)[: int(rng.integers(0, d_sae + 1))]
             assert np.array_equal(image.columns(wanted), dense[:, wanted].T)
 

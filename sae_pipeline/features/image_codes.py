@@ -5,13 +5,13 @@ An image page ranks the image's atoms by their maximum and by their sum over its
 `[tokens, d_sae]` codes, both cost a pass over tokens · d_sae elements per image (3.4 ms of CPU at
 261 × 19 200, the largest part of the site's image work in BENCHMARKS.md); taken from the
 canonical sparse entries (`sae_pipeline/sae/inference_codes.py`: k per token for the k-sparse
-variants) they cost a sort of the image's tokens · k entries and two `scatter_reduce`-style
-reductions over its (image, atom) pairs, done for a whole chunk of images at once.
+variants) they cost a sort of the image's tokens · k entries and two scatter-reductions over its
+(image, atom) pairs (`np.add.at`, `np.maximum.reduceat`), done for a whole chunk of images at once.
 
-Exact, not within rounding: an atom's entries on an image are summed in token order by `index_add_`
-on the CPU, one by one from 0, as numpy's `codes.sum(axis=0)` adds an image's rows (the zeros it also
-adds change no float: x + 0 = x); a maximum does not depend on the order, and the tokens an atom is 0
-on count as 0 in it. The reductions run on the CPU whatever the SAE's device (the entries are small:
+Exact, not within rounding: an atom's entries on an image are summed in token order by `np.add.at`,
+one by one from 0, as numpy's `codes.sum(axis=0)` adds an image's rows (the zeros it also adds change
+no float: x + 0 = x); a maximum does not depend on the order, and the tokens an atom is 0 on count
+as 0 in it. The reductions run on the CPU whatever the SAE's device (the entries are small:
 they replace the dense codes that were copied to the host before).
 """
 
@@ -63,25 +63,27 @@ class ImageCodes:
 
 
 def split_images(codes: SparseCodes, tokens_per_image: int) -> list[ImageCodes]:
-    """The canonical entries of a chunk of whole images (``tokens_per_image`` consecutive tokens each) per image."""
+    """The canonical entries of a chunk of whole images (``tokens_per_image`` consecutive tokens each) per image.
+
+    On the CPU in numpy, one thread: a few sorts and reductions over the chunk's entries, where torch's
+    thread hand-offs would cost more than the work on a busy machine (as `sparse_decode.py` notes for its sort)."""
     assert codes.values is not None
-    rows, atoms = codes.rows.cpu(), codes.indices.cpu()
-    values = codes.values.detach().cpu().float()
+    rows, atoms = codes.rows.cpu().numpy(), codes.indices.cpu().numpy()
+    values = codes.values.detach().cpu().float().numpy()
     n_images = codes.batch_size // tokens_per_image
     # Entries by (image, atom, token): a stable sort of the (token, atom)-ordered entries by (image, atom).
-    key = torch.div(rows, tokens_per_image, rounding_mode="floor") * codes.d_sae + atoms
-    order = torch.sort(key, stable=True).indices
+    key = rows // tokens_per_image * codes.d_sae + atoms
+    order = np.argsort(key, kind="stable")
     key, token, value = key[order], rows[order] % tokens_per_image, values[order]
-    pairs, pair_of, count = torch.unique_consecutive(key, return_inverse=True, return_counts=True)
-    n_pairs = pairs.numel()
-    total = value.new_zeros(n_pairs).index_add_(0, pair_of, value)  # one by one, in token order (CPU)
-    peak = value.new_empty(n_pairs).scatter_reduce_(0, pair_of, value, "amax", include_self=False)
-    peak = torch.where(count < tokens_per_image, peak.clamp_min(0), peak)  # the atom's zero tokens
-    crow = torch.cat([count.new_zeros(1), count.cumsum(0)]).numpy()
-    pair_image = torch.div(pairs, codes.d_sae, rounding_mode="floor")
-    bounds = torch.searchsorted(pair_image, torch.arange(n_images + 1)).numpy()
-    pair_atom, peak, total = (pairs % codes.d_sae).numpy(), peak.numpy(), total.numpy()
-    token, value = token.numpy(), value.numpy()
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if len(key) else np.zeros(0, np.int64)
+    crow = np.r_[starts, len(key)].astype(np.int64)
+    count, pairs = np.diff(crow), key[starts]
+    total = np.zeros(len(pairs), np.float32)
+    np.add.at(total, np.repeat(np.arange(len(pairs)), count), value)  # one by one, in token order
+    peak = np.maximum.reduceat(value, starts) if len(pairs) else np.zeros(0, np.float32)
+    peak = np.where(count < tokens_per_image, np.maximum(peak, 0), peak)  # the atom's zero tokens
+    bounds = np.searchsorted(pairs // codes.d_sae, np.arange(n_images + 1))
+    pair_atom = pairs % codes.d_sae
     out = []
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         first, last = crow[lo], crow[hi]

@@ -23,9 +23,11 @@ LEVEL_MAX, NOT_STORED = 250, 255  # as the atom pages (atom_pages.py, assets.JS)
 def _ranking(atoms: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` of ``atoms`` with the largest positive ``values``, largest first, ties by atom id (the atoms
     not listed are 0 and never ranked)."""
-    positive = values > 0
-    candidates = atoms[positive]
-    order = np.lexsort((candidates, -values[positive]))
+    keep = values > 0
+    if np.count_nonzero(keep) > k:  # only those at or above the k-th largest value can rank (ties included)
+        keep &= values >= np.partition(values[keep], -k)[-k]
+    candidates = atoms[keep]
+    order = np.lexsort((candidates, -values[keep]))
     return candidates[order[:k]]
 
 
