@@ -59,6 +59,18 @@ def test_encode_sparse_equals_the_dense_codes_nonzeros(name: str) -> None:
             assert_same_entries(sae.encode_sparse(x), expected)
 
 
+@pytest.mark.parametrize("name", ["batchtopk", "matryoshka"])
+def test_token_scaled_threshold_entries_equal_the_dense_codes(name: str) -> None:
+    sae = make(name, token_scaled_threshold=True).eval()
+    sae.threshold.fill_(0.4)
+    x = batch()
+    x[2] = sae.b_pre.detach()  # s(x) = 0: every positive code passes the threshold, zeros do not
+    with torch.no_grad():
+        expected = from_dense(sae.encode(x))
+        assert_same_entries(sae.encode_sparse(x), expected)
+    assert 0 < expected.values.numel() < x.shape[0] * sae.d_sae
+
+
 def test_batchtopk_in_training_mode_reads_the_dense_codes() -> None:
     sae = prepared("batchtopk").train()
     x = tied_batch()
