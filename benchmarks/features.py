@@ -37,6 +37,8 @@
    the same image in the same run (median of ``--repeats`` alternated rounds; target about 1).
 5. The label counts' cost in the pass, measured apart: ``LabelCounts.update`` against the
    top-N table's update on the same codes, and the shard read with and without ``meta.json``.
+6. (``sparse``) The pass's updates and the image rankings from the SAE's sparse codes against the
+   former dense ``[B, d_sae]`` path, same batches, outputs checked equal (``benchmarks/features_sparse.py``).
 
 Parts 3, 3c and 3d (the site) are in ``benchmarks/features_site.py``, the synthetic data all parts use
 in ``benchmarks/features_data.py``; this module holds the driver and the pass parts.
@@ -253,7 +255,7 @@ def explain(args: argparse.Namespace, work: Path) -> None:
     from feature_extraction.backbones import load_backbone
     from sae_pipeline.__main__ import main as sae_main
     from sae_pipeline.artifacts.export import EXPORT_FORMAT
-    from sae_pipeline.features.explain import build_backbone, dense_codes, explain_images, image_records, write_pages
+    from sae_pipeline.features.explain import build_backbone, explain_images, image_records, write_pages
     from sae_pipeline.sae.config import sae_config
 
     name = args.explain_backbone
@@ -300,7 +302,7 @@ def explain(args: argparse.Namespace, work: Path) -> None:
             with Image.open(image_fpath) as image:
                 pixels = backbone.preprocess(image.convert("RGB"))[None]
             tokens = backbone(pixels)
-            dense_codes(sae, tokens[0].float())
+            sae.encode_sparse(tokens[0].float())
             bare_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             result = explain_images(sae, backbone, record, records, 1, "cpu")
@@ -347,6 +349,7 @@ def main() -> None:
         args.site_d_sae, args.site_images, args.site_labels = 256, 64, 10
         args.explain_backbone, args.explain_d_sae = "vit_tiny", 512
     from benchmarks.features_site import run_shares, site, site_shares
+    from benchmarks.features_sparse import sparse_vs_dense
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -358,6 +361,7 @@ def main() -> None:
             "run_shares": run_shares,
             "explain": explain,
             "labels": label_cost,
+            "sparse": sparse_vs_dense,
         }
         for part in args.parts:
             parts[part](args, work)

@@ -199,12 +199,17 @@ def timed_parts(names: tuple[str, ...], totals: dict[str, list[float]]) -> list[
 def site_shares(args: argparse.Namespace, work: Path) -> None:
     """One labelled build with image pages, its label statistics and image pages timed inside it.
 
-    The images' own top atoms (``collect_images`` ranks them from each image's codes, after the
-    pass) come from synthetic sparse codes, ``k`` atoms per token: only the ranking is timed."""
+    The images' own top atoms (``collect_images`` ranks them from each image's sparse codes, after the
+    pass) come from synthetic sparse codes, ``k`` atoms per token: only the grouping per image
+    (``split_images``) and the ranking are timed."""
+    import torch
+
     from sae_pipeline.features import label_pages, site  # noqa: F401  (the modules whose bindings are timed)
     from sae_pipeline.features.heatmaps import Layout
+    from sae_pipeline.features.image_codes import split_images
     from sae_pipeline.features.image_top import image_top_atoms
     from sae_pipeline.features.site import build_site
+    from sae_pipeline.sae.inference_codes import from_dense
 
     d_sae, top, n_images, n_labels = args.site_d_sae, 16, args.site_images, args.site_labels
     sae, state, labelled, collection = site_inputs(args, work)
@@ -219,8 +224,9 @@ def site_shares(args: argparse.Namespace, work: Path) -> None:
         codes = np.zeros((TPI, d_sae), np.float32)
         rows = np.repeat(np.arange(TPI), args.k)
         codes[rows, rng.integers(0, d_sae, len(rows))] = rng.gamma(2.0, 1.0, len(rows))
+        entries = from_dense(torch.from_numpy(codes))  # what the SAE's encode_sparse gives
         start, cpu = time.perf_counter(), time.process_time()
-        meta["top_atoms"] = image_top_atoms(codes, positions, TPI)
+        meta["top_atoms"] = image_top_atoms(split_images(entries, TPI)[0], positions, TPI)
         rank_wall, rank_cpu = rank_wall + time.perf_counter() - start, rank_cpu + time.process_time() - cpu
     totals: dict[str, list[float]] = {}
     restore = timed_parts(LABEL_PARTS + IMAGE_PARTS, totals)
@@ -283,7 +289,7 @@ def run_shares(args: argparse.Namespace, work: Path) -> None:
     )
     totals: dict[str, list[float]] = {}
     phases = ("collect_images", "build_site")
-    restore = timed_parts(LABEL_PARTS + IMAGE_PARTS + ("image_top_atoms",) + phases, totals)
+    restore = timed_parts(LABEL_PARTS + IMAGE_PARTS + ("split_images", "image_top_atoms") + phases, totals)
     update = labels.LabelCounts.update
     totals["LabelCounts.update"] = [0.0, 0.0]
 
@@ -309,7 +315,7 @@ def run_shares(args: argparse.Namespace, work: Path) -> None:
             setattr(module, name, function)
     print(f"    load average after the run {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     label_names = ("LabelCounts.update", *LABEL_PARTS)
-    image_names = ("image_top_atoms", *IMAGE_PARTS)
+    image_names = ("split_images", "image_top_atoms", *IMAGE_PARTS)
     label = sum(np.array(totals[name]) for name in label_names)
     image = sum(np.array(totals[name]) for name in image_names)
     pass_ = total - np.array(totals["collect_images"]) - np.array(totals["build_site"])
@@ -318,7 +324,7 @@ def run_shares(args: argparse.Namespace, work: Path) -> None:
     )
     for name in (*phases, *label_names, *image_names):
         print(f"      {name:<24} {totals[name][0]:8.2f} s ({totals[name][1]:.2f} s CPU)")
-    site_ = np.array(totals["build_site"]) + np.array(totals["image_top_atoms"])
+    site_ = np.array(totals["build_site"]) + np.array(totals["split_images"]) + np.array(totals["image_top_atoms"])
     for base_name, base in (("whole run", total), ("site (build_site + image rankings)", site_)):
         rest = base - label - image
         if base_name != "whole run":

@@ -18,7 +18,7 @@ from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoi
 from sae_pipeline.artifacts.codes import merge_codes, read_codes
 from sae_pipeline.cli import SAECLI
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.sae.sparse_decode import sparse_codes
+from sae_pipeline.sae.inference_codes import sparse_codes
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")

@@ -229,14 +229,6 @@ def image_records(paths: list[str]) -> list[Any]:
     return records
 
 
-def dense_codes(sae: Any, x: torch.Tensor) -> torch.Tensor:
-    """Codes ``[tokens, d_sae]`` as the features pass computes them (pursuit variants included)."""
-    if sae.is_pursuit:
-        indices, coefficients = sae.pursuit(x)
-        return sae.codes_from_pursuit(indices, coefficients)
-    return sae.encode(x)
-
-
 def image_tokens(
     backbone: Any, selection: dict | None, pixels: torch.Tensor, ids: list[str], device: torch.device
 ) -> tuple[torch.Tensor, np.ndarray | None]:
@@ -258,6 +250,7 @@ def image_tokens(
 def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], batch_size: int, device: str) -> dict:
     """Every decodable image's top atoms and view: ``{"explained": [(record, top, view)], "skipped": [(id, why)]}``."""
     from feature_extraction.images import ImageDataset
+    from sae_pipeline.features.image_codes import split_images
     from sae_pipeline.features.image_top import image_top_atoms
     from sae_pipeline.features.images import view_transform
     from sae_pipeline.training.interrupts import raise_if_interrupted
@@ -283,7 +276,7 @@ def explain_images(sae: Any, backbone: Any, record: dict, records: list[Any], ba
         )
         b, t, d = tokens.shape
         x = tokens.reshape(b * t, d).to(torch_device).float()
-        codes = dense_codes(sae, x).float().cpu().numpy().reshape(b, t, -1)
+        codes = split_images(sae.encode_sparse(x), t)  # as the features pass: the sparse entries, per image
         for j, (i, pair) in enumerate(ok):
             stored = np.arange(spec.n_tokens) if positions is None else positions[j].astype(np.int64)
             explained.append((records[i], image_top_atoms(codes[j], stored, spec.n_tokens), pair[1]))

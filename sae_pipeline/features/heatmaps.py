@@ -11,6 +11,8 @@ subset extraction draws its stored patches in place and leaves the others blank.
 
 While an image's codes are at hand, its own top atoms (by maximum and by sum over its tokens,
 with their heatmaps on it) are kept for its image page (:mod:`sae_pipeline.features.image_top`).
+The codes stay the SAE's sparse entries throughout (`encode` returns them; `image_codes.py`
+groups them per image), never ``[tokens, d_sae]``.
 
 Pixel data (digits, MNIST) has one token per image, the image itself: no heatmap, the
 thumbnail is the token. An ``.h5`` token cache has tokens without images: entries are listed
@@ -30,7 +32,9 @@ from torch import Tensor
 from feature_extraction.shards import shard_fpaths
 from feature_extraction.shards.read import read_shard_samples
 from sae_pipeline.data.sources import RowSource, ShardSource
+from sae_pipeline.features.image_codes import split_images
 from sae_pipeline.features.image_top import image_top_atoms
+from sae_pipeline.sae.sparse_decode import SparseCodes
 
 ENCODE_TOKENS = 4096  # tokens per encode call in this pass
 
@@ -92,13 +96,14 @@ def collect_images(
     state: dict[str, Tensor],
     source: ShardSource | RowSource,
     layout: Layout,
-    encode: Callable[[Tensor], Tensor],
+    encode: Callable[[Tensor], SparseCodes],
     rank: int = 0,
     world_size: int = 1,
     progress: Callable[[int], None] | None = None,
     data_dpath: str = "data",
 ) -> dict[str, Any]:
-    """This rank's part of the top images: their metadata, and for patch data the heatmaps.
+    """This rank's part of the top images: their metadata, and for patch data the heatmaps; ``encode``
+    gives the canonical sparse entries of a chunk's codes (`SparseAutoencoder.encode_sparse`).
 
     Returns ``{"images": {key: meta}, "heat_atom": int64 [E], "heat_rank": int64 [E], "heat": float16
     [E, n_full]}``; ``meta`` adds ``pixels`` (pixel data), ``positions`` (stored positions) and
@@ -126,15 +131,11 @@ def collect_images(
         positions = source.reader.token_positions(mine)
         labels = row_labels(source, data_dpath)
         pixels = source.reader.read(mine) if layout.kind == "pixels" else None
-        codes = None
+        codes = []
         if pixels is not None:
             x = np.asarray(pixels, np.float32)
-            codes = np.concatenate(
-                [
-                    encode(torch.from_numpy(x[s : s + ENCODE_TOKENS])).float().cpu().numpy()
-                    for s in range(0, len(x), ENCODE_TOKENS)
-                ]
-            )
+            for s in range(0, len(x), ENCODE_TOKENS):
+                codes += split_images(encode(torch.from_numpy(x[s : s + ENCODE_TOKENS])), 1)
         for i, row in enumerate(mine.tolist()):
             meta = {
                 "image_id": ids[i],
@@ -143,7 +144,7 @@ def collect_images(
             }
             if pixels is not None:
                 meta["pixels"] = pixels[i].astype(np.float32)
-                meta["top_atoms"] = image_top_atoms(codes[i : i + 1], np.zeros(1, np.int64), 0)
+                meta["top_atoms"] = image_top_atoms(codes[i], np.zeros(1, np.int64), 0)
             out["images"][int(row)] = meta
     if progress is not None:
         progress(len(mine))
@@ -154,7 +155,7 @@ def _collect_shard_images(
     out: dict,
     source: ShardSource,
     layout: Layout,
-    encode: Callable[[Tensor], Tensor],
+    encode: Callable[[Tensor], SparseCodes],
     atoms: np.ndarray,
     ranks: np.ndarray,
     keys: np.ndarray,
@@ -182,11 +183,11 @@ def _collect_shard_images(
         for start in range(0, len(samples), max(1, ENCODE_TOKENS // layout.tokens_per_image)):
             chunk = samples[start : start + max(1, ENCODE_TOKENS // layout.tokens_per_image)]
             x = torch.from_numpy(np.concatenate([tokens for _, _, tokens, _, _ in chunk]).astype(np.float32))
-            codes = encode(x).float().cpu().numpy()
+            codes = split_images(encode(x), layout.tokens_per_image)
             for j, (index, _, tokens, positions, meta) in enumerate(chunk):
                 key = int(first_image[shard] + index)
                 stored = np.arange(len(tokens)) if positions is None else positions.astype(np.int64)
-                image_codes = codes[j * layout.tokens_per_image : (j + 1) * layout.tokens_per_image]
+                image_codes = codes[j]
                 out["images"][key] = {
                     **meta,
                     "positions": stored,
@@ -194,7 +195,7 @@ def _collect_shard_images(
                 }
                 entries = by_image[key]
                 rows = np.full((len(entries), layout.n_full), np.nan, np.float16)
-                rows[:, stored] = image_codes[:, atoms[entries]].T
+                rows[:, stored] = image_codes.columns(atoms[entries])
                 heat_rows.append(rows)
                 heat_entries.extend(entries)
         if progress is not None:

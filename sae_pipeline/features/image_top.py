@@ -1,4 +1,4 @@
-"""An image's top atoms, from the codes of its tokens: the data of an image page.
+"""An image's top atoms, from the codes of its tokens (`image_codes.py`): the data of an image page.
 
 Two rankings of the atoms with a positive value: by the maximum over the image's tokens (one
 patch that says "cat eye") and by the sum over its tokens (an atom spread over the whole
@@ -14,39 +14,50 @@ from typing import Any
 
 import numpy as np
 
+from sae_pipeline.features.image_codes import ImageCodes
+
 IMAGE_TOP = 16  # atoms per ranking on an image page
 LEVEL_MAX, NOT_STORED = 250, 255  # as the atom pages (atom_pages.py, assets.JS)
 
 
-def _ranking(values: np.ndarray, k: int) -> np.ndarray:
-    """The ``k`` atoms with the largest positive ``values``, largest first, ties by atom id."""
-    positive = np.flatnonzero(values > 0)
-    order = np.lexsort((positive, -values[positive]))
-    return positive[order[:k]]
+def _ranking(atoms: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` of ``atoms`` with the largest positive ``values``, largest first, ties by atom id (the atoms
+    not listed are 0 and never ranked)."""
+    keep = values > 0
+    if np.count_nonzero(keep) > k:  # only those at or above the k-th largest value can rank (ties included)
+        keep &= values >= np.partition(values[keep], -k)[-k]
+    candidates = atoms[keep]
+    order = np.lexsort((candidates, -values[keep]))
+    return candidates[order[:k]]
 
 
-def image_top_atoms(codes: np.ndarray, positions: np.ndarray, n_full: int, k: int = IMAGE_TOP) -> dict[str, Any]:
-    """One image's top atoms from its codes ``[tokens, d_sae]`` (token ``i`` at ``positions[i]`` of ``n_full``).
+def image_top_atoms(
+    codes: ImageCodes | np.ndarray, positions: np.ndarray, n_full: int, k: int = IMAGE_TOP
+) -> dict[str, Any]:
+    """One image's top atoms from its codes (token ``i`` at ``positions[i]`` of ``n_full``): `ImageCodes`, or
+    dense ``[tokens, d_sae]`` (read as entries first).
 
     Returns ``atoms`` (sorted), their ``max`` and ``sum`` over the tokens, ``top`` (position of the
     maximum), ``levels`` (uint8 ``[atoms, n_full]``, or None without a token grid), and the two
     rankings ``by_max`` / ``by_sum`` as atom ids.
     """
-    codes = np.asarray(codes, np.float32)
-    peak, total = codes.max(axis=0), codes.sum(axis=0)
-    by_max, by_sum = _ranking(peak, k), _ranking(total, k)
+    image = codes if isinstance(codes, ImageCodes) else ImageCodes.from_dense(codes)
+    by_max, by_sum = _ranking(image.atoms, image.peak, k), _ranking(image.atoms, image.total, k)
     atoms = np.union1d(by_max, by_sum).astype(np.int64)
+    pair, _ = image.lookup(atoms)  # every ranked atom is non-zero on some token
+    peak = image.peak[pair]
+    columns = image.columns(atoms)  # codes[:, atoms].T
     positions = np.asarray(positions, np.int64)
     levels = None
     if n_full > 0:
         levels = np.full((len(atoms), n_full), NOT_STORED, np.uint8)
-        scale = np.maximum(peak[atoms], 1e-12)
-        levels[:, positions] = np.round(np.clip(codes[:, atoms].T / scale[:, None], 0, 1) * LEVEL_MAX).astype(np.uint8)
+        scale = np.maximum(peak, 1e-12)
+        levels[:, positions] = np.round(np.clip(columns / scale[:, None], 0, 1) * LEVEL_MAX).astype(np.uint8)
     return {
         "atoms": atoms,
-        "max": peak[atoms].astype(np.float32),
-        "sum": total[atoms].astype(np.float32),
-        "top": positions[codes[:, atoms].argmax(axis=0)] if len(atoms) else np.zeros(0, np.int64),
+        "max": peak.astype(np.float32),
+        "sum": image.total[pair].astype(np.float32),
+        "top": positions[columns.argmax(axis=1)] if len(atoms) else np.zeros(0, np.int64),
         "levels": levels,
         "by_max": by_max.astype(np.int64),
         "by_sum": by_sum.astype(np.int64),

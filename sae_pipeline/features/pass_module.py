@@ -31,6 +31,7 @@ from sae_pipeline.features.labels import LabelCounts
 from sae_pipeline.features.merge import gather_merge, gather_merge_labels
 from sae_pipeline.features.topn import TopNTable
 from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae.sparse_decode import SparseCodes
 
 
 class FeaturesModule(L.LightningModule):
@@ -58,13 +59,14 @@ class FeaturesModule(L.LightningModule):
         self.label_counts = LabelCounts(self.sae.d_sae, self.layout.tokens_per_image, self.device)
 
     @torch.no_grad()
-    def encode(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """Dense codes ``[B, d_sae]`` and, for a pursuit (MP-SAE), the selection order ``(indices, steps)``."""
+    def encode(self, x: Tensor) -> tuple[SparseCodes, tuple[Tensor, Tensor] | None]:
+        """The codes' non-zero entries (`SparseAutoencoder.encode_sparse`: no ``[B, d_sae]`` codes for the
+        k-sparse variants) and, for a pursuit (MP-SAE), the selection order ``(indices, steps)``."""
         if self.sae.is_pursuit:
             indices, coefficients = self.sae.pursuit(x)
             steps = torch.arange(1, indices.shape[1] + 1, device=indices.device)[None, :]
-            return self.sae.codes_from_pursuit(indices, coefficients), (indices, steps)
-        return self.sae.encode(x), None
+            return self.sae.sparse_from_pursuit(indices, coefficients), (indices, steps)
+        return self.sae.encode_sparse(x), None
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         x = batch["x"]
@@ -75,10 +77,17 @@ class FeaturesModule(L.LightningModule):
             )
         codes, steps = self.encode(x)
         token = batch["token_index"].to(self.device)
-        assert self.table is not None and self.label_counts is not None
+        assert self.table is not None and self.label_counts is not None and codes.values is not None
         image = image_keys(token, self.layout)
-        rows, atoms = self.table.update_codes(
-            codes.float(), token, image, batch["token_positions"].to(self.device), steps
+        rows, atoms = self.table.update_entries(
+            codes.rows,
+            codes.indices,
+            codes.values,
+            codes.batch_size,
+            token,
+            image,
+            batch["token_positions"].to(self.device),
+            steps,
         )
         self.label_counts.update(rows, atoms, image, batch["labels"].to(self.device))
 

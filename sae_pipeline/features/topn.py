@@ -123,15 +123,32 @@ class TopNTable:
     def update_codes(
         self, codes: Tensor, token: Tensor, image: Tensor, position: Tensor, steps: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Add a batch: dense ``codes [B, d_sae]`` of tokens ``token [B]`` (global indices) of images
-        ``image [B]`` at ``position [B]``; ``steps``: MP's ``(atom indices [B, k], step 1..k)`` order.
-        Returns the non-zero codes' ``(rows, atoms)`` (the label counts reuse them)."""
+        """Add a batch of dense ``codes [B, d_sae]``: `update_entries` of their non-zeros."""
         rows, atoms = codes.nonzero(as_tuple=True)
+        return self.update_entries(rows, atoms, codes[rows, atoms], codes.shape[0], token, image, position, steps)
+
+    @torch.no_grad()
+    def update_entries(
+        self,
+        rows: Tensor,
+        atoms: Tensor,
+        values: Tensor,
+        n_tokens: int,
+        token: Tensor,
+        image: Tensor,
+        position: Tensor,
+        steps: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Add a batch of ``n_tokens`` tokens ``token [B]`` (global indices) of images ``image [B]`` at
+        ``position [B]`` from their non-zero codes ``values`` at ``(rows, atoms)``, in the order of
+        ``dense.nonzero()`` (as `sae_pipeline.sae.inference_codes` gives them: the sums then add the
+        same floats in the same order as from the dense codes); ``steps``: MP's ``(atom indices
+        [B, k], step 1..k)`` order. Returns ``(rows, atoms)`` (the label counts reuse them)."""
         nonzero = rows, atoms
-        values = codes[rows, atoms].float()
+        values = values.float()
         self.fire_count += torch.bincount(atoms, minlength=self.d_sae)
         self.value_sum.index_add_(0, atoms, values.double())
-        self.n_tokens += codes.shape[0]
+        self.n_tokens += n_tokens
         if steps is not None:
             indices, step = steps
             valid = indices >= 0

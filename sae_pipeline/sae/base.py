@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from feature_extraction.file_hashes import tensors_sha256
 from feature_extraction.validate import check_float, check_int
+from sae_pipeline.sae.inference_codes import from_dense, from_token_lists
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
 
@@ -192,6 +193,19 @@ class SparseAutoencoder(nn.Module):
         picked twice adds up)."""
         codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
         return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
+
+    @torch.no_grad()
+    def encode_sparse(self, x: Tensor) -> SparseCodes:
+        """The non-zero codes of ``encode(x)`` as canonical entries (`sae_pipeline/sae/inference_codes.py`),
+        what ``predict`` and ``features`` read: from a pursuit's selection order without dense codes, else
+        from the dense codes. The shallow variants build them from their support (`ShallowSAE`)."""
+        if self.is_pursuit:
+            return self.sparse_from_pursuit(*self.pursuit(x))
+        return from_dense(self.encode(x))
+
+    def sparse_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> SparseCodes:
+        """`codes_from_pursuit` as canonical entries (index -1, a step not taken, carries 0, as there)."""
+        return from_token_lists(indices.clamp_min(0), coefficients, self.d_sae)
 
     # --- loss --------------------------------------------------------------------------
     def loss(self, x: Tensor, output: SAEOutput, step: int = 0) -> SAELoss:
@@ -375,6 +389,21 @@ class ShallowSAE(SparseAutoencoder):
         self.check_input(x)
         k = None if k is None else self.resolve_k(k)
         return self.activate(self.pre_activations(x), k)
+
+    def inference_entries(self, pre: Tensor) -> SparseCodes | None:
+        """The non-zero codes of ``activate(pre, None)`` as canonical entries, without dense codes; None
+        where the variant has no such path (then `encode_sparse` reads them off the dense codes). May
+        overwrite ``pre`` (no graph; it is not used again) when it returns entries."""
+        return None
+
+    @torch.no_grad()
+    def encode_sparse(self, x: Tensor) -> SparseCodes:
+        """As `SparseAutoencoder.encode_sparse`, from `inference_entries` where the variant has it and
+        ``sparse_max_density`` > 0 (0 forces the dense codes, as for forward)."""
+        self.check_input(x)
+        pre = self.pre_activations(x)
+        codes = self.inference_entries(pre) if self.sparse_max_density > 0 else None
+        return codes if codes is not None else from_dense(self.activate(pre, None))
 
     def forward(self, x: Tensor) -> SAEOutput:
         self.check_input(x)

@@ -22,6 +22,7 @@ from feature_extraction.validate import check_float
 from sae_pipeline.sae import sparse_decode
 from sae_pipeline.sae.base import SAEOutput, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks
+from sae_pipeline.sae.inference_codes import from_support
 from sae_pipeline.sae.sparse_decode import SparseCodes
 from sae_pipeline.sae.token_scale import token_scale
 from sae_pipeline.sae.topk import TopKSAE
@@ -113,6 +114,14 @@ class BatchTopKSAE(TopKSAE):
         if not self.fits_sparse(int(mask.sum()), batch):
             return None
         return SparseCodes.from_mask(mask)
+
+    def inference_entries(self, pre: Tensor) -> SparseCodes | None:
+        """Eval mode: the entries of ``relu(pre)`` above θ, `activate`'s mask without its product; training
+        mode (a batch top-k): None, the dense codes."""
+        if self.training:
+            return None
+        acts = F.relu(pre, inplace=True)
+        return from_support(self.ranked(acts) > self.threshold, acts)
 
     def forward(self, x: Tensor) -> SAEOutput:
         """As the shallow forward; in training mode also updates θ from this batch."""

@@ -22,7 +22,8 @@ and its token. It may hold entries whose value is 0 (JumpReLU keeps the latents 
 whose straight-through gradient is not 0); those are not active (``fired``, ``l0`` and
 ``to_dense`` agree with the dense codes).
 
-:func:`sparse_codes` turns dense codes into the per-token ranked lists that ``predict`` writes.
+At inference the same layout carries the codes ``predict`` and ``features`` read
+(``sae_pipeline/sae/inference_codes.py``).
 """
 
 from __future__ import annotations
@@ -316,23 +317,3 @@ def sparse_encode(x: Tensor, b_pre: Tensor, W_enc: Tensor, b_enc: Tensor, pre: T
 def sparse_decode(codes: SparseCodes, W_dec: Tensor, bias: Tensor | None = None) -> Tensor:
     """``Σ_e values[e] · W_dec[indices[e]] (+ bias)`` per token ``[B, d_in]`` (see :class:`SparseDecode`)."""
     return SparseDecode.apply(codes._values(), W_dec, bias, codes)
-
-
-@torch.no_grad()
-def sparse_codes(codes: Tensor) -> tuple[Tensor, Tensor]:
-    """Dense codes ``[B, d_sae]`` -> ``(indices [B, w] int64, values [B, w])``.
-
-    ``w`` is the largest number of nonzero codes of any token in the batch; each row lists its
-    nonzero codes by decreasing |value|, then index -1 with value 0.
-    """
-    if codes.ndim != 2:
-        raise ValueError(f"codes must be [batch, d_sae], got shape {list(codes.shape)}")
-    nonzero = codes != 0
-    width = int(nonzero.sum(1).max()) if codes.numel() else 0
-    if width == 0:
-        empty = codes.new_zeros(codes.shape[0], 0)
-        return empty.to(torch.int64), empty
-    magnitudes, indices = codes.abs().topk(width, dim=1)
-    values = codes.gather(1, indices)
-    inactive = magnitudes == 0
-    return indices.masked_fill(inactive, -1), values.masked_fill(inactive, 0.0)

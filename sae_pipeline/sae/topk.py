@@ -15,6 +15,7 @@ from torch import Tensor
 
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, keep_top_k
+from sae_pipeline.sae.inference_codes import from_token_lists
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
 
 
@@ -64,6 +65,12 @@ class TopKSAE(ShallowSAE):
 
     def sparse_activate(self, pre_values: Tensor, support: SparseCodes) -> Tensor:
         return F.relu(pre_values)
+
+    def inference_entries(self, pre: Tensor) -> SparseCodes | None:
+        """`activate`'s own top-k call on ``relu(pre)`` (computed in place), so the same latents win ties;
+        its k values and indices become the entries, without the scatter into ``[B, d_sae]``."""
+        top = F.relu(pre, inplace=True).topk(self.k, dim=-1, sorted=False)
+        return from_token_lists(top.indices, top.values, self.d_sae)
 
     def auxiliary_loss(self, x: Tensor, output: SAEOutput) -> Tensor:
         """``α · mse(e_hat, (x − x_hat).detach())`` with ``e_hat`` from the top ``k_aux`` dead latents.

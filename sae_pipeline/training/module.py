@@ -42,7 +42,7 @@ from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import sae_config
-from sae_pipeline.sae.sparse_decode import sparse_codes
+from sae_pipeline.sae.inference_codes import ranked_lists
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.non_finite import NonFiniteBatchError as NonFiniteBatchError  # callers import it here
 from sae_pipeline.training.non_finite import NonFiniteWatch, batch_sources, non_finite_batch, non_finite_loss
@@ -378,10 +378,12 @@ class SAEModule(L.LightningModule):
         self._log_eval_epoch("test")
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        """Sparse codes in raw units (trained codes / input_scale, as the exported SAE gives them)."""
+        """Sparse codes in raw units (trained codes / input_scale, as the exported SAE gives them), ranked
+        from the SAE's sparse entries (`encode_sparse`: no ``[B, d_sae]`` codes for the k-sparse variants)."""
         x = self._checked_input(batch, "predict")
-        codes = self.sae.encode(x).float() / self.input_scale
-        indices, values = sparse_codes(codes)
+        codes = self.sae.encode_sparse(x)
+        assert codes.values is not None
+        indices, values = ranked_lists(codes.with_values(codes.values.float() / self.input_scale))
         return {
             "image_ids": list(batch["image_ids"]),
             "token_positions": batch["token_positions"],

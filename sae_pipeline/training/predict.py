@@ -1,6 +1,6 @@
 """``predict``: write the SAE codes of a whole dataset to HDF5 (the format in ``codes.py``).
 
-Per token: the active atoms' indices and values (largest |value| first, padded with index
+Per token: the active atoms' indices and values (largest |value| first, ties by index, padded with index
 -1 / value 0 to the widest token), the image id and the token position. The values are in
 raw-activation units, as the exported SAE (``sae_pipeline.artifacts.load_sae``) gives them.
 
