@@ -175,3 +175,18 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, ar
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message.format(tmp=tmp_path) in err, err
     assert not (tmp_path / "out" / "causal.json").exists()
+
+
+@pytest.mark.slow
+def test_benchmark_dry_run_measures_both_ways_and_they_agree() -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.causal", "--dry-run"], capture_output=True, text=True, timeout=600, cwd=repo
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = [cell.strip() for cell in result.stdout.splitlines()[-1].strip("|").split("|")]
+    assert row[:5] == ["16", "64", "4", "300", "3"] and row[-1] == "equal", result.stdout
+    assert float(row[5].removesuffix(" s")) > 0 and float(row[8].removesuffix(" s")) > 0

@@ -109,6 +109,24 @@ def _block(chunks: list, per_image: int) -> tuple[np.ndarray, np.ndarray, list[s
     return tokens, labels, [i for c in chunks for i in c.image_ids][::per_image]
 
 
+def error_rise(
+    x: np.ndarray,
+    xhat: np.ndarray,
+    codes: tuple[np.ndarray, np.ndarray, np.ndarray],
+    D: np.ndarray,
+    sq_norms: np.ndarray,
+) -> tuple[np.ndarray, float]:
+    """Per atom, Σ_t 2 z_tj ⟨r_t, d_j⟩ + z_tj² ‖d_j‖² over the tokens it codes (r = x − x̂), and Σ_t ‖r_t‖²."""
+    t, j, v = codes
+    r = x.astype(np.float64) - xhat
+    rise = np.zeros(len(D))
+    for s in range(0, len(t), _ENTRIES):
+        ts, js, vs = t[s : s + _ENTRIES], j[s : s + _ENTRIES], v[s : s + _ENTRIES]
+        dots = np.einsum("nd,nd->n", r[ts], D[js])
+        rise += np.bincount(js, 2 * vs * dots + vs * vs * sq_norms[js], minlength=len(D))
+    return rise, float(np.einsum("nd,nd->", r, r))
+
+
 def encode_split(sae: Any, source: Any, split: str, val_fraction: float, errors: bool) -> dict[str, Any]:
     """Pooled reconstructions, labels and ids of a split; with ``errors`` also its image codes and, per atom,
     the summed error rise 2 z ⟨r, d⟩ + z² ‖d‖² over its tokens, and the summed baseline error ‖r‖²."""
@@ -126,12 +144,8 @@ def encode_split(sae: Any, source: Any, split: str, val_fraction: float, errors:
         t, j, v = token_codes(sae, x)
         xhat = reconstruct(D, b, len(x), t, j, v)
         if errors:
-            r = x.astype(np.float64) - xhat
-            base += float(np.einsum("nd,nd->", r, r))
-            for s in range(0, len(t), _ENTRIES):
-                ts, js, vs = t[s : s + _ENTRIES], j[s : s + _ENTRIES], v[s : s + _ENTRIES]
-                dots = np.einsum("nd,nd->n", r[ts], D.numpy()[js])
-                rise += np.bincount(js, 2 * vs * dots + vs * vs * sq_norms[js], minlength=sae.d_sae)
+            block_rise, block_base = error_rise(x, xhat, (t, j, v), D.numpy(), sq_norms)
+            rise, base = rise + block_rise, base + block_base
             i, j, z = pooled_entries(t, j, v, per_image, sae.d_sae)
             found["i"].append(i + len(found["ids"])), found["j"].append(j), found["z"].append(z)
         found["xhat"].append(pooled(xhat, per_image))
