@@ -163,6 +163,7 @@ def test_the_command_writes_json_and_markdown_for_chosen_atoms(tmp_path: Path, c
         (["--sae", "{tmp}/sae", "--atoms", "24"], "--atoms 24: out of range for the SAE in {tmp}/sae (d_sae = 24)"),
         (["--sae", "{tmp}/sae", "--atoms", "-1"], "--atoms -1: out of range"),
         (["--sae", "{tmp}/sae", "--data", "{tmp}/tokens.h5"], "probing needs class labels"),
+        (["--sae", "{tmp}/sae", "--val_fraction", "0"], "--val_fraction"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, args: list, message: str) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from tqdm import tqdm
 
-from sae_pipeline.evaluate.probing import check_labelled, pooled
+from sae_pipeline.evaluate.probing import pooled
 
 TOP_IMAGES = 5  # images listed per atom
 RANDOM_ATOMS = 19  # random directions per atom: strictly above all 19 is p <= 1/20 under the null
@@ -92,11 +91,14 @@ def read_split(source: Any, split: str, val_fraction: float) -> Any:
     per_image = units[0].tokens_per_image if source.unit_kind == "shards" and units else 1
     held: list = []
     for unit in units:
-        for chunk in unit.read(0, unit.n_tokens, with_ids=True):
-            held.append(chunk)
-            if sum(len(c.tokens) for c in held) >= _BLOCK:
-                yield _block(held, per_image)
-                held = []
+        # a row source's chunk holds up to 8192 rows: read _BLOCK at a time (dense codes [rows, d_sae] while encoding)
+        step = unit.n_tokens if per_image > 1 else _BLOCK
+        for lo in range(0, unit.n_tokens, step):
+            for chunk in unit.read(lo, min(lo + step, unit.n_tokens), with_ids=True):
+                held.append(chunk)
+                if sum(len(c.tokens) for c in held) >= _BLOCK:
+                    yield _block(held, per_image)
+                    held = []
     if held:
         yield _block(held, per_image)
 
@@ -135,7 +137,10 @@ def encode_split(sae: Any, source: Any, split: str, val_fraction: float, errors:
     per_image = source.units(split, val_fraction)[0].tokens_per_image if source.unit_kind == "shards" else 1
     found: dict[str, Any] = {"xhat": [], "labels": [], "ids": [], "i": [], "j": [], "z": [], "n_tokens": 0}
     rise, base = np.zeros(sae.d_sae), 0.0
+    total = sum(unit.n_tokens for unit in source.units(split, val_fraction))
+    bar = tqdm(total=total, desc=f"encoding {split}", unit="token", delay=2, dynamic_ncols=True, leave=False)
     for x, labels, ids in read_split(source, split, val_fraction):
+        bar.update(len(x))
         if x.shape[1] != sae.d_in:
             raise ValueError(
                 f"--data: tokens are {x.shape[1]}-d but the SAE takes d_in = {sae.d_in}; "
@@ -152,6 +157,7 @@ def encode_split(sae: Any, source: Any, split: str, val_fraction: float, errors:
         found["labels"].append(labels)
         found["ids"] += ids
         found["n_tokens"] += len(x)
+    bar.close()
     out = {key: np.concatenate(found[key]) for key in ("xhat", "labels", *(("i", "j", "z") if errors else ()))}
     out.update(ids=found["ids"], n_tokens=found["n_tokens"], per_image=per_image, rise=rise, base=base)
     return out
@@ -326,25 +332,3 @@ def causal_effects(sae: Any, source: Any, data: str, val_fraction: float, atoms:
 
 def _plain(values: np.ndarray) -> list[float | None]:
     return [None if math.isnan(v) else v for v in values.tolist()]
-
-
-def check_atoms(atoms: list[int] | None, d_sae: int, sae_dpath: Path | str) -> None:
-    """One-line error for an ``--atoms`` index outside the dictionary."""
-    for atom in atoms or ():
-        if not 0 <= atom < d_sae:
-            raise ValueError(
-                f"--atoms {atom}: out of range for the SAE in {sae_dpath} (d_sae = {d_sae}); pass atoms 0..{d_sae - 1}"
-            )
-
-
-def check_inputs(sae_dpath: Path | str, data: str, data_dpath: str) -> None:
-    """The one-line errors that need no SAE or data read: a missing SAE folder, unlabelled data, no MNIST."""
-    from sae_pipeline.evaluate.data_flags import check_mnist
-
-    if not Path(sae_dpath).is_dir():
-        raise ValueError(
-            f"--sae {sae_dpath}: not a directory; pass an export (config.json + sae.safetensors) or a "
-            "SAELens directory (cfg.json + sae_weights.safetensors)"
-        )
-    check_labelled(data)
-    check_mnist(data, data_dpath)

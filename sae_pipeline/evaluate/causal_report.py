@@ -18,10 +18,10 @@ def run_causal(args: Any) -> Path:
     """Check the input (one line each), measure, write both files; returns the Markdown file."""
     from sae_pipeline.artifacts import load_sae
     from sae_pipeline.data.sources import open_source
-    from sae_pipeline.evaluate.causal import causal_effects, check_atoms, check_inputs
+    from sae_pipeline.evaluate.causal import causal_effects
     from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 
-    check_inputs(args.sae, args.data, args.data_dpath)
+    check_inputs(args.sae, args.data, args.data_dpath, args.val_fraction)
     sae = load_sae(args.sae)
     check_atoms(args.atoms, sae.d_sae, args.sae)
     source = open_source(args.data, args.data_dpath, flags=EVALUATE_FLAGS)
@@ -37,6 +37,32 @@ def run_causal(args: Any) -> Path:
         f"{result['seconds']:.1f} s"
     )
     return out_dpath / MD_FNAME
+
+
+def check_atoms(atoms: list[int] | None, d_sae: int, sae_dpath: Path | str) -> None:
+    """One-line error for an ``--atoms`` index outside the dictionary."""
+    for atom in atoms or ():
+        if not 0 <= atom < d_sae:
+            raise ValueError(
+                f"--atoms {atom}: out of range for the SAE in {sae_dpath} (d_sae = {d_sae}); pass atoms 0..{d_sae - 1}"
+            )
+
+
+def check_inputs(sae_dpath: Path | str, data: str, data_dpath: str, val_fraction: float) -> None:
+    """The one-line errors that need no SAE or data read: a missing SAE folder, unlabelled data, no MNIST, a
+    held-out share that leaves no validation split (the effects are measured there)."""
+    from feature_extraction.validate import check_float
+    from sae_pipeline.evaluate.data_flags import check_mnist
+    from sae_pipeline.evaluate.probing import check_labelled
+
+    if not Path(sae_dpath).is_dir():
+        raise ValueError(
+            f"--sae {sae_dpath}: not a directory; pass an export (config.json + sae.safetensors) or a "
+            "SAELens directory (cfg.json + sae_weights.safetensors)"
+        )
+    check_float("--val_fraction", val_fraction, 0.0, 1.0, strict_minimum=True, strict_maximum=True)
+    check_labelled(data)
+    check_mnist(data, data_dpath)
 
 
 def _number(value: float | None, digits: int = 4) -> str:
