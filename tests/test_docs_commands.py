@@ -57,6 +57,7 @@ TINY: dict[str, list[str]] = {
     "--format saelens": [],
     "python -m sae_pipeline.evaluate sae --sae sl_mpsae --data digits --out eval_sl": [],
     "python -m sae_pipeline.evaluate sae --sae exported --data digits --out eval_one": [],
+    "python -m sae_pipeline.evaluate causal --sae exported --data digits --out eval_causal": [],
     "python -m sae_pipeline features --config configs/mpsae_digits.yaml --ckpt_path last --out site_digits": [
         "--top",
         "2",

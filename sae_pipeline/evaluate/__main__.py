@@ -208,6 +208,18 @@ def build_parser() -> Any:
         "--max_tokens", type=PositiveInt, default=None, help="cap on validation tokens (default: the whole split)"
     )
     one.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
+    causal = add("causal", "each atom's effect on a linear probe and on the error when zeroed in the reconstruction")
+    causal.add_argument("--sae", required=True, help="export or SAELens directory (as for the sae subcommand)")
+    causal.add_argument("--out", required=True, help="output folder: causal.json, causal.md")
+    causal.add_argument(
+        "--data",
+        default="digits",
+        help="labelled data the SAE was trained on: digits, mnist_sample, mnist or a shard directory whose "
+        "meta.json carries 'label'; probe fitted on the training split, effects measured on the validation split",
+    )
+    causal.add_argument("--atoms", nargs="+", type=int, default=None, help="atoms to report (default: all)")
+    causal.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's")
+    causal.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
     return parser
 
 
@@ -391,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
                 return write_report(results, Path(args.out))
             if args.command == "sae":
                 return run_sae(args)
+            if args.command == "causal":
+                from sae_pipeline.evaluate.causal_report import run_causal
+
+                return run_causal(args)
             if args.command == "dictionary":
                 return run_dictionary(args) / "report.md"
             return run_studies(args) / "report.md"
