@@ -112,7 +112,7 @@ function indexPage() {
   const cols = data.columns, rows = data.rows, tbody = document.querySelector("#atoms tbody");
   const search = document.getElementById("search"), count = document.getElementById("count");
   const hooks = window.siteIndexHooks || null;  // assets/labels.js: label cells and filter
-  let key = "id", desc = false;
+  let key = data.sort || "id", desc = key !== "id";  // labelled data: by the excess over chance, largest first
   function render() {
     const q = search.value.trim();
     let shown = q === "" ? rows.slice() : rows.filter(r => String(r[0]).startsWith(q));
@@ -138,7 +138,8 @@ function indexPage() {
       cells.push("<td>" + fmt(r[cols.indexOf("max_cosine")], 3) + (near === null ? "" : ' <span class="muted">#' + near + "</span>") + "</td>");
       if (data.has_steps) cells.push("<td>" + fmt(r[cols.indexOf("mean_step")], 3) + "</td>");
       if (hooks) cells.push(...hooks.cells(r, cols));
-      html.push('<tr data-id="' + r[0] + '">' + cells.join("") + "</tr>");
+      const cls = hooks && hooks.rowClass ? hooks.rowClass(r, cols) : "";
+      html.push('<tr data-id="' + r[0] + '"' + (cls ? ' class="' + cls + '"' : "") + ">" + cells.join("") + "</tr>");
     });
     tbody.innerHTML = html.join("");
     count.textContent = shown.length + " of " + rows.length + " atoms";

@@ -1,8 +1,9 @@
 """The label parts' stylesheet and script, written once as ``OUT/assets/labels.css|js`` (no CDN, no network).
 
 The script plugs into the index table of ``assets/site.js`` through ``window.siteIndexHooks``
-(two cells per row, the top-label filter) and draws the selectivity-vs-frequency scatter on a
-``<canvas>`` from the index's JSON block, so the figure costs no file per atom and opens offline.
+(four cells per row, a row class for the verdict against chance, the top-label filter) and draws
+the selectivity-vs-frequency scatter on a ``<canvas>`` from the index's JSON block, so the figure
+costs no file per atom and opens offline.
 """
 
 LABELS_CSS = """
@@ -20,6 +21,12 @@ article.label-atom h3 { font-size: 15px; margin: 4px 0; }
 .thumbs img { width: 64px; height: 64px; object-fit: cover; margin: 2px; border: 2px solid transparent; }
 .thumbs img.pixels { image-rendering: pixelated; }
 .thumbs img.mine { border-color: var(--accent); }
+tr.few td { color: var(--muted); opacity: 0.55; }
+tr.few td img { filter: grayscale(1); }
+.tag { font-size: 11px; padding: 0 4px; border-radius: 3px; margin-left: 4px; white-space: nowrap; }
+.tag.chance { background: #fde2e1; color: #8a1c14; }
+.tag.few { background: #eceef1; color: var(--muted); }
+p.chance.beats b { color: #166534; } p.chance.null b { color: #8a1c14; } p.chance.few { color: var(--muted); }
 """
 
 LABELS_JS = r"""
@@ -34,10 +41,19 @@ LABELS_JS = r"""
     cells(r, cols) {
       if (!data || !data.labels) return [];
       const s = r[cols.indexOf("selectivity")], label = r[cols.indexOf("top_label")], q = r[cols.indexOf("top_share")];
+      const excess = r[cols.indexOf("excess")], p = r[cols.indexOf("p_adjusted")], verdict = r[cols.indexOf("verdict")];
       const name = label === null ? "–" : esc(data.labels[label]);  // the label pages are linked above the table
+      const tag = verdict === 1 ? '<span class="tag chance" title="does not beat chance at the FDR">chance</span>'
+        : verdict === 0 ? '<span class="tag few" title="too few images to say">few</span>' : "";
       return ["<td>" + (s === null ? "–" : s.toFixed(3)) + "</td>",
+              "<td>" + (excess === null ? "–" : excess.toFixed(3)) + "</td>",
+              "<td>" + (p === null ? "–" : p.toPrecision(2)) + tag + "</td>",
               '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>")
               + "</td>"];
+    },
+    rowClass(r, cols) {
+      const verdict = r[cols.indexOf("verdict")];
+      return verdict === 0 ? "few" : verdict === 1 ? "chance" : verdict === 2 ? "beats" : "";
     },
     filter(r, cols) {
       const el = select();
