@@ -35,8 +35,9 @@ body.no-heat .frame canvas { display: none; }
 .prefix { display: flex; gap: 4px; margin-top: 6px; min-height: 20px; }
 .prefix .tok { font-size: 11px; padding: 1px 5px; border: 1px solid var(--line); border-radius: 3px; }
 .prefix .tok.top { outline: 2px solid var(--accent); }
-figcaption { margin-top: 6px; font-size: 12px; word-break: break-all; }
+figcaption { margin-top: 6px; font-size: 12px; overflow-wrap: anywhere; }  /* long ids wrap; numbers are never split */
 figcaption .value { font-weight: 600; font-size: 14px; }
+.value, .num { white-space: nowrap; }
 .controls { display: flex; gap: 16px; align-items: center; margin: 8px 0; }
 .controls input { font-size: 14px; padding: 4px 8px; width: 160px; }
 table { border-collapse: collapse; width: 100%; background: #fff; }

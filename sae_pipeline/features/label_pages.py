@@ -18,6 +18,8 @@ Unlabelled data (an ``.h5`` cache, a flat image folder): the pages say so and no
 
 from __future__ import annotations
 
+import colorsys
+import functools
 import html
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +29,37 @@ import numpy as np
 from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
 from sae_pipeline.features.selectivity import FORMULA, LabelStats
 
-PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
+# Tableau 20: one colour per label wherever it appears (bars, legends, the index scatter), none shared up to 20 labels
+PALETTE = (
+    "#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+    "#a0cbe8", "#ffbe7d", "#ff9d9a", "#86bcb6", "#8cd17d", "#f1ce63", "#d4a6c8", "#fabfd2", "#d7b5a6", "#79706e",
+)  # fmt: skip
 OTHER = "#c9ccd1"
+SHOWN = 9  # labels drawn in colour in one bar; the atom's other labels are one grey "other"
+
+
+@functools.lru_cache(maxsize=8)
+def label_colours(n_labels: int) -> tuple[str, ...]:
+    """The colour of each label column: the palette up to 20 labels, beyond it distinct hues (golden-angle steps,
+    three lightnesses), so that no two labels share a colour on any page."""
+    if n_labels <= len(PALETTE):
+        return PALETTE[:n_labels]
+    colours: dict[str, None] = {}
+    for i in range(n_labels):
+        hue, light = (i * 137.508) % 360, (40, 55, 70)[i % 3]
+        colour = _hsl_hex(hue, 65, light)
+        while colour in colours:  # two hues that round to one 24-bit colour: nudge the lightness
+            light += 0.4
+            colour = _hsl_hex(hue, 65, light)
+        colours[colour] = None
+    return tuple(colours)
+
+
+def _hsl_hex(hue: float, saturation: float, light: float) -> str:
+    r, g, b = colorsys.hls_to_rgb(hue / 360, light / 100, saturation / 100)
+    return "#" + "".join(f"{round(v * 255):02x}" for v in (r, g, b))
+
+
 NO_LABELS = "The images carry no labels: no label statistics."
 esc = html.escape
 
@@ -87,8 +118,10 @@ def chance_line(stats: LabelStats, atom: int) -> str:
 
 
 def share_bars(stats: LabelStats, rows: list[tuple[str, np.ndarray]], order: np.ndarray) -> str:
-    """Stacked bars (one per ``(caption, counts [L])``) in the colours of the labels ``order``, the rest grey."""
-    colours = {int(c): PALETTE[i] for i, c in enumerate(order[: len(PALETTE)])}
+    """Stacked bars (one per ``(caption, counts [L])``): the first ``SHOWN`` labels of ``order`` each in its own
+    colour (`label_colours`: the same on every page), the rest grey."""
+    palette = label_colours(len(stats.labels))
+    colours = {int(c): palette[int(c)] for c in order[:SHOWN]}
     parts = []
     for caption, counts in rows:
         total = counts.sum()
@@ -140,6 +173,12 @@ def atom_bars(stats: LabelStats, atom: int, n_top: int, prefix: str) -> tuple[st
         return '<p class="muted">It never fired on a labelled image.</p>', bars
     name = f'<a href="{prefix}labels/{label_fname(label)}">{esc(stats.name(label))}</a>'
     column = stats.column(label)
+    tied = [int(c) for c in np.flatnonzero(q == q[column]) if c != column]
+    if tied:
+        names = ", ".join(
+            f'<a href="{prefix}labels/{label_fname(int(stats.labels[c]))}">{esc(stats.names[c])}</a>' for c in tied
+        )
+        name += f' <span class="tie">(tied with {names}: equal c / m; the lowest label id is shown)</span>'
     line = (
         f"top label <b>{name}</b>: prior-corrected share q = {_number(stats.top_share[atom])} "
         f"(1/L = {1 / len(stats.labels):.3g}); fires on {int(fire[column])} of its {int(stats.images[column])} "
@@ -178,10 +217,17 @@ def index_columns(stats: LabelStats | None, atom: int) -> list:
         _cell(stats.chance.excess[atom]),
         _cell(stats.chance.p_adjusted[atom], 3),
         verdict(stats, atom),
+        ties(stats, atom),
     ]
 
 
-INDEX_COLUMNS = ["selectivity", "top_label", "top_share", "excess", "p_adjusted", "verdict"]
+def ties(stats: LabelStats, atom: int) -> int:
+    """How many other labels share the top label's ``q`` (0: a single top label)."""
+    q = stats.q(atom)
+    return int((q == q.max()).sum() - 1) if q.max() > 0 else 0
+
+
+INDEX_COLUMNS = ["selectivity", "top_label", "top_share", "excess", "p_adjusted", "verdict", "top_ties"]
 
 
 def index_headers(stats: LabelStats | None) -> list[str]:
@@ -215,11 +261,25 @@ def index_section(stats: LabelStats | None) -> str:
         f'<p class="muted formula">{esc(stats.chance.formula())}</p>'
         '<figure class="scatter"><canvas id="scatter" width="720" height="300"></canvas>'
         '<figcaption class="muted">selectivity S against frequency (log scale), one dot per atom, coloured by '
-        "top label; click a dot for its page</figcaption></figure>"
+        f"top label; click a dot for its page</figcaption>{scatter_legend(stats)}</figure>"
         f'<div class="controls"><label>top label <select id="label-filter"><option value="">any</option>{options}'
         "</select></label></div></section>"
         '<script src="assets/labels.js"></script>'
     )
+
+
+def scatter_legend(stats: LabelStats) -> str:
+    """The scatter's legend: every label's colour (the same as in every bar), up to the palette's 20 labels."""
+    colours = label_colours(len(stats.labels))
+    if len(stats.labels) > len(PALETTE):
+        return (
+            f'<p class="muted legend-note">{len(stats.labels)} labels, each its own hue (the colour of its bars); '
+            "filter by top label to pick one out</p>"
+        )
+    items = "".join(
+        f'<span><i style="background:{colour}"></i>{esc(name)}</span>' for colour, name in zip(colours, stats.names)
+    )
+    return f'<div class="legend-labels scatter-legend">{items}<span><i style="background:#888"></i>none</span></div>'
 
 
 def chance_summary(stats: LabelStats) -> str:
@@ -237,7 +297,12 @@ def index_data(stats: LabelStats | None) -> dict:
     """What the index's JSON adds for ``assets/labels.js`` (and the first sort: by the excess over chance)."""
     if stats is None:
         return {"labels": None}
-    return {"labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)}, "sort": "excess"}
+    colours = label_colours(len(stats.labels))
+    return {
+        "labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)},
+        "colours": {str(int(label)): colour for label, colour in zip(stats.labels, colours)},
+        "sort": "excess",
+    }
 
 
 def write_label_pages(
