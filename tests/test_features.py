@@ -198,6 +198,13 @@ def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:
         ],
         "not a feature browser site": [*base, "--out", str(data["images"])],
         "pass exactly one of --ckpt_path": ["--data.source", "digits", "--out", str(tmp_path / "d")],
+        "--fdr must be a finite number in (0, 1) (a false-discovery rate), got 1.0": [
+            *base,
+            "--out",
+            str(tmp_path / "a"),
+            "--fdr",
+            "1",
+        ],
     }
     for expected, args in cases.items():
         code, err = run(args, capsys)

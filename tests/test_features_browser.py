@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from features_fixtures import D, identity_sae, write_export, write_shards
 from PIL import Image
 from site_walk import chromium, walk_site
@@ -14,17 +15,31 @@ from site_walk import chromium, walk_site
 from sae_pipeline.__main__ import main
 
 
+def thresholded_sae(tokens: np.ndarray):
+    """The identity SAE with per-atom thresholds (codes = relu(x - t)) set from the tokens so that atom j fires on
+    ``FIRES[j]`` of the 14 images: the index has atoms with too few images to say beside atoms tested."""
+    best = np.sort(tokens.reshape(14, -1, D).max(1), axis=0)[::-1]  # [rank, atom]: each image's best token
+    thresholds = [0.0 if k >= 14 else float(best[k - 1, j] + best[k, j]) / 2 for j, k in enumerate(FIRES)]
+    sae = identity_sae()
+    with torch.no_grad():
+        sae.b_enc.copy_(-torch.tensor(thresholds))
+    return sae
+
+
+FIRES = (14, 14, 12, 10, 9, 8, 7, 6, 5, 3, 2, 1)  # atom 0 untouched (its page shows 5 cards)
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("browser")
-    write_shards(root / "shards", root / "images")
+    tokens, _ = write_shards(root / "shards", root / "images")
     out = root / "site"
     assert (
         main(
             [
                 "features",
                 "--sae",
-                str(write_export(identity_sae(), root / "sae")),
+                str(write_export(thresholded_sae(tokens), root / "sae")),
                 "--data.source",
                 str(root / "shards"),
                 "--out",
@@ -125,14 +140,38 @@ def canvas_pixels(page, selector: str) -> int:
     )
 
 
+def by_excess(table) -> list[int]:
+    """The atoms by their excess over chance as the index rounds it (4 digits), largest first, ties by id."""
+    excess = [float(f"{x:.4g}") if np.isfinite(x) else None for x in table["label_selectivity_excess"]]
+    return sorted(range(D), key=lambda a: (excess[a] is None, -(excess[a] or 0.0), a))
+
+
+def check_chance_order_and_marks(page, table) -> None:
+    """The index opens sorted by the excess over chance (largest first, atoms without one last), atoms with too
+    few images greyed, atoms tested that do not beat chance tagged."""
+    rows = page.locator("#atoms tbody tr")
+    ids = [int(i) for i in rows.evaluate_all("rows => rows.map(r => r.dataset.id)")]
+    assert ids == by_excess(table)
+    assert page.locator('th[data-key="excess"]').get_attribute("class") == "sorted-desc"
+    classes = dict(zip(ids, rows.evaluate_all("rows => rows.map(r => r.className)")))
+    too_few = {a for a in range(D) if table["label_too_few"][a]}
+    null = {a for a in range(D) if np.isfinite(table["label_top_p_adjusted"][a]) and not table["label_beats_chance"][a]}
+    assert too_few and null  # the thresholds give both kinds
+    assert {a for a, c in classes.items() if c == "few"} == too_few
+    assert {a for a, c in classes.items() if c == "chance"} == null
+    assert page.locator("tr.chance .tag.chance").count() == len(null)
+    assert page.locator("tr.few").first.evaluate("r => getComputedStyle(r.cells[0]).opacity") == "0.55"
+
+
 def test_label_statistics_scatter_filter_and_label_pages(site, browser, tmp_path) -> None:
     table = np.load(site / "features.npz")
     page, errors = open_page(browser, (site / "index.html").as_uri())
     assert canvas_pixels(page, "#scatter") > 500  # axes and one dot per atom
     page.locator("#label-filter").select_option("1")  # the filter by top label
     ids = [int(i) for i in page.locator("#atoms tbody tr").evaluate_all("rows => rows.map(r => r.dataset.id)")]
-    assert ids == [atom for atom in range(D) if table["label_top"][atom] == 1]
+    assert ids == [atom for atom in by_excess(table) if table["label_top"][atom] == 1]  # in the first sort
     page.locator("#label-filter").select_option("")
+    check_chance_order_and_marks(page, table)
     page.locator('th[data-key="selectivity"]').click()  # sortable: descending first
     first = page.locator("#atoms tbody tr").first.get_attribute("data-id")
     assert table["label_selectivity"][int(first)] == np.nanmax(table["label_selectivity"])

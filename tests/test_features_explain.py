@@ -29,7 +29,10 @@ from sae_pipeline.features.explain import recorded_extraction
 from sae_pipeline.sae import ReLUSAE
 
 D_IN, D_SAE, TOP = 192, 24, 16  # vit_tiny's width; a dictionary small enough that most atoms fire on a photo
-CARD = re.compile(r'#(\d+)(?:</a>)? · max <span class="value">([^<]+)</span> · sum ([^<]+)</figcaption>')
+CARD = re.compile(
+    r'#(\d+)(?:</a>)? · <span class="num">max <span class="value">([^<]+)</span></span> · '
+    r'<span class="num">sum ([^<]+)</span></figcaption>'
+)
 
 
 def rankings(page: Path) -> dict[str, list[tuple[int, float, float]]]:

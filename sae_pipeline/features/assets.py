@@ -35,8 +35,9 @@ body.no-heat .frame canvas { display: none; }
 .prefix { display: flex; gap: 4px; margin-top: 6px; min-height: 20px; }
 .prefix .tok { font-size: 11px; padding: 1px 5px; border: 1px solid var(--line); border-radius: 3px; }
 .prefix .tok.top { outline: 2px solid var(--accent); }
-figcaption { margin-top: 6px; font-size: 12px; word-break: break-all; }
+figcaption { margin-top: 6px; font-size: 12px; overflow-wrap: anywhere; }  /* long ids wrap; numbers are never split */
 figcaption .value { font-weight: 600; font-size: 14px; }
+.value, .num { white-space: nowrap; }
 .controls { display: flex; gap: 16px; align-items: center; margin: 8px 0; }
 .controls input { font-size: 14px; padding: 4px 8px; width: 160px; }
 table { border-collapse: collapse; width: 100%; background: #fff; }
@@ -112,7 +113,7 @@ function indexPage() {
   const cols = data.columns, rows = data.rows, tbody = document.querySelector("#atoms tbody");
   const search = document.getElementById("search"), count = document.getElementById("count");
   const hooks = window.siteIndexHooks || null;  // assets/labels.js: label cells and filter
-  let key = "id", desc = false;
+  let key = data.sort || "id", desc = key !== "id";  // labelled data: by the excess over chance, largest first
   function render() {
     const q = search.value.trim();
     let shown = q === "" ? rows.slice() : rows.filter(r => String(r[0]).startsWith(q));
@@ -138,7 +139,8 @@ function indexPage() {
       cells.push("<td>" + fmt(r[cols.indexOf("max_cosine")], 3) + (near === null ? "" : ' <span class="muted">#' + near + "</span>") + "</td>");
       if (data.has_steps) cells.push("<td>" + fmt(r[cols.indexOf("mean_step")], 3) + "</td>");
       if (hooks) cells.push(...hooks.cells(r, cols));
-      html.push('<tr data-id="' + r[0] + '">' + cells.join("") + "</tr>");
+      const cls = hooks && hooks.rowClass ? hooks.rowClass(r, cols) : "";
+      html.push('<tr data-id="' + r[0] + '"' + (cls ? ' class="' + cls + '"' : "") + ">" + cells.join("") + "</tr>");
     });
     tbody.innerHTML = html.join("");
     count.textContent = shown.length + " of " + rows.length + " atoms";

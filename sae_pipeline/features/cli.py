@@ -39,7 +39,7 @@ from typing import Any, Optional
 from feature_extraction.exit_status import Interrupted, flag_error
 from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.output_lock import output_lock
-from feature_extraction.validate import check_int
+from feature_extraction.validate import check_float, check_int
 from sae_pipeline.config_files import load_config
 
 PROG = "python -m sae_pipeline features"
@@ -91,6 +91,12 @@ def build_parser() -> Any:
     parser.add_argument("--images", help="where the extraction's images are now, when they have moved")
     parser.add_argument("--atoms", type=int, nargs="+", help="only these atom ids get pages (default: every atom)")
     parser.add_argument("--neighbours", type=int, default=8, help="nearest atoms (by cosine) listed per atom")
+    parser.add_argument(
+        "--fdr",
+        type=float,
+        default=0.05,
+        help="false-discovery rate (Benjamini-Hochberg over atoms) at which an atom's label selectivity beats chance",
+    )
     for key in DATA_KEYS:
         kind = {"batch_size": Optional[int], "num_workers": Optional[int], "allow_download": Optional[bool]}.get(
             key, Optional[str]
@@ -181,6 +187,7 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
 
     check_int("--top", args.top, 1, note=" (images kept per atom)")
     check_int("--neighbours", args.neighbours, 0)
+    check_float("--fdr", args.fdr, 0, 1, strict_minimum=True, strict_maximum=True, note=" (a false-discovery rate)")
     if args.atoms:
         bad = [atom for atom in args.atoms if not 0 <= atom < sae.d_sae]
         if bad:
@@ -305,6 +312,7 @@ def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path
         images_dpath=args.images,
         atoms=args.atoms,
         n_neighbours=args.neighbours,
+        fdr=args.fdr,
     )
     n_tokens = int(module.state["n_tokens"])
     return (

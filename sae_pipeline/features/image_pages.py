@@ -56,7 +56,10 @@ def _cards(
             )
         href = atom_href(atom)
         name = f'<a class="atom" href="{esc(href)}">#{atom}</a>' if href else f"#{atom}"
-        caption = f'{name} · max <span class="value">{top["max"][i]:.4g}</span> · sum {top["sum"][i]:.4g}'
+        caption = (
+            f'{name} · <span class="num">max <span class="value">{top["max"][i]:.4g}</span></span> · '
+            f'<span class="num">sum {top["sum"][i]:.4g}</span>'
+        )
         cards.append(f'<figure class="card"{heat_attr}>{frame}{chips}<figcaption>{caption}</figcaption></figure>')
     if not cards:
         return '<p class="muted">No atom fires on this image.</p>'

@@ -1,8 +1,9 @@
 """The label parts' stylesheet and script, written once as ``OUT/assets/labels.css|js`` (no CDN, no network).
 
 The script plugs into the index table of ``assets/site.js`` through ``window.siteIndexHooks``
-(two cells per row, the top-label filter) and draws the selectivity-vs-frequency scatter on a
-``<canvas>`` from the index's JSON block, so the figure costs no file per atom and opens offline.
+(four cells per row, a row class for the verdict against chance, the top-label filter) and draws
+the selectivity-vs-frequency scatter on a ``<canvas>`` from the index's JSON block, so the figure
+costs no file per atom and opens offline.
 """
 
 LABELS_CSS = """
@@ -20,12 +21,19 @@ article.label-atom h3 { font-size: 15px; margin: 4px 0; }
 .thumbs img { width: 64px; height: 64px; object-fit: cover; margin: 2px; border: 2px solid transparent; }
 .thumbs img.pixels { image-rendering: pixelated; }
 .thumbs img.mine { border-color: var(--accent); }
+tr.few td { color: var(--muted); opacity: 0.55; }
+.tag.tie { background: #eef2ff; color: #3730a3; }
+td { white-space: nowrap; }
+tr.few td img { filter: grayscale(1); }
+.tag { font-size: 11px; padding: 0 4px; border-radius: 3px; margin-left: 4px; white-space: nowrap; }
+.tag.chance { background: #fde2e1; color: #8a1c14; }
+.tag.few { background: #eceef1; color: var(--muted); }
+p.chance.beats b { color: #166534; } p.chance.null b { color: #8a1c14; } p.chance.few { color: var(--muted); }
 """
 
 LABELS_JS = r"""
 "use strict";
 (function () {
-  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"];
   let data = null;
   const select = () => document.getElementById("label-filter");
   const ESC = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
@@ -34,10 +42,22 @@ LABELS_JS = r"""
     cells(r, cols) {
       if (!data || !data.labels) return [];
       const s = r[cols.indexOf("selectivity")], label = r[cols.indexOf("top_label")], q = r[cols.indexOf("top_share")];
-      const name = label === null ? "–" : esc(data.labels[label]);  // the label pages are linked above the table
+      const excess = r[cols.indexOf("excess")], p = r[cols.indexOf("p_adjusted")], verdict = r[cols.indexOf("verdict")];
+      const tied = r[cols.indexOf("top_ties")];
+      const name = label === null ? "–" : esc(data.labels[label])  // the label pages are linked above the table
+        + (tied ? ' <span class="tag tie" title="other labels share the top q; the lowest id is shown">+' + tied
+                  + " tied</span>" : "");
+      const tag = verdict === 1 ? '<span class="tag chance" title="does not beat chance at the FDR">chance</span>'
+        : verdict === 0 ? '<span class="tag few" title="too few images to say">few</span>' : "";
       return ["<td>" + (s === null ? "–" : s.toFixed(3)) + "</td>",
+              "<td>" + (excess === null ? "–" : excess.toFixed(3)) + "</td>",
+              "<td>" + (p === null ? "–" : p.toPrecision(2)) + tag + "</td>",
               '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>")
               + "</td>"];
+    },
+    rowClass(r, cols) {
+      const verdict = r[cols.indexOf("verdict")];
+      return verdict === 0 ? "few" : verdict === 1 ? "chance" : verdict === 2 ? "beats" : "";
     },
     filter(r, cols) {
       const el = select();
@@ -70,7 +90,7 @@ LABELS_JS = r"""
       const px = X(xs[i]), py = Y(r[si]), label = r[li];
       const on = chosen === "" || String(label) === chosen;
       ctx.globalAlpha = on ? 0.8 : 0.12;
-      ctx.fillStyle = label === null ? "#888" : PALETTE[label % PALETTE.length];
+      ctx.fillStyle = label === null ? "#888" : data.colours[label];  // the label's colour on every page
       ctx.beginPath(); ctx.arc(px, py, on && chosen !== "" ? 3.5 : 2.5, 0, 2 * Math.PI); ctx.fill();
       if (on && r[pi]) hits.push([px, py, r[pi]]);
     });

@@ -3,8 +3,12 @@
 - atom page: the atom's top label, its prior-corrected share and selectivity
   (:mod:`sae_pipeline.features.selectivity`, formula on the page), and an inline SVG bar of label
   shares for the images it fires on, its top-N images and all images (the prior), side by side;
-- index: selectivity and top-label columns (sortable), a top-label filter, links to every label
-  page and a selectivity-vs-frequency scatter drawn by ``assets/labels.js`` on a canvas (no CDN);
+- atom page and label pages: the atom against chance (`sae_pipeline.features.chance`): the ``S`` of
+  as many random images, the excess over it, the top label's p-value and whether it beats chance;
+- index: selectivity, excess over chance, adjusted p-value and top-label columns (sortable; sorted
+  by the excess at first), atoms that do not beat chance marked and those with too few images to say
+  greyed, a top-label filter, links to every label page and a selectivity-vs-frequency scatter drawn
+  by ``assets/labels.js`` on a canvas (no CDN);
 - ``labels/<id>.html``: the atoms that match the label best (by F1 of precision and recall, see
   :mod:`sae_pipeline.features.selectivity`), each with its label bar and top images, the images of
   this label outlined.
@@ -21,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
+from sae_pipeline.features.label_colours import OTHER, PALETTE, label_colours
 from sae_pipeline.features.selectivity import FORMULA, LabelStats
 
-PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f")
-OTHER = "#c9ccd1"
+SHOWN = 9  # labels drawn in colour in one bar; the atom's other labels are one grey "other"
 NO_LABELS = "The images carry no labels: no label statistics."
 esc = html.escape
 
@@ -41,9 +45,52 @@ def _number(x: float) -> str:
     return "–" if not np.isfinite(x) else f"{x:.3f}"
 
 
+def _p(x: float) -> str:
+    return "–" if not np.isfinite(x) else f"{x:.2g}"
+
+
+VERDICT_FEW, VERDICT_CHANCE, VERDICT_BEATS = 0, 1, 2
+
+
+def verdict(stats: LabelStats, atom: int) -> int | None:
+    """2: beats chance at the FDR; 1: tested, does not; 0: too few images to say; None: no label statistics."""
+    chance = stats.chance
+    if chance.beats[atom]:
+        return VERDICT_BEATS
+    if np.isfinite(chance.p_adjusted[atom]):
+        return VERDICT_CHANCE
+    return VERDICT_FEW if chance.too_few[atom] else None
+
+
+def chance_line(stats: LabelStats, atom: int) -> str:
+    """The atom against as many random images (``<p>``), or that it has too few images to say."""
+    chance, n = stats.chance, int(stats.fire[atom].sum())
+    kind = verdict(stats, atom)
+    if kind is None:
+        return ""
+    if kind == VERDICT_FEW:
+        return (
+            f'<p class="chance few">Too few images to say: it fires on {n} labelled images, fewer than n_min = '
+            f"{chance.n_min}, the fewest that, all of one label, could beat chance at FDR {chance.fdr:g}.</p>"
+        )
+    said = (
+        f"<b>beats chance</b> at FDR {chance.fdr:g}"
+        if kind == VERDICT_BEATS
+        else f"<b>does not beat chance</b> at FDR {chance.fdr:g}"
+    )
+    return (
+        f'<p class="chance {"beats" if kind == VERDICT_BEATS else "null"}">Against chance: {n} random labelled '
+        f"images would score E[S] = {_number(chance.mean[atom])} ± {_number(chance.sd[atom])} (SD over "
+        f"{chance.draws} draws); excess S − E[S] = {_number(chance.excess[atom])}; top-label p = "
+        f"{_p(chance.p[atom])} (hypergeometric, × L), Benjamini–Hochberg {_p(chance.p_adjusted[atom])}: {said}.</p>"
+    )
+
+
 def share_bars(stats: LabelStats, rows: list[tuple[str, np.ndarray]], order: np.ndarray) -> str:
-    """Stacked bars (one per ``(caption, counts [L])``) in the colours of the labels ``order``, the rest grey."""
-    colours = {int(c): PALETTE[i] for i, c in enumerate(order[: len(PALETTE)])}
+    """Stacked bars (one per ``(caption, counts [L])``): the first ``SHOWN`` labels of ``order`` each in its own
+    colour (`label_colours`: the same on every page), the rest grey."""
+    palette = label_colours(len(stats.labels))
+    colours = {int(c): palette[int(c)] for c in order[:SHOWN]}
     parts = []
     for caption, counts in rows:
         total = counts.sum()
@@ -95,13 +142,19 @@ def atom_bars(stats: LabelStats, atom: int, n_top: int, prefix: str) -> tuple[st
         return '<p class="muted">It never fired on a labelled image.</p>', bars
     name = f'<a href="{prefix}labels/{label_fname(label)}">{esc(stats.name(label))}</a>'
     column = stats.column(label)
+    tied = [int(c) for c in np.flatnonzero(q == q[column]) if c != column]
+    if tied:
+        names = ", ".join(
+            f'<a href="{prefix}labels/{label_fname(int(stats.labels[c]))}">{esc(stats.names[c])}</a>' for c in tied
+        )
+        name += f' <span class="tie">(tied with {names}: equal c / m; the lowest label id is shown)</span>'
     line = (
         f"top label <b>{name}</b>: prior-corrected share q = {_number(stats.top_share[atom])} "
         f"(1/L = {1 / len(stats.labels):.3g}); fires on {int(fire[column])} of its {int(stats.images[column])} "
         f"images; selectivity S = {_number(stats.selectivity[atom])}; "
         f"fires on {int(fire.sum())} labelled images (+{int(stats.fire_unlabelled[atom])} unlabelled)"
     )
-    return f"<p>{line}</p>", bars
+    return f"<p>{line}</p>{chance_line(stats, atom)}", bars
 
 
 def atom_section(stats: LabelStats | None, atom: int, n_top: int) -> str:
@@ -111,30 +164,51 @@ def atom_section(stats: LabelStats | None, atom: int, n_top: int) -> str:
     line, bars = atom_bars(stats, atom, n_top, "../")
     return (
         '<link rel="stylesheet" href="../assets/labels.css">'
-        f'<section class="labels"><h2>Labels</h2>{line}{bars}<p class="muted formula">{esc(FORMULA)}</p></section>'
+        f'<section class="labels"><h2>Labels</h2>{line}{bars}<p class="muted formula">{esc(FORMULA)}</p>'
+        f'<p class="muted formula">{esc(stats.chance.formula())}</p></section>'
     )
 
 
+def _cell(x: float, digits: int = 4) -> float | None:
+    return float(f"{x:.{digits}g}") if np.isfinite(x) else None
+
+
 def index_columns(stats: LabelStats | None, atom: int) -> list:
-    """The index row's label cells: selectivity, top label id, its share (None where undefined)."""
+    """The index row's label cells: selectivity, top label id, its share, the excess over chance, the adjusted
+    p-value and the verdict (`verdict`; None where undefined)."""
     if stats is None:
-        return [None, None, None]
+        return [None] * len(INDEX_COLUMNS)
     label = int(stats.top_label[atom])
-    finite = np.isfinite
     return [
-        float(f"{stats.selectivity[atom]:.4g}") if finite(stats.selectivity[atom]) else None,
+        _cell(stats.selectivity[atom]),
         label if label >= 0 else None,
-        float(f"{stats.top_share[atom]:.4g}") if finite(stats.top_share[atom]) else None,
+        _cell(stats.top_share[atom]),
+        _cell(stats.chance.excess[atom]),
+        _cell(stats.chance.p_adjusted[atom], 3),
+        verdict(stats, atom),
+        ties(stats, atom),
     ]
 
 
-INDEX_COLUMNS = ["selectivity", "top_label", "top_share"]
+def ties(stats: LabelStats, atom: int) -> int:
+    """How many other labels share the top label's ``q`` (0: a single top label)."""
+    q = stats.q(atom)
+    return int((q == q.max()).sum() - 1) if q.max() > 0 else 0
+
+
+INDEX_COLUMNS = ["selectivity", "top_label", "top_share", "excess", "p_adjusted", "verdict", "top_ties"]
 
 
 def index_headers(stats: LabelStats | None) -> list[str]:
     if stats is None:
         return []
-    return ['<th data-key="selectivity">selectivity</th>', '<th data-key="top_share">top label (q)</th>']
+    return [
+        '<th data-key="selectivity">selectivity</th>',
+        '<th data-key="excess" title="S − E[S | n]: above an atom firing on as many random images">excess over '
+        "chance</th>",
+        '<th data-key="p_adjusted" title="the top label’s p-value, Benjamini–Hochberg over the atoms">p (BH)</th>',
+        '<th data-key="top_share">top label (q)</th>',
+    ]
 
 
 def index_section(stats: LabelStats | None) -> str:
@@ -152,21 +226,52 @@ def index_section(stats: LabelStats | None) -> str:
         '<link rel="stylesheet" href="assets/labels.css">'
         f'<section class="labels"><h2>Labels</h2><p>{len(stats.labels)} labels over {n_labelled} images'
         f" ({stats.n_unlabelled} unlabelled). Label pages: {links}</p>"
-        f'<p class="muted formula">{esc(FORMULA)}</p>'
+        f'<p class="muted formula">{esc(FORMULA)}</p>{chance_summary(stats)}'
+        f'<p class="muted formula">{esc(stats.chance.formula())}</p>'
         '<figure class="scatter"><canvas id="scatter" width="720" height="300"></canvas>'
         '<figcaption class="muted">selectivity S against frequency (log scale), one dot per atom, coloured by '
-        "top label; click a dot for its page</figcaption></figure>"
+        f"top label; click a dot for its page</figcaption>{scatter_legend(stats)}</figure>"
         f'<div class="controls"><label>top label <select id="label-filter"><option value="">any</option>{options}'
         "</select></label></div></section>"
         '<script src="assets/labels.js"></script>'
     )
 
 
+def scatter_legend(stats: LabelStats) -> str:
+    """The scatter's legend: every label's colour (the same as in every bar), up to the palette's 20 labels."""
+    colours = label_colours(len(stats.labels))
+    if len(stats.labels) > len(PALETTE):
+        return (
+            f'<p class="muted legend-note">{len(stats.labels)} labels, each its own hue (the colour of its bars); '
+            "filter by top label to pick one out</p>"
+        )
+    items = "".join(
+        f'<span><i style="background:{colour}"></i>{esc(name)}</span>' for colour, name in zip(colours, stats.names)
+    )
+    return f'<div class="legend-labels scatter-legend">{items}<span><i style="background:#888"></i>none</span></div>'
+
+
+def chance_summary(stats: LabelStats) -> str:
+    """How many atoms beat chance, how many could be tested, how many have too few images."""
+    summary = stats.chance.summary()
+    return (
+        f'<p class="chance-summary">{summary["beat_chance"]} of {summary["tested"]} atoms tested beat chance at '
+        f"FDR {summary['fdr']:g} (Benjamini–Hochberg; the others are marked “chance”); {summary['too_few']} fire "
+        f"on fewer than n_min = {summary['min_images']} labelled images: too few to say (greyed). Sorted by the "
+        "excess over chance.</p>"
+    )
+
+
 def index_data(stats: LabelStats | None) -> dict:
-    """What the index's JSON adds for ``assets/labels.js``."""
+    """What the index's JSON adds for ``assets/labels.js`` (and the first sort: by the excess over chance)."""
     if stats is None:
         return {"labels": None}
-    return {"labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)}}
+    colours = label_colours(len(stats.labels))
+    return {
+        "labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)},
+        "colours": {str(int(label)): colour for label, colour in zip(stats.labels, colours)},
+        "sort": "excess",
+    }
 
 
 def write_label_pages(

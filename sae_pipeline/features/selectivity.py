@@ -14,6 +14,11 @@ label ``l`` (the prior ``p[l] = m[l] / M``, over the ``L`` labels that have imag
 Atoms that never fire on a labelled image, or data with fewer than two labels, have no
 selectivity (NaN). Computed in blocks of atoms, so the float work stays O(block · L).
 
+``S`` alone favours atoms that fire on few images (one image: ``S = 1`` whatever it shows), so each
+atom is also set against an atom firing on as many random images (`sae_pipeline.features.chance`:
+the expected ``S`` and its spread, the excess over it, the top label's hypergeometric p-value and
+Benjamini-Hochberg over the atoms).
+
 A label's page lists the atoms that match it best, by ``F1[j, l] = 2 c[j, l] / (n[j] + m[l])``
 (``n[j]`` the labelled images atom ``j`` fires on): the harmonic mean of the share of its images
 that have the label (precision) and of the label's images it fires on (recall). Ranking by ``q``
@@ -27,6 +32,8 @@ from typing import Any
 
 import numpy as np
 from torch import Tensor
+
+from sae_pipeline.features.chance import FDR, Chance, chance
 
 BLOCK = 2048  # atoms per block
 PER_LABEL = 24  # atoms listed on each label's page
@@ -54,6 +61,7 @@ class LabelStats:
     top_share: np.ndarray  # float64 [d_sae]: q[top]
     selectivity: np.ndarray  # float64 [d_sae]
     per_label: dict[int, list[int]]  # label id -> atoms ranked by F1[j, l] (then q[j, l]), at most PER_LABEL
+    chance: Chance  # each atom against as many random images
 
     @property
     def prior(self) -> np.ndarray:
@@ -87,6 +95,15 @@ class LabelStats:
             "label_top": self.top_label,
             "label_top_share": self.top_share,
             "label_selectivity": self.selectivity,
+            "label_chance_selectivity": self.chance.mean,
+            "label_chance_selectivity_sd": self.chance.sd,
+            "label_selectivity_excess": self.chance.excess,
+            "label_top_p": self.chance.p,
+            "label_top_p_adjusted": self.chance.p_adjusted,
+            "label_beats_chance": self.chance.beats,
+            "label_too_few": self.chance.too_few,
+            "label_chance_by_n": self.chance.by_n_mean,
+            "label_chance_sd_by_n": self.chance.by_n_sd,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -98,6 +115,7 @@ class LabelStats:
             ],
             "images_unlabelled": self.n_unlabelled,
             "selectivity": FORMULA,
+            "chance": self.chance.summary(),
         }
 
 
@@ -107,8 +125,9 @@ def _q(fire: np.ndarray, images: np.ndarray) -> np.ndarray:
     return np.divide(rate, total, out=np.zeros_like(rate), where=total > 0)
 
 
-def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelStats | None:
-    """The statistics of a merged state (None when no image carries a label)."""
+def label_stats(state: dict[str, Tensor], collection: dict[str, Any], fdr: float = FDR) -> LabelStats | None:
+    """The statistics of a merged state (None when no image carries a label); ``fdr``: the false-discovery
+    rate at which an atom beats chance."""
     if "label_images" not in state:
         return None
     all_images = state["label_images"].numpy()
@@ -164,6 +183,7 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any]) -> LabelSt
         top_share,
         selectivity,
         per_label,
+        chance(fire, images, selectivity, fdr),
     )
 
 

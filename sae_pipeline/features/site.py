@@ -47,6 +47,7 @@ import sae_pipeline
 from sae_pipeline.features import label_pages
 from sae_pipeline.features.assets import CSS, JS
 from sae_pipeline.features.atom_pages import atom_fname, atom_page, nearest_atoms
+from sae_pipeline.features.chance import FDR
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.image_pages import write_site_image_pages
 from sae_pipeline.features.images import (
@@ -73,8 +74,11 @@ def build_site(
     images_dpath: str | None = None,
     atoms: Sequence[int] | None = None,
     n_neighbours: int = 8,
+    fdr: float = FDR,
 ) -> Path:
-    """Write the whole site for a merged table (``state``) and its images (``collection``); returns ``out``."""
+    """Write the whole site for a merged table (``state``) and its images (``collection``); returns ``out``.
+
+    ``fdr``: the false-discovery rate at which an atom's selectivity beats chance (`sae_pipeline.features.chance`)."""
     start = time.perf_counter()
     out = Path(out)
     with staged_site(out) as staging:
@@ -84,7 +88,7 @@ def build_site(
         (staging / "assets" / "site.js").write_text(JS)
         thumbs, changed, unchecked = write_thumbnails(staging, collection, layout, datamodule, images_dpath)
         raise_if_interrupted()
-        labels = label_stats(state, collection)
+        labels = label_stats(state, collection, fdr)
         width, with_page = len(str(sae.d_sae - 1)), set(atoms) if atoms else set(range(sae.d_sae))
         image_links = write_site_image_pages(
             staging,
