@@ -26,10 +26,20 @@ from tests.in_process import QUIET, REPO_DPATH, error_lines, fit_in, run
 
 B = 20  # tokens per rank per step; the single process takes 2·B
 STEPS = 4
-TOPK = {"class_path": "TopKSAE", "init_args": {"d_sae": 48, "k": 4, "dead_after_tokens": 2 * B}}  # AuxK from step 2
+# 96 latents > 2·B·k = 80 picks per step: some latent is idle in every step, dead after it, so AuxK runs from step 2
+TOPK = {"class_path": "TopKSAE", "init_args": {"d_sae": 96, "k": 2, "dead_after_tokens": 2 * B}}
 GROUP = {
-    "relu": {"sae": {"class_path": "ReLUSAE", "init_args": {"d_sae": 40}}, "lr": 2e-2, "gradient_clip_val": 0.05},
-    "mp": {"sae": {"class_path": "MatchingPursuitSAE", "init_args": {"d_sae": 32, "k": 3}}, "lr": 1e-2},
+    "relu": {
+        "sae": {"class_path": "ReLUSAE", "init_args": {"d_sae": 40}},
+        "lr": 2e-2,
+        "warmup_steps": 1,
+        "gradient_clip_val": 0.05,
+    },
+    "mp": {
+        "sae": {"class_path": "MatchingPursuitSAE", "init_args": {"d_sae": 32, "k": 3}},
+        "lr": 1e-2,
+        "warmup_steps": 1,
+    },
 }
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -94,15 +104,21 @@ def final_state(cwd: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_equal_runs(one: dict[str, torch.Tensor], two: dict[str, torch.Tensor]) -> None:
+    """Equal up to float64 rounding, which Adam amplifies where a gradient is itself rounding noise (~1e-17, e.g.
+    `W_dec`'s after the component along its atom is removed): its update lr · g / (|g| + 1e-8) changes by up to
+    lr / 1e-8 = 1e6 times the gradient's difference, and later steps carry it on (MP-SAE: 7.5e-9 after 4 steps).
+    A step that lost a rank's half moves weights by ~lr = 1e-2; one that summed the halves instead of averaging
+    them shows in Adam's moments (twice `exp_avg`), not in its steps, which do not see the gradient's scale."""
     assert one.keys() == two.keys()
     for name, value in one.items():
-        if value.is_floating_point() and name.startswith("adam.") and name.endswith("exp_avg_sq"):
-            torch.testing.assert_close(two[name], value, rtol=1e-9, atol=0, msg=name)  # squared gradients: tiny
-        elif value.is_floating_point():
-            assert value.dtype == torch.float64 or name.endswith(".step"), name
-            torch.testing.assert_close(two[name], value, rtol=0, atol=1e-12, msg=name)
-        else:
-            assert torch.equal(two[name], value), name  # the dead-latent clock (counted over both ranks), Adam's step
+        if not value.is_floating_point():
+            assert torch.equal(two[name], value), name  # the dead-latent clock (counted over both ranks)
+            continue
+        assert value.dtype == torch.float64 or name.endswith(".step"), name
+        # squared gradients are ~1e-6 and below: compared relatively
+        rtol, atol = (1e-6, 1e-20) if name.endswith("exp_avg_sq") else (0.0, 1e-7)
+        worst = float((two[name] - value).abs().max())
+        torch.testing.assert_close(two[name], value, rtol=rtol, atol=atol, msg=f"{name}: differs by up to {worst:.3g}")
 
 
 @pytest.mark.slow
@@ -111,8 +127,7 @@ def test_two_ranks_equal_one_process_with_the_doubled_batch_topk(tmp_path: Path,
     one = one_process(tmp_path, config)
     two, output = two_ranks(tmp_path, config, "two")
     assert_equal_runs(one, two)
-    dead_after = TOPK["init_args"]["dead_after_tokens"]
-    assert one["sae.tokens_since_fired"].max() >= 2 * dead_after  # a latent dead during the last step: AuxK ran
+    assert int((one["sae.tokens_since_fired"] >= 2 * B).sum()) >= 96 - 2 * B * 2  # dead latents: AuxK ran
     assert "uncompressed, in buckets overlapping the backward, gradients as bucket views" in output
 
     # bf16 compression: registered (the line is printed after DDP took the hook), close to exact, not equal
@@ -122,12 +137,14 @@ def test_two_ranks_equal_one_process_with_the_doubled_batch_topk(tmp_path: Path,
     assert len(weights) == 2
     for name in weights:
         difference = (compressed[name] - one[name]).abs()
-        assert difference.max() > 1e-9, name  # rounded gradients: float64 runs that agree to 1e-12 otherwise
+        assert difference.max() > 1e-6, name  # rounded gradients: float64 runs that agree to 1e-7 otherwise
         # Adam takes steps of about lr = 1e-2 whatever the gradient's size, so a gradient that nearly cancels
         # over the ranks can change sign once rounded and move its weight by ~2e-2; the typical weight moves
         # by far less. A hook that lost or garbled the gradients would move typical weights by ~lr.
         assert difference.median() < 1e-4, name
         assert difference.norm() < 1e-2 * one[name].norm(), name
+    for name in [name for name in one if name.endswith(".exp_avg")]:  # the gradients' scale: averaged over ranks
+        assert (compressed[name] - one[name]).norm() < 1e-2 * one[name].norm(), name
 
 
 @pytest.mark.slow
