@@ -10,7 +10,8 @@ What this subclass adds to LightningCLI:
 - Always-on callbacks, configurable from the YAML or flags: ``--checkpoint.*``
   (:class:`~sae_pipeline.training.checkpointing.SAECheckpoint`, a ModelCheckpoint that also saves the
   final step; ``save_last: true``), ``--figures.*`` (SAEFigures, the TensorBoard figures) and
-  ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise); SIGTERM / Ctrl-C save
+  ``--codes.fpath`` (where ``predict`` writes the codes; inert otherwise), ``--ddp.*`` (DDP's gradient
+  all-reduce: bucket views, optional bf16/fp16 compression; `sae_pipeline.training.ddp`); SIGTERM / Ctrl-C save
   and exit 143 / 130 (:mod:`sae_pipeline.training.interrupts`); checkpoints are written atomically.
 - TensorBoardLogger by default, under ``runs/<config file stem>/version_N`` (the last ``--config``
   file's; ``runs/<config stem>_<data file stem>`` when ``--data FILE`` is given too, so that
@@ -71,6 +72,7 @@ from sae_pipeline.training.ckpt_config import (
     sae_namespace,
     sets_sae_class,
 )
+from sae_pipeline.training.ddp import DDPSettings
 from sae_pipeline.training.group import SAEGroupModule
 from sae_pipeline.training.interrupts import Interrupts
 from sae_pipeline.training.module import SAEModule
@@ -143,6 +145,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.enable_version_counter": False})
         parser.add_lightning_class_args(SAEFigures, "figures")
         parser.add_lightning_class_args(CodesPredictionWriter, "codes")
+        parser.add_lightning_class_args(DDPSettings, "ddp")
         parser.set_defaults(
             {
                 "trainer.logger": {

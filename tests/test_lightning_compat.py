@@ -243,3 +243,16 @@ def test_checkpoint_accessors_save_last_at_the_current_step(tmp_path: Path) -> N
     assert lightning_compat.last_saved_step(callback) == N_BATCHES
     assert callback.last_model_path == str(tmp_path / "ckpts" / "last.ckpt")
     assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=True)["global_step"] == N_BATCHES
+
+
+def test_ddp_kwargs_and_comm_hook_are_what_the_strategy_was_given() -> None:
+    """The dict itself (a change before the wrap reaches DDP: tests/test_ddp_equality.py reads it back from the
+    wrapper of a 2-rank fit) and the hook Lightning would register on CUDA."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    strategy = DDPStrategy(ddp_comm_hook=default_hooks.bf16_compress_hook, gradient_as_bucket_view=False)
+    assert lightning_compat.ddp_kwargs(strategy) == {"gradient_as_bucket_view": False}
+    assert lightning_compat.ddp_kwargs(strategy) is lightning_compat.ddp_kwargs(strategy)
+    assert lightning_compat.ddp_comm_hook(strategy) is default_hooks.bf16_compress_hook
+    assert lightning_compat.ddp_comm_hook(DDPStrategy()) is None

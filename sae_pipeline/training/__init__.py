@@ -10,6 +10,7 @@
 - :mod:`.interrupts`, :mod:`.requeue`, :mod:`.step_boundary`: SIGTERM / Ctrl-C and SLURM's requeue
   signal, acted on at the same step boundaries on every rank.
 - :mod:`.lightning_compat`: every use of Lightning's private internals, in one place.
+- `.ddp`: DDP's gradient all-reduce at SAE step times (bucket views, `--ddp.grad_compression`).
 - :mod:`.predict`: the prediction writer of ``predict`` (the codes file, :mod:`sae_pipeline.artifacts.codes`).
 
 This package sits above :mod:`sae_pipeline.sae`, :mod:`sae_pipeline.data`, :mod:`sae_pipeline.metrics`,

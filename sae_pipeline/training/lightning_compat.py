@@ -156,3 +156,16 @@ def save_last_checkpoint(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
     """Save ``last.ckpt`` now, the way ``ModelCheckpoint(save_last=True)`` does after a periodic save
     (same name, same bookkeeping of ``last_model_path``); every rank must call it."""
     callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel`` when it wraps the module
+    (the dict itself: a change made before ``strategy.setup`` reaches the wrapper). Lightning keeps them
+    private; its constructor takes them as ``**kwargs`` only."""
+    return strategy._ddp_kwargs
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook a ``DDPStrategy`` was given (``ddp_comm_hook=``), or None. Lightning registers it
+    itself, on CUDA only."""
+    return strategy._ddp_comm_hook
