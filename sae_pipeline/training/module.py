@@ -139,7 +139,9 @@ class SAEModule(L.LightningModule):
         # The SAE object itself is not a hyper-parameter (it would be pickled into the
         # checkpoint); its plain {"class_path", "init_args"} is, so checkpoints load with
         # torch.load(weights_only=True) and LightningCLI can rebuild the module from them.
-        self.save_hyperparameters(ignore=["sae"])
+        # `cuda_graph` neither: it chooses how this process runs the step, not the model, so a checkpoint
+        # resumes on any device with any choice (and reads as one written before the option).
+        self.save_hyperparameters(ignore=["sae", "cuda_graph"])
         self.hparams["sae"] = sae_config(sae)
         self.sae = sae
         self.register_buffer("input_scale", torch.ones(()))
