@@ -86,7 +86,14 @@ def test_graph_fit_does_not_sync(tmp_path: Path, key: str) -> None:
     check = CudaSyncCheck()
     try:
         module, _, _ = fit(
-            tmp_path, key, None, make_data(12 * BATCH), 12, sync_free=None, run_settings=CUDA, callbacks=[check]
+            tmp_path,
+            key,
+            None,
+            make_data(12 * BATCH),
+            12,
+            sync_free=None,
+            run_settings={**CUDA, "precision": "32-true"},
+            callbacks=[check],
         )
     finally:
         torch.cuda.set_sync_debug_mode("default")

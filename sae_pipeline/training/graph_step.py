@@ -56,7 +56,7 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(group["lr"], Tensor):
             # CUDA's fused Adam reads a float32 learning rate (rounded at ~1e-8); elsewhere the exact value
             dtype = torch.float32 if device.type == "cuda" else torch.float64
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=dtype, device=device)
+            group["lr"] = torch.full((), float(group["lr"]), dtype=dtype, device=device)  # a fill, not a copy
         for param in group["params"]:
             state = optimizer.state.get(param, {})
             if "step" in state:
