@@ -3,6 +3,7 @@
     python -m benchmarks.train_step                  # CPU: d_in=256, d_sae=4096, B=1024, k=16 (target: overhead ≤ 10 %)
     python -m benchmarks.train_step --device cuda    # the same on a GPU
     python -m benchmarks.train_step --quick          # tiny sizes, a few steps (a smoke run)
+    python -m benchmarks.train_step --device cuda --cuda-graph   # adds the Trainer with the step as a CUDA graph
 
 Both sides do the same work per step on the same SAE (same initial weights, same batches
 already on the device): forward, loss (MSE + the variant's terms, AuxK for TopK), backward,
@@ -25,6 +26,12 @@ Trainer's loop itself costs. The module computes its train metrics (L0, R², MSE
 the steps Lightning writes logs (``--log-every``, Lightning's default 50), which the median
 skips; "mean ovh." is the overhead from mean step times, so it counts those steps (and any
 interference) in.
+
+The "Trainer" side runs the eager step (``SAEModule(cuda_graph=False)``). ``--cuda-graph`` adds a
+fourth side, "graph": the same Trainer with the step captured once and replayed
+(``cuda_graph=True``, `sae_pipeline.training.graph_step`; its warm-up and capture fall in the
+untimed steps), and "graph x" = graph steps/s / Trainer steps/s. On the CPU that side falls back to
+the eager step, so it times that step again.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import torch
 
 from sae_pipeline.metrics import ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
+from sae_pipeline.training.graph_step import WARMUP_STEPS
 from sae_pipeline.training.module import SAEModule, adam_implementation, warmup_cosine_factor
 
 LR, MIN_LR = 5e-4, 1e-6
@@ -113,10 +121,16 @@ class StepTimer(L.Callback):
 
 
 def lightning_step_durations(
-    template: SparseAutoencoder, batches: list[torch.Tensor], args: argparse.Namespace, device: torch.device
+    template: SparseAutoencoder,
+    batches: list[torch.Tensor],
+    args: argparse.Namespace,
+    device: torch.device,
+    cuda_graph: bool = False,
 ) -> list[float]:
     sae = copy.deepcopy(template)
-    module = SAEModule(sae, lr=LR, warmup_steps=args.warmup_lr_steps, min_lr=MIN_LR, normalize_input=False)
+    module = SAEModule(
+        sae, lr=LR, warmup_steps=args.warmup_lr_steps, min_lr=MIN_LR, normalize_input=False, cuda_graph=cuda_graph
+    )
     module.init_from_data(batches[0].mean(0).cpu(), float(batches[0].square().sum(1).mean()))
     total = args.warmup + args.steps
     clock = StepClock(args.warmup, args.steps, device)
@@ -231,11 +245,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Trainer.log_every_n_steps (Lightning's default, 50): train metrics are computed then",
     )
     parser.add_argument("--n-distinct-batches", type=int, default=4)
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help=f"also time the Trainer with the step as one CUDA graph (warm-up raised to {WARMUP_STEPS + 2} steps)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 5 steps, 1 round (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.d_in, args.d_sae, args.batch_size, args.k = 32, 256, 128, 4
         args.steps, args.warmup, args.repeats = 5, 2, 1
+    if args.cuda_graph:  # the graph's eager warm-up steps and its capture are not timed
+        args.warmup = max(args.warmup, WARMUP_STEPS + 2)
     if args.steps is None:
         args.steps = 200 if args.device.startswith("cuda") else 100
     for name in ("d_in", "d_sae", "batch_size", "k", "steps", "repeats", "n_distinct_batches", "log_every"):
@@ -268,16 +289,19 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.warmup} warm-up + {args.steps} timed steps, median step over {args.repeats} alternating rounds"
     )
     batches = make_batches(args, device)
+    graph_header = f" {'graph':>8} {'graph x':>8}" if args.cuda_graph else ""
     print(
         f"{'variant':<8} {'bare':>8} {'bare+metrics':>13} {'Trainer':>8} {'overhead':>9} {'loop only':>10} "
-        f"{'mean ovh.':>10}"
-        "   (steps/s; per round: bare/bare+metrics/Trainer)"
+        f"{'mean ovh.':>10}{graph_header}"
+        f"   (steps/s; per round: bare/bare+metrics/Trainer{'/graph' if args.cuda_graph else ''})"
     )
     for variant in args.variants:
         torch.manual_seed(0)
         cls = SAE_REGISTRY[variant]
         template = cls(d_in=args.d_in, d_sae=args.d_sae, **cls.sparsity_init_args(args.k))
         sides: dict[str, list[float]] = {"bare": [], "bare+metrics": [], "Trainer": []}
+        if args.cuda_graph:
+            sides["graph"] = []
         rounds = []
         for _ in range(args.repeats):
             durations = {
@@ -285,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
                 "bare+metrics": bare_step_durations(template, batches, args, device, with_metrics=True),
                 "Trainer": lightning_step_durations(template, batches, args, device),
             }
+            if args.cuda_graph:
+                durations["graph"] = lightning_step_durations(template, batches, args, device, cuda_graph=True)
             for side, values in durations.items():
                 sides[side] += values
             rounds.append("/".join(f"{1 / statistics.median(values):.3g}" for values in durations.values()))
@@ -293,9 +319,10 @@ def main(argv: list[str] | None = None) -> None:
         overhead = rate["bare"] / rate["Trainer"] - 1  # the issue's figure: Trainer + module against the bare loop
         loop_only = rate["bare+metrics"] / rate["Trainer"] - 1  # once the module's metrics are in the bare loop too
         mean_overhead = mean_rate["bare"] / mean_rate["Trainer"] - 1  # logging steps and interference included
+        graph = f" {rate['graph']:>8.3g} {rate['graph'] / rate['Trainer']:>7.2f}x" if args.cuda_graph else ""
         print(
             f"{variant:<8} {rate['bare']:>8.3g} {rate['bare+metrics']:>13.3g} {rate['Trainer']:>8.3g} "
-            f"{overhead:>8.1%} {loop_only:>10.1%} {mean_overhead:>10.1%}   {', '.join(rounds)}",
+            f"{overhead:>8.1%} {loop_only:>10.1%} {mean_overhead:>10.1%}{graph}   {', '.join(rounds)}",
             flush=True,
         )
 

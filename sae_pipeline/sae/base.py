@@ -229,6 +229,12 @@ class SparseAutoencoder(nn.Module):
         """Coefficient-weighted auxiliary loss (AuxK for TopK variants); zero by default."""
         return output.x_hat.new_zeros(())
 
+    def step_dependent(self, step: int) -> bool:
+        """Whether the loss at global step ``step`` depends on the step through a host value (ReLU's L1
+        warm-up): a step captured as a CUDA graph keeps the value of its capture, so the training module
+        runs such steps eagerly (`sae_pipeline.training.graph_step`). Default: never."""
+        return False
+
     def lr_scales(self) -> dict[str, float]:
         """Learning-rate multipliers by parameter name (as in ``named_parameters``) for the parameters
         that must move at another pace than the rest (JumpReLU's threshold); every other parameter

@@ -151,6 +151,10 @@ class ReLUSAE(ShallowSAE):
             return self.l1_coefficient
         return self.l1_coefficient * min(1.0, max(step, 0) / self.l1_warmup_steps)
 
+    def step_dependent(self, step: int) -> bool:
+        """During the L1 warm-up λ changes every step; after it, never."""
+        return step < self.l1_warmup_steps
+
     def sparsity_penalty(self, x: Tensor, output: SAEOutput, step: int) -> Tensor:
         """``λ(step) · mean_tokens Σ_latents |codes|``."""
         if output.sparse is not None:

@@ -95,7 +95,7 @@ def build_member(sae_dict: dict[str, Any], settings: dict[str, Any]) -> SAEModul
     """One member, whose hyper-parameters are its own arguments (built outside any ``__init__``: Lightning's
     ``save_hyperparameters`` would also collect the arguments of an enclosing module's ``__init__``)."""
     with lightning_compat.own_hyperparameters():
-        return SAEModule(build_sae(sae_dict), **settings)
+        return SAEModule(build_sae(sae_dict), **settings, cuda_graph=False)  # the group's step runs eagerly
 
 
 def plain_config(value: Any) -> Any:

@@ -23,6 +23,8 @@ owns everything a training run adds to it:
   only on the steps it writes), the other train metrics are computed on those steps only, and
   NaN/Inf is noted on the device and read then, or before a checkpoint is written
   (`sae_pipeline.training.non_finite`).
+- On CUDA the whole step (forward, backward, Adam, the projection, the clock) is one CUDA graph,
+  replayed per batch (`cuda_graph`; `sae_pipeline.training.graph_step`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae.inference_codes import ranked_lists
 from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.graph_step import CudaGraphStep, checkpoint_groups
 from sae_pipeline.training.non_finite import NonFiniteBatchError as NonFiniteBatchError  # callers import it here
 from sae_pipeline.training.non_finite import NonFiniteWatch, batch_sources, non_finite_batch, non_finite_loss
 
@@ -107,6 +110,9 @@ class SAEModule(L.LightningModule):
         inference_ks: the k values of the R²-vs-k sweep in the figures callback (None: it
             derives them from the SAE's k).
         babel_r_max: largest r of the Babel curves in the figures callback.
+        cuda_graph: run each training step as one replayed CUDA graph (False, the default until a GPU
+            run has validated the capture: never; None: wherever it can be captured, i.e. on one CUDA
+            device; True: also say why when it cannot).
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class SAEModule(L.LightningModule):
         normalize_input: bool = True,
         inference_ks: list[int] | None = None,
         babel_r_max: int = 64,
+        cuda_graph: bool | None = False,
     ) -> None:
         super().__init__()
         if not isinstance(sae, SparseAutoencoder):
@@ -128,10 +135,14 @@ class SAEModule(L.LightningModule):
         if inference_ks is not None and not all(isinstance(k, int) and 1 <= k <= sae.d_sae for k in inference_ks):
             raise ValueError(f"model.inference_ks must be integers in [1, d_sae={sae.d_sae}], got {inference_ks!r}")
         check_int("model.babel_r_max", babel_r_max, 1)
+        if cuda_graph not in (None, True, False):
+            raise ValueError(f"model.cuda_graph must be true, false or null, got {cuda_graph!r}")
         # The SAE object itself is not a hyper-parameter (it would be pickled into the
         # checkpoint); its plain {"class_path", "init_args"} is, so checkpoints load with
         # torch.load(weights_only=True) and LightningCLI can rebuild the module from them.
-        self.save_hyperparameters(ignore=["sae"])
+        # `cuda_graph` neither: it chooses how this process runs the step, not the model, so a checkpoint
+        # resumes on any device with any choice (and reads as one written before the option).
+        self.save_hyperparameters(ignore=["sae", "cuda_graph"])
         self.hparams["sae"] = sae_config(sae)
         self.sae = sae
         self.register_buffer("input_scale", torch.ones(()))
@@ -148,6 +159,8 @@ class SAEModule(L.LightningModule):
         self.config_prefix = "model"
         self.label = ""
         self.non_finite = NonFiniteWatch()  # where the GPU's step notes NaN/Inf (see step_loss)
+        self.graph_step = CudaGraphStep(cuda_graph)
+        self._replay = False  # whether this batch's step goes through the graph (decided at the batch's start)
 
     # --- input ----------------------------------------------------------------------------
     def preprocess(self, x: Tensor) -> Tensor:
@@ -213,8 +226,11 @@ class SAEModule(L.LightningModule):
         averaged over ranks."""
         if self._initialized_cache is None:  # read the buffer once, not every step (a device sync)
             self._initialized_cache = bool(self.initialized_from_data)
-        if self._initialized_cache:
-            return
+        if not self._initialized_cache:
+            self._init_from_batch(batch)
+        self._replay = self.graph_step.use_for(self, batch)
+
+    def _init_from_batch(self, batch: dict[str, Any]) -> None:
         x = batch["x"].detach().float()
         moments = torch.cat([x.mean(0), x.square().sum(1).mean()[None]])
         if _world_size() > 1:
@@ -224,8 +240,17 @@ class SAEModule(L.LightningModule):
 
     # --- training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        x, output, losses = self.step_loss(batch)
-        self.log("train/loss", losses.loss, prog_bar=True)  # a tensor: read only when Lightning writes it
+        replayed = self.graph_step.run(self, batch) if self._replay else None
+        if replayed is None:
+            x, output, losses = self.step_loss(batch)
+            self.log("train/loss", losses.loss, prog_bar=True)  # a tensor: read only when Lightning writes it
+        else:
+            # the step has run (backward and Adam included); its outputs are the graph's, rewritten next step
+            x, output, losses = replayed
+            if self.sae.avoids_host_reads(x):
+                self.non_finite.remember(self.global_step, batch)
+            loss = losses.loss.detach().clone()
+            self.log("train/loss", loss, prog_bar=True)
         if self._is_logging_step():
             self.raise_if_non_finite()
             # The other train metrics cost a few ms each (L0 and R² read the whole batch) and
@@ -233,21 +258,23 @@ class SAEModule(L.LightningModule):
             for name, value in self.train_metrics(x, output, losses).items():
                 self.log(name, value)
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        return losses.loss
+        return loss if replayed is not None else losses.loss
 
-    def step_loss(self, batch: dict[str, Any]) -> tuple[Tensor, Any, Any]:
+    def step_loss(self, batch: dict[str, Any], static_step: Tensor | None = None) -> tuple[Tensor, Any, Any]:
         """Input, SAE output and losses of one training batch, the dead-latent clock advanced
         (shared with `sae_pipeline.training.group.SAEGroupModule`, which runs it per member).
 
         NaN/Inf in the batch or the loss raises at once on the CPU; on a GPU it is noted on the device
-        and raised by `raise_if_non_finite` (logging steps, checkpoints), naming the same step."""
+        and raised by `raise_if_non_finite` (logging steps, checkpoints), naming the same step. ``static_step``:
+        the global step as a device scalar (a captured step, `sae_pipeline.training.graph_step`)."""
         deferred = self.sae.avoids_host_reads(batch["x"])
         x = self.preprocess(batch["x"]) if deferred else self._checked_input(batch, "training")
         with self.sae.finite_checked_by_caller():
             output = self.sae(x)
         losses = self.sae.loss(x, output, step=self.global_step)
         if deferred:
-            self.non_finite.note(self.global_step, batch, batch["x"], losses.loss)
+            step = self.global_step if static_step is None else static_step
+            self.non_finite.note(step, batch, batch["x"], losses.loss)
         elif not torch.isfinite(losses.loss):
             raise non_finite_loss(
                 f"training{self.label}", self.global_step, batch_sources(batch), float(losses.loss), self._lr_setting()
@@ -297,9 +324,16 @@ class SAEModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.sae.remove_parallel_grad()
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        super().optimizer_step(*args, **kwargs)
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if self._replay:  # the closure runs training_step, whose replay is the whole step (Adam included)
+            optimizer_closure()
+            return
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self.sae.normalize_atoms()
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if not self._replay:  # a replayed step has run its backward in the graph
+            super().backward(loss, *args, **kwargs)
 
     def _estimated_total_steps(self) -> float:
         """``trainer.estimated_stepping_batches``, without its side effect on a resumed run.
@@ -399,6 +433,8 @@ class SAEModule(L.LightningModule):
         checkpoint["input_scale"] = float(self.input_scale)
         checkpoint["data"] = self.data_info
         checkpoint["sae_pipeline_version"] = sae_pipeline.__version__
+        for optimizer_state in checkpoint.get("optimizer_states", []):
+            checkpoint_groups(optimizer_state)  # as an eager run writes it (learning rates as numbers)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._initialized_cache = None  # the restored buffer decides

@@ -56,8 +56,9 @@ class NonFiniteWatch:
         self._loss: Tensor | None = None
         self._sources: dict[int, str] = {}
 
-    def note(self, step: int, batch: dict[str, Any], x: Tensor, loss: Tensor) -> None:
-        """Record ``x`` (the batch as loaded) and ``loss`` of global step ``step``."""
+    def note(self, step: int | Tensor, batch: dict[str, Any], x: Tensor, loss: Tensor) -> None:
+        """Record ``x`` (the batch as loaded) and ``loss`` of global step ``step`` (a device scalar in a
+        captured step: its shards are then recorded by `remember`, on the host)."""
         n_bad = (~torch.isfinite(x)).sum()
         loss = loss.detach().to(torch.float64)
         bad = (n_bad > 0) | ~torch.isfinite(loss)
@@ -66,9 +67,15 @@ class NonFiniteWatch:
             self._n_bad = torch.zeros((), dtype=n_bad.dtype, device=x.device)
             self._loss = torch.zeros((), dtype=torch.float64, device=x.device)
         first = bad & (self._step < 0)
-        self._step = torch.where(first, step, self._step)
-        self._n_bad = torch.where(first, n_bad, self._n_bad)
-        self._loss = torch.where(first, loss, self._loss)
+        # in place: a CUDA graph replays the update on the same three scalars
+        self._step.copy_(torch.where(first, step, self._step))
+        self._n_bad.copy_(torch.where(first, n_bad, self._n_bad))
+        self._loss.copy_(torch.where(first, loss, self._loss))
+        if not isinstance(step, Tensor):
+            self.remember(step, batch)
+
+    def remember(self, step: int, batch: dict[str, Any]) -> None:
+        """The shards of global step ``step``'s batch, for the message."""
         self._sources[step] = batch_sources(batch)
 
     def raise_if_seen(self, where: str, lr_setting: str) -> None:

@@ -1,0 +1,101 @@
+"""On a GPU the captured training step (`sae_pipeline.training.graph_step`) trains as the eager step, for
+every variant: float64, the warm-up/cosine learning rate changing between replays, a partial batch
+falling back for its step; and a ``fit`` with the graph does not synchronise on the steps Lightning
+does not log (CUDA's own check). The CPU counterpart, without capture, is ``tests/test_graph_step.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from sae_pipeline.sae import SAE_REGISTRY
+from sae_pipeline.training import lightning_compat
+from sae_pipeline.training.graph_step import WARMUP_STEPS
+from tests.test_graph_step import BATCH, assert_same_training, fit
+from tests.test_module import make_data
+from tests.test_sync_free import LOG_EVERY
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS = WARMUP_STEPS + 6  # eager warm-up, the capture (replayed once), 5 more replays
+SCHEDULE = {"warmup_steps": 3, "lr": 1e-2, "min_lr": 1e-4}
+CUDA = {"accelerator": "cuda", "devices": 1}
+
+
+def captured(module: Any, runs: int) -> None:
+    static = module.graph_step.static
+    assert static is not None and static.graph is not None and static.runs == runs
+
+
+@pytest.mark.parametrize("key", sorted(SAE_REGISTRY))
+def test_graph_trains_as_the_eager_step(tmp_path: Path, key: str) -> None:
+    """Float64 (the learning rate a float32 tensor in the graph's Adam: ~1e-8 apart per step)."""
+    data = make_data(STEPS * BATCH).double()
+    runs: dict[str, Any] = {"run_settings": {**CUDA, "precision": "64-true"}, "sync_free": None, **SCHEDULE}
+    eager = fit(tmp_path / "eager", key, False, data, STEPS, **runs)
+    graph = fit(tmp_path / "graph", key, True, data, STEPS, **runs)
+    captured(graph[0], STEPS)
+    assert_same_training(eager, graph, key, rtol=1e-5)
+
+
+def test_partial_batch_after_capture(tmp_path: Path) -> None:
+    data = make_data(7 * BATCH + 10).double()
+    runs: dict[str, Any] = {"run_settings": {**CUDA, "precision": "64-true"}, "sync_free": None, **SCHEDULE}
+    eager = fit(tmp_path / "eager", "topk", False, data, 16, **runs)
+    graph = fit(tmp_path / "graph", "topk", True, data, 16, **runs)
+    captured(graph[0], 14)
+    assert_same_training(eager, graph, "topk", rtol=1e-5)
+
+
+def test_bf16_mixed_graph(tmp_path: Path) -> None:
+    """Autocast inside the capture (its weight cache off): the losses follow the eager run's."""
+    data = make_data(STEPS * BATCH)
+    runs: dict[str, Any] = {"run_settings": {**CUDA, "precision": "bf16-mixed"}, "sync_free": None, **SCHEDULE}
+    eager = fit(tmp_path / "eager", "topk", False, data, STEPS, **runs)
+    graph = fit(tmp_path / "graph", "topk", True, data, STEPS, **runs)
+    captured(graph[0], STEPS)
+    for logged_g, logged_e in zip(graph[2].logged, eager[2].logged, strict=True):
+        torch.testing.assert_close(logged_g["train/loss"], logged_e["train/loss"], rtol=5e-2, atol=1e-3)
+
+
+class CudaSyncCheck(L.Callback):
+    """CUDA raises on a host sync in every step Lightning does not log, but the capture's own."""
+
+    def __init__(self) -> None:
+        self.guarded = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not lightning_compat.should_update_logs(trainer) and trainer.global_step != WARMUP_STEPS:
+            torch.cuda.set_sync_debug_mode("error")
+            self.guarded += 1
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("key", sorted(SAE_REGISTRY))
+def test_graph_fit_does_not_sync(tmp_path: Path, key: str) -> None:
+    """float32, with the capture wherever it can be (`cuda_graph=None`: on, for one CUDA device)."""
+    check = CudaSyncCheck()
+    try:
+        module, _, _ = fit(
+            tmp_path,
+            key,
+            None,
+            make_data(12 * BATCH),
+            12,
+            sync_free=None,
+            run_settings={**CUDA, "precision": "32-true"},
+            callbacks=[check],
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    captured(module, 12)
+    assert check.guarded == 12 - 12 // LOG_EVERY - 1
