@@ -188,7 +188,7 @@ def test_checkpoint_is_an_eager_runs(tmp_path: Path, on_cpu: None) -> None:
 
 
 def test_non_finite_batch_is_named_from_the_static_step(tmp_path: Path, on_cpu: None) -> None:
-    module = SAEModule(build("topk", sync_free=True), warmup_steps=0)
+    module = SAEModule(build("topk", sync_free=True), warmup_steps=0, cuda_graph=None)
     with pytest.raises(NonFiniteBatchError, match="global step 3: batch from shards shard-000003.tar"):
         trainer(tmp_path, max_steps=8, log_every_n_steps=3).fit(
             module, memory_loader(make_data(8 * 32), nan_at_batch=3)
