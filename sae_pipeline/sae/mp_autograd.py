@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sae_pipeline.sae.gram import gram_into, uses_syrk
+from sae_pipeline.sae.triton_pursuit import fused_available, mp_select
 
 Selection = Literal["auto", "gram", "matmul"]
 
@@ -72,18 +73,34 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def element_cost(device: torch.device, dtype: torch.dtype) -> float:
+def element_cost(device: torch.device, dtype: torch.dtype, fused: bool = False) -> float:
     """Time of one memory-bound Gram-update element (gather ``G[j, i]``, update ``C[b, i]``)
-    in units of one matmul FLOP, by device and dtype.
+    in units of one matmul FLOP, by device and dtype (of the GEMMs).
 
     CPU, 24: measured on the 2-core dev box (≈0.4 ns per element against ≈55 GFLOP/s per
     core in sgemm). CUDA, 250 in float32 and 4000 in half precision: estimated, not measured,
     from an H100's ratio of FLOPs to memory bandwidth (≈20 FLOP/byte for float32 CUDA cores,
-    ≈300 for bf16 tensor cores) times the ≈12 bytes an element moves.
+    ≈300 for bf16 tensor cores) times the ≈12 bytes an element moves. ``fused`` (the Triton
+    kernel, `triton_pursuit`): the update moves only ≈2 bytes more per element than the matmul
+    path's own write of ``C`` and argmax read (G's element), so 50 in float32 and 300 in half
+    precision: estimated the same way, not measured.
     """
     if device.type == "cpu":
         return 24.0
-    return 4000.0 if dtype in (torch.float16, torch.bfloat16) else 250.0
+    half = dtype in (torch.float16, torch.bfloat16)
+    if fused:
+        return 300.0 if half else 50.0
+    return 4000.0 if half else 250.0
+
+
+def gemm_dtype(residual: Tensor) -> torch.dtype:
+    """The dtype of the selection's GEMMs: a half input's own, the autocast dtype for a float32 input on
+    CUDA under autocast (what the plain loop's matmuls run in there), else the compute dtype."""
+    if residual.dtype in (torch.float16, torch.bfloat16):
+        return residual.dtype
+    if residual.dtype == torch.float32 and residual.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return compute_dtype(residual.dtype)
 
 
 def prefer_gram(
@@ -186,24 +203,34 @@ def correlate(r: Tensor, W_dec: Tensor, out: Tensor) -> None:
 
 @torch.no_grad()
 def select_atoms(
-    residual: Tensor, W_dec: Tensor, k: int, selection: Selection = "auto", workspace: Workspace | None = None
+    residual: Tensor,
+    W_dec: Tensor,
+    k: int,
+    selection: Selection = "auto",
+    workspace: Workspace | None = None,
+    fused: bool | None = None,
 ) -> Tensor:
     """Greedy MP indices ``[B, k]`` (int64) for ``r_0 = residual [B, d_in]``; no autograd.
 
     Atoms may repeat. In float32 a near-tie may resolve differently from the plain loop
-    (rounding of the updated correlations); in float64 the choice is the same.
+    (rounding of the updated correlations); in float64 the choice is the same. ``fused`` (None: on
+    CUDA with Triton) runs the Gram path as one kernel per step (`triton_pursuit.mp_select`).
     """
     n_tokens = residual.shape[0]
     d_sae, d_in = W_dec.shape
     work_dtype = compute_dtype(residual.dtype)
+    fused = fused_available(residual.device) if fused is None else fused
+    gemm = gemm_dtype(residual) if fused else residual.dtype
     if selection == "auto":
-        cost = element_cost(residual.device, residual.dtype)
-        size = torch.finfo(work_dtype).bits // 8
+        cost = element_cost(residual.device, gemm, fused)
+        size = torch.finfo(gemm if fused else work_dtype).bits // 8
         use_gram = prefer_gram(n_tokens, k, d_in, d_sae, cost, size, uses_syrk(residual.device, work_dtype))
     elif selection in ("gram", "matmul"):
         use_gram = selection == "gram" and k > 1
     else:
         raise ValueError(f"selection must be 'auto', 'gram' or 'matmul', got {selection!r}")
+    if fused and use_gram:
+        return mp_select(residual, W_dec, k, work_dtype, gemm)
     residual = residual.detach()
     W_dec = W_dec.detach()
     workspace = Workspace() if workspace is None else workspace
