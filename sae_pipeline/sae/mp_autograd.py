@@ -380,10 +380,16 @@ def reverse_scan(
 
 
 def matching_pursuit(
-    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, selection: Selection = "auto", workspace: Workspace | None = None
+    x: Tensor,
+    W_dec: Tensor,
+    b_pre: Tensor,
+    k: int,
+    selection: Selection = "auto",
+    workspace: Workspace | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k MP steps, differentiable
     in ``x``, ``W_dec`` and ``b_pre`` exactly as autograd through the plain loop."""
-    indices = select_atoms(x.detach() - b_pre.detach(), W_dec, k, selection, workspace)
+    indices = select_atoms(x.detach() - b_pre.detach(), W_dec, k, selection, workspace, fused)
     coefficients, x_hat = MatchingPursuitFunction.apply(x, W_dec, b_pre, indices, workspace)
     return indices, coefficients, x_hat

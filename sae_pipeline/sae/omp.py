@@ -312,11 +312,17 @@ class LeastSquaresFunction(torch.autograd.Function):
 
 
 def orthogonal_matching_pursuit(
-    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None, sync_free: bool = False
+    x: Tensor,
+    W_dec: Tensor,
+    b_pre: Tensor,
+    k: int,
+    workspace: Workspace | None = None,
+    sync_free: bool = False,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
     ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop (``sync_free``: see select_atoms)."""
-    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free)
+    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free, fused)
     coefficients, x_hat = LeastSquaresFunction.apply(x, W_dec, b_pre, indices, L, z)
     return indices, coefficients, x_hat
 
@@ -336,6 +342,9 @@ class OMPSAE(SparseAutoencoder):
     label = "OMP-SAE"
     is_pursuit = True
     test_kwargs = {"k": 4}
+    #: Whether the correlation updates run as the fused Triton kernel (`triton_pursuit`); None: on CUDA with
+    #: Triton. Not a constructor argument: it changes the cost, not the result (up to near-ties).
+    fused: bool | None = None
 
     def __init__(self, d_in: int, d_sae: int, k: int, dead_after_tokens: int = 10_000_000) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
@@ -352,7 +361,9 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         steps = self.resolve_k(k)
         assert steps is not None
-        indices, coefficients, _ = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, steps, self.workspace)
+        indices, coefficients, _ = orthogonal_matching_pursuit(
+            x, self.W_dec, self.b_pre, steps, self.workspace, fused=self.fused
+        )
         return indices, coefficients
 
     def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
@@ -371,7 +382,7 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         assert self.k is not None
         indices, coefficients, x_hat = orthogonal_matching_pursuit(
-            x, self.W_dec, self.b_pre, self.k, self.workspace, self.avoids_host_reads(x)
+            x, self.W_dec, self.b_pre, self.k, self.workspace, self.avoids_host_reads(x), self.fused
         )
         codes = SparseCodes.from_topk(indices.clamp_min(0), self.d_sae).with_values(coefficients.reshape(-1))
         return SAEOutput(x_hat=x_hat, pre_acts=None, sparse=codes)
@@ -386,6 +397,6 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         steps = self.resolve_k(k)
         assert steps is not None
-        _, _, z, r = select_atoms(x - self.b_pre, self.W_dec, steps, self.workspace)
+        _, _, z, r = select_atoms(x - self.b_pre, self.W_dec, steps, self.workspace, fused=self.fused)
         tail = torch.cat([z.square().flip(1).cumsum(1).flip(1), z.new_zeros(z.shape[0], 1)], dim=1)
         return (tail + r.square().sum(1, keepdim=True)).sqrt().to(x.dtype)
