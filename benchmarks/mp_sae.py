@@ -114,20 +114,23 @@ def bench_shape(
         W_ref.grad = b_ref.grad = None
         plain_loss().backward()
 
-    with torch.no_grad(), maybe_autocast(args, device):
-        fast_indices, _ = sae.pursuit(x)
-        plain_indices = plain_loop(x, W_ref, b_ref, k)[0]
-    mismatch = (fast_indices != plain_indices).any(dim=1).float().mean().item()
+    mismatch = plain_s = plain_b = float("nan")
+    if not args.skip_reference:
+        with torch.no_grad(), maybe_autocast(args, device):
+            fast_indices, _ = sae.pursuit(x)
+            plain_indices = plain_loop(x, W_ref, b_ref, k)[0]
+        mismatch = (fast_indices != plain_indices).any(dim=1).float().mean().item()
 
     fast_s = median_seconds(fast_step, device, args.warmup, args.reps)
+    if not args.skip_reference:
+        plain_s = median_seconds(plain_step, device, args.warmup, args.plain_reps or args.reps)
+        plain_b = saved_bytes(plain_loss)
     unfused_s = float("nan")
     if device.type == "cuda":
         sae.fused = False
         unfused_s = median_seconds(fast_step, device, args.warmup, args.reps)
         sae.fused = None
-    plain_s = median_seconds(plain_step, device, args.warmup, args.plain_reps or args.reps)
     fast_b = saved_bytes(fast_loss)
-    plain_b = saved_bytes(plain_loss)
     return {
         "fast_s": fast_s,
         "unfused_s": unfused_s,
@@ -169,6 +172,9 @@ def pursuit_args(
         f"--{reference}_reps", type=int, default=3, help=f"reps of the (slow) {reference_help}; 0 = --reps"
     )
     parser.add_argument("--quick", "--dry-run", action="store_true", help="tiny shapes, one rep (smoke test)")
+    parser.add_argument(
+        "--skip_reference", action="store_true", help=f"do not run the {reference_help} (its columns print nan)"
+    )
     parser.add_argument("--autocast", action="store_true", help="steps under bf16 autocast (CUDA; as training runs)")
     args = parser.parse_args(argv)
     if args.quick:

@@ -219,9 +219,9 @@ def test_omp_sae_through_the_kernel_matches_the_plain_loop(
     sync_free: bool, shape: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    real = omp.update_argmax
+    real = omp.omp_step
     monkeypatch.setattr(omp, "fused_available", lambda device: True)
-    monkeypatch.setattr(omp, "update_argmax", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(omp, "omp_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     batch, d_in, d_sae, k = shape
     sae = make_omp(d_in, d_sae, k, seed=int(torch.seed() % 2**31))
     sae.sync_free = sync_free

@@ -29,7 +29,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         d_sae: number of atoms.
         k: pursuit steps in training (= atoms selected per token, repeats counted).
         selection: how the greedy indices are found: ``"auto"`` picks, per batch shape, Gram
-            updates or a matmul per step (see ``mp_autograd.prefer_gram``); ``"gram"`` and
+            updates or a matmul per step (see ``pursuit_cost.prefer_gram``); ``"gram"`` and
             ``"matmul"`` force one. Results are the same either way (up to float32 near-ties).
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """

@@ -64,7 +64,7 @@ from feature_extraction.validate import check_int
 from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
 from sae_pipeline.sae.mp_autograd import Workspace, argmax_block_size, compute_dtype, first_argmax
 from sae_pipeline.sae.sparse_decode import SparseCodes
-from sae_pipeline.sae.triton_pursuit import fused_available, update_argmax
+from sae_pipeline.sae.triton_pursuit import fused_available, omp_step
 
 #: Rows of the batch processed together on CPU (GPUs take the whole batch). Larger than MP-SAE's
 #: 256: OMP runs ~30 small ops per step, and each parallel region is a thread barrier, which on a
@@ -140,25 +140,11 @@ def select_atoms(
         corr.masked_fill_(atom_sq <= 0, float("-inf"))  # zero atoms never help
         distances = None if distance_buffer is None else distance_buffer[:n].copy_(atom_sq.expand(n, d_sae))
         for t in range(k):
-            first = None
-            if best_buffer is not None:  # step t − 1's update of corr (and distances) fused with this argmax
-                best, out = best_buffer[:n], indices[start:stop, t]
-                if t == 0:
-                    update_argmax(corr, out, best)
-                else:
-                    update_argmax(
-                        corr,
-                        out,
-                        best,
-                        rows=proj,
-                        row_index=indices[start:stop, t - 1],
-                        coef=z[start:stop, t - 1].contiguous(),
-                        gather=False,
-                        mask_picked=True,
-                        distances=distances,
-                        tolerance=tolerance,
-                    )
-                first = (out, best[:, None])
+            first = None  # with the kernel: step t − 1's updates of corr (and distances) fused with this argmax
+            if best_buffer is not None:
+                first = omp_step(
+                    corr, indices[start:stop], t, best_buffer[:n], proj, z[start:stop], distances, tolerance
+                )
             j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance, sync_free, first)
             indices[start:stop, t] = j
             Q[:n, t] = q

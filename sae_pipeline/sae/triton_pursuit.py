@@ -233,3 +233,34 @@ def mp_select(residual: Tensor, W_dec: Tensor, k: int, work_dtype: torch.dtype, 
             store=t < k - 1,
         )
     return indices
+
+
+def omp_step(
+    corr: Tensor,
+    indices: Tensor,
+    t: int,
+    best: Tensor,
+    proj: Tensor,
+    z: Tensor,
+    distances: Tensor | None,
+    tolerance: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """OMP's step ``t`` of `omp.select_atoms` in place, ``(indices[:, t], best [B, 1])``: from ``t = 1`` the
+    previous step's update ``corr −= z[:, t−1] · proj`` (``proj = q_{t−1} W_decᵀ``), the picked atom
+    ``indices[:, t−1]`` masked and, given ``distances``, the rank rule; then the argmax."""
+    if t == 0:
+        update_argmax(corr, indices[:, 0], best)
+    else:
+        update_argmax(
+            corr,
+            indices[:, t],
+            best,
+            rows=proj,
+            row_index=indices[:, t - 1],
+            coef=z[:, t - 1].contiguous(),
+            gather=False,
+            mask_picked=True,
+            distances=distances,
+            tolerance=tolerance,
+        )
+    return indices[:, t], best[:, None]
