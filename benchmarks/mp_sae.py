@@ -2,7 +2,8 @@
 
     python -m benchmarks.mp_sae                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
     python -m benchmarks.mp_sae --device cuda    # also d_in=768, d_sae=19200, B=4096, k=32 in fp32 and bf16
-    python -m benchmarks.mp_sae --quick          # tiny shapes, used by tests/test_mp_sae.py
+    python -m benchmarks.mp_sae --device cuda --autocast   # the same under bf16 autocast (as training runs)
+    python -m benchmarks.mp_sae --quick          # tiny shapes, used by tests/test_mp_sae.py (also --dry-run)
 
 The reference is autograd through the loop of docs/design.md ("Definitions"; a dense correlation matmul and a
 dense one-hot matmul per step). Both run on the same dictionary and batch in the same run;
@@ -11,15 +12,18 @@ autograd graph keeps for backward, summed over ``saved_tensors_hooks`` packs (nu
 element size, each storage counted once). Targets at d_in=256, d_sae=4096 on CPU:
 ≥10× faster and ≤1/20 of the saved bytes at B=1024, k=16; ≥20× faster at B=4096, k=32.
 The script also reports the fraction of tokens whose selected atoms differ (float32
-near-ties can resolve differently; float64 agreement is what the tests check).
+near-ties can resolve differently; float64 agreement is what the tests check). On CUDA the MP-SAE
+step runs the fused Triton pursuit step (sae_pipeline/sae/triton_pursuit.py); a line after each row
+gives the same step with ``fused = False`` (the PyTorch ops), measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +80,13 @@ def median_seconds(fn: Callable[[], None], device: torch.device, warmup: int, re
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def maybe_autocast(args: argparse.Namespace, device: torch.device) -> Iterator[None]:
+    """bf16 autocast around a step when ``--autocast`` (CUDA only)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bool(args.autocast) and device.type == "cuda"):
+        yield
+
+
 def bench_shape(
     d_in: int, d_sae: int, batch_size: int, k: int, dtype: torch.dtype, device: torch.device, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -88,10 +99,12 @@ def bench_shape(
     b_ref = sae.b_pre.detach().clone().requires_grad_()
 
     def fast_loss() -> Tensor:
-        return F.mse_loss(sae(x).x_hat, x)
+        with maybe_autocast(args, device):
+            return F.mse_loss(sae(x).x_hat, x)
 
     def plain_loss() -> Tensor:
-        return F.mse_loss(plain_loop(x, W_ref, b_ref, k)[2], x)
+        with maybe_autocast(args, device):
+            return F.mse_loss(plain_loop(x, W_ref, b_ref, k)[2], x)
 
     def fast_step() -> None:
         sae.zero_grad(set_to_none=True)
@@ -101,17 +114,26 @@ def bench_shape(
         W_ref.grad = b_ref.grad = None
         plain_loss().backward()
 
-    with torch.no_grad():
-        fast_indices, _ = sae.pursuit(x)
-        plain_indices = plain_loop(x, W_ref, b_ref, k)[0]
-    mismatch = (fast_indices != plain_indices).any(dim=1).float().mean().item()
+    mismatch = plain_s = plain_b = float("nan")
+    if not args.skip_reference:
+        with torch.no_grad(), maybe_autocast(args, device):
+            fast_indices, _ = sae.pursuit(x)
+            plain_indices = plain_loop(x, W_ref, b_ref, k)[0]
+        mismatch = (fast_indices != plain_indices).any(dim=1).float().mean().item()
 
     fast_s = median_seconds(fast_step, device, args.warmup, args.reps)
-    plain_s = median_seconds(plain_step, device, args.warmup, args.plain_reps or args.reps)
+    if not args.skip_reference:
+        plain_s = median_seconds(plain_step, device, args.warmup, args.plain_reps or args.reps)
+        plain_b = saved_bytes(plain_loss)
+    unfused_s = float("nan")
+    if device.type == "cuda":
+        sae.fused = False
+        unfused_s = median_seconds(fast_step, device, args.warmup, args.reps)
+        sae.fused = None
     fast_b = saved_bytes(fast_loss)
-    plain_b = saved_bytes(plain_loss)
     return {
         "fast_s": fast_s,
+        "unfused_s": unfused_s,
         "plain_s": plain_s,
         "speedup": plain_s / fast_s,
         "fast_saved_mib": fast_b / 2**20,
@@ -149,7 +171,11 @@ def pursuit_args(
     parser.add_argument(
         f"--{reference}_reps", type=int, default=3, help=f"reps of the (slow) {reference_help}; 0 = --reps"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, one rep (smoke test)")
+    parser.add_argument("--quick", "--dry-run", action="store_true", help="tiny shapes, one rep (smoke test)")
+    parser.add_argument(
+        "--skip_reference", action="store_true", help=f"do not run the {reference_help} (its columns print nan)"
+    )
+    parser.add_argument("--autocast", action="store_true", help="steps under bf16 autocast (CUDA; as training runs)")
     args = parser.parse_args(argv)
     if args.quick:
         args.d_in, args.d_sae, args.shapes, args.warmup, args.reps = 16, 128, [(64, 4)], 0, 1
@@ -167,7 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [(args.d_in, args.d_sae, b, k, getattr(torch, args.dtype)) for b, k in args.shapes]
     if device.type == "cuda" and not args.quick:
         rows += [(768, 19200, 4096, 32, torch.float32), (768, 19200, 4096, 32, torch.bfloat16)]
-    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device={device} ({name}) threads={torch.get_num_threads()} torch={torch.__version__} autocast={args.autocast}"
+    )
     header = (
         f"{'d_in':>5} {'d_sae':>6} {'B':>5} {'k':>3} {'dtype':>8} | {'mp s':>8} {'plain s':>8} {'speedup':>8} | "
         f"{'mp MiB':>8} {'plain MiB':>9} {'mem ratio':>9} | {'mp tok/s':>10} {'plain tok/s':>11} | other atoms"
@@ -182,6 +211,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['fast_tokens_per_s']:>10.0f} {r['plain_tokens_per_s']:>11.0f} | {r['tokens_with_other_atoms']:.4f}",
             flush=True,
         )
+        if device.type == "cuda":
+            print(
+                f"      fused=False (PyTorch ops): {r['unfused_s']:.4f} s; "
+                f"fused step {r['unfused_s'] / r['fast_s']:.2f}x faster",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python -m benchmarks.omp_sae                  # CPU: d_in=256, d_sae=4096; B=1024,k=16 and B=4096,k=32
     python -m benchmarks.omp_sae --device cuda    # the same shapes on a GPU
-    python -m benchmarks.omp_sae --quick          # tiny shapes, used by tests/test_omp_sae.py
+    python -m benchmarks.omp_sae --device cuda --autocast   # the same under bf16 autocast (as training runs)
+    python -m benchmarks.omp_sae --quick          # tiny shapes, used by tests/test_omp_sae.py (also --dry-run)
 
 A step is forward + backward of the MSE. The three sides run on the same dictionary and batch:
 
@@ -21,7 +22,9 @@ A step is forward + backward of the MSE. The three sides run on the same diction
 
 Times are medians over ``--reps`` after ``--warmup`` untimed steps; "saved" is what the
 autograd graph keeps for backward (each storage counted once). "other atoms": the fraction
-of tokens whose selected atoms differ between omp and naive (float32 near-ties).
+of tokens whose selected atoms differ between omp and naive (float32 near-ties). On CUDA OMP-SAE
+and MP-SAE run the fused Triton pursuit step (sae_pipeline/sae/triton_pursuit.py); a line after each
+row gives OMP-SAE's step with ``fused = False`` (the PyTorch ops), measured in the same run.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from benchmarks.mp_sae import median_seconds, pursuit_args, saved_bytes
+from benchmarks.mp_sae import maybe_autocast, median_seconds, pursuit_args, saved_bytes
 from sae_pipeline.sae.mp import MatchingPursuitSAE
 from sae_pipeline.sae.omp import OMPSAE
 
@@ -71,28 +74,42 @@ def bench_shape(
     b_ref = omp.b_pre.detach().clone().requires_grad_()
 
     def loss_of(sae: torch.nn.Module) -> Tensor:
-        return F.mse_loss(sae(x).x_hat, x)
+        with maybe_autocast(args, device):
+            return F.mse_loss(sae(x).x_hat, x)
 
     def naive_loss() -> Tensor:
-        return F.mse_loss(naive_omp(x, W_ref, b_ref, k)[1], x)
+        with maybe_autocast(args, device):
+            return F.mse_loss(naive_omp(x, W_ref, b_ref, k)[1], x)
 
     def step(loss_fn, params) -> None:  # noqa: ANN001
         for p in params:
             p.grad = None
         loss_fn().backward()
 
-    with torch.no_grad():
-        mismatch = (omp.pursuit(x)[0] != naive_omp(x, W_ref, b_ref, k)[0]).any(dim=1).float().mean().item()
+    mismatch = naive_s = naive_b = float("nan")
+    if not args.skip_reference:
+        with torch.no_grad():
+            mismatch = (omp.pursuit(x)[0] != naive_omp(x, W_ref, b_ref, k)[0]).any(dim=1).float().mean().item()
     omp_s = median_seconds(lambda: step(lambda: loss_of(omp), list(omp.parameters())), device, args.warmup, args.reps)
     mp_s = median_seconds(lambda: step(lambda: loss_of(mp), list(mp.parameters())), device, args.warmup, args.reps)
     mp_mm_s = median_seconds(
         lambda: step(lambda: loss_of(mp_mm), list(mp_mm.parameters())), device, args.warmup, args.reps
     )
-    naive_s = median_seconds(
-        lambda: step(naive_loss, [W_ref, b_ref]), device, args.warmup, args.naive_reps or args.reps
-    )
+    unfused_s = float("nan")
+    if device.type == "cuda":
+        omp.fused = False
+        unfused_s = median_seconds(
+            lambda: step(lambda: loss_of(omp), list(omp.parameters())), device, args.warmup, args.reps
+        )
+        omp.fused = None
+    if not args.skip_reference:
+        naive_s = median_seconds(
+            lambda: step(naive_loss, [W_ref, b_ref]), device, args.warmup, args.naive_reps or args.reps
+        )
+        naive_b = saved_bytes(naive_loss)
     return {
         "omp_s": omp_s,
+        "unfused_s": unfused_s,
         "mp_s": mp_s,
         "mp_mm_s": mp_mm_s,
         "naive_s": naive_s,
@@ -100,7 +117,7 @@ def bench_shape(
         "omp_over_mp_mm": omp_s / mp_mm_s,
         "naive_over_omp": naive_s / omp_s,
         "omp_mib": saved_bytes(lambda: loss_of(omp)) / 2**20,
-        "naive_mib": saved_bytes(naive_loss) / 2**20,
+        "naive_mib": naive_b / 2**20,
         "other_atoms": mismatch,
     }
 
@@ -130,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['omp_mib']:>8.2f} {r['naive_mib']:>9.2f} | {r['other_atoms']:.4f}",
             flush=True,
         )
+        if device.type == "cuda":
+            print(
+                f"      omp fused=False (PyTorch ops): {r['unfused_s']:.4f} s; "
+                f"fused step {r['unfused_s'] / r['omp_s']:.2f}x faster",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Expected slopes, from each algorithm (B tokens per batch, k atoms per token, d_i
 - ``train_d_sae`` (every variant, d_sae 4096 -> 65536 at d_in 768): time 1, memory 1. ReLU, JumpReLU and
   Matryoshka compute the dense ``B x d_sae`` pre-activations and decode densely: O(B·d_in·d_sae).
   TopK and BatchTopK encode densely and decode k atoms per token: O(B·d_in·d_sae). MP-SAE takes k
-  greedy steps, each a correlation matmul O(B·d_in·d_sae) (``mp_autograd.prefer_gram`` picks the Gram
+  greedy steps, each a correlation matmul O(B·d_in·d_sae) (``pursuit_cost.prefer_gram`` picks the Gram
   path instead only when ``2·d_sae²·d_in < (k−1)·B·d_sae·(2·d_in − c)``, i.e. only while it is the
   cheaper one, so time stays at most linear; it is never chosen at the sizes here, see below). OMP-SAE
   takes k steps of one ``q_t @ W_decᵀ`` matmul each plus O(t·d_in) per token for its QR update:

@@ -10,14 +10,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from sae_pipeline.sae import MatchingPursuitSAE
-from sae_pipeline.sae.mp_autograd import (
-    GRAM_MAX_BYTES,
-    argmax_block_size,
-    element_cost,
-    first_argmax,
-    prefer_gram,
-    select_atoms,
-)
+from sae_pipeline.sae.mp_autograd import argmax_block_size, first_argmax, select_atoms
+from sae_pipeline.sae.pursuit_cost import GRAM_MAX_BYTES, element_cost, prefer_gram
 
 
 def plain_loop(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

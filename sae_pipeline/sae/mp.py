@@ -29,7 +29,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         d_sae: number of atoms.
         k: pursuit steps in training (= atoms selected per token, repeats counted).
         selection: how the greedy indices are found: ``"auto"`` picks, per batch shape, Gram
-            updates or a matmul per step (see ``mp_autograd.prefer_gram``); ``"gram"`` and
+            updates or a matmul per step (see ``pursuit_cost.prefer_gram``); ``"gram"`` and
             ``"matmul"`` force one. Results are the same either way (up to float32 near-ties).
         dead_after_tokens: see :class:`SparseAutoencoder`.
     """
@@ -40,6 +40,9 @@ class MatchingPursuitSAE(SparseAutoencoder):
     is_pursuit = True
     k_above_d_sae = True
     test_kwargs = {"k": 4}
+    #: Whether the pursuit's Gram-update steps run as the fused Triton kernel (`triton_pursuit`); None: on
+    #: CUDA with Triton. Not a constructor argument: it changes the cost, not the result (up to near-ties).
+    fused: bool | None = None
 
     def __init__(
         self, d_in: int, d_sae: int, k: int, selection: Selection = "auto", dead_after_tokens: int = 10_000_000
@@ -67,7 +70,9 @@ class MatchingPursuitSAE(SparseAutoencoder):
         self.check_input(x)
         steps = self.resolve_k(k)
         assert steps is not None
-        indices, coefficients, _ = matching_pursuit(x, self.W_dec, self.b_pre, steps, self.selection, self.workspace)
+        indices, coefficients, _ = matching_pursuit(
+            x, self.W_dec, self.b_pre, steps, self.selection, self.workspace, self.fused
+        )
         return indices, coefficients
 
     def encode(self, x: Tensor, k: int | None = None) -> Tensor:
@@ -81,7 +86,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         self.check_input(x)
         assert self.k is not None
         indices, coefficients, x_hat = matching_pursuit(
-            x, self.W_dec, self.b_pre, self.k, self.selection, self.workspace
+            x, self.W_dec, self.b_pre, self.k, self.selection, self.workspace, self.fused
         )
         return SAEOutput(x_hat=x_hat, codes=self.codes_from_pursuit(indices, coefficients), pre_acts=None)
 
@@ -95,7 +100,7 @@ class MatchingPursuitSAE(SparseAutoencoder):
         steps = self.resolve_k(k)
         assert steps is not None
         r = x - self.b_pre
-        indices = select_atoms(r, self.W_dec, steps, self.selection, self.workspace)
+        indices = select_atoms(r, self.W_dec, steps, self.selection, self.workspace, self.fused)
         norms = r.new_empty(x.shape[0], steps + 1)
         norms[:, 0] = r.norm(dim=1)
         for t in range(steps):

@@ -15,7 +15,7 @@ dense ``[B, d_sae]`` matmuls per step and keeps ``k`` such tensors for backward.
    matmul ``C = r_0 @ W_decᵀ``; each later step either updates them with a row of the Gram
    matrix, ``C −= c_j · G[j]`` (``G = W_dec W_decᵀ``, ``B·d_sae`` memory-bound work per step,
    ``2·d_sae²·d_in`` FLOPs once, half that by syrk on CPU: :mod:`.gram`), or recomputes them
-   with a matmul (``2·B·d_in·d_sae`` FLOPs per step). See :func:`prefer_gram` for the choice.
+   with a matmul (``2·B·d_in·d_sae`` FLOPs per step). See `pursuit_cost.prefer_gram` for the choice.
    A large Gram matrix is formed per call and freed before the backward (it is the step's
    memory peak: d_sae² elements); one up to ``CPU_KEPT_GRAM_BYTES`` is kept between steps on CPU.
 2. :class:`MatchingPursuitFunction` recomputes the ``c_t`` and ``x_hat`` from the indices on
@@ -48,12 +48,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from sae_pipeline.sae.gram import gram_into, uses_syrk
+from sae_pipeline.sae.pursuit_cost import compute_dtype, element_cost, gemm_dtype, prefer_gram
+from sae_pipeline.sae.triton_pursuit import fused_available, mp_select
 
 Selection = Literal["auto", "gram", "matmul"]
 
-# Above this size the Gram matrix is not formed even when it would save FLOPs
-# (d_sae = 32768 in float32 is exactly 4 GiB).
-GRAM_MAX_BYTES = 4 * 2**30
 # Rows of the batch processed together on CPU: the correlations of a chunk (chunk × d_sae)
 # then stay in cache across the k steps; on GPUs the whole batch runs at once.
 CPU_CHUNK_ROWS = 256
@@ -65,54 +64,6 @@ CPU_BACKWARD_SCRATCH_BYTES = 32 * 2**20
 # steps; a larger one lives for its selection only: kept, it would be held through the backward
 # pass and the optimiser step too (256 MiB at d_sae = 8192, the step's peak either way).
 CPU_KEPT_GRAM_BYTES = 64 * 2**20
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision inputs run the pursuit recurrences in float32 (cheap: ``[B, d_in]``)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def element_cost(device: torch.device, dtype: torch.dtype) -> float:
-    """Time of one memory-bound Gram-update element (gather ``G[j, i]``, update ``C[b, i]``)
-    in units of one matmul FLOP, by device and dtype.
-
-    CPU, 24: measured on the 2-core dev box (≈0.4 ns per element against ≈55 GFLOP/s per
-    core in sgemm). CUDA, 250 in float32 and 4000 in half precision: estimated, not measured,
-    from an H100's ratio of FLOPs to memory bandwidth (≈20 FLOP/byte for float32 CUDA cores,
-    ≈300 for bf16 tensor cores) times the ≈12 bytes an element moves.
-    """
-    if device.type == "cpu":
-        return 24.0
-    return 4000.0 if dtype in (torch.float16, torch.bfloat16) else 250.0
-
-
-def prefer_gram(
-    n_tokens: int,
-    k: int,
-    d_in: int,
-    d_sae: int,
-    cost_per_element: float = 24.0,
-    element_size: int = 4,
-    symmetric: bool = False,
-) -> bool:
-    """Whether the Gram-update selection is cheaper than a correlation matmul per step.
-
-    Both start with one matmul ``r_0 @ W_decᵀ`` and take an argmax per step. For the k − 1
-    updates, the Gram path pays for ``G = W_dec W_decᵀ`` once plus ``B·d_sae`` memory-bound
-    elements per step (``cost_per_element`` FLOPs each, see :func:`element_cost`); the matmul
-    path pays ``2·B·d_in·d_sae`` FLOPs per step. G costs ``2·d_sae²·d_in`` FLOPs as a matmul,
-    or, ``symmetric`` (CPU, :mod:`.gram`), ``d_sae²·d_in`` by syrk plus ``d_sae²`` elements to
-    mirror its triangle. So with the matmul the Gram path wins when
-    ``2·d_sae²·d_in < (k−1)·B·d_sae·(2·d_in − cost_per_element)``, and on CPU at d_in = 256
-    about when ``B·(k−1) > 0.57·d_sae``. At B=1024, k=16, d_sae=4096: 15 360 > 2 350, Gram
-    (4.3 GFLOPs once instead of 32 over the steps). A Gram matrix larger than
-    ``GRAM_MAX_BYTES`` is never formed.
-    """
-    if k <= 1 or d_sae * d_sae * element_size > GRAM_MAX_BYTES:
-        return False
-    saving_per_element = 2 * d_in - cost_per_element
-    gram_cost = d_sae * d_sae * (d_in + cost_per_element if symmetric else 2 * d_in)
-    return saving_per_element > 0 and gram_cost < (k - 1) * n_tokens * d_sae * saving_per_element
 
 
 def argmax_block_size(d_sae: int) -> int | None:
@@ -186,24 +137,34 @@ def correlate(r: Tensor, W_dec: Tensor, out: Tensor) -> None:
 
 @torch.no_grad()
 def select_atoms(
-    residual: Tensor, W_dec: Tensor, k: int, selection: Selection = "auto", workspace: Workspace | None = None
+    residual: Tensor,
+    W_dec: Tensor,
+    k: int,
+    selection: Selection = "auto",
+    workspace: Workspace | None = None,
+    fused: bool | None = None,
 ) -> Tensor:
     """Greedy MP indices ``[B, k]`` (int64) for ``r_0 = residual [B, d_in]``; no autograd.
 
     Atoms may repeat. In float32 a near-tie may resolve differently from the plain loop
-    (rounding of the updated correlations); in float64 the choice is the same.
+    (rounding of the updated correlations); in float64 the choice is the same. ``fused`` (None: on
+    CUDA with Triton) runs the Gram path as one kernel per step (`triton_pursuit.mp_select`).
     """
     n_tokens = residual.shape[0]
     d_sae, d_in = W_dec.shape
     work_dtype = compute_dtype(residual.dtype)
+    fused = fused_available(residual.device) if fused is None else fused
+    gemm = gemm_dtype(residual) if fused else residual.dtype
     if selection == "auto":
-        cost = element_cost(residual.device, residual.dtype)
-        size = torch.finfo(work_dtype).bits // 8
+        cost = element_cost(residual.device, gemm, fused)
+        size = torch.finfo(gemm if fused else work_dtype).bits // 8
         use_gram = prefer_gram(n_tokens, k, d_in, d_sae, cost, size, uses_syrk(residual.device, work_dtype))
     elif selection in ("gram", "matmul"):
         use_gram = selection == "gram" and k > 1
     else:
         raise ValueError(f"selection must be 'auto', 'gram' or 'matmul', got {selection!r}")
+    if fused and use_gram:
+        return mp_select(residual, W_dec, k, work_dtype, gemm)
     residual = residual.detach()
     W_dec = W_dec.detach()
     workspace = Workspace() if workspace is None else workspace
@@ -353,10 +314,16 @@ def reverse_scan(
 
 
 def matching_pursuit(
-    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, selection: Selection = "auto", workspace: Workspace | None = None
+    x: Tensor,
+    W_dec: Tensor,
+    b_pre: Tensor,
+    k: int,
+    selection: Selection = "auto",
+    workspace: Workspace | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k MP steps, differentiable
     in ``x``, ``W_dec`` and ``b_pre`` exactly as autograd through the plain loop."""
-    indices = select_atoms(x.detach() - b_pre.detach(), W_dec, k, selection, workspace)
+    indices = select_atoms(x.detach() - b_pre.detach(), W_dec, k, selection, workspace, fused)
     coefficients, x_hat = MatchingPursuitFunction.apply(x, W_dec, b_pre, indices, workspace)
     return indices, coefficients, x_hat

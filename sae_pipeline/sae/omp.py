@@ -64,6 +64,7 @@ from feature_extraction.validate import check_int
 from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
 from sae_pipeline.sae.mp_autograd import Workspace, argmax_block_size, compute_dtype, first_argmax
 from sae_pipeline.sae.sparse_decode import SparseCodes
+from sae_pipeline.sae.triton_pursuit import fused_available, omp_step
 
 #: Rows of the batch processed together on CPU (GPUs take the whole batch). Larger than MP-SAE's
 #: 256: OMP runs ~30 small ops per step, and each parallel region is a thread barrier, which on a
@@ -83,7 +84,12 @@ RANK_TOLERANCE = 100.0
 
 @torch.no_grad()
 def select_atoms(
-    y: Tensor, W_dec: Tensor, k: int, workspace: Workspace | None = None, sync_free: bool = False
+    y: Tensor,
+    W_dec: Tensor,
+    k: int,
+    workspace: Workspace | None = None,
+    sync_free: bool = False,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """OMP on ``y [B, d_in]``: ``(indices [B, k], L [B, k, k], z [B, k], r [B, d_in])``, no autograd.
 
@@ -98,8 +104,13 @@ def select_atoms(
     ``<q_t, d_j>``), instead of to the winner after it, retried until none is dependent (a loop whose
     length is the data's). The same atoms are picked unless an atom's distance lies within rounding of
     the tolerance.
+
+    ``fused`` (None: on CUDA with Triton): each step's update of the correlations (and of the distances),
+    the masking of the picked atom and the next argmax are one kernel (`triton_pursuit.update_argmax`)
+    instead of five passes over ``[B, d_sae]``; the same arithmetic, so the same indices.
     """
     n_tokens, d_in = y.shape
+    fused = fused_available(y.device) if fused is None else fused
     d_sae = W_dec.shape[0]
     dtype = compute_dtype(y.dtype)
     device = y.device
@@ -119,6 +130,7 @@ def select_atoms(
     proj_buffer = workspace.get("omp_projections", (rows_max, d_sae), dtype, device)
     Q = workspace.get("omp_q", (rows_max, k, d_in), dtype, device)
     distance_buffer = workspace.get("omp_distances", (rows_max, d_sae), dtype, device) if sync_free else None
+    best_buffer = torch.empty(rows_max, dtype=dtype, device=device) if fused else None
     for start in range(0, n_tokens, chunk):
         stop = min(start + chunk, n_tokens)
         n = stop - start
@@ -128,7 +140,12 @@ def select_atoms(
         corr.masked_fill_(atom_sq <= 0, float("-inf"))  # zero atoms never help
         distances = None if distance_buffer is None else distance_buffer[:n].copy_(atom_sq.expand(n, d_sae))
         for t in range(k):
-            j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance, sync_free)
+            first = None  # with the kernel: step t − 1's updates of corr (and distances) fused with this argmax
+            if best_buffer is not None:
+                first = omp_step(
+                    corr, indices[start:stop], t, best_buffer[:n], proj, z[start:stop], distances, tolerance
+                )
+            j, q, row, stopped = next_atom(corr, block, W, Q[:n, :t], tolerance, sync_free, first)
             indices[start:stop, t] = j
             Q[:n, t] = q
             L[start:stop, t, : t + 1] = row
@@ -138,6 +155,8 @@ def select_atoms(
             if t == k - 1:
                 break
             torch.matmul(q, W.T, out=proj)  # <q_t, d_j>
+            if best_buffer is not None:
+                continue  # the next step's kernel applies proj
             corr.addcmul_(proj, z_t[:, None], value=-1.0)  # <r_t, d_j>; masked entries stay -inf
             corr.scatter_(1, j.clamp_min(0)[:, None], float("-inf"))  # selected: never again
             if distances is not None:  # in the span now: never again
@@ -146,7 +165,13 @@ def select_atoms(
 
 
 def next_atom(
-    corr: Tensor, block: int | None, W: Tensor, Q: Tensor, tolerance: Tensor, sync_free: bool = False
+    corr: Tensor,
+    block: int | None,
+    W: Tensor,
+    Q: Tensor,
+    tolerance: Tensor,
+    sync_free: bool = False,
+    first: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The step's atom per token, ``(j [n], q [n, d_in], row [n, t + 1], stopped [n])``: the largest
     correlation among atoms not in the span of the selected ones.
@@ -157,10 +182,11 @@ def next_atom(
     per token instead of a distance update of every atom per step; retries are rare (an atom near the
     span has a correlation near 0). A token with no atom left (all masked) gets ``j = −1``, ``q = 0``
     and an identity row (``stopped``). ``sync_free``: ``corr`` has every dependent atom masked already
-    (`select_atoms`), so one argmax, and the stopped tokens are set on the device.
+    (`select_atoms`), so one argmax, and the stopped tokens are set on the device. ``first``: the
+    argmax ``(j, best)`` of ``corr`` already taken (by the fused kernel).
     """
     if sync_free:
-        j, best = first_argmax(corr, block)
+        j, best = first_argmax(corr, block) if first is None else first
         q, row = orthonormal_step(W.index_select(0, j), Q, sync_free=True)
         stopped = torch.isinf(best[:, 0])
         identity = torch.zeros_like(row[:1])
@@ -173,7 +199,8 @@ def next_atom(
         )
     rows = torch.arange(corr.shape[0], device=corr.device)
     while True:
-        j, best = first_argmax(corr, block)
+        j, best = first_argmax(corr, block) if first is None else first
+        first = None
         q, row = orthonormal_step(W.index_select(0, j), Q)
         stopped = torch.isinf(best[:, 0])
         dependent = (row[:, -1].square() <= tolerance[j]) & ~stopped
@@ -271,11 +298,17 @@ class LeastSquaresFunction(torch.autograd.Function):
 
 
 def orthogonal_matching_pursuit(
-    x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int, workspace: Workspace | None = None, sync_free: bool = False
+    x: Tensor,
+    W_dec: Tensor,
+    b_pre: Tensor,
+    k: int,
+    workspace: Workspace | None = None,
+    sync_free: bool = False,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
     ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop (``sync_free``: see select_atoms)."""
-    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free)
+    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free, fused)
     coefficients, x_hat = LeastSquaresFunction.apply(x, W_dec, b_pre, indices, L, z)
     return indices, coefficients, x_hat
 
@@ -295,6 +328,9 @@ class OMPSAE(SparseAutoencoder):
     label = "OMP-SAE"
     is_pursuit = True
     test_kwargs = {"k": 4}
+    #: Whether the correlation updates run as the fused Triton kernel (`triton_pursuit`); None: on CUDA with
+    #: Triton. Not a constructor argument: it changes the cost, not the result (up to near-ties).
+    fused: bool | None = None
 
     def __init__(self, d_in: int, d_sae: int, k: int, dead_after_tokens: int = 10_000_000) -> None:
         super().__init__(d_in, d_sae, dead_after_tokens)
@@ -311,7 +347,9 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         steps = self.resolve_k(k)
         assert steps is not None
-        indices, coefficients, _ = orthogonal_matching_pursuit(x, self.W_dec, self.b_pre, steps, self.workspace)
+        indices, coefficients, _ = orthogonal_matching_pursuit(
+            x, self.W_dec, self.b_pre, steps, self.workspace, fused=self.fused
+        )
         return indices, coefficients
 
     def codes_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> Tensor:
@@ -330,7 +368,7 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         assert self.k is not None
         indices, coefficients, x_hat = orthogonal_matching_pursuit(
-            x, self.W_dec, self.b_pre, self.k, self.workspace, self.avoids_host_reads(x)
+            x, self.W_dec, self.b_pre, self.k, self.workspace, self.avoids_host_reads(x), self.fused
         )
         codes = SparseCodes.from_topk(indices.clamp_min(0), self.d_sae).with_values(coefficients.reshape(-1))
         return SAEOutput(x_hat=x_hat, pre_acts=None, sparse=codes)
@@ -345,6 +383,6 @@ class OMPSAE(SparseAutoencoder):
         self.check_input(x)
         steps = self.resolve_k(k)
         assert steps is not None
-        _, _, z, r = select_atoms(x - self.b_pre, self.W_dec, steps, self.workspace)
+        _, _, z, r = select_atoms(x - self.b_pre, self.W_dec, steps, self.workspace, fused=self.fused)
         tail = torch.cat([z.square().flip(1).cumsum(1).flip(1), z.new_zeros(z.shape[0], 1)], dim=1)
         return (tail + r.square().sum(1, keepdim=True)).sqrt().to(x.dtype)
