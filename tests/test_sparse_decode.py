@@ -217,3 +217,26 @@ def test_a_kernel_that_fails_falls_back_once_with_the_reason(monkeypatch) -> Non
     torch.testing.assert_close(decoded, dense @ weight)
     torch.testing.assert_close(dots, (grad @ weight.T)[codes.rows, codes.indices])
     torch.testing.assert_close(sums, dense.T @ grad)
+
+
+def test_a_pursuit_kernel_that_fails_falls_back_to_the_same_selection(monkeypatch) -> None:
+    import warnings
+
+    from sae_pipeline.sae import mp_autograd, sparse_decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    monkeypatch.setattr(sparse_decode, "use_triton", True)
+    monkeypatch.setattr(mp_autograd, "mp_select", broken)
+    torch.manual_seed(1)
+    W_dec = torch.nn.functional.normalize(torch.randn(48, 12, dtype=torch.float64), dim=1)
+    residual = torch.randn(10, 12, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = mp_autograd.select_atoms(residual, W_dec, 4, "gram", fused=True)
+    assert sparse_decode.use_triton is False
+    assert [str(w.message) for w in caught if "Triton" in str(w.message)][0].startswith(
+        "the Triton kernels failed on this device (RuntimeError: 0 active drivers"
+    )
+    torch.testing.assert_close(fused, mp_autograd.select_atoms(residual, W_dec, 4, "gram", fused=False))

@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from sae_pipeline.sae.gram import gram_into, uses_syrk
 from sae_pipeline.sae.pursuit_cost import compute_dtype, element_cost, gemm_dtype, prefer_gram
+from sae_pipeline.sae.sparse_decode import with_kernels
 from sae_pipeline.sae.triton_pursuit import fused_available, mp_select
 
 Selection = Literal["auto", "gram", "matmul"]
@@ -163,8 +164,11 @@ def select_atoms(
         use_gram = selection == "gram" and k > 1
     else:
         raise ValueError(f"selection must be 'auto', 'gram' or 'matmul', got {selection!r}")
-    if fused and use_gram:
-        return mp_select(residual, W_dec, k, work_dtype, gemm)
+    if fused and use_gram:  # a kernel that fails on this GPU: the same selection by torch's operators
+        return with_kernels(
+            lambda: mp_select(residual, W_dec, k, work_dtype, gemm),
+            lambda: select_atoms(residual, W_dec, k, selection, workspace, fused=False),
+        )
     residual = residual.detach()
     W_dec = W_dec.detach()
     workspace = Workspace() if workspace is None else workspace

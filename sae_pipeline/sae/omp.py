@@ -63,7 +63,7 @@ from torch.autograd.function import once_differentiable
 from feature_extraction.validate import check_int
 from sae_pipeline.sae.base import SAEOutput, SparseAutoencoder
 from sae_pipeline.sae.mp_autograd import Workspace, argmax_block_size, compute_dtype, first_argmax
-from sae_pipeline.sae.sparse_decode import SparseCodes
+from sae_pipeline.sae.sparse_decode import SparseCodes, with_kernels
 from sae_pipeline.sae.triton_pursuit import fused_available, omp_step
 
 #: Rows of the batch processed together on CPU (GPUs take the whole batch). Larger than MP-SAE's
@@ -308,7 +308,14 @@ def orthogonal_matching_pursuit(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(indices [B, k], coefficients [B, k], x_hat [B, d_in])`` of k OMP steps, differentiable in
     ``x``, ``W_dec`` and ``b_pre`` as autograd through the plain loop (``sync_free``: see select_atoms)."""
-    indices, L, z, _ = select_atoms(x.detach() - b_pre.detach(), W_dec, k, workspace, sync_free, fused)
+    y = x.detach() - b_pre.detach()
+    if fused is None and fused_available(y.device):  # a kernel that fails on this GPU: torch's operators
+        indices, L, z, _ = with_kernels(
+            lambda: select_atoms(y, W_dec, k, workspace, sync_free, True),
+            lambda: select_atoms(y, W_dec, k, workspace, sync_free, False),
+        )
+    else:
+        indices, L, z, _ = select_atoms(y, W_dec, k, workspace, sync_free, fused)
     coefficients, x_hat = LeastSquaresFunction.apply(x, W_dec, b_pre, indices, L, z)
     return indices, coefficients, x_hat
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -141,6 +141,7 @@ def row_offsets(rows: Tensor, batch: int) -> Tensor:
 #: False: the products use `F.embedding_bag` on a GPU too (benchmarks/sparse_kernels.py compares the two);
 #: set to False for the rest of the process when a kernel fails to compile or launch (`with_kernels`).
 use_triton = True
+T = TypeVar("T")
 
 
 def _gpu_kernels(*operands: Tensor) -> Any:
@@ -153,7 +154,7 @@ def _gpu_kernels(*operands: Tensor) -> Any:
     return triton_sparse if triton_sparse.applies(*operands) else None
 
 
-def with_kernels(kernel_call: Callable[[], Tensor], fallback: Callable[[], Tensor]) -> Tensor:
+def with_kernels(kernel_call: Callable[[], T], fallback: Callable[[], T]) -> T:
     """``kernel_call()``, or ``fallback()`` (torch's own operators, same result) from the first time a Triton
     kernel fails on this machine: a Triton or driver version that cannot compile it must cost speed, not
     the run. Said once, with the reason."""
@@ -165,8 +166,8 @@ def with_kernels(kernel_call: Callable[[], Tensor], fallback: Callable[[], Tenso
             use_triton = False
             reason = f"{type(exn).__name__}: {str(exn).splitlines()[0] if str(exn) else ''}"
             warnings.warn(
-                f"the Triton sparse kernels failed on this device ({reason}); using torch's embedding_bag and "
-                "topk for the rest of the run (same results, slower)",
+                f"the Triton kernels failed on this device ({reason}); using torch's own operators for the rest "
+                "of the run (same results, slower)",
                 RuntimeWarning,
                 stacklevel=3,
             )

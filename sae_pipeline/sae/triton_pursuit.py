@@ -49,8 +49,11 @@ def triton_installed() -> bool:
 
 
 def fused_available(device: torch.device) -> bool:
-    """Whether the pursuits take this kernel by default on ``device``: CUDA with Triton installed."""
-    return device.type == "cuda" and triton_installed()
+    """Whether the pursuits take this kernel by default on ``device``: CUDA with Triton installed, and no
+    Triton kernel has failed in this process (`sparse_decode.with_kernels`)."""
+    from sae_pipeline.sae import sparse_decode
+
+    return device.type == "cuda" and sparse_decode.use_triton and triton_installed()
 
 
 @functools.cache
