@@ -5,8 +5,9 @@ already at hand: the site's images while :func:`sae_pipeline.features.heatmaps.c
 re-reads them (every token of every top image is encoded there), and a new image in
 ``features explain``.
 
-Pages: ``images/<key>.html`` (the image, then the two rankings as heatmap cards linking to
-each atom's page) and ``images/index.html`` listing them; the atom pages link each top image
+Pages: ``images/<key>.html`` (the image with a patch picker, `patch_atoms.py`, then the two
+rankings as heatmap cards linking to each atom's page; pixel data: one ranking of the atoms'
+decoder images) and ``images/index.html`` listing them; the atom pages link each top image
 to its page. ``features explain`` writes the same pages for the user's images
 (:mod:`sae_pipeline.features.explain`).
 """
