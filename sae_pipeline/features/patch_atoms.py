@@ -38,9 +38,14 @@ def token_top_atoms(image: ImageCodes, k: int = PATCH_TOP) -> tuple[np.ndarray, 
     entry_atom = np.repeat(image.atoms, np.diff(image.crow))
     keep = image.value > 0
     token, atom, value = image.token[keep], entry_atom[keep], image.value[keep]
-    order = np.lexsort((atom, -value, token))  # by token, then value (largest first), then atom id
+    # by token, then value (largest first), then atom id: the entries come by atom, so two stable sorts
+    # (the second a radix sort of small ints) order them as a 3-key lexsort would, in about half its time
+    order = np.argsort(-value, kind="stable")
+    small = token[order].astype(np.int16 if image.n_tokens < 2**15 else np.int64)
+    order = order[np.argsort(small, kind="stable")]
     token, atom, value = token[order], atom[order], value[order]
-    first = np.searchsorted(token, token)  # each entry's token's first entry
+    count = np.bincount(token, minlength=image.n_tokens)
+    first = np.repeat(np.cumsum(count) - count, count)  # each entry's token's first entry
     rank = np.arange(len(token)) - first
     mine = rank < k
     atoms[token[mine], rank[mine]] = atom[mine]
