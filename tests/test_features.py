@@ -172,6 +172,12 @@ def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:
         assert expected, row
         section = page.read_text().split('<section class="by-max">', 1)[1].split("</section>", 1)[0]
         assert [int(a) for a in re.findall(r'href="\.\./atoms/\d+\.html">#(\d+)<', section)] == expected, row
+        # one token: one ranking, each card the atom's decoder image (not the input again), which exists
+        text = page.read_text()
+        assert '<section class="by-sum">' not in text and text.count(f"thumbs/{row}.png") == 1, row
+        decoders = re.findall(r'class="pixels decoder" alt="atom (\d+)" src="\.\./atoms/img/(\d+)\.png"', section)
+        assert [int(a) for a, _ in decoders] == expected and all(a == b for a, b in decoders), row
+        assert all((out / "atoms" / "img" / f"{a}.png").is_file() for a, _ in decoders)
 
 
 def test_bad_input_is_one_line_and_exit_2(data, tmp_path, capsys) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from features_fixtures import D, identity_sae, write_export, write_shards
+from features_fixtures import GRID, N_PREFIX, D, identity_sae, write_export, write_shards
 from PIL import Image
 from site_walk import chromium, walk_site
 
@@ -203,3 +203,57 @@ def test_every_page_of_the_site_renders_with_no_broken_link(site, browser) -> No
     assert set(report) == set(site.resolve().rglob("*.html"))  # no page unreachable from the index
     assert {"atoms", "images"} <= {page.parent.name for page in report}
     assert {page: problems for page, problems in report.items() if problems} == {}
+
+
+def dense_codes() -> tuple[np.ndarray, np.ndarray]:
+    """The fixture site's codes (``relu(x - t)``, the thresholded identity SAE) and positions, recomputed
+    from the same deterministic shards."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tokens, positions = write_shards(Path(scratch) / "shards", Path(scratch) / "images")
+    sae = thresholded_sae(tokens)
+    return np.maximum(tokens - (-sae.b_enc.detach().numpy()), 0), positions
+
+
+def shown_list(page) -> list[tuple[int, str]]:
+    items = page.locator("#patch-list li")
+    texts = items.evaluate_all(
+        "items => items.map(li => [li.querySelector('.atom').textContent, (li.querySelector('a') || {}).href || ''])"
+    )
+    return [(int(text.lstrip("#")), href) for text, href in texts]
+
+
+def test_image_page_click_a_patch_lists_its_top_atoms(site, browser) -> None:
+    """Click a patch (and a prefix chip) of an image page opened from disk: the list becomes that token's top atoms
+    as a dense computation ranks them, each linking to an existing atom page."""
+    codes, positions = dense_codes()
+    tpi = len(positions) // 14
+    key = 3
+    page, errors = open_page(browser, (site / "images" / f"{key}.html").as_uri())
+    grid = page.locator("#patch-grid")
+    box = grid.bounding_box()
+    seen = []
+    mine = codes[key * tpi : (key + 1) * tpi]
+    for token in range(tpi):
+        p = int(positions[key * tpi + token])
+        if p >= N_PREFIX:
+            r, c = divmod(p - N_PREFIX, GRID[1])
+            grid.click(position={"x": (c + 0.5) * box["width"] / GRID[1], "y": (r + 0.5) * box["height"] / GRID[0]})
+        else:
+            page.locator(f'#patch-prefix .tok[data-i="{p}"]').click()
+        assert page.locator("#patch-list").get_attribute("data-position") == str(p)
+        row = mine[token]
+        want = sorted((a for a in range(D) if row[a] > 0), key=lambda a: (-row[a], a))[:5]
+        shown = shown_list(page)
+        assert [a for a, _ in shown] == want, (token, p)
+        assert all(Path(href.removeprefix("file://")).is_file() and f"/atoms/{a:02d}.html" in href for a, href in shown)
+        seen.append(tuple(a for a, _ in shown))
+    assert len(set(seen)) > 1  # the list changes from token to token
+    # a patch the extraction did not store says so, with no list
+    stored = set(positions[key * tpi : (key + 1) * tpi].tolist())
+    missing = next(p for p in range(N_PREFIX, N_PREFIX + GRID[0] * GRID[1]) if p not in stored)
+    r, c = divmod(missing - N_PREFIX, GRID[1])
+    grid.click(position={"x": (c + 0.5) * box["width"] / GRID[1], "y": (r + 0.5) * box["height"] / GRID[0]})
+    assert "not stored" in page.locator("#patch-name").inner_text() and shown_list(page) == []
+    assert errors == []

@@ -6,7 +6,8 @@ through a trained SAE on any number of devices (:mod:`.pass_module`, :mod:`.topn
 from the extraction's recorded source (:mod:`.images`), and writes a static site
 (:mod:`.site` builds it: the index, :mod:`.index_page`, and a page per atom, :mod:`.atom_pages`;
 :mod:`.site_dir` checks ``--out``, builds beside it and swaps the site in whole),
-with a page per image of the atoms that fire most on it (:mod:`.image_top`, :mod:`.image_pages`)
+with a page per image of the atoms that fire most on it and of each clicked patch's atoms
+(:mod:`.image_top`, :mod:`.image_pages`, :mod:`.patch_atoms`)
 and, where the images carry labels, per-atom label statistics and a page per label (:mod:`.labels`
 counts in the pass, :mod:`.selectivity`, :mod:`.label_pages`, :mod:`.label_assets`).
 ``features explain`` (:mod:`.explain`) writes those image pages for new images, through the

@@ -334,6 +334,7 @@ def write_pages(out: Path, result: dict, backbone: Any, site: Path | None, sae: 
     from sae_pipeline.features.heatmaps import Layout
     from sae_pipeline.features.image_pages import image_fname, image_page, images_index
     from sae_pipeline.features.images import save_thumbnail
+    from sae_pipeline.features.patch_atoms import write_patch_assets
     from sae_pipeline.features.site_dir import MARKER_FNAME, staged_site
 
     spec = backbone.spec
@@ -349,6 +350,7 @@ def write_pages(out: Path, result: dict, backbone: Any, site: Path | None, sae: 
             (staging / sub).mkdir(parents=True)
         (staging / "assets" / "site.css").write_text(CSS)
         (staging / "assets" / "site.js").write_text(JS)
+        write_patch_assets(staging / "assets")
         rows = []
         for n, (record, top, view) in enumerate(result["explained"]):
             thumb = f"thumbs/{n}.jpg"

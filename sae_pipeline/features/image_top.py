@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sae_pipeline.features.image_codes import ImageCodes
+from sae_pipeline.features.patch_atoms import token_top_atoms
 
 IMAGE_TOP = 16  # atoms per ranking on an image page
 LEVEL_MAX, NOT_STORED = 250, 255  # as the atom pages (atom_pages.py, assets.JS)
@@ -38,8 +39,9 @@ def image_top_atoms(
     dense ``[tokens, d_sae]`` (read as entries first).
 
     Returns ``atoms`` (sorted), their ``max`` and ``sum`` over the tokens, ``top`` (position of the
-    maximum), ``levels`` (uint8 ``[atoms, n_full]``, or None without a token grid), and the two
-    rankings ``by_max`` / ``by_sum`` as atom ids.
+    maximum), ``levels`` (uint8 ``[atoms, n_full]``, or None without a token grid), the two
+    rankings ``by_max`` / ``by_sum`` as atom ids, and per token its few largest atoms
+    (``token_atoms`` / ``token_values``, `patch_atoms.py`) with its ``positions``.
     """
     image = codes if isinstance(codes, ImageCodes) else ImageCodes.from_dense(codes)
     by_max, by_sum = _ranking(image.atoms, image.peak, k), _ranking(image.atoms, image.total, k)
@@ -48,6 +50,7 @@ def image_top_atoms(
     peak = image.peak[pair]
     columns = image.columns(atoms)  # codes[:, atoms].T
     positions = np.asarray(positions, np.int64)
+    token_atoms, token_values = token_top_atoms(image)
     levels = None
     if n_full > 0:
         levels = np.full((len(atoms), n_full), NOT_STORED, np.uint8)
@@ -61,4 +64,7 @@ def image_top_atoms(
         "levels": levels,
         "by_max": by_max.astype(np.int64),
         "by_sum": by_sum.astype(np.int64),
+        "token_atoms": token_atoms,
+        "token_values": token_values,
+        "positions": positions,
     }

@@ -97,6 +97,7 @@ def build_site(
             thumbs,
             lambda a: f"atoms/{atom_fname(a, width)}" if a in with_page else None,
             changed,
+            write_ranked_atom_images(staging, sae, collection, layout),
         )
         _write_pages(
             staging,
@@ -138,6 +139,21 @@ def build_site(
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
         raise_if_interrupted()
     return out
+
+
+def write_ranked_atom_images(root: Path, sae: Any, collection: dict[str, Any], layout: Layout) -> Any:
+    """Pixel data: ``atoms/img/<atom>.png`` for every atom an image page ranks (atoms without a page included),
+    so that those pages show the atoms' decoder rows; returns their href from ``images/`` (None otherwise)."""
+    if layout.kind != "pixels":
+        return None
+    ranked = {
+        int(a) for meta in collection["images"].values() if "top_atoms" in meta for a in meta["top_atoms"]["atoms"]
+    }
+    (root / "atoms" / "img").mkdir(parents=True, exist_ok=True)
+    W = sae.W_dec.detach().float().numpy()
+    for atom in sorted(ranked):
+        atom_image(W[atom], layout.image_shape).save(root / "atoms" / "img" / f"{atom}.png")
+    return lambda atom: f"../atoms/img/{atom}.png"
 
 
 def write_thumbnails(
@@ -205,7 +221,7 @@ def _write_pages(
     heat_row = {(int(a), int(r)): i for i, (a, r) in enumerate(zip(collection["heat_atom"], collection["heat_rank"]))}
     pixel_atoms = layout.kind == "pixels"
     if pixel_atoms:
-        (root / "atoms" / "img").mkdir()
+        (root / "atoms" / "img").mkdir(exist_ok=True)
         W = sae.W_dec.detach().float().numpy()
         for atom in chosen:
             atom_image(W[atom], layout.image_shape).save(root / "atoms" / "img" / f"{atom}.png")
