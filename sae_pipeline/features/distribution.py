@@ -63,10 +63,10 @@ def bin_of(values: Tensor) -> Tensor:
 
 def _rank(cell: Tensor, hash_: Tensor, image: Tensor, token: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """Positions of the entries kept (the first ``n`` distinct images per cell in (hash, image, token)
-    order) and their rank; stable sorts only, so the result depends on the entries, not their order."""
+    order) and their rank; stable sorts only, so the result depends on the entries, not their order.
+    Image keys grow with the token index (`image_keys`), so ordering by token orders by (image, token)."""
     order = torch.sort(token, stable=True).indices
-    for key in (image, hash_, cell):
-        order = order[torch.sort(key[order], stable=True).indices]
+    order = order[torch.sort(((cell << 31) | hash_)[order], stable=True).indices]  # cell < 2^31, hash < 2^31
     c, g = cell[order], image[order]
     first = torch.ones_like(c, dtype=torch.bool)
     first[1:] = (c[1:] != c[:-1]) | (g[1:] != g[:-1])
