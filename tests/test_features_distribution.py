@@ -120,6 +120,11 @@ def test_atom_page_draws_the_histogram_and_band_rows(tmp_path: Path) -> None:
     assert npz["hist_counts"].shape[1] == N_BINS and "band_image" in npz.files
     atom = int(np.argmax(npz["hist_counts"].sum(1)))
     page = next((out / "atoms").glob(f"*{atom}.html")).read_text()
-    assert '<svg class="histogram"' in page and "Band 1:" in page and "activation value" in page
+    assert (
+        '<svg class="histogram"' in page
+        and "Values [" in page
+        and "quantiles 0–" in page
+        and "activation value" in page
+    )
     shown = npz["band_image"][atom][npz["band_token"][atom] >= 0]
     assert len(shown) and all(f"thumbs/{key}.jpg" in page for key in shown.tolist())

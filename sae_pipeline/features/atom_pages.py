@@ -174,7 +174,7 @@ def atom_page(
         slot = n_top + band * state["band_token"].shape[2] + example
         at = (atom, band, example)
         value, position = float(state["band_value"][at]), int(state["band_position"][at])
-        return card(slot, int(state["band_image"][at]), value, position, f"band {band + 1}")
+        return card(slot, int(state["band_image"][at]), value, position, "band example")
 
     distribution_html = distribution_section(state, atom, band_card)
     links = []

@@ -51,8 +51,9 @@ def histogram_svg(counts: np.ndarray, band_of: np.ndarray) -> str:
             f'fill="{shade}"><title>{html.escape(tip)}</title></rect>'
         )
     axis_y = TOP + height
-    for i, column in enumerate(range(first, last + 2)):  # a tick at each decade edge (every 4th edge)
-        if 1 <= column <= len(HIST_EDGES) and (column - 1) % 4 == 0:
+    step = 1 if span <= 8 else 4  # a tick at every edge of a narrow span, else at each decade
+    for i, column in enumerate(range(first, last + 2)):
+        if 1 <= column <= len(HIST_EDGES) and (column - 1) % step == 0:
             x = LEFT + i * width
             parts.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#555"/>')
             parts.append(
@@ -88,15 +89,16 @@ def distribution_section(state: dict[str, Tensor], atom: int, card: Callable[[in
             band_of[first : last + 1] = b
     total, negative = int(counts.sum()), int(state["hist_negative"][atom])
     note = f" ({negative} negative values not drawn)" if negative else ""
-    rows = []
+    rows, below = [], 0
     for b, (first, last) in enumerate(band_bins.tolist()):
         if first < 0:
             continue
-        share = f"{100 * band_count[b] / max(total, 1):.3g} %"
+        quantiles = f"{100 * below / max(total, 1):.0f}–{100 * (below + band_count[b]) / max(total, 1):.0f} %"
+        below += int(band_count[b])
         cards = [card(b, e) for e in range(state["band_token"].shape[2]) if int(state["band_token"][atom, b, e]) >= 0]
         rows.append(
-            f'<div class="band"><h3>Band {b + 1}: values {html.escape(_range_text(first, last))}, '
-            f'<span class="muted">{int(band_count[b])} tokens, {share}</span></h3>'
+            f'<div class="band"><h3>Values {html.escape(_range_text(first, last))}: quantiles {quantiles} '
+            f'<span class="muted">({int(band_count[b])} tokens)</span></h3>'
             f'<div class="grid">{"".join(cards)}</div></div>'
         )
     return (
