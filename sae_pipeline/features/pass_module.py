@@ -7,8 +7,10 @@ dataset, each token once, with its global ``token_index``). Nothing is returned 
 (``return_predictions`` is off); the table is the state. At the end of the pass
 (``on_predict_end``, every rank) the tables are merged on every rank
 (:func:`sae_pipeline.features.merge.gather_merge`; the per-atom label counts of
-:mod:`sae_pipeline.features.labels` alongside, from each token's ``labels``), each rank re-reads its share of the top
-images (:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
+:mod:`sae_pipeline.features.labels` alongside, from each token's ``labels``, and the activation
+distributions of `sae_pipeline.features.distribution`, whose quantile bands are chosen then),
+each rank re-reads its share of the top images and of the bands' example images
+(:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
 shares (``torch.distributed.gather_object``) for the site writer.
 
 The SAE works on raw activations: a checkpoint's input scale is folded into its biases as
