@@ -12,9 +12,9 @@ strength can differ (Anthropic/Neuronpedia-style dashboards show both). Kept per
   ``(image key, atom)`` among the images with a token of that atom in that bin (ties: image
   key, then the lowest token index). Being a deterministic function of the *set* of entries,
   it does not depend on the order of batches, workers or ranks, and merging two reservoirs is
-  taking the smallest of their union: exact, like the top-N merge (:mod:`sae_pipeline.features.merge`).
+  taking the smallest of their union: exact, like the top-N merge (`sae_pipeline.features.merge`).
 
-After the pass (:func:`bands`), the bins are split into ``N_BANDS`` quantile bands by the
+After the pass (`bands`), the bins are split into ``N_BANDS`` quantile bands by the
 histogram: bin ``i`` belongs to band ``floor(N_BANDS · (mass below i + half of i's) / total)``,
 so each band holds about a fifth of the atom's positive values (a bin holding more than a band's
 share takes a band alone and leaves a neighbour empty). A band's examples are its
