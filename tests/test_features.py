@@ -108,10 +108,11 @@ def test_heatmaps_put_each_token_at_its_recorded_position(data, site) -> None:
     for atom in (0, 3, 7):
         page = (site / "atoms" / f"{atom:02d}.html").read_text()
         cards = decode_cards(page)
-        assert len(cards) == int((table["token"][atom] >= 0).sum()) > 0
+        shown = np.concatenate([table["token"][atom], table["band_token"][atom].reshape(-1)])  # top, then bands
+        shown = shown[shown >= 0]
+        assert len(cards) == len(shown) > int((table["token"][atom] >= 0).sum()) > 0
         scale = max(float(table["value"][atom][0]), 0.0)
-        for rank, (levels, top) in enumerate(cards):
-            token = int(table["token"][atom][rank])
+        for (levels, top), token in zip(cards, shown.tolist()):
             image = token // tpi
             rows = slice(image * tpi, (image + 1) * tpi)
             expected = np.full(n_full, 255, np.uint8)
@@ -120,7 +121,8 @@ def test_heatmaps_put_each_token_at_its_recorded_position(data, site) -> None:
             assert top == positions[token]
         # prefix tokens are chips of their own, apart from the grid
         assert page.count('data-i="0">CLS<') == len(cards) and page.count(">R2</span>") == len(cards)
-    assert len(list((site / "thumbs").glob("*.jpg"))) == len({int(g) for g in table["image"][table["token"] >= 0]})
+    keys = np.concatenate([table["image"][table["token"] >= 0], table["band_image"][table["band_token"] >= 0]])
+    assert len(list((site / "thumbs").glob("*.jpg"))) == len(set(keys.tolist()))
 
 
 def test_mp_sae_mean_selection_step(tmp_path, capsys) -> None:

@@ -109,14 +109,18 @@ def test_index_lists_every_atom_sorts_and_searches(site, browser, tmp_path) -> N
 def test_atom_pages_load_draw_and_link(site, browser, tmp_path) -> None:
     page, errors = open_page(browser, (site / "atoms" / "00.html").as_uri())
     assert all_images_loaded(page) == []
-    n_cards = page.locator("figure.card").count()
-    assert n_cards == 5 and page.locator("figure.card img").count() == 5
+    n_cards = page.locator("section.top figure.card").count()
+    assert n_cards == 5 and page.locator("section.top figure.card img").count() == 5
+    # the activation histogram, and band example cards drawn like the top ones (every image loaded, above)
+    assert page.locator("svg.histogram rect").count() > 0
+    n_band = page.locator("section.distribution figure.card").count()
+    assert n_band > 0 and page.locator("section.distribution figure.card img").count() == n_band
     # the heatmap canvases are drawn (not transparent) and the prefix tokens are chips apart from the grid
     drawn = page.evaluate("""() => Array.from(document.querySelectorAll("canvas")).map(c => {
         const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
         let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; })""")
-    assert len(drawn) == 5 and min(drawn) > 0
-    assert page.locator("figure.card .prefix .tok").count() == 5 * 3  # CLS + 2 registers per card
+    assert len(drawn) == 5 + n_band and min(drawn) > 0
+    assert page.locator("figure.card .prefix .tok").count() == (5 + n_band) * 3  # CLS + 2 registers per card
     shot = page.screenshot(path=str(tmp_path / "atom.png"), full_page=True)
     assert non_blank(shot)
     # links to neighbours, prev/next, index and the images' pages (that they resolve: the site walk below)

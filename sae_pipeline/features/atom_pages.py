@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sae_pipeline.features.distribution_html import distribution_section
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import ImageChangedError, describe
 
@@ -66,6 +67,54 @@ def _token_label(position: int, layout: Layout) -> str:
     return f"patch ({row}, {col})"
 
 
+def _card(
+    atom: int,
+    slot: int,
+    key: int,
+    value: float,
+    position: int,
+    rank_text: str,
+    collection: dict[str, Any],
+    layout: Layout,
+    thumbs: dict[int, str],
+    heat_row: dict,
+    scale: float,
+    changed: dict[int, ImageChangedError],
+    image_links: dict[int, str] | None,
+    pixel_atoms: bool,
+) -> str:
+    """One example image as a card: thumbnail, heatmap of ``(atom, slot)`` when stored, value and caption."""
+    esc = html.escape
+    meta = collection["images"].get(key, {})
+    image_id, label = meta.get("image_id", str(key)), describe(meta)
+    heat_attr = ""
+    if (atom, slot) in heat_row and key not in changed:
+        heat = collection["heat"][heat_row[(atom, slot)]].astype(np.float32)
+        heat_attr = f' data-heat="{_levels(heat, scale)}" data-top="{position}"'
+    frame = ""
+    if key in thumbs:
+        cls = ' class="pixels"' if pixel_atoms else ""
+        canvas = '<canvas class="heat"></canvas>' if layout.kind == "patches" else ""
+        frame = f'<div class="frame"><img{cls} alt="{esc(image_id)}" src="../{thumbs[key]}">{canvas}</div>'
+    elif key in changed:
+        frame = '<div class="frame changed"><p class="muted">changed since extraction: not drawn</p></div>'
+    prefix = ""
+    if layout.kind == "patches" and layout.n_prefix:
+        chips = ['<span class="tok" data-i="0">CLS</span>'] if layout.n_cls else []
+        chips += [f'<span class="tok" data-i="{layout.n_cls + i}">R{i + 1}</span>' for i in range(layout.n_registers)]
+        prefix = f'<div class="prefix">{"".join(chips)}</div>'
+    where = _token_label(position, layout) or (f"token {position}" if layout.kind == "tokens" else "")
+    name = esc(image_id)
+    if image_links and key in image_links:
+        name = f'<a class="image" href="../{image_links[key]}">{name}</a>'
+    caption = (
+        f'<span class="value">{value:.4g}</span> · {rank_text}<br>{name}'
+        + (f" · label <b>{esc(label)}</b>" if label else "")
+        + (f"<br>{esc(where)}" if where else "")
+    )
+    return f'<figure class="card"{heat_attr}>{frame}{prefix}<figcaption>{caption}</figcaption></figure>'
+
+
 def atom_page(
     atom: int,
     state: dict[str, Tensor],
@@ -99,39 +148,35 @@ def atom_page(
     scale = float(values[0]) if filled else 1.0
     if rows:
         scale = max(scale, float(np.nanmax(collection["heat"][rows].astype(np.float32), initial=0.0)))
-    cards = []
-    for r in filled:
-        key, position = int(images[r]), int(positions[r])
-        meta = collection["images"].get(key, {})
-        image_id, label = meta.get("image_id", str(key)), describe(meta)
-        heat_attr = ""
-        if (atom, r) in heat_row and key not in changed:
-            heat = collection["heat"][heat_row[(atom, r)]].astype(np.float32)
-            heat_attr = f' data-heat="{_levels(heat, scale)}" data-top="{position}"'
-        frame = ""
-        if key in thumbs:
-            cls = ' class="pixels"' if pixel_atoms else ""
-            canvas = '<canvas class="heat"></canvas>' if layout.kind == "patches" else ""
-            frame = f'<div class="frame"><img{cls} alt="{esc(image_id)}" src="../{thumbs[key]}">{canvas}</div>'
-        elif key in changed:
-            frame = '<div class="frame changed"><p class="muted">changed since extraction: not drawn</p></div>'
-        prefix = ""
-        if layout.kind == "patches" and layout.n_prefix:
-            chips = ['<span class="tok" data-i="0">CLS</span>'] if layout.n_cls else []
-            chips += [
-                f'<span class="tok" data-i="{layout.n_cls + i}">R{i + 1}</span>' for i in range(layout.n_registers)
-            ]
-            prefix = f'<div class="prefix">{"".join(chips)}</div>'
-        where = _token_label(position, layout) or (f"token {position}" if layout.kind == "tokens" else "")
-        name = esc(image_id)
-        if image_links and key in image_links:
-            name = f'<a class="image" href="../{image_links[key]}">{name}</a>'
-        caption = (
-            f'<span class="value">{values[r]:.4g}</span> · #{r + 1}<br>{name}'
-            + (f" · label <b>{esc(label)}</b>" if label else "")
-            + (f"<br>{esc(where)}" if where else "")
+
+    def card(slot: int, key: int, value: float, position: int, rank_text: str) -> str:
+        return _card(
+            atom,
+            slot,
+            key,
+            value,
+            position,
+            rank_text,
+            collection,
+            layout,
+            thumbs,
+            heat_row,
+            scale,
+            changed,
+            image_links,
+            pixel_atoms,
         )
-        cards.append(f'<figure class="card"{heat_attr}>{frame}{prefix}<figcaption>{caption}</figcaption></figure>')
+
+    cards = [card(r, int(images[r]), values[r], int(positions[r]), f"#{r + 1}") for r in filled]
+    n_top = len(tokens)
+
+    def band_card(band: int, example: int) -> str:
+        slot = n_top + band * state["band_token"].shape[2] + example
+        at = (atom, band, example)
+        value, position = float(state["band_value"][at]), int(state["band_position"][at])
+        return card(slot, int(state["band_image"][at]), value, position, "band example")
+
+    distribution_html = distribution_section(state, atom, band_card)
     links = []
     for j, c in zip(near_index.tolist(), near_cos.tolist()):
         name = f'<a href="{atom_fname(j, width)}">#{j}</a>' if j in with_page else f"#{j}"
@@ -181,6 +226,7 @@ def atom_page(
 <section class="stats">{stat_html}</section>
 {label_html}<div class="row">{atom_img}<section class="nearest"><h2>Nearest atoms (cosine)</h2><ol>{"".join(links)}</ol></section></div>
 <section class="top"><h2>Top {len(filled)} images</h2>{empty}<div class="grid">{"".join(cards)}</div></section>
+{distribution_html}
 <script type="application/json" id="layout">{layout_json}</script>
 <script src="../assets/site.js"></script></body></html>
 """

@@ -7,8 +7,10 @@ dataset, each token once, with its global ``token_index``). Nothing is returned 
 (``return_predictions`` is off); the table is the state. At the end of the pass
 (``on_predict_end``, every rank) the tables are merged on every rank
 (:func:`sae_pipeline.features.merge.gather_merge`; the per-atom label counts of
-:mod:`sae_pipeline.features.labels` alongside, from each token's ``labels``), each rank re-reads its share of the top
-images (:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
+:mod:`sae_pipeline.features.labels` alongside, from each token's ``labels``, and the activation
+distributions of `sae_pipeline.features.distribution`, whose quantile bands are chosen then),
+each rank re-reads its share of the top images and of the bands' example images
+(:func:`sae_pipeline.features.heatmaps.collect_images`), and rank 0 receives the
 shares (``torch.distributed.gather_object``) for the site writer.
 
 The SAE works on raw activations: a checkpoint's input scale is folded into its biases as
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
+from sae_pipeline.features.distribution import DistributionTable, bands, gather_merge_distribution
 from sae_pipeline.features.heatmaps import Layout, collect_images, image_keys, merge_collections
 from sae_pipeline.features.labels import LabelCounts
 from sae_pipeline.features.merge import gather_merge, gather_merge_labels
@@ -50,6 +53,7 @@ class FeaturesModule(L.LightningModule):
         self.n, self.layout, self.data_dpath = int(n), layout, data_dpath
         self.table: TopNTable | None = None
         self.label_counts: LabelCounts | None = None
+        self.distribution: DistributionTable | None = None
         self.state: dict[str, Tensor] | None = None
         self.collection: dict[str, Any] | None = None
 
@@ -57,6 +61,7 @@ class FeaturesModule(L.LightningModule):
         self.trainer.predict_loop.return_predictions = False
         self.table = TopNTable(self.sae.d_sae, self.n, self.device)
         self.label_counts = LabelCounts(self.sae.d_sae, self.layout.tokens_per_image, self.device)
+        self.distribution = DistributionTable(self.sae.d_sae, self.device)
 
     @torch.no_grad()
     def encode(self, x: Tensor) -> tuple[SparseCodes, tuple[Tensor, Tensor] | None]:
@@ -79,6 +84,9 @@ class FeaturesModule(L.LightningModule):
         token = batch["token_index"].to(self.device)
         assert self.table is not None and self.label_counts is not None and codes.values is not None
         image = image_keys(token, self.layout)
+        position = batch["token_positions"].to(self.device)
+        assert self.distribution is not None
+        self.distribution.update(codes.rows, codes.indices, codes.values, token, image, position)
         rows, atoms = self.table.update_entries(
             codes.rows,
             codes.indices,
@@ -86,7 +94,7 @@ class FeaturesModule(L.LightningModule):
             codes.batch_size,
             token,
             image,
-            batch["token_positions"].to(self.device),
+            position,
             steps,
         )
         self.label_counts.update(rows, atoms, image, batch["labels"].to(self.device))
@@ -97,14 +105,23 @@ class FeaturesModule(L.LightningModule):
         assert self.label_counts is not None
         self.state = {name: value.cpu() for name, value in gather_merge(self.table, strategy).items()}
         self.state.update({k: v.cpu() for k, v in gather_merge_labels(self.label_counts, strategy).items()})
-        self.table = self.label_counts = None
+        assert self.distribution is not None
+        distribution = {k: v.cpu() for k, v in gather_merge_distribution(self.distribution, strategy).items()}
+        self.state.update({k: v for k, v in distribution.items() if k.startswith("hist_")})
+        self.state.update(bands(distribution))
+        self.table = self.label_counts = self.distribution = None
         rank, world_size = self.trainer.global_rank, self.trainer.world_size
-        n_images = int(torch.unique(self.state["image"][self.state["token"] >= 0]).numel())
+        d_sae = self.state["token"].shape[0]  # the band examples' images are read with the top images
+        shown = {
+            key: torch.cat([self.state[key], self.state[f"band_{key}"].reshape(d_sae, -1)], 1)
+            for key in ("token", "image")
+        }
+        n_images = int(torch.unique(shown["image"][shown["token"] >= 0]).numel())
         bar = tqdm(
             total=n_images, desc="top images", unit="img", disable=rank != 0 or n_images == 0, dynamic_ncols=True
         )
         part = collect_images(
-            self.state,
+            shown,
             self.trainer.datamodule.data_source,
             self.layout,
             lambda x: self.encode(x.to(self.device))[0],
