@@ -106,7 +106,7 @@ def test_composed_files_hold_no_setting_of_their_own() -> None:
     for fpath in composed_fpaths():
         sources = setting_sources(fpath)
         assert fpath.resolve() not in {f for files in sources.values() for f in files}, fpath.name
-        variant, backbone = fpath.stem.rsplit("_", 1)
+        variant, backbone = fpath.stem.split("_", 1)  # variant keys have no "_"; backbone names may (pe_core)
         assert sources["data.source"] == [(CONFIGS_DPATH / "data" / f"{backbone}.yaml").resolve()]
         assert sources["model.sae.class_path"] == [(CONFIGS_DPATH / "vision" / f"{variant}.yaml").resolve()]
         assert sources["trainer.max_epochs"] == [(CONFIGS_DPATH / "vision" / "recipe.yaml").resolve()]
