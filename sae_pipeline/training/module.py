@@ -23,8 +23,9 @@ owns everything a training run adds to it:
   only on the steps it writes), the other train metrics are computed on those steps only, and
   NaN/Inf is noted on the device and read then, or before a checkpoint is written
   (`sae_pipeline.training.non_finite`).
-- On CUDA the whole step (forward, backward, Adam, the projection, the clock) is one CUDA graph,
-  replayed per batch (`cuda_graph`; `sae_pipeline.training.graph_step`).
+- On CUDA, when asked (`cuda_graph`: off by default until a GPU run has validated it), the whole step
+  (forward, backward, Adam, the projection, the clock) is one CUDA graph replayed per batch
+  (`sae_pipeline.training.graph_step`).
 """
 
 from __future__ import annotations
