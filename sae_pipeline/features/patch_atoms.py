@@ -18,14 +18,14 @@ import html
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sae_pipeline.features.image_codes import ImageCodes
 
-if TYPE_CHECKING:
-    from sae_pipeline.features.heatmaps import Layout
+#: heatmaps.py's `Layout` (where the patches sit); not imported, since heatmaps.py imports this file's callers.
+Layout = Any
 
 PATCH_TOP = 5  # atoms listed per token
 

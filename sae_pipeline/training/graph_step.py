@@ -31,14 +31,14 @@ check the captured callable against the module's eager step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from sae_pipeline.training.module import SAEModule
+#: The `SAEModule` a step belongs to; not imported, since module.py imports this file (no cycle).
+SAEModule = Any
 
 #: Devices where the step is captured (the CPU tests add "cpu" to run `StaticStep` without capture).
 CAPTURE_DEVICES: tuple[str, ...] = ("cuda",)
