@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 
 from sae_pipeline.sae import SAE_REGISTRY
-from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.graph_step import WARMUP_STEPS
+from tests.test_gpu_sync import CudaSyncCheck
 from tests.test_graph_step import BATCH, assert_same_training, fit
 from tests.test_module import make_data
 from tests.test_sync_free import LOG_EVERY
@@ -62,28 +61,10 @@ def test_bf16_mixed_graph(tmp_path: Path) -> None:
         torch.testing.assert_close(logged_g["train/loss"], logged_e["train/loss"], rtol=5e-2, atol=1e-3)
 
 
-class CudaSyncCheck(L.Callback):
-    """CUDA raises on a host sync in every step Lightning does not log, but the capture's own."""
-
-    def __init__(self) -> None:
-        self.guarded = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if not lightning_compat.should_update_logs(trainer) and trainer.global_step != WARMUP_STEPS:
-            torch.cuda.set_sync_debug_mode("error")
-            self.guarded += 1
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-
-    def on_exception(self, trainer: L.Trainer, *args: Any) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.parametrize("key", sorted(SAE_REGISTRY))
 def test_graph_fit_does_not_sync(tmp_path: Path, key: str) -> None:
     """float32, with the capture wherever it can be (`cuda_graph=None`: on, for one CUDA device)."""
-    check = CudaSyncCheck()
+    check = CudaSyncCheck(unguarded_step=WARMUP_STEPS)  # the capture synchronises once
     try:
         module, _, _ = fit(
             tmp_path,
