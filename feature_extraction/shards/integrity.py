@@ -29,6 +29,7 @@ their sidecars after checking the sha256 (one read of each shard).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shlex
@@ -46,6 +47,7 @@ from feature_extraction.shards.layout import (
     member_key,
 )
 from feature_extraction.shards.tar_scan import iter_members
+from feature_extraction.store import location
 
 __all__ = [
     "ALGORITHM",
@@ -94,7 +96,7 @@ def repair_command(shards_dpath: Path) -> str:
     A rerun with the same settings verifies every shard it owns and rewrites those whose bytes no
     longer match their sidecar, then writes the manifest again.
     """
-    shards_dpath = Path(shards_dpath)
+    shards_dpath = location(shards_dpath)
     try:
         record = json.loads((shards_dpath / EXTRACTION_FNAME).read_text(encoding="utf-8"))
         weights = record.get("weights") or {}
@@ -160,7 +162,8 @@ def load_sample_checksums(sidecar: dict, where: Path) -> SampleChecksums | None:
 def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
     """For shards without per-sample checksums: check the whole file's sha256, once per process."""
     stat = tar_fpath.stat()
-    key = (str(tar_fpath), sha256, stat.st_size, stat.st_mtime_ns)  # a file changed since is checked again
+    # a file changed since is checked again (an object in a store has no mtime here: its size stands for it)
+    key = (str(tar_fpath), sha256, stat.st_size, getattr(stat, "st_mtime_ns", 0))
     if key in _SHA256_VERIFIED:
         return
     if not _SHA256_VERIFIED:
@@ -170,7 +173,8 @@ def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
             tar_fpath.parent,
             tar_fpath.parent,
         )
-    if file_digests(tar_fpath)[0] != sha256:
+    found = hashlib.sha256(tar_fpath.fetch()).hexdigest() if hasattr(tar_fpath, "fetch") else file_digests(tar_fpath)[0]
+    if found != sha256:
         raise ShardFormatError(
             f"{tar_fpath}: corrupt shard (its sha256 differs from its sidecar's); {repair_command(tar_fpath.parent)}"
         )

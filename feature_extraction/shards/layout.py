@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from feature_extraction.atomic_files import TMP_SUFFIX  # a file being written; a rerun overwrites it
+from feature_extraction.store import location
 from feature_extraction.validate import check_int
 
 __all__ = [
@@ -89,7 +90,7 @@ def sidecar_fname(index: int) -> str:
 
 def sidecar_fpath(tar_fpath: Path) -> Path:
     """The sidecar beside a shard tar."""
-    return Path(tar_fpath).with_suffix(".json")
+    return location(tar_fpath).with_suffix(".json")
 
 
 def sidecar_index(fpath: Path) -> int | None:

@@ -35,6 +35,7 @@ from feature_extraction.shards.layout import (
 )
 from feature_extraction.shards.manifest_stats import check_manifest_stats
 from feature_extraction.shards.sidecar import MIN_SAMPLE_BYTES, read_json_object, read_sidecar, shard_is_complete
+from feature_extraction.store import location
 from feature_extraction.token_selection import full_token_count, token_kinds
 from feature_extraction.validate import check_int
 
@@ -173,7 +174,7 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
     statistics against the sidecars (:mod:`~feature_extraction.shards.manifest_stats`);
     ``verify=True`` also recomputes every sha256 (reads all the data).
     """
-    shards_dpath = Path(shards_dpath)
+    shards_dpath = location(shards_dpath)
     if not shards_dpath.is_dir():
         raise ShardFormatError(f"{shards_dpath}: shard directory not found; check the path or run the extraction")
     fpath = shards_dpath / MANIFEST_FNAME
@@ -271,7 +272,7 @@ def peek_manifest(shards_dpath: Path | str) -> dict | None:
     For commands that only need to know what a directory holds (which backbone and layer),
     not to read its shards; ``load_manifest`` is the full check.
     """
-    fpath = Path(shards_dpath) / MANIFEST_FNAME
+    fpath = location(shards_dpath) / MANIFEST_FNAME
     try:
         manifest = json.loads(fpath.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -364,5 +365,5 @@ def _check_token_layout(manifest: dict, fpath: Path) -> None:
 
 def shard_fpaths(shards_dpath: Path | str, manifest: dict) -> list[Path]:
     """Absolute paths of the manifest's shards, in shard order."""
-    shards_dpath = Path(shards_dpath).resolve()
+    shards_dpath = location(shards_dpath).resolve()
     return [shards_dpath / entry["fname"] for entry in manifest["shards"]]

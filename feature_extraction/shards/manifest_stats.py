@@ -27,6 +27,7 @@ import numpy as np
 from feature_extraction.running_stats import RunningStats
 from feature_extraction.shards.layout import EXTRACTION_FNAME, MANIFEST_FNAME, ShardFormatError, sidecar_fpath
 from feature_extraction.shards.sidecar import load_sidecar
+from feature_extraction.store import location
 
 __all__ = ["RTOL", "check_manifest_stats", "sidecar_stats"]
 
@@ -37,7 +38,7 @@ def sidecar_stats(shards_dpath: Path, manifest: dict) -> RunningStats:
     """The statistics of the manifest's shards, merged from their sidecars (as ``write_manifest`` merges them)."""
     stats = RunningStats(0)
     for entry in manifest["shards"]:
-        fpath = sidecar_fpath(Path(shards_dpath) / entry["fname"])
+        fpath = sidecar_fpath(location(shards_dpath) / entry["fname"])
         if not fpath.is_file():
             raise ShardFormatError(
                 f"{fpath}: sidecar missing, so the statistics in {MANIFEST_FNAME} cannot be "
@@ -53,7 +54,7 @@ def sidecar_stats(shards_dpath: Path, manifest: dict) -> RunningStats:
 
 def check_manifest_stats(shards_dpath: Path | str, manifest: dict) -> None:
     """Raise a one-line ``ShardFormatError`` where ``manifest["stats"]`` disagrees with the sidecars."""
-    shards_dpath = Path(shards_dpath)
+    shards_dpath = location(shards_dpath)
     stats = sidecar_stats(shards_dpath, manifest)
     field = manifest["stats"]
     where = f"{shards_dpath / MANIFEST_FNAME}: field 'stats.%s' is %s but the shards' sidecars give %s"

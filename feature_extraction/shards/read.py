@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import tarfile
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key
 from feature_extraction.shards.npy import MAX_HEADER_BYTES, check_data_bytes, decode_npy, read_npy_header
 from feature_extraction.shards.tar_scan import check_members, check_tar_end, iter_members
+from feature_extraction.store import Location, location
 
 __all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "read_shard_samples"]
 
@@ -79,7 +81,7 @@ def _read_tokens(
 
 
 def _mismatch(where: str) -> ShardFormatError:
-    fpath = Path(where.split(": member ", 1)[0])
+    fpath = location(where.split(": member ", 1)[0])
     return ShardFormatError(
         f"{where} does not match its checksum in {fpath.with_suffix('.json').name}: the shard "
         f"is corrupt; {integrity.repair_command(fpath.parent)}"
@@ -134,15 +136,12 @@ def iter_shard_tokens(
     ``shape`` (the manifest's ``[tokens_per_image, d]``) a sample of any other shape is refused
     before its tokens are allocated.
     """
-    fpath = Path(fpath)
-    if not fpath.is_file():
-        raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
-    check_tar_end(fpath)
+    fpath = location(fpath)
     index = -1
     positions: tuple[str, int, int] | None = None  # (key, offset, size) of the last positions.npy seen
     meta: tuple[str, int, int] | None = None  # the same for meta.json (members sorted: meta, positions, tokens)
     try:
-        with open(fpath, "rb") as stream:
+        with open_shard(fpath) as stream:
             for name, offset, size in iter_members(stream, fpath):
                 key, suffix = member_key(name)
                 if with_positions and suffix == POSITIONS_SUFFIX:
@@ -188,6 +187,17 @@ def iter_shard_tokens(
                     return
     except tarfile.TarError as exn:
         raise ShardFormatError(f"{fpath}: corrupt tar ({exn}); re-extract the shard") from None
+
+
+@contextmanager
+def open_shard(fpath: Location, buffering: int = -1) -> Iterator:
+    """A shard open for reading, its tail checked (``check_tar_end``); a shard in a store is fetched whole, once."""
+    if not fpath.is_file():
+        raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
+    with fpath.open("rb", buffering=buffering) as stream:
+        check_tar_end(fpath, stream)
+        stream.seek(0)
+        yield stream
 
 
 def _read_meta(stream, fpath: Path, member: tuple[str, int, int]) -> dict:  # noqa: ANN001 (binary file)
@@ -236,11 +246,7 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
     shard raises ShardFormatError naming it.
     """
     for fpath in shard_fpaths:
-        fpath = Path(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
-        if not fpath.is_file():
-            raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
-        check_tar_end(fpath)
-        check_members(fpath)  # webdataset reads what the headers declare: names, kinds and sizes checked first
+        fpath = location(fpath).resolve()  # absolute, so gopen never mistakes "x:" for a URL scheme
         try:
             # webdataset's reader on a stream we own, so the file is closed even when the
             # consumer stops early (its url_opener leaves handles to the garbage collector).
@@ -248,7 +254,9 @@ def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool 
             # made the tar reader most of the training stream's CPU time (BENCHMARKS.md).
             from webdataset import tariterators  # imported here: it loads torch, which the format does not need
 
-            with open(fpath, "rb", buffering=1 << 20) as stream:
+            with open_shard(fpath, buffering=1 << 20) as stream:
+                check_members(fpath, stream)  # webdataset reads what the headers declare: names, kinds, sizes first
+                stream.seek(0)
                 files = tariterators.tar_file_expander([{"url": str(fpath), "stream": stream}])
                 for sample in tariterators.group_by_keys(files):
                     key, tokens, meta = decode_sample(sample)
@@ -283,17 +291,14 @@ def read_shard_samples(
     members are read. Checked like ``iter_shard_tokens`` (``shape`` too); a wanted index beyond the shard's
     last sample raises ``ShardFormatError``.
     """
-    fpath = Path(fpath)
+    fpath = location(fpath)
     wanted = sorted(set(int(i) for i in indices))
     if not wanted:
         return
-    if not fpath.is_file():
-        raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
-    check_tar_end(fpath)
     index, members = -1, {}  # suffix -> (offset, size) of the current sample's members seen so far
     current_key = None
     try:
-        with open(fpath, "rb") as stream:
+        with open_shard(fpath) as stream:
             for name, offset, size in iter_members(stream, fpath):
                 key, suffix = member_key(name)
                 if key != current_key:

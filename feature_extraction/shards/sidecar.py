@@ -16,6 +16,7 @@ from pathlib import Path
 
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import ShardFormatError, shard_fname, sidecar_fname
+from feature_extraction.store import location
 
 __all__ = [
     "MIN_SAMPLE_BYTES",
@@ -38,7 +39,7 @@ def read_json_object(fpath: Path, what: str, max_bytes: int | None = None, fix: 
             f"the file is corrupt or forged, {fix}"
         )
     try:
-        with open(fpath, encoding="utf-8") as f:
+        with fpath.open("r", encoding="utf-8") as f:
             obj = json.load(f)
     except json.JSONDecodeError as exn:
         raise ShardFormatError(f"{fpath}: {what} is not valid JSON ({exn}); rewrite it") from None
@@ -50,14 +51,14 @@ def read_json_object(fpath: Path, what: str, max_bytes: int | None = None, fix: 
 def sidecar_limit(tar_fpath: Path) -> int:
     """The most bytes the sidecar of ``tar_fpath`` can take: its tar's size plus 1 MiB (module docstring)."""
     try:
-        return (1 << 20) + Path(tar_fpath).stat().st_size
+        return (1 << 20) + location(tar_fpath).stat().st_size
     except OSError:
         return 1 << 20
 
 
 def load_sidecar(fpath: Path) -> dict:
     """The sidecar at ``fpath`` as a dict, its size checked before it is parsed (fields unchecked)."""
-    tar_fpath = Path(fpath).with_suffix(".tar")
+    tar_fpath = location(fpath).with_suffix(".tar")
     return read_json_object(
         fpath, "sidecar", sidecar_limit(tar_fpath), f"delete it and rerun the extraction task of {tar_fpath.name}"
     )
@@ -65,7 +66,7 @@ def load_sidecar(fpath: Path) -> dict:
 
 def read_sidecar(shards_dpath: Path, index: int) -> dict:
     """Read shard ``index``'s sidecar; ShardFormatError if missing or malformed."""
-    fpath = Path(shards_dpath) / sidecar_fname(index)
+    fpath = location(shards_dpath) / sidecar_fname(index)
     if not fpath.is_file():
         raise ShardFormatError(f"{fpath}: sidecar missing; shard {index} is unfinished, rerun its extraction task")
     sidecar = load_sidecar(fpath)
@@ -91,7 +92,7 @@ def read_sidecar(shards_dpath: Path, index: int) -> dict:
 
 def shard_is_complete(shards_dpath: Path, index: int) -> bool:
     """True when the tar and its sidecar exist and the sidecar's ``bytes`` equals the tar size."""
-    tar_fpath = Path(shards_dpath) / shard_fname(index)
+    tar_fpath = location(shards_dpath) / shard_fname(index)
     try:
         sidecar = read_sidecar(shards_dpath, index)
         return tar_fpath.is_file() and tar_fpath.stat().st_size == sidecar["bytes"]
@@ -103,4 +104,4 @@ def shard_is_intact(shards_dpath: Path, index: int) -> bool:
     """Complete, and the tar's bytes still match its sidecar (reads the whole tar: xxh3-64, or sha256 if older)."""
     if not shard_is_complete(shards_dpath, index):
         return False
-    return integrity.shard_is_intact(read_sidecar(shards_dpath, index), Path(shards_dpath) / shard_fname(index))
+    return integrity.shard_is_intact(read_sidecar(shards_dpath, index), location(shards_dpath) / shard_fname(index))

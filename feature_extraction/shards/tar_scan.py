@@ -108,7 +108,7 @@ def iter_members(stream, fpath: Path) -> Iterator[tuple[str, int, int]]:  # noqa
     Headers our writer produces go through ``ustar_member``; from the first header it
     does not handle, tarfile parses the rest of the archive (it can start at any header).
     """
-    end = os.fstat(stream.fileno()).st_size - 2 * tarfile.BLOCKSIZE  # the end-of-archive marker (check_tar_end)
+    end = stream.seek(0, os.SEEK_END) - 2 * tarfile.BLOCKSIZE  # the end-of-archive marker (check_tar_end)
     offset = 0
     while True:
         stream.seek(offset)
@@ -138,26 +138,35 @@ def iter_members(stream, fpath: Path) -> Iterator[tuple[str, int, int]]:  # noqa
             raise ShardFormatError(f"{fpath}: corrupt tar (invalid header at byte {tar.offset}); re-extract the shard")
 
 
-def check_members(fpath: Path) -> None:
+def check_members(fpath: Path, stream=None) -> None:  # noqa: ANN001 (binary file)
     """Scan every member header of a shard (``iter_members``'s checks) without reading a member.
 
-    For readers that hand the tar to another library (webdataset) after checking it here.
+    For readers that hand the tar to another library (webdataset) after checking it here; ``stream``:
+    the shard already open (an object fetched from a store is read once).
     """
-    with open(fpath, "rb") as stream:
+    if stream is not None:
+        for _ in iter_members(stream, fpath):
+            pass
+        return
+    with fpath.open("rb") as stream:
         for _ in iter_members(stream, fpath):
             pass
 
 
-def check_tar_end(fpath: Path) -> None:
+def check_tar_end(fpath: Path, stream=None) -> None:  # noqa: ANN001 (binary file)
     """A tarfile-written archive ends with zero blocks on a 512-byte boundary; a cut file does not.
 
     webdataset's streaming reader stops silently when a cut falls between members, so
-    this cheap tail check is what turns such a truncation into an error.
+    this cheap tail check is what turns such a truncation into an error. ``stream``: the shard
+    already open (a local file is opened here otherwise).
     """
-    size = fpath.stat().st_size
+    if stream is None:
+        with fpath.open("rb") as stream:
+            check_tar_end(fpath, stream)
+        return
+    size = stream.seek(0, os.SEEK_END)
     if size < 1024 or size % 512:
         raise ShardFormatError(f"{fpath}: truncated tar ({size} bytes); re-extract the shard")
-    with open(fpath, "rb") as f:
-        f.seek(size - 1024)
-        if f.read(1024).strip(b"\0"):
-            raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")
+    stream.seek(size - 1024)
+    if stream.read(1024).strip(b"\0"):
+        raise ShardFormatError(f"{fpath}: truncated tar (no end-of-archive marker); re-extract the shard")

@@ -42,13 +42,15 @@ from feature_extraction.shards.integrity import (
 from feature_extraction.shards.layout import sidecar_fpath
 from feature_extraction.shards.read import iter_shard_tokens
 from feature_extraction.shards.sidecar import load_sidecar
+from feature_extraction.store import RemotePath, fetch, is_url, location
 from sae_pipeline.data.mnist import FIT_FLAGS, DataFlags, load_mnist, load_mnist_sample
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
 MAX_ROWS_PER_UNIT = 65_536  # row blocks stay small enough to spread over many ranks x workers
 ROWS_PER_CHUNK = 8_192  # bounds the memory of one read from a row source
 SOURCE_FORMS = (
-    "a shard directory (with manifest.json), an HDF5 token cache (*.h5 / *.hdf5), 'digits', 'mnist' or 'mnist_sample'"
+    "a shard directory (with manifest.json) or its URL (s3://bucket/prefix), an HDF5 token cache (*.h5 / *.hdf5), "
+    "'digits', 'mnist' or 'mnist_sample'"
 )
 
 
@@ -89,7 +91,7 @@ class ShardUnit:
     def __init__(
         self, fpath: Path, n_images: int, tokens_per_image: int, d: int, subset: bool = False, sha256: str | None = None
     ) -> None:
-        self.fpath = Path(fpath)
+        self.fpath = location(fpath)
         self.subset = subset
         self.sha256 = sha256  # the manifest's: the sidecar must be the one the manifest was built from
         self.verify = ShardUnit.verify
@@ -181,6 +183,13 @@ def _label_of(meta: dict) -> int:
     """The integer ``label`` of a sample's ``meta.json``, -1 when it has none (or not an integer)."""
     label = meta.get("label")
     return label if isinstance(label, int) and not isinstance(label, bool) and label >= 0 else -1
+
+
+def plan_reads(units: list[Unit]) -> None:
+    """The units one reader is about to read, in order: shards in a store are fetched ahead (`store/fetch.py`)."""
+    remote = [unit.fpath for unit in units if isinstance(getattr(unit, "fpath", None), RemotePath)]
+    if remote:
+        fetch.plan(remote)
 
 
 class RowReader(Protocol):
@@ -304,7 +313,7 @@ class ShardSource:
     image_shape = None
     dtype = np.dtype(np.float16)
 
-    def __init__(self, dpath: Path) -> None:
+    def __init__(self, dpath: Path | RemotePath) -> None:
         self.manifest = load_manifest(dpath)
         self.name = str(dpath)
         self.d = int(self.manifest["d"])
@@ -387,6 +396,8 @@ def open_source(
         return RowSource("mnist", ArrayRows("mnist", images, 1 / 255, labels), (28, 28))
     if not isinstance(source, str) or not source:
         raise ValueError(f"--data.source is empty; pass {SOURCE_FORMS}")
+    if is_url(source):
+        return ShardSource(location(source))  # load_manifest names a missing bucket, object or unfinished extraction
     fpath = Path(source)
     if fpath.suffix in (".h5", ".hdf5"):
         if not fpath.is_file():

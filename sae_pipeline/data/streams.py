@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from sae_pipeline.data.sources import Chunk, Unit
+from sae_pipeline.data.sources import Chunk, Unit, plan_reads
 
 
 def check_shuffle_buffer(shuffle_buffer_tokens: int, batch_size: int) -> None:
@@ -242,6 +242,7 @@ class TokenStream(IterableDataset):
     def _chunks(
         self, order: Sequence[int], pieces: list[tuple[int, int, int]], with_ids: bool
     ) -> Iterator[tuple[int, Chunk]]:
+        plan_reads([self.units[order[position]] for position, _, _ in pieces])
         for position, lo, hi in pieces:
             unit = order[position]
             for chunk in self.units[unit].read(lo, hi, with_ids):

@@ -61,8 +61,9 @@ def check_labelled(source: str) -> None:
 def _first_shard_label(source: str) -> Any:
     """The ``label`` of the first image of a shard directory, or None (no shards, or no label)."""
     from feature_extraction.shards import MANIFEST_FNAME, iter_shard_samples, load_manifest, shard_fpaths
+    from feature_extraction.store import location
 
-    dpath = Path(source)
+    dpath = location(source, "--data")
     if not (dpath / MANIFEST_FNAME).is_file():
         return None
     fpaths = shard_fpaths(dpath, load_manifest(dpath))

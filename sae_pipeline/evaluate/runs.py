@@ -40,6 +40,7 @@ import logging
 from pathlib import Path
 
 from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
+from feature_extraction.store import location
 from sae_pipeline.config_files import config_sha256, load_config  # torch-free
 
 ROW_SOURCES = ("digits", "mnist", "mnist_sample")
@@ -161,14 +162,15 @@ def check_source(source: str) -> None:
     """One-line error for a data source that cannot exist (before anything is written)."""
     if source in ROW_SOURCES:
         return
-    fpath = Path(source)
+    fpath = location(source, "--data")
     if fpath.suffix in (".h5", ".hdf5") and fpath.is_file():
         return
     if fpath.is_dir() and (fpath / MANIFEST_FNAME).is_file():
         return
     what = f"has no {MANIFEST_FNAME} (finish the extraction first)" if fpath.is_dir() else "not found"
     raise ValueError(
-        f"--data {source}: {what}; pass digits, mnist, mnist_sample, a shard directory or an .h5 token cache"
+        f"--data {fpath}: {what}; pass digits, mnist, mnist_sample, a shard directory (or its s3:// URL) or an .h5 "
+        "token cache"
     )
 
 
