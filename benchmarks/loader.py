@@ -2,6 +2,7 @@
 
     python -m benchmarks.loader            # d=768, float16, 261 tokens/image, 32 shards x 128 images (1.6 GB)
     python -m benchmarks.loader --quick    # tiny sizes; used by tests/test_data.py
+    python -m benchmarks.loader --source seaweedfs   # from an object store (benchmarks/loader_store.py)
 
 Why: at paper scale a GPU eats float16 tokens faster than one process reads them (the README's
 GPU section); this gives the loader's rate per worker, the figure that says how many workers
@@ -255,11 +256,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch_size", type=int, default=4096)
     parser.add_argument("--buffer_tokens", type=int, default=65_536)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--source",
+        default=None,
+        help="s3://bucket/prefix, or 'seaweedfs' (one on loopback): read from a store (benchmarks/loader_store.py)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.n_shards, args.images_per_shard, args.d, args.repeats = 4, 4, 32, 1
         args.batch_size, args.buffer_tokens = 256, 1024
     torch.set_num_threads(1)  # DataLoader workers run single-threaded too
+    if args.source is not None:
+        from benchmarks.loader_store import run_store
+
+        return run_store(args.source, args)
     with tempfile.TemporaryDirectory() as tmp:
         dpath = Path(tmp)
         write_shards(dpath, args.n_shards, args.images_per_shard, args.tokens_per_image, args.d)
