@@ -35,6 +35,7 @@ import io
 import json
 import os
 import resource
+import sys
 import tarfile
 import tempfile
 import time
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.source is not None:
         from benchmarks.loader_store import run_store
 
-        return run_store(args.source, args)
+        return run_store(args.source, args, sys.modules[__name__])
     with tempfile.TemporaryDirectory() as tmp:
         dpath = Path(tmp)
         write_shards(dpath, args.n_shards, args.images_per_shard, args.tokens_per_image, args.d)

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 from feature_extraction import shards as S
 from feature_extraction.store import location
@@ -118,16 +119,18 @@ def plain_get(urls: list[str], threads: int = 8) -> int:
         return sum(len(data) for data in pool.map(fs.cat_file, paths))
 
 
-def run_store(source: str, args: argparse.Namespace) -> dict:
-    """Write, upload and read the shards (module docstring); prints one table, returns the rates."""
-    from benchmarks.loader import best_rates, stream_read, write_shards
+def run_store(source: str, args: argparse.Namespace, loader: ModuleType) -> dict:
+    """Write, upload and read the shards (module docstring); prints one table, returns the rates.
 
+    ``loader``: `benchmarks.loader`, whose shard writer, stream and timing this reuses (passed in: it imports this).
+    """
+    best_rates, stream_read, write_shards = loader.best_rates, loader.stream_read, loader.write_shards
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dpath = Path(tmp)
         if source == "seaweedfs":
             (tmp_dpath / "weed").mkdir()
             with seaweedfs(tmp_dpath / "weed"):
-                return run_store("s3://bench/shards", args)
+                return run_store("s3://bench/shards", args, loader)
         local = tmp_dpath / "shards"
         local.mkdir()
         write_shards(local, args.n_shards, args.images_per_shard, args.tokens_per_image, args.d)

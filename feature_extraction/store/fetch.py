@@ -20,12 +20,11 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 from feature_extraction.store import client
 
-if TYPE_CHECKING:
-    from feature_extraction.store.remote import RemotePath
+RemotePath = Any  # remote.py's RemotePath, which imports this module (named here without an import cycle)
 
 __all__ = ["PART_BYTES", "READ_AHEAD_ENV", "fetch_object", "plan", "read_ahead_depth"]
 
