@@ -11,6 +11,8 @@ import torch
 
 torch.set_num_threads(2)
 
+pytest_plugins = ["s3_fixtures"]  # the S3 server fixtures (tests/s3_fixtures.py), for any test module
+
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TINY_TOKENS_PER_IMAGE = 5  # 1 prefix token + a 2x2 grid of patches
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from feature_extraction.store import client, remote
 from feature_extraction.store.remote import RemotePath
 from feature_extraction.store.urls import TESTED_SCHEMES, StoreError, display, is_url
 
-__all__ = ["TESTED_SCHEMES", "Location", "RemotePath", "StoreError", "display", "is_url", "location"]
+__all__ = ["TESTED_SCHEMES", "Location", "RemotePath", "StoreError", "display", "is_url", "location", "reset"]
 
 Location = Path | RemotePath
 
@@ -28,3 +29,13 @@ def location(where: str | Path | RemotePath, flag: str = "--data.source") -> Pat
     if is_url(where):
         return RemotePath(where, flag)
     return Path(where)
+
+
+def reset() -> None:
+    """Forget this process's filesystems, listings and logged retries: the next call reads the environment
+    again (a test that points AWS_ENDPOINT_URL elsewhere)."""
+    with client._lock:
+        client._filesystems.clear()
+        client._logged.clear()
+    with remote._listing_lock:
+        remote._listings.clear()

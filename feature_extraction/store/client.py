@@ -20,6 +20,7 @@ does not survive a fork), lazily, so a process that never reads a bucket never i
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -39,6 +40,18 @@ _filesystems: dict[tuple[int, str], Any] = {}
 _logged: set[str] = set()
 T = TypeVar("T")
 
+_TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EPIPE}
+_TRANSIENT_PHRASES = (
+    "SlowDown",
+    "reduce your request rate",
+    "Throttl",
+    "Service Unavailable",
+    "Internal Server Error",
+    "internal error",
+    "InternalError",
+    "Bad Gateway",
+    "Gateway Timeout",
+)
 _INSTALL = {"s3": "pip install 'sae-pipeline[s3]' (s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs"}
 
 
@@ -83,11 +96,9 @@ def _is_transient(exn: BaseException) -> bool:
     text = str(exn)
     if any(word in name for word in ("Connection", "Timeout", "Endpoint", "Payload", "IncompleteRead", "Parser")):
         return True
-    if any(word in text for word in ("SlowDown", "reduce your request rate", "Throttl", "Service Unavailable")):
+    if isinstance(exn, OSError) and exn.errno in _TRANSIENT_ERRNOS:  # s3fs's translation of a 5xx reply
         return True
-    if any(f" {code}" in text or text.startswith(str(code)) for code in (500, 502, 503, 504)):
-        return True
-    return isinstance(exn, OSError) and exn.errno is None and "InternalError" in text
+    return any(phrase in text for phrase in _TRANSIENT_PHRASES)
 
 
 def _refusal(exn: BaseException, url: str, action: str) -> StoreError:

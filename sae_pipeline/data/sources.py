@@ -42,7 +42,7 @@ from feature_extraction.shards.integrity import (
 from feature_extraction.shards.layout import sidecar_fpath
 from feature_extraction.shards.read import iter_shard_tokens
 from feature_extraction.shards.sidecar import load_sidecar
-from feature_extraction.store import RemotePath, fetch, is_url, location
+from feature_extraction.store import RemotePath, StoreError, fetch, is_url, location
 from sae_pipeline.data.mnist import FIT_FLAGS, DataFlags, load_mnist, load_mnist_sample
 
 SPLIT_SEED = 0  # the row permutation of the train/val split; fixed so every run holds out the same rows
@@ -149,7 +149,7 @@ class ShardUnit:
             sidecar_where = sidecar_fpath(self.fpath)
             try:
                 sidecar = load_sidecar(sidecar_where)  # a forged size is refused before the parse
-            except ShardFormatError:
+            except (ShardFormatError, StoreError):  # StoreError: the store's own line (a ValueError too)
                 raise
             except (OSError, ValueError) as exn:
                 raise ShardFormatError(
