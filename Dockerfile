@@ -29,10 +29,11 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY feature_extraction/ feature_extraction/
 COPY sae_pipeline/ sae_pipeline/
-# Install the package and the dependencies pyproject.toml lists. The constraint file holds the base
-# image's own torch / torchvision, so pip keeps its CUDA build instead of fetching another one.
+# Install the package and the dependencies pyproject.toml lists, with the `s3` extra (s3fs) so the
+# image reads and writes shards in a bucket. The constraint file holds the base image's own
+# torch / torchvision, so pip keeps its CUDA build instead of fetching another one.
 RUN python -m pip list --format=freeze | { grep -iE '^(torch|torchvision)==' || true; } > /tmp/base-image.txt \
-    && python -m pip install --no-cache-dir --constraint /tmp/base-image.txt . \
+    && python -m pip install --no-cache-dir --constraint /tmp/base-image.txt .[s3] \
     && rm /tmp/base-image.txt
 COPY configs/ configs/
 COPY slurm/ slurm/

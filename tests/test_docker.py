@@ -107,6 +107,13 @@ def test_installs_the_project_from_pyproject_and_nothing_else() -> None:
         assert spec is None or Version(version) in spec.specifier, f"{name}=={version} contradicts {spec}"
 
 
+def test_image_installs_the_s3_extra_to_read_buckets() -> None:
+    targets = pip_installs(instructions(DOCKERFILE.read_text()))
+    extras = {e for t in targets for e in re.findall(r"[a-z0-9_-]+", t.partition("[")[2])}
+    assert "s3" in extras, f"the image must install the project with its s3 extra (s3fs), got {targets}"
+    assert any(Requirement(r).name == "s3fs" for r in pyproject()["project"]["optional-dependencies"]["s3"])
+
+
 def test_default_base_image_torch_satisfies_pyproject() -> None:
     steps = instructions(DOCKERFILE.read_text())
     base = next(args for kind, args in steps if kind == "ARG" and args.startswith("BASE_IMAGE="))
