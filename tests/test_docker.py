@@ -257,7 +257,7 @@ def owned_by(path: Path, uid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the module fixture builds two images (about 6 GB) first
-def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
+def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image, s3_server, s3_bucket) -> None:
     from PIL import Image
     from skimage import data as skimage_data
 
@@ -338,6 +338,25 @@ def test_image_builds_and_runs_fit_and_extract_as_uid_1000(built_image) -> None:
     assert extract.returncode == 0, extract.stderr[-3000:]
     manifest = json.loads((data / "shards" / "vit_tiny" / "manifest.json").read_text())
     assert manifest["n_images"] == 2 and manifest["d"] == 192
+
+    # The image reads shards from a bucket (its s3 extra): the shards just written, put in the test's S3 server.
+    client = s3_server.client()
+    for fpath in sorted((data / "shards" / "vit_tiny").glob("*.*")):
+        client.put_object(Bucket=s3_bucket, Key=f"vit_tiny/{fpath.name}", Body=fpath.read_bytes())
+    env = [f"{key}={value}" for key, value in s3_server.env.items()]
+    read = run_in_image(
+        buildah,
+        container,
+        None,
+        "env",
+        *env,
+        "python",
+        "-c",
+        f"from sae_pipeline.data import open_source; source = open_source('s3://{s3_bucket}/vit_tiny'); "
+        "print(source.manifest['n_images'], sum(u.n_tokens for u in source.units('all', 0)))",
+    )
+    assert read.returncode == 0, read.stderr[-3000:]
+    assert read.stdout.split() == ["2", str(manifest["n_tokens"])]
     assert all(owned_by(p, 1000) for p in (data / "shards" / "vit_tiny").rglob("*"))
     seconds["runs: uid + versions, --help, fit, extract"] = time.perf_counter() - start
     seconds["CPU seconds, runs"] = load_standin_base().cpu_seconds() - cpu_start
