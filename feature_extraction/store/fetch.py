@@ -19,7 +19,7 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from feature_extraction.store import client
@@ -68,7 +68,6 @@ class _ReadAhead:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pool: ThreadPoolExecutor | None = None
         self.pid = os.getpid()
         self.pending: OrderedDict[RemotePath, Future] = OrderedDict()
         self.queue: deque[RemotePath] = deque()
@@ -81,14 +80,12 @@ class _ReadAhead:
             self.pending.clear()
             self.depth = read_ahead_depth()
             self.queue = deque(dict.fromkeys(paths)) if self.depth else deque()
-            if self.pool is None and self.depth:
-                self.pool = ThreadPoolExecutor(max_workers=self.depth, thread_name_prefix="read-ahead")
             self._fill()
 
     def _fill(self) -> None:
         while self.queue and len(self.pending) < self.depth:
             path = self.queue.popleft()
-            self.pending[path] = self.pool.submit(ranged_get, path)
+            self.pending[path] = _start(path)
 
     def take(self, path: RemotePath) -> bytes | None:
         with self.lock:
@@ -99,6 +96,23 @@ class _ReadAhead:
                 return None
             self._fill()
         return future.result()
+
+
+def _start(path: RemotePath) -> Future:
+    """`ranged_get(path)` in a daemon thread: a process that is stopped (Ctrl-C, SIGTERM, the loader's end)
+    exits without waiting for a fetch nobody will read (an executor's threads would be joined at exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(ranged_get(path))
+        except BaseException as exn:  # noqa: BLE001 (handed to the reader, who raises it)
+            future.set_exception(exn)
+
+    threading.Thread(target=run, name="read-ahead", daemon=True).start()
+    return future
 
 
 _state = _ReadAhead()
