@@ -1,5 +1,7 @@
 """`python -m feature_extraction`: extract tokens into shards; `... finalize --out DIR` writes the manifest.
 
+`--out` may be a URL (`s3://bucket/prefix`): the shards are uploaded as they are written (`remote_out`).
+
 The flags are `extract`'s (and `finalize`'s) signature, read by jsonargparse, so every
 option is a flag, `--config file.yaml` sets any of them and `--print_config` shows the
 result. Errors, a bad flag included, are one line on stderr (``exit_status``): exit 2 for bad input, 1 for
@@ -20,6 +22,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from feature_extraction.exit_status import run_cli
 from feature_extraction.extract import extract
 from feature_extraction.shards.finalize import finalize
+from feature_extraction.store import display
 
 PROG = "python -m feature_extraction"
 
@@ -63,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "manifest.json was not written; rerun finalize"
     )
     status, summary = run_cli(
-        build_parser(command), argv, run, interrupted=kept, kept=lambda parsed: f"the complete shards in {parsed.out}"
+        build_parser(command),
+        argv,
+        run,
+        interrupted=kept,
+        kept=lambda parsed: f"the complete shards in {display(str(parsed.out))}",
     )
     if status == 0:
         print(json.dumps(summary, default=str))

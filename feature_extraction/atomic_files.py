@@ -41,6 +41,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from feature_extraction.store import RemotePath
+
 __all__ = [
     "DiskFullError",
     "atomic_path",
@@ -229,8 +231,11 @@ def write_text_atomic(fpath: Path | str, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
+def write_json_atomic(fpath: Path | RemotePath, obj: Any, exclusive: bool = False) -> bool:
     """Write JSON (indent 1, no NaN) whole or not at all; ``exclusive``: only if ``fpath`` does not exist yet.
+
+    An object in a store (``RemotePath``) is one PUT, whole by itself; ``exclusive`` is a conditional
+    create there (``If-None-Match: *``).
 
     ``exclusive`` is for files that several tasks race to create (``extraction.json``): its
     temporary name is unique per host, process and thread, so racers never write into each
@@ -238,6 +243,8 @@ def write_json_atomic(fpath: Path, obj: Any, exclusive: bool = False) -> bool:
     NFS). Returns False when it lost the race (the existing file is left as it is).
     """
     text = json.dumps(obj, indent=1, allow_nan=False)
+    if isinstance(fpath, RemotePath):
+        return fpath.write_bytes(text.encode("utf-8"), exclusive=exclusive)
     if not exclusive:
         write_text_atomic(fpath, text)
         return True

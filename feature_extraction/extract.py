@@ -40,6 +40,9 @@ Design choices:
   image id alone, so task splits and reruns store the same tokens. The subset is gathered
   on the device before the copy to the host, so the copy, the shared memory and the
   writers all shrink with it; each sample then also holds `positions.npy`.
+- `--out s3://bucket/prefix` (any fsspec URL): the same extraction runs into a local staging folder
+  (`--stage`) and each shard is uploaded whole as soon as it is written, the manifest last;
+  resume continues from the whole shards in the bucket (`remote_out.py`).
 - Image ids may contain '.', which webdataset reads as the start of the extension, so a
   sample's `__key__` is the id percent-escaped (`shards.layout.image_key`, reversible by
   `image_id_from_key`); `meta.json` keeps the original id, its source and `image_xxh3_64`,
@@ -52,6 +55,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -60,6 +65,7 @@ from feature_extraction.backbones import get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from feature_extraction.output_lock import output_lock
+from feature_extraction.remote_out import ShardUploader, default_stage, prepare_stage, resume_plan
 from feature_extraction.shard_loop import write_shards
 from feature_extraction.shards import (
     assign_shards,
@@ -71,6 +77,7 @@ from feature_extraction.shards import (
     shards_for_task,
 )
 from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
+from feature_extraction.store import RemotePath, location
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 from feature_extraction.validate import check_int
 
@@ -134,6 +141,7 @@ def extract(
     progress: bool = True,
     tokens_per_image: int | None = None,
     keep_prefix_tokens: bool = True,
+    stage: str | None = None,
 ) -> dict:
     """Extract one layer's tokens of every image into this task's shards; finalize if it is the last task.
 
@@ -143,7 +151,8 @@ def extract(
         backbone: registry name (dinov2, siglip, clip, vit, their _large and _tiny entries).
         images: an image folder (class sub-folders give labels), a directory of webdataset
             image tars, or `samples` (scikit-image's bundled photos).
-        out: output directory; one per backbone and layer (a rerun resumes it).
+        out: output directory, or a URL (s3://bucket/prefix) the shards are uploaded to; one per backbone and
+            layer (a rerun resumes it).
         pretrained: download the library's pretrained weights (needs the network).
         checkpoint_path: local weights (.safetensors or torch state dict) instead.
         layer: transformer block; -1 = the final block after the final norm (the paper's).
@@ -161,6 +170,9 @@ def extract(
         tokens_per_image: store this many patch tokens per image, a subset seeded by --seed and the
             image id (the same in every task and rerun); default: every patch. Cuts disk in proportion.
         keep_prefix_tokens: also store the CLS and register tokens (false: patches only).
+        stage: with a URL --out, the local folder each shard is written to before its upload (deleted from
+            there once uploaded: needs room for about num_writers + 8 shards); default: a folder in the system
+            temp dir named after the URL. Ignored for a local --out.
     """
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
@@ -183,14 +195,22 @@ def extract(
     keys = [image_key(r.image_id) for r in records]
     by_key = {key: i for i, key in enumerate(keys)}
     shards = assign_shards(keys, shard_size)
-    check_output_path(out, "--out")  # before the backbone loads: a bad --out costs nothing (and creates nothing)
+    target = location(out, "--out")  # a URL with credentials in it is refused here, before anything is logged
+    stage_dpath = None
+    if isinstance(target, RemotePath):
+        target.is_dir()  # an unknown bucket or refused credentials: one line before the backbone loads
+        stage_dpath = Path(stage).expanduser() if stage else default_stage(target)
+        check_output_path(stage_dpath, "--stage")
+    else:
+        check_output_path(out, "--out")  # before the backbone loads: a bad --out costs nothing (and creates nothing)
     if checkpoint_path is not None:
         checkpoint_path = os.path.abspath(os.path.expanduser(checkpoint_path))
     random_weights = not pretrained and checkpoint_path is None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = load_backbone(backbone, pretrained=pretrained, checkpoint_path=checkpoint_path, layer=layer)
-    out_dpath = prepare_output_dir(out, "--out")  # after the backbone's checks: a bad --layer leaves no folder
+    # after the backbone's checks: a bad --layer leaves no folder
+    out_dpath = prepare_output_dir(out, "--out") if stage_dpath is None else prepare_output_dir(stage_dpath, "--stage")
     model.to(torch_device)
 
     record = {
@@ -211,18 +231,24 @@ def extract(
         "package_version": __version__,
         "token_selection": selection,
     }
-    with output_lock(out_dpath, "extract", part=(task_index, num_tasks)):  # one writer per task's shards
-        check_or_create_record(out_dpath, record)
+    target = out_dpath if stage_dpath is None else target
+    with output_lock(target, "extract", part=(task_index, num_tasks)):  # one writer per task's shards
+        check_or_create_record(target, record)
 
         owned = shards_for_task(len(shards), task_index, num_tasks)
-        complete = [i for i in owned if shard_is_complete(out_dpath, i)]
-        corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
-        if corrupt:
-            logger.warning(
-                "shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
-                format_indices(corrupt),
-            )
-        todo = [i for i in owned if i not in complete or i in corrupt]
+        staged: list[int] = []
+        if stage_dpath is not None:
+            prepare_stage(out_dpath, record)
+            _, staged, todo = resume_plan(target, out_dpath, owned)
+        else:
+            complete = [i for i in owned if shard_is_complete(out_dpath, i)]
+            corrupt = [i for i in complete if not shard_is_intact(out_dpath, i)]  # reads each complete shard once
+            if corrupt:
+                logger.warning(
+                    "shards %s: their bytes no longer match their sidecars (corrupt); writing them again",
+                    format_indices(corrupt),
+                )
+            todo = [i for i in owned if i not in complete or i in corrupt]
         logger.info(
             "task %d/%d: %d of %d shards owned, %d complete, %d to write (%s layer %d on %s)",
             task_index,
@@ -245,26 +271,29 @@ def extract(
                 selection["seed"],
                 " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "",
             )
-        counts = write_shards(
-            model,
-            ImageDataset(records, model.preprocess),
-            records,
-            [(i, [by_key[k] for k in shards[i]]) for i in todo],
-            out_dpath,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            device=torch_device,
-            num_writers=num_writers,
-            progress=progress,
-            positions_of=None
-            if selection is None
-            else functools.partial(
-                selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
-            ),
-        )
-        finalized = finalize_if_last(out_dpath, len(shards))
+        uploader = None if stage_dpath is None else ShardUploader(out_dpath, target, staged)
+        with uploader or nullcontext():  # waits for the last uploads; drops the queue on an error or interrupt
+            counts = write_shards(
+                model,
+                ImageDataset(records, model.preprocess),
+                records,
+                [(i, [by_key[k] for k in shards[i]]) for i in todo],
+                out_dpath,
+                batch_size=batch_size,
+                num_workers=num_workers,
+                device=torch_device,
+                num_writers=num_writers,
+                progress=progress,
+                positions_of=None
+                if selection is None
+                else functools.partial(
+                    selected_positions, selection=selection, n_prefix_tokens=spec.n_prefix_tokens, grid=spec.grid
+                ),
+                on_shard_written=None if uploader is None else uploader.submit,
+            )
+        finalized = finalize_if_last(target, len(shards))
     return {
-        "out": str(out_dpath),
+        "out": str(target),
         "task_index": task_index,
         "num_tasks": num_tasks,
         "n_shards": len(shards),

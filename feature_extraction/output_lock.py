@@ -29,6 +29,10 @@ second process is refused in one line naming the holder (bad input, exit 2):
   Lustre, GPFS and local disks; hosts must have distinct host names and a host's processes one pid
   namespace (containers that share a volume have their own host names, so they refuse each other
   rather than take over). The clock only dates the lock for the message.
+- An output in an object store (``--out s3://bucket/prefix``, a ``RemotePath``): the lock is the
+  object ``PREFIX/.lock`` (``.lock.K-of-N``), created by a conditional PUT (``If-None-Match: *``:
+  atomic on S3 and SeaweedFS), holding the same record; the same refusal, release and takeover
+  rules. An object has no mtime here, so a takeover lock's age is read from its ``started``.
 """
 
 from __future__ import annotations
@@ -39,13 +43,14 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from feature_extraction.atomic_files import DiskFullError, out_of_space
 from feature_extraction.output_dirs import dir_problem, prepare_output_dir
+from feature_extraction.store import RemotePath, StoreError, location
 
 __all__ = ["LOCK_FNAME", "OutputLocked", "is_launching_process", "lock_fpath", "output_lock"]
 
@@ -65,9 +70,17 @@ def is_launching_process(environ: dict[str, str] | None = None) -> bool:
     return all(env.get(name, "0").strip() in ("", "0") for name in RANK_VARIABLES)
 
 
-def lock_fpath(path: Path | str, beside: bool = False, part: tuple[int, int] | None = None) -> Path:
+def _output(path: Path | RemotePath | str, what: str = "--out") -> Path | RemotePath:
+    """``path`` as a local path (``~`` expanded) or, for a URL, the ``RemotePath`` of the prefix."""
+    path = location(path, what)
+    return path.expanduser() if isinstance(path, Path) else path
+
+
+def lock_fpath(
+    path: Path | RemotePath | str, beside: bool = False, part: tuple[int, int] | None = None
+) -> Path | RemotePath:
     """The lock file of the output ``path`` (see the module docstring)."""
-    path = Path(path).expanduser()
+    path = _output(path)
     name = LOCK_FNAME + (f".{part[0]}-of-{part[1]}" if part is not None else "")
     return path.parent / f".{path.name}{name}" if beside else path / name
 
@@ -84,10 +97,22 @@ def _holder_record(command: str) -> dict[str, Any]:
     }
 
 
-def _read(fpath: Path) -> dict[str, Any] | None:
+def _read(fpath: Path | RemotePath) -> dict[str, Any] | None:
     """The holder written in ``fpath``; None when it is gone; ``{}`` when unreadable (being created, or garbled)."""
     try:
-        text = fpath.read_text(encoding="utf-8")
+        if isinstance(fpath, RemotePath):
+            fpath.parent.refresh()  # another process may have created or removed it since this one listed
+            if not fpath.is_file():
+                return None
+            try:
+                text = fpath.read_text(encoding="utf-8")
+            except StoreError:
+                fpath.parent.refresh()
+                if fpath.is_file():
+                    raise
+                return None  # removed between the listing and the read
+        else:
+            text = fpath.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     try:
@@ -107,12 +132,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _gone(holder: dict[str, Any], fpath: Path) -> bool:
+def _age(fpath: Path | RemotePath, holder: dict[str, Any]) -> float:
+    """Seconds since ``fpath`` was written: its mtime; for an object, its holder's ``started`` (inf: gone)."""
+    if isinstance(fpath, RemotePath):
+        try:
+            started = datetime.strptime(str(holder.get("started")), "%Y-%m-%d %H:%M:%S UTC")
+        except ValueError:
+            return 0.0  # no readable date: never stale by age (the refusal names the object to delete)
+        return time.time() - started.replace(tzinfo=timezone.utc).timestamp()
+    try:
+        return time.time() - fpath.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _gone(holder: dict[str, Any], fpath: Path | RemotePath) -> bool:
     """Whether the holder of ``fpath`` is surely not running any more."""
     if not holder:  # created and never written: its creator was killed in that instant, or is writing it now
-        with suppress(FileNotFoundError):
-            return time.time() - fpath.stat().st_mtime > UNREADABLE_STALE_S
-        return True
+        # (an object is created whole: an unreadable one was garbled by hand, and is not taken over)
+        return not isinstance(fpath, RemotePath) and _age(fpath, holder) > UNREADABLE_STALE_S
     job = os.environ.get("SLURM_JOB_ID")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if job and holder.get("slurm_job_id") == job and int(holder.get("slurm_restart_count") or 0) < restarts:
@@ -123,8 +161,10 @@ def _gone(holder: dict[str, Any], fpath: Path) -> bool:
     return isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid)
 
 
-def _create(fpath: Path, record: dict[str, Any]) -> bool:
+def _create(fpath: Path | RemotePath, record: dict[str, Any]) -> bool:
     """Create ``fpath`` holding ``record`` if it does not exist; False when it does."""
+    if isinstance(fpath, RemotePath):
+        return fpath.write_bytes(json.dumps(record).encode("utf-8"), exclusive=True)
     try:
         fd = os.open(fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
@@ -140,17 +180,14 @@ def _create(fpath: Path, record: dict[str, Any]) -> bool:
     return True
 
 
-def _take_over(fpath: Path, stale: dict[str, Any]) -> None:
+def _take_over(fpath: Path | RemotePath, stale: dict[str, Any]) -> None:
     """Remove ``fpath`` if it still holds ``stale``; one taker at a time (the takeover lock), so a taker never
     removes the lock that another starter created after the stale one was removed."""
     guard = fpath.with_name(fpath.name + ".takeover")
     if not _create(guard, _holder_record("takeover")):
         guard_holder = _read(guard)
-        with suppress(FileNotFoundError):
-            if guard_holder is not None and (
-                _gone(guard_holder, guard) or time.time() - guard.stat().st_mtime > TAKEOVER_STALE_S
-            ):
-                guard.unlink()
+        if guard_holder is not None and (_gone(guard_holder, guard) or _age(guard, guard_holder) > TAKEOVER_STALE_S):
+            guard.unlink(missing_ok=True)
         return  # the caller tries again
     try:
         if _read(fpath) == stale:
@@ -159,7 +196,7 @@ def _take_over(fpath: Path, stale: dict[str, Any]) -> None:
         guard.unlink(missing_ok=True)
 
 
-def _refusal(what: str, path: Path, fpath: Path, holder: dict[str, Any]) -> OutputLocked:
+def _refusal(what: str, path: Path | RemotePath, fpath: Path | RemotePath, holder: dict[str, Any]) -> OutputLocked:
     if not holder:
         return OutputLocked(
             f"{what} {path} is locked by {fpath}, which another process is creating now; wait a minute and "
@@ -174,8 +211,10 @@ def _refusal(what: str, path: Path, fpath: Path, holder: dict[str, Any]) -> Outp
     )
 
 
-def _clashing_split(fpath: Path, part: tuple[int, int]) -> tuple[Path, dict[str, Any]] | None:
+def _clashing_split(fpath: Path | RemotePath, part: tuple[int, int]) -> tuple[Path | RemotePath, dict[str, Any]] | None:
     """A live lock of the same folder by a task of another split (other ``num_tasks``): its shards overlap ours."""
+    if isinstance(fpath, RemotePath):
+        fpath.parent.refresh()
     for other in sorted(fpath.parent.glob(f"{LOCK_FNAME}.*-of-*")):
         if other == fpath or other.name.endswith(f"-of-{part[1]}") or other.name.endswith(".takeover"):
             continue
@@ -187,27 +226,32 @@ def _clashing_split(fpath: Path, part: tuple[int, int]) -> tuple[Path, dict[str,
 
 @contextmanager
 def output_lock(
-    path: Path | str,
+    path: Path | RemotePath | str,
     command: str,
     *,
     what: str = "--out",
     beside: bool = False,
     part: tuple[int, int] | None = None,
-) -> Iterator[Path | None]:
+) -> Iterator[Path | RemotePath | None]:
     """Hold the lock of the output folder ``path`` for the block; yields the lock file (None on ranks > 0).
 
     ``command`` names the holder's command in the refusal (never its arguments: they are not ours to
     print); ``what`` names the output (``--out``, ``the run``); ``beside``: the lock goes next to
     ``path`` (outputs swapped in whole); ``part``: ``(task_index, num_tasks)`` of an extraction task,
-    which locks on every rank. Raises `OutputLocked` when another live process holds it.
+    which locks on every rank; a URL (``RemotePath``) locks with an object (module docstring). Raises
+    `OutputLocked` when another live process holds it.
     """
-    path = Path(path).expanduser()
+    path = _output(path, what)
     if part is None and not is_launching_process():
         yield None
         return
     fpath = lock_fpath(path, beside, part)
-    created = [p for p in (fpath.parent, *fpath.parent.parents) if not p.exists()]  # removed again if left empty
-    if not beside:  # a file in the way, or not writable: the one line of output_dirs
+    remote = isinstance(path, RemotePath)
+    # removed again if left empty (a prefix in a store is no folder: nothing to create or remove)
+    created = [] if remote else [p for p in (fpath.parent, *fpath.parent.parents) if not p.exists()]
+    if remote:
+        pass  # an unknown bucket or refused credentials: the store's one line, from the first request
+    elif not beside:  # a file in the way, or not writable: the one line of output_dirs
         prepare_output_dir(path, what)
     else:
         problem = dir_problem(path.parent)

@@ -115,12 +115,15 @@ def write_shards(
     num_writers: int = 4,
     progress: bool = True,
     positions_of: Callable[[list[str]], np.ndarray] | None = None,
+    on_shard_written: Callable[[int], None] | None = None,
 ) -> dict:
     """Run the backbone over each shard's records and write the shards; the command's hot loop.
 
     `shards` lists `(shard index, record indices in key order)`; `dataset[i]` returns
     `(i, pixels, content hash)` for record `i`, or `(i, None, why)` when it cannot be read. `positions_of(image_ids)`,
-    when given, says which tokens of each image to store (`[B, n]`). Returns counts and the elapsed time.
+    when given, says which tokens of each image to store (`[B, n]`). `on_shard_written(index)` is called here
+    as each shard is complete (`ShardWriters`); it may block (a bounded upload queue) and may raise, which aborts
+    the open shards as any error does. Returns counts and the elapsed time.
     """
     if not shards:
         return {"images": 0, "skipped": 0, "seconds": 0.0}
@@ -142,7 +145,9 @@ def write_shards(
     )
     start_time = time.perf_counter()
     # Fork the writers first, while this process runs no other thread (tqdm's monitor, pin_memory).
-    writer = ShardWriters(out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)))
+    writer = ShardWriters(
+        out_dpath, num_writers, max_batches=max(2, math.ceil(max_shard / batch_size)), on_written=on_shard_written
+    )
     batch_iter = iter(loader)
     interactive = sys.stderr.isatty()
     bar = tqdm(

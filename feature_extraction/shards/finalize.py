@@ -5,6 +5,13 @@ layer, image list or shard size is refused rather than mixed in), and the task t
 finds every shard complete assembles `manifest.json` (`finalize`, also a subcommand; run as
 a command it first reads every shard and checks it against its sidecar, `integrity`).
 Several tasks may finish at once, so the manifest is written under a lock file.
+
+The same for a prefix in an object store (`--out s3://bucket/prefix`, `remote_out.py`): every
+object is written whole by one PUT, `extraction.json` by a conditional create, the lock is an
+object created the same way (dated inside it: an object has no mtime here) and `manifest.json`
+is the last object written. `finalize --verify true` of a store reads every shard (whole, with
+read-ahead); the last task's finalize (`verify=False`) checks each shard's size against its
+sidecar and trusts the per-sample checksums that every reader checks.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import json
 import logging
 import math
 import os
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +39,7 @@ from feature_extraction.shards.layout import (
 )
 from feature_extraction.shards.manifest import format_indices, load_manifest, write_manifest
 from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete
+from feature_extraction.store import RemotePath, StoreError, fetch, location
 from feature_extraction.token_selection import token_kinds
 
 __all__ = ["check_or_create_record", "finalize", "finalize_if_last", "ids_digest", "verify_shards"]
@@ -51,6 +60,8 @@ def ids_digest(keys: Sequence[str]) -> str:
 def check_or_create_record(out_dpath: Path, record: dict) -> None:
     """Write `extraction.json`, or refuse a directory that holds another extraction."""
     fpath = out_dpath / EXTRACTION_FNAME
+    if isinstance(out_dpath, RemotePath):
+        out_dpath.refresh()  # another task may have written it since this process listed the prefix
     if not fpath.exists():
         if any(out_dpath.glob(SHARD_FILES_GLOB)):
             raise ValueError(
@@ -81,7 +92,7 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
 
 
 def _read_record(out_dpath: Path) -> dict:
-    fpath = Path(out_dpath) / EXTRACTION_FNAME
+    fpath = location(out_dpath) / EXTRACTION_FNAME
     if not fpath.is_file():
         raise ValueError(f"{fpath} not found: --out must be a directory written by `python -m feature_extraction`")
     try:
@@ -107,6 +118,8 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
     that redoes them (a rerun verifies the shards it owns and writes corrupt ones again).
     """
     corrupt = []
+    if isinstance(out_dpath, RemotePath):  # the next shards download while this one is hashed
+        fetch.plan([out_dpath / shard_fname(i) for i in range(n_shards) if shard_is_complete(out_dpath, i)])
     for index in range(n_shards):
         if not shard_is_complete(out_dpath, index):
             continue  # write_manifest lists the missing ones
@@ -132,35 +145,23 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
     """Assemble `manifest.json` of `--out` once all its shards are complete and intact; returns the manifest.
 
     Several tasks may finish together: a lock file (created with O_EXCL, which is atomic on
-    NFS too) lets one of them write the manifest. A lock older than ten minutes, or
-    `--force true`, is taken over.
+    NFS too; in a store, a conditional PUT) lets one of them write the manifest. A lock older than
+    ten minutes, or `--force true`, is taken over.
 
     Args:
-        out: the extraction's output directory (holding extraction.json and the shards).
+        out: the extraction's output directory (holding extraction.json and the shards), or its URL
+            (s3://bucket/prefix: there --verify reads every shard).
         force: take over a finalize lock held by another process.
         verify: read every shard and check it against its sidecar's checksums (refusing corrupt
             ones, naming the command that redoes them); adds per-sample checksums to sidecars
             written before them. False: trust the shards (each extraction task checked its own).
     """
-    out_dpath = Path(out).expanduser()
+    out_dpath = location(out, "--out")
+    if isinstance(out_dpath, Path):
+        out_dpath = out_dpath.expanduser()
     record = _read_record(out_dpath)
     n_shards = record["n_shards"]
-    lock_fpath = out_dpath / LOCK_FNAME
-    try:
-        fd = os.open(lock_fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        try:
-            age = time.time() - lock_fpath.stat().st_mtime
-        except FileNotFoundError:  # released meanwhile
-            age = math.inf
-        if not force and age < STALE_LOCK_SECONDS:
-            raise RuntimeError(
-                f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or "
-                "pass --force true if it died"
-            ) from None
-        lock_fpath.touch()
-    else:
-        os.close(fd)
+    lock_fpath = _lock(out_dpath / LOCK_FNAME, force)
     try:
         if verify:
             verify_shards(out_dpath, n_shards)
@@ -191,8 +192,48 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         lock_fpath.unlink(missing_ok=True)
 
 
-def finalize_if_last(out_dpath: Path, n_shards: int) -> bool:
+def _lock(lock_fpath: Path | RemotePath, force: bool) -> Path | RemotePath:
+    """Create the finalize lock, or take over a stale one (or any, with `force`); RuntimeError if it is held."""
+    if isinstance(lock_fpath, RemotePath):
+        stamp = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
+        if lock_fpath.write_bytes(stamp, exclusive=True):
+            return lock_fpath
+        try:
+            age = time.time() - float(json.loads(lock_fpath.read_text())["time"])
+        except (StoreError, ValueError, KeyError, TypeError):  # released meanwhile, or not ours to read
+            age = math.inf
+    else:
+        try:
+            os.close(os.open(lock_fpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return lock_fpath
+        except FileExistsError:
+            try:
+                age = time.time() - lock_fpath.stat().st_mtime
+            except FileNotFoundError:  # released meanwhile
+                age = math.inf
+    if not force and age < STALE_LOCK_SECONDS:
+        raise RuntimeError(
+            f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or pass --force true if it died"
+        ) from None
+    if isinstance(lock_fpath, RemotePath):
+        lock_fpath.write_bytes(stamp)
+    else:
+        lock_fpath.touch()
+    return lock_fpath
+
+
+def _all_listed(out_dpath: RemotePath, n_shards: int) -> bool:
+    """Every shard's tar and sidecar is in the prefix's listing (one request; their sizes are checked after)."""
+    out_dpath.refresh()  # other tasks uploaded since this process listed it
+    names = {p.name for p in out_dpath.iterdir()}
+    return all(shard_fname(i) in names and sidecar_fname(i) in names for i in range(n_shards))
+
+
+def finalize_if_last(out_dpath: Path | RemotePath, n_shards: int) -> bool:
     """Called by every task at its end: the one that sees all shards complete writes the manifest."""
+    out_dpath = location(out_dpath)
+    if isinstance(out_dpath, RemotePath) and not _all_listed(out_dpath, n_shards):
+        return False
     if not all(shard_is_complete(out_dpath, i) for i in range(n_shards)):
         return False
     if _manifest_is_current(out_dpath, n_shards):

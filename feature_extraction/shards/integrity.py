@@ -30,6 +30,7 @@ their sidecars after checking the sha256 (one read of each shard).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import shlex
@@ -79,10 +80,18 @@ class SampleChecksums(NamedTuple):
 
 
 def shard_is_intact(sidecar: dict, tar_fpath: Path) -> bool:
-    """True when the tar's bytes match its sidecar (size, then xxh3-64, or sha256 for old sidecars)."""
+    """True when the tar's bytes match its sidecar (size, then xxh3-64, or sha256 for old sidecars).
+
+    An object in a store is fetched whole (parallel ranged GETs, or the read-ahead when planned).
+    """
     try:
         if tar_fpath.stat().st_size != sidecar["bytes"]:
             return False
+        if hasattr(tar_fpath, "fetch"):
+            data = tar_fpath.fetch()
+            if ALGORITHM in sidecar:
+                return digest(data) == sidecar[ALGORITHM]
+            return hashlib.sha256(data).hexdigest() == sidecar["sha256"]
         if ALGORITHM in sidecar:
             return file_xxh3(tar_fpath) == sidecar[ALGORITHM]
         return file_digests(tar_fpath)[0] == sidecar["sha256"]
@@ -187,11 +196,16 @@ def add_sample_checksums(sidecar: dict, tar_fpath: Path) -> dict | None:
     One read for the sha256 and one pass over the members; what ``finalize`` does to shards
     written before the checksums, so the training stream can check them sample by sample.
     """
-    sha256, xxh3 = file_digests(tar_fpath)
+    if hasattr(tar_fpath, "fetch"):  # an object in a store: read once, hashed and scanned in memory
+        data = tar_fpath.fetch()
+        sha256, xxh3, opened = hashlib.sha256(data).hexdigest(), digest(data), io.BytesIO(data)
+    else:
+        (sha256, xxh3), opened = file_digests(tar_fpath), open(tar_fpath, "rb")  # closed below
     if sha256 != sidecar["sha256"]:
+        opened.close()
         return None
     checksums: dict[str, list[str]] = {TOKENS_SUFFIX: [], POSITIONS_SUFFIX: []}
-    with open(tar_fpath, "rb") as stream:
+    with opened as stream:
         for name, offset, size in list(iter_members(stream, tar_fpath)):
             suffix = member_key(name)[1]
             if suffix in checksums:

@@ -95,7 +95,8 @@ def sidecar_fpath(tar_fpath: Path) -> Path:
 
 def sidecar_index(fpath: Path) -> int | None:
     """Shard index of a sidecar path (``shard-000042.json`` -> 42); None for any other name."""
-    number = Path(fpath).stem.split("-")[1] if Path(fpath).stem.startswith("shard-") else ""
+    stem = location(fpath).stem  # a path, or an object in a store
+    number = stem.split("-")[1] if stem.startswith("shard-") else ""
     return int(number) if number.isdigit() else None
 
 

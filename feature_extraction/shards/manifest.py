@@ -100,7 +100,7 @@ def write_manifest(
     """
     from feature_extraction import __version__
 
-    shards_dpath = Path(shards_dpath)
+    shards_dpath = location(shards_dpath)  # a folder, or a prefix in a store (the manifest is then one PUT)
     check_int("n_shards", n_shards, 1)
     grid = (int(grid[0]), int(grid[1]))
     kinds = token_kinds(n_prefix_tokens, grid, token_selection)
@@ -233,13 +233,18 @@ def load_manifest(shards_dpath: Path | str, verify: bool = False) -> dict:
                 f"{shard_fpath}: size {size} differs from field 'bytes' = {entry['bytes']} in "
                 f"{MANIFEST_FNAME}; the file is truncated or replaced, re-extract it"
             )
-        if verify and file_sha256(shard_fpath) != entry["sha256"]:
+        if verify and _sha256(shard_fpath) != entry["sha256"]:
             raise ShardFormatError(
                 f"{shard_fpath}: sha256 differs from field 'sha256' in {MANIFEST_FNAME}; "
                 "the file is corrupt, re-extract it"
             )
     check_manifest_stats(shards_dpath, manifest)  # a hand-edited 'stats' would train on the wrong scale
     return manifest
+
+
+def _sha256(fpath: Path) -> str:
+    """sha256 of a shard file, or of an object in a store (fetched whole)."""
+    return hashlib.sha256(fpath.fetch()).hexdigest() if hasattr(fpath, "fetch") else file_sha256(fpath)
 
 
 def _check_entry_sizes(entry: dict, manifest: dict, fpath: Path) -> None:

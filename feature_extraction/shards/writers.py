@@ -4,14 +4,16 @@ Writing a ViT-B sample costs about 1-3 ms (float64 statistics, sha256, tar heade
 0.4 MB of I/O), as much as a fast GPU's forward of it, and threads do not scale on it
 (the GIL), so the extraction command hands finished batches to these processes and goes
 on with the next forward. Each shard's list of undecodable images is written here too,
-before the shard's tar is renamed into place, so a complete shard always has its list.
+before the shard's tar is renamed into place, so a complete shard always has its list. A writer
+says when a shard is complete (its sidecar written), so the extraction can upload it at once
+(`remote_out.py`, `--out s3://...`).
 """
 
 from __future__ import annotations
 
 import queue
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ from feature_extraction.shards.layout import shard_fname, skipped_fname
 from feature_extraction.shards.write import write_shard
 
 __all__ = ["ShardWriters"]
+
+DONE = "done"  # a writer's report of a complete shard (tar and sidecar in place)
 
 
 def _die_with_parent() -> None:
@@ -43,8 +47,9 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
     """Body of a writer process: write the shards the main process streams to `tasks`.
 
     Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
-    metas, positions [b, n] or None), ("end", skipped), ("abort",), None (stop). A failure
-    is reported on `results` and the rest of the queue drained, so the producer never
+    metas, positions [b, n] or None), ("end", skipped), ("abort",), None (stop). Each complete
+    shard is reported on `results` as `(index, "done", None, None)`; a failure as
+    `(index, kind, errno, reason)`, and the rest of the queue drained, so the producer never
     blocks on a dead consumer.
     """
     _die_with_parent()
@@ -58,6 +63,7 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
         index = item[1]
         try:
             write_shard(Path(out_dpath), index, _streamed_samples(Path(out_dpath), tasks, index))
+            results.put((index, DONE, None, None))
         except BaseException as exn:  # noqa: BLE001 (reported to the main process)
             kind = "OSError" if isinstance(exn, OSError) else "ValueError" if isinstance(exn, ValueError) else "other"
             results.put((index, kind, getattr(exn, "errno", None), getattr(exn, "strerror", None) or str(exn)))
@@ -95,12 +101,16 @@ class ShardWriters:
     per process, so host and /dev/shm memory stay under about n x one shard of tokens.
     """
 
-    def __init__(self, out_dpath: Path, n_processes: int, max_batches: int) -> None:
+    def __init__(
+        self, out_dpath: Path, n_processes: int, max_batches: int, on_written: Callable[[int], None] | None = None
+    ) -> None:
+        """`on_written(index)` is called in this process once shard `index` is complete (from `send`/`close`)."""
         import torch.multiprocessing as mp
 
         # fork: children share the parent's modules and never touch CUDA; spawn where fork is missing.
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self.out_dpath = out_dpath
+        self.on_written = on_written
         self.queues = [ctx.Queue(maxsize=max_batches) for _ in range(n_processes)]
         self.results = ctx.Queue()
         self.errors: list[tuple] = []
@@ -140,9 +150,13 @@ class ShardWriters:
     def _check(self) -> None:
         while True:
             try:
-                self.errors.append(self.results.get_nowait())
+                result = self.results.get_nowait()
             except queue.Empty:
                 break
+            if result[1] != DONE:
+                self.errors.append(result)
+            elif self.on_written is not None:
+                self.on_written(result[0])
         if not self.errors:
             return
         index, kind, errno_, reason = min(self.errors, key=lambda e: e[0])
