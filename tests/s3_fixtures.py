@@ -58,7 +58,11 @@ AWS_VARIABLES_CLEARED = (
 
 
 def clear_s3fs_cache() -> None:
-    """fsspec reuses an `S3FileSystem` made with the same arguments, whatever the environment says now."""
+    """fsspec reuses an `S3FileSystem` made with the same arguments, whatever the environment says now; the
+    product's store keeps one filesystem and its listings per process too (`feature_extraction.store.reset`)."""
+    from feature_extraction.store import reset
+
+    reset()
     try:
         import s3fs
     except ImportError:

@@ -105,7 +105,10 @@ def _refusal(exn: BaseException, url: str, action: str) -> StoreError:
     """One line for an error that waiting will not fix; never the exception's text (it may carry secrets)."""
     shown = display(url)
     if isinstance(exn, FileNotFoundError):
-        if "bucket" in str(exn).lower():
+        if any(
+            phrase in str(exn)
+            for phrase in ("NoSuchBucket", "specified bucket does not exist", "bucket does not exist")
+        ):
             return StoreError(f"{shown}: the bucket does not exist; check the URL's bucket name (and AWS_ENDPOINT_URL)")
         return StoreError(f"{shown}: not found in the store ({action}); check the URL, or re-run what writes it")
     if isinstance(exn, PermissionError):
