@@ -76,14 +76,14 @@ def test_extract_fit_resume_features_evaluate_from_a_bucket(s3_bucket: str, s3_e
     run("sae_pipeline", [*fit, "--trainer.max_steps", "3"], tmp_path)
     run("sae_pipeline", [*fit, "--trainer.max_steps", "6", "--ckpt_path", "last"], tmp_path)  # resume
     run_dpath = tmp_path / "runs" / "topk_vit" / "version_0"
-    ckpt_fpath = run_dpath / "checkpoints" / "last.ckpt"
+    ckpt_fpath = tmp_path / "runs" / "topk_vit" / "version_1" / "checkpoints" / "last.ckpt"  # the resumed run's
     assert torch.load(ckpt_fpath, weights_only=True)["global_step"] == 6
 
     site = tmp_path / "site"
     run(
         "sae_pipeline", ["features", "--ckpt_path", str(ckpt_fpath), "--data.source", url, "--out", str(site)], tmp_path
     )
-    assert (site / "index.html").is_file() and any(site.rglob("*.png"))
+    assert (site / "index.html").is_file() and len(list((site / "thumbs").glob("*.jpg"))) == 12  # every image drawn
     export = tmp_path / "export"
     run("sae_pipeline", ["export", "--ckpt_path", str(ckpt_fpath), "--out", str(export)], tmp_path)
     results = tmp_path / "eval"
