@@ -113,6 +113,24 @@ def test_extract_to_bucket_equals_local(images, reference, s3_bucket, s3_env, tm
     assert again["shards_written"] == [] and again["shards_already_complete"] == 4 and again["finalized"]
 
 
+def test_uploads_through_503s_and_cut_connections_are_retried(
+    images, reference, s3_bucket, s3_server, fault_proxy, monkeypatch, tmp_path
+) -> None:
+    """The store answers 503 to the first uploads and cuts a later one: the extraction retries and ends whole."""
+    from s3_fixtures import apply_s3_env
+
+    apply_s3_env(monkeypatch, s3_server, endpoint=fault_proxy.endpoint)
+    client._filesystems.clear()
+    url = f"s3://{s3_bucket}/vit"
+    fault_proxy.status(503, times=4)
+    summary = run(images, url, tmp_path / "stage")
+    assert summary["finalized"] and fault_proxy.injected == 4
+    apply_s3_env(monkeypatch, s3_server)
+    client._filesystems.clear()
+    remote._listings.clear()
+    assert_same_shards(url, reference)
+
+
 def test_resume_redoes_what_is_not_whole(images, reference, s3_bucket, s3_env, tmp_path) -> None:
     """A tar without its sidecar, a tar of the wrong size and a missing shard are redone; a staged shard is uploaded."""
     url, stage = f"s3://{s3_bucket}/vit", tmp_path / "stage"
