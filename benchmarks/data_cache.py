@@ -13,7 +13,8 @@ the rehearsal names (``benchmarks/rehearsal.py``):
   an epoch takes milliseconds, so this row runs at least ``DIGITS_EPOCHS`` epochs;
 - ``imagenet/50``: the rehearsal's synthetic DINOv2-shaped shards (``benchmarks/rehearsal_shards.py``:
   261 tokens x 768 float16 per image, 1 000 images per shard, one shard held out) with the
-  rehearsal's data settings (batch 4 096, shuffle buffer 16 batches, 1 worker).
+  rehearsal's data settings (batch 4 096, shuffle buffer 16 batches, 1 worker), then the same
+  without workers (the cache's gather is a memory copy, as is the workers' hand-over).
 
 Each row runs ``--epochs`` epochs of the ``ActivationDataModule``'s training loader (the loader
 ``fit`` uses, without a model) and times each one. ``fill`` is the one read into memory (the
@@ -43,7 +44,8 @@ DIGITS_EPOCHS = 100
 
 
 def datasets(args: argparse.Namespace, tmp: Path) -> list[tuple[str, dict, int]]:
-    """``(name, ActivationDataModule kwargs, epochs)`` of each size: digits, then the rehearsal's shards."""
+    """``(name, ActivationDataModule kwargs, epochs)`` of each row pair: digits, then the rehearsal's shards
+    read by a worker and in the main process."""
     from benchmarks import rehearsal, rehearsal_shards
 
     digits = {"source": "digits", "batch_size": 256, "num_workers": 0, "shuffle_buffer_tokens": 2048}
@@ -59,7 +61,8 @@ def datasets(args: argparse.Namespace, tmp: Path) -> list[tuple[str, dict, int]]
     }
     name = "imagenet/50" if size["images"] == 25_000 else f"{size['images']} images x 261 x {size['d']}"
     digits_epochs = args.epochs if args.quick else max(args.epochs, DIGITS_EPOCHS)
-    return [("digits", digits, digits_epochs), (name, shards, args.epochs)]
+    with_workers = {**shards, "num_workers": 0 if size["workers"] else 1}  # the other setting: in process or not
+    return [("digits", digits, digits_epochs), (name, shards, args.epochs), (name, with_workers, args.epochs)]
 
 
 def run_epochs(dm: ActivationDataModule, n_epochs: int, device: torch.device | None) -> dict:
@@ -119,6 +122,8 @@ def measure(args: argparse.Namespace, device: torch.device | None) -> dict:
     )
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name, kwargs, n_epochs in datasets(args, Path(tmp)):
+            workers = kwargs["num_workers"]
+            key = name if kwargs["source"] == "digits" else f"{name}, {workers} worker{'s' * (workers != 1)}"
             rows = {}
             for cache in ("none", args.cache):
                 dm = ActivationDataModule(**kwargs, cache=cache)
@@ -136,8 +141,8 @@ def measure(args: argparse.Namespace, device: torch.device | None) -> dict:
                 del dm
                 if not args.quick:
                     gc.collect()  # the cache goes before the next row allocates (seconds in a big process)
-            results[name] = rows
-            results[name]["ratio"] = steady(rows[args.cache])[0] / steady(rows["none"])[0]
+            results[key] = rows
+            results[key]["ratio"] = steady(rows[args.cache])[0] / steady(rows["none"])[0]
     print("ratio: the row's epochs-2+ tokens/s over the uncached row's of the same data, in this run")
     return results
 

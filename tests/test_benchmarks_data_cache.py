@@ -9,7 +9,7 @@ def test_quick_run_prints_each_size_with_its_ratio(capsys: pytest.CaptureFixture
     from benchmarks import data_cache
 
     results = data_cache.main(["--quick"])
-    assert list(results) == ["digits", "40 images x 261 x 64"]
+    assert list(results) == ["digits", "40 images x 261 x 64, 0 workers", "40 images x 261 x 64, 1 worker"]
     for rows in results.values():
         assert rows["ratio"] > 0
         for cache in ("none", "ram"):
@@ -19,6 +19,8 @@ def test_quick_run_prints_each_size_with_its_ratio(capsys: pytest.CaptureFixture
     assert [(cells[0].strip(), cells[2].strip()) for cells in table[1:]] == [
         ("digits", "none"),
         ("digits", "ram"),
+        ("40 images x 261 x 64", "none"),
+        ("40 images x 261 x 64", "ram"),
         ("40 images x 261 x 64", "none"),
         ("40 images x 261 x 64", "ram"),
     ]

@@ -12,7 +12,9 @@ contributed, for error messages); predict batches add ``image_ids`` (one per tok
 The loaders yield ``x`` in the source's dtype (float16 for
 shards), pinned when the device is a GPU; it crosses to the device in that dtype (Lightning
 copies with ``non_blocking=True`` to CUDA) and ``on_after_batch_transfer`` converts it to
-float32 there, so every step sees float32 as before, at half the host and PCIe traffic.
+float32 there, so every step sees float32 as before, at half the host and PCIe traffic. With
+``cache="gpu"`` the training batches leave the loader on the device already (not pinned, not
+copied again); only the conversion to float32 remains.
 
 - fit: every rank yields exactly ``len(train_dataloader())`` batches per epoch, computed
   from the manifest's counts, so DDP never waits on a rank with fewer tokens. The order
@@ -245,7 +247,8 @@ class ActivationDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         """``x`` to float32 on the device, after the copy (for every step: fit, validate, test, predict, and
         the features pass). float16 -> float32 is exact, so the steps see the values they saw when the host
-        converted; the input scale is applied after this, in float32, by the module."""
+        converted; the input scale is applied after this, in float32, by the module. A batch of the gpu cache
+        is on the device already: Lightning's transfer leaves it there, and only this conversion runs."""
         batch["x"] = batch["x"].float()
         return batch
 
