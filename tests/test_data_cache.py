@@ -219,7 +219,12 @@ def test_cuda_cache_gathers_the_uncached_batches_on_the_device(shards, tmp_path,
     assert dm.train_dataset(0, 1).cache.device.type == "cuda"
     plain = make_dm(str(shards), num_workers=workers, val_fraction=0.0)
     for rank in range(2):
-        for a, b in zip(loader(dm, rank, 2, 1), loader(plain, rank, 2, 1), strict=True):
+        torch.cuda.set_sync_debug_mode("error")  # the host never waits for the device to hand a batch over
+        try:
+            got = list(loader(dm, rank, 2, 1))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip(got, loader(plain, rank, 2, 1), strict=True):
             assert a["x"].device.type == "cuda" and torch.equal(a["x"].cpu(), b["x"])
     recorder = Recorder()
     dm = make_dm(str(shards), "gpu", num_workers=workers, val_fraction=0.0)
