@@ -126,7 +126,7 @@ def host_tensor(n_rows: int, d: int, dtype: torch.dtype, shared: bool) -> torch.
     memory that the kernel may back with 2 MB pages (``MADV_HUGEPAGE``).
 
     Why huge pages: a batch gathers random rows from the whole cache, and with 4 kB pages nearly every
-    row misses the TLB; on the 2-core box the gather ran about 1.6x faster on 2 MB pages. Shared memory
+    row misses the TLB; on the 2-core box a cached epoch ran about 1.25x faster on 2 MB pages. Shared memory
     (tmpfs) seldom has them, and is allocated shared at once rather than copied there
     (``share_memory_`` of a fresh tensor copies every byte).
     """
