@@ -94,6 +94,9 @@ RUN_ELSEWHERE: dict[str, str] = {
     "python -m sae_pipeline features --help": "tests/test_docs_commands.py::test_documented_flags_exist",
     "python -m sae_pipeline features explain --help": "tests/test_docs_commands.py::test_documented_flags_exist",
     "python -m sae_pipeline.evaluate --help": "tests/test_docs_commands.py::test_documented_flags_exist",
+    "python -m sae_pipeline fit --config configs/mpsae_digits.yaml --data.cache ram": (
+        "tests/test_data_cache.py::test_fit_with_cache_saves_the_flag_and_resumes_like_the_uncached_run"
+    ),
 }
 
 

@@ -5,6 +5,8 @@
 - ``mnist.py``: MNIST, downloaded, or the 5000-digit sample a wheel ships (offline).
 - ``sample.py``: an even, deterministic sample of a split (the figures' sample, the studies).
 - ``streams.py``: split units over ranks and workers, shuffle, equal batch counts.
+- ``cache.py``: ``--data.cache ram|gpu``, the training split read once into memory, the same
+  stream gathered from there.
 - ``loaders.py``: the DataLoaders (shared-memory hand-over, one-line worker errors,
   mid-epoch resume).
 - ``datamodule.py``: ``ActivationDataModule``, what configs name (``data:`` section).

@@ -12,7 +12,9 @@ contributed, for error messages); predict batches add ``image_ids`` (one per tok
 The loaders yield ``x`` in the source's dtype (float16 for
 shards), pinned when the device is a GPU; it crosses to the device in that dtype (Lightning
 copies with ``non_blocking=True`` to CUDA) and ``on_after_batch_transfer`` converts it to
-float32 there, so every step sees float32 as before, at half the host and PCIe traffic.
+float32 there, so every step sees float32 as before, at half the host and PCIe traffic. With
+``cache="gpu"`` the training batches leave the loader on the device already (not pinned, not
+copied again); only the conversion to float32 remains.
 
 - fit: every rank yields exactly ``len(train_dataloader())`` batches per epoch, computed
   from the manifest's counts, so DDP never waits on a rank with fewer tokens. The order
@@ -27,10 +29,14 @@ float32 there, so every step sees float32 as before, at half the host and PCIe t
   each token exactly once across ranks, no padding; a rank may get one batch fewer.
 - predict: the whole dataset (train and validation) in order, each rank a disjoint
   contiguous part, so ``predict`` writes codes for every token.
+- ``cache``: the training split read once into host or device memory (``cache.py``): the
+  same batches, resume included; checked to fit in ``setup("fit")``, filled by the first
+  ``train_dataset()``.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import lightning as L
@@ -38,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from feature_extraction.validate import check_float, check_int
+from sae_pipeline.data import cache as data_cache
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
 from sae_pipeline.data.mnist import load_mnist
 from sae_pipeline.data.sample import read_sample
@@ -68,7 +75,18 @@ class ActivationDataModule(L.LightningDataModule):
         allow_download: let ``mnist`` download into ``data_dpath`` (needs network).
         data_dpath: folder holding ``MNIST/raw``.
         eval_tokens: size of the fixed validation sample for figures (``eval_sample``).
+        cache: ``none`` (or null) reads the shards every epoch; ``ram`` reads the training split once
+            into host memory (shared memory with workers), ``gpu`` into the trainer's CUDA device
+            (batches gathered there; the loader then runs in the main process, with the workers'
+            split unchanged). Same batches, shuffle and resume as ``none``. Each rank holds the
+            whole training split; it must fit in half of the available host memory (times the ranks
+            on the node) or half of the device's free memory, else ``fit`` stops with one line.
+            Validation is read from the shards as before.
     """
+
+    #: Where ``cache="gpu"`` puts the cache instead of the trainer's CUDA device (the suite runs the gpu
+    #: path on the CPU with ``"cpu"``); not a flag.
+    gpu_cache_device: str | None = None
 
     def __init__(
         self,
@@ -81,6 +99,7 @@ class ActivationDataModule(L.LightningDataModule):
         allow_download: bool = False,
         data_dpath: str = "data",
         eval_tokens: int = 16_384,
+        cache: str | None = None,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -91,6 +110,7 @@ class ActivationDataModule(L.LightningDataModule):
             check_int(f"--data.{name}", value, low)
         check_shuffle_buffer(shuffle_buffer_tokens, batch_size)
         check_float("--data.val_fraction", val_fraction, 0.0, 1.0, strict_maximum=True)
+        self.cache = data_cache.cache_kind(cache)
         self.save_hyperparameters()
         self.source, self.batch_size, self.num_workers = source, batch_size, num_workers
         self.shuffle_buffer_tokens, self.val_fraction, self.seed = shuffle_buffer_tokens, val_fraction, seed
@@ -98,6 +118,7 @@ class ActivationDataModule(L.LightningDataModule):
         self._data_source: ShardSource | RowSource | None = None
         self._stats: dict | None = None
         self._eval_sample: torch.Tensor | None = None
+        self._train_cache: torch.Tensor | None = None
         if source == "mnist" and allow_download:  # opened after prepare_data() has downloaded it
             self.d_in, self.image_shape, self.manifest = 784, (28, 28), None
         else:
@@ -119,6 +140,8 @@ class ActivationDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         self.data_source  # noqa: B018 -- open now, after prepare_data, rather than inside a loader hook
+        if stage == "fit" and self.cache is not None and self._train_cache is None:
+            self._check_cache()  # before the sanity check and the first step, not at the first training batch
 
     @property
     def stats(self) -> dict:
@@ -147,21 +170,47 @@ class ActivationDataModule(L.LightningDataModule):
         return 0, 1
 
     def train_dataset(self, rank: int | None = None, world_size: int | None = None) -> ShuffledTokenStream:
-        """This rank's training stream (explicit ``rank`` / ``world_size`` build any rank's, for tests)."""
+        """This rank's training stream (explicit ``rank`` / ``world_size`` build any rank's, for tests); with
+        ``cache``, over the cached split (read on the first call)."""
         rank, world_size = self._rank_world(rank, world_size)
         data = self.data_source
-        return ShuffledTokenStream(
-            data.units("train", self.val_fraction),
-            self.batch_size,
-            data.d,
-            data.dtype,
-            rank,
-            world_size,
-            self.num_workers,
-            self.shuffle_buffer_tokens,
-            self.seed,
-            unit_kind=data.unit_kind,
-        )
+        units = data.units("train", self.val_fraction)
+        args = (units, self.batch_size, data.d, data.dtype, rank, world_size, self.num_workers)
+        args += (self.shuffle_buffer_tokens, self.seed)
+        if self.cache is None:
+            return ShuffledTokenStream(*args, unit_kind=data.unit_kind)
+        stream = data_cache.CachedTokenStream(*args, unit_kind=data.unit_kind, in_main=self.cache == "gpu")
+        if self._train_cache is None:  # after the stream's own checks: nothing is read for a run that cannot start
+            device = self._check_cache()
+            shared = self.cache == "ram" and self.num_workers > 0
+            self._train_cache = data_cache.fill(units, data.d, data.dtype, device, shared, progress=rank == 0)
+        stream.cache = self._train_cache
+        return stream
+
+    def _check_cache(self) -> torch.device:
+        """The cache's device, once ``check_fits`` has passed for it (one-line ValueError otherwise)."""
+        data = self.data_source
+        n_tokens = sum(unit.n_tokens for unit in data.units("train", self.val_fraction))
+        n_bytes = n_tokens * data.d * data.dtype.itemsize
+        if self.cache == "ram":
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            ranks = int(local) if local else (self.trainer.num_devices if self.trainer is not None else 1)
+            device = torch.device("cpu")
+            data_cache.check_fits("ram", n_bytes, device, ranks, shared=self.num_workers > 0)
+            return device
+        if self.gpu_cache_device is not None:
+            device = torch.device(self.gpu_cache_device)
+        elif self.trainer is not None:
+            device = self.trainer.strategy.root_device
+        else:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if self.gpu_cache_device is None and (device is None or device.type != "cuda"):
+            where = "CUDA is not available" if device is None else f"the trainer runs on {device.type}"
+            raise ValueError(
+                f"--data.cache gpu needs a CUDA device but {where}; use --data.cache ram or --data.cache none"
+            )
+        data_cache.check_fits("gpu", n_bytes, device)
+        return device
 
     def val_dataset(self, rank: int | None = None, world_size: int | None = None) -> OrderedTokenStream:
         """This rank's part of the validation split."""
@@ -198,7 +247,8 @@ class ActivationDataModule(L.LightningDataModule):
     def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
         """``x`` to float32 on the device, after the copy (for every step: fit, validate, test, predict, and
         the features pass). float16 -> float32 is exact, so the steps see the values they saw when the host
-        converted; the input scale is applied after this, in float32, by the module."""
+        converted; the input scale is applied after this, in float32, by the module. A batch of the gpu cache
+        is on the device already: Lightning's transfer leaves it there, and only this conversion runs."""
         batch["x"] = batch["x"].float()
         return batch
 
@@ -210,10 +260,11 @@ class ActivationDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> TrainTokenLoader:
         attached = self.trainer is not None
+        in_main = self.cache == "gpu"  # batches gathered on the device, in this process: no workers, no pinning
         return TrainTokenLoader(
             self.train_dataset(),
-            self.num_workers,
-            self._pin_memory(),
+            0 if in_main else self.num_workers,
+            False if in_main else self._pin_memory(),
             epoch_fn=self._epoch if attached else None,
             progress_fn=self._batches_done if attached else None,
         )

@@ -25,6 +25,8 @@ Design choices:
   source dtype (float16 for shards) up to the device: the datamodule converts them there
   (``ActivationDataModule.on_after_batch_transfer``), so the host moves and the PCIe bus
   carries half the bytes of float32.
+- The training plan (``ShuffledTokenStream._reader_batches``) does not care what flows through
+  the buffer: ``cache.py`` runs it over token indices into an in-memory copy of the split.
 - Validation/test/predict: the concatenated units are cut into ``world_size`` contiguous
   spans without padding (each token once across ranks; exact R^2 sums), then into worker
   spans that are whole batches except for the rank's last batch.
@@ -153,7 +155,7 @@ class ShuffleBuffer:
         free, n_filled, n_drawn = np.arange(self.capacity), 0, 0
         for unit, part in chunks:
             if self.tokens is None:
-                self.tokens = np.empty((self.capacity, part.shape[1]), part.dtype)
+                self.tokens = np.empty((self.capacity, *part.shape[1:]), part.dtype)  # rows, or cache indices
                 self.units = np.empty(self.capacity, np.int32)
             pos = 0
             while pos < len(part):
@@ -312,13 +314,21 @@ class ShuffledTokenStream(TokenStream):
     def __iter__(self) -> Iterator[dict]:
         # After a resume the DataLoader polls worker 0 first, but the next batch of the interrupted
         # epoch belongs to worker skip % W: DataLoader worker i plays the role of worker (i + skip) % W.
-        worker = (self._worker() + self.skip_batches) % self.n_readers
+        yield from self._reader_batches((self._worker() + self.skip_batches) % self.n_readers)
+
+    def _reader_batches(self, worker: int) -> Iterator[dict]:
+        """The batches of reader ``worker`` (its role) this epoch: the plan every training stream shares.
+
+        The order, span, shuffle buffer, seeds and skip are fixed here; what flows through the
+        buffer (``_token_parts``) and how a batch is gathered (``_gathered``) are the subclass's
+        (``cache.py`` passes token indices into its in-memory copy of the split).
+        """
         order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.units))
         quota = self.quotas[worker]
         start = (self.rank * self.n_batches + sum(self.quotas[:worker])) * self.batch_size
         stop = start + quota * self.batch_size
         pieces = span_pieces([self.units[u].n_tokens for u in order], start, stop)
-        chunks = ((unit, chunk.tokens) for unit, chunk in self._chunks(order, pieces, with_ids=False))
+        chunks = self._token_parts(order, pieces)
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, worker])
         buffer = ShuffleBuffer(
             max(self.batch_size, min(self.shuffle_buffer_tokens, stop - start)), self.batch_size, rng
@@ -326,8 +336,7 @@ class ShuffledTokenStream(TokenStream):
         skip = batches_already_taken(self.quotas, self.skip_batches)[worker]
         n_yielded = skip
         for index, slots in enumerate(buffer.batches(chunks, skip)):
-            # the gather runs inside _output, before the next iteration rebinds slots
-            batch = self._output(worker, index, len(slots), lambda out: buffer.gather(slots, out))  # noqa: B023
+            batch = self._gathered(worker, index, buffer, slots)
             if batch is None:
                 return
             batch["shards"] = self._shard_names(buffer.units[slots])
@@ -338,6 +347,16 @@ class ShuffledTokenStream(TokenStream):
                 f"rank {self.rank} worker {worker} made {n_yielded} of {quota} batches from "
                 f"{sorted({self.names[order[p]] for p, _, _ in pieces})}; the source changed while read"
             )
+
+    def _token_parts(
+        self, order: Sequence[int], pieces: list[tuple[int, int, int]]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        """``(unit index, tokens)`` of the reader's span, in order, for the shuffle buffer."""
+        return ((unit, chunk.tokens) for unit, chunk in self._chunks(order, pieces, with_ids=False))
+
+    def _gathered(self, worker: int, index: int, buffer: ShuffleBuffer, slots: np.ndarray) -> dict | None:
+        """The batch of the buffer's ``slots`` (see ``_output``), copied before the buffer refills them."""
+        return self._output(worker, index, len(slots), lambda out: buffer.gather(slots, out))
 
 
 class OrderedTokenStream(TokenStream):
