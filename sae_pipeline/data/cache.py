@@ -38,7 +38,6 @@ Design choices:
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -47,6 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from sae_pipeline.data.host_memory import host_tensor
 from sae_pipeline.data.sources import Unit
 from sae_pipeline.data.streams import ShuffleBuffer, ShuffledTokenStream
 
@@ -119,27 +119,6 @@ def check_fits(kind: str, n_bytes: int, device: torch.device, local_ranks: int =
             f"--data.cache gpu: the training split needs {size_text(n_bytes)}, more than half of the "
             f"{size_text(free)} free on {device}; use --data.cache ram, --data.cache none, or a GPU with more memory"
         )
-
-
-def host_tensor(n_rows: int, d: int, dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """An uninitialised ``[n_rows, d]`` host tensor: in shared memory for DataLoader workers, else in private
-    memory that the kernel may back with 2 MB pages (``MADV_HUGEPAGE``).
-
-    Why huge pages: a batch gathers random rows from the whole cache, and with 4 kB pages nearly every
-    row misses the TLB; on the 2-core box a cached epoch ran about 1.25x faster on 2 MB pages. Shared memory
-    (tmpfs) seldom has them, and is allocated shared at once rather than copied there
-    (``share_memory_`` of a fresh tensor copies every byte).
-    """
-    n_bytes = max(1, n_rows * d * dtype.itemsize)
-    if shared:
-        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
-        if new_shared is None:
-            return torch.empty((n_rows, d), dtype=dtype).share_memory_()
-        return torch.empty(0, dtype=dtype).set_(new_shared(n_bytes)).view(-1)[: n_rows * d].view(n_rows, d)
-    memory = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype, count=n_rows * d).view(n_rows, d)
 
 
 def fill(

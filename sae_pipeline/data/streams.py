@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from sae_pipeline.data.host_memory import host_tensor
 from sae_pipeline.data.sources import Chunk, Unit, plan_reads
 
 
@@ -136,6 +137,14 @@ class BatchRing:
         self.released[-1] = 1
 
 
+def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The shuffle buffer's array: token rows on 2 MB pages where the kernel allows (`host_memory.py`: every
+    batch fills and gathers random rows of it), cache indices (1-D, small) plainly."""
+    if len(shape) != 2:
+        return np.empty(shape, dtype)
+    return host_tensor(shape[0], shape[1], torch.from_numpy(np.empty(0, dtype)).dtype, shared=False).numpy()
+
+
 class ShuffleBuffer:
     """Shuffle tokens across images with a fixed-size buffer; every step is a vectorised numpy op."""
 
@@ -155,7 +164,7 @@ class ShuffleBuffer:
         free, n_filled, n_drawn = np.arange(self.capacity), 0, 0
         for unit, part in chunks:
             if self.tokens is None:
-                self.tokens = np.empty((self.capacity, *part.shape[1:]), part.dtype)  # rows, or cache indices
+                self.tokens = _buffer((self.capacity, *part.shape[1:]), part.dtype)  # rows, or cache indices
                 self.units = np.empty(self.capacity, np.int32)
             pos = 0
             while pos < len(part):
