@@ -14,6 +14,7 @@
   check) or read block by block on each pass (``validation_split``: ``evaluate sae``).
 """
 
+from sae_pipeline.data.batch_ring import BatchRing
 from sae_pipeline.data.datamodule import ActivationDataModule
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
 from sae_pipeline.data.mnist import load_mnist, load_mnist_sample
@@ -25,7 +26,7 @@ from sae_pipeline.data.sources import (
     ShardUnit,
     open_source,
 )
-from sae_pipeline.data.streams import BatchRing, OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream
+from sae_pipeline.data.streams import OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream
 from sae_pipeline.data.validation import validation_tokens
 
 __all__ = [

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from sae_pipeline.data.streams import BatchRing, ShuffledTokenStream, TokenStream
+from sae_pipeline.data.batch_ring import BatchRing
+from sae_pipeline.data.streams import ShuffledTokenStream, TokenStream
 
 
 def _one_line(exn: ValueError) -> ValueError:
