@@ -18,14 +18,19 @@ from typing import Any
 
 import xxhash
 
+from feature_extraction.store import location
+
 __all__ = ["file_digests", "file_sha256", "file_xxh3", "hash_file", "short_digest", "tensors_sha256"]
 
 _CHUNK_BYTES = 1 << 22
 
 
 def hash_file(fpath: Path | str, *hashers: Any) -> list[str]:
-    """Hex digests of a whole file for each of ``hashers`` (``hashlib`` or ``xxhash`` objects), in one read."""
-    with open(fpath, "rb") as f:
+    """Hex digests of a whole file for each of ``hashers`` (``hashlib`` or ``xxhash`` objects), in one read.
+
+    ``fpath`` may name an object in a store (a URL or a `RemotePath`): it is fetched whole, then hashed.
+    """
+    with location(fpath).open("rb") as f:
         while chunk := f.read(_CHUNK_BYTES):
             for hasher in hashers:
                 hasher.update(chunk)

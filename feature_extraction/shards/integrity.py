@@ -87,11 +87,6 @@ def shard_is_intact(sidecar: dict, tar_fpath: Path) -> bool:
     try:
         if tar_fpath.stat().st_size != sidecar["bytes"]:
             return False
-        if hasattr(tar_fpath, "fetch"):
-            data = tar_fpath.fetch()
-            if ALGORITHM in sidecar:
-                return digest(data) == sidecar[ALGORITHM]
-            return hashlib.sha256(data).hexdigest() == sidecar["sha256"]
         if ALGORITHM in sidecar:
             return file_xxh3(tar_fpath) == sidecar[ALGORITHM]
         return file_digests(tar_fpath)[0] == sidecar["sha256"]
@@ -182,8 +177,7 @@ def verify_sha256_once(tar_fpath: Path, sha256: str) -> None:
             tar_fpath.parent,
             tar_fpath.parent,
         )
-    found = hashlib.sha256(tar_fpath.fetch()).hexdigest() if hasattr(tar_fpath, "fetch") else file_digests(tar_fpath)[0]
-    if found != sha256:
+    if file_digests(tar_fpath)[0] != sha256:
         raise ShardFormatError(
             f"{tar_fpath}: corrupt shard (its sha256 differs from its sidecar's); {repair_command(tar_fpath.parent)}"
         )
