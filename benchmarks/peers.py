@@ -6,7 +6,9 @@
     python -m benchmarks.peers --device cuda --d-sae 19200 --batch-size 4096 --equal-rows 1024   # on a GPU
 
 On CUDA (``--device cuda``) everything above holds on the GPU: the same shapes and dtype (float32), the
-peers stepping as their own trainers do there (sparsify with its Triton decoder). The peers travel to a
+peers stepping as their own trainers do there (sparsify with its Triton decoder). ``--autocast`` times
+every contender's step (and the GEMM) under bf16 autocast, the precision training uses on a GPU; the
+equality check still runs in float32. The peers travel to a
 lent GPU machine as wheels (benchmarks/gpu_wheels.sh); benchmarks/gpu_suite.py runs this there.
 
 For each variant (TopK, BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it trains from the
@@ -231,10 +233,11 @@ def run_shape(d_sae: int, args) -> list[str]:
         contenders, notes = load_contenders(variant, template, args)
         for note in notes:
             print(f"  note: {note}", flush=True)
-        equal = {
-            c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x_equal, args)
-            for c in contenders
-        }
+        with torch.autocast(device.type, enabled=False):  # the same function, checked in float32 (or float64)
+            equal = {
+                c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x_equal, args)
+                for c in contenders
+            }
         xc = (x - template.b_pre).detach()
         W_enc = template.W_dec.detach().T if isinstance(template, MatchingPursuitSAE) else template.W_enc.detach()
         gemm_times: list[float] = []
@@ -279,6 +282,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--equal-rows", type=int, default=None, help="rows of the batch the equality check uses (default: all)"
     )
+    parser.add_argument(
+        "--autocast",
+        action="store_true",
+        help="time every step and the GEMM under bf16 autocast (training's precision on a GPU); equality stays float32",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one round of 2 steps (a smoke run)")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -306,16 +314,19 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     gpu = f"{torch.cuda.get_device_name(args.device)}; " if args.device.startswith("cuda") else ""
+    precision = "bf16 autocast (equality in float32)" if args.autocast else "float32"
     print(
         f"machine: {gpu}{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; float32; B={args.batch_size} k={args.k}; "
+        f"{torch.get_num_threads()} threads, 1-minute load {load:.1f}; {precision}; B={args.batch_size} k={args.k}; "
         f"median over {args.rounds} rounds x {args.steps} steps",
         flush=True,
     )
     print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    device_type = torch.device(args.device).type
     for d_sae in args.d_sae:
-        run_shape(d_sae, args)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.autocast):
+            run_shape(d_sae, args)
 
 
 if __name__ == "__main__":

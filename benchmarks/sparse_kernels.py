@@ -17,6 +17,9 @@ Rows (each timed between two device syncs after ``--warmup`` calls, the same ope
 
 The codes are a top-k support (k per token) of random scores; the columns' ratios are measured in the same
 run. Without CUDA the Triton column reads "needs CUDA" (the dry run checks the rest runs).
+
+``--sweep`` adds a line per product: `segment_sums` (the decode and ``dW_dec`` rows) at each tile size
+and warp count of `SWEEP`, against its shipped setting, so a GPU session can choose them from one call.
 """
 
 from __future__ import annotations
@@ -92,6 +95,16 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         ),
         "decode fwd+bwd": (kernels and sparse_fwd_bwd, with_bag(sparse_fwd_bwd), dense_fwd_bwd),
     }
+    if args.sweep and kernels is not None:
+        sweep(
+            {
+                "decode": (codes.crow, codes.indices, W_dec, values, None),
+                "dW_dec": (latent_crow, sorted_rows, grad, values, order),
+            },
+            kernels,
+            args,
+            device,
+        )
     ranked = scores.to(dtype).flatten()
     table["batchtopk select"] = (
         kernels and (lambda: batch_select.radix_top_indices(ranked, B * k)),
@@ -99,6 +112,23 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         None,
     )
     return table
+
+
+SWEEP = [(e, d, w) for e in (16, 32, 64) for d in (128, 256) for w in (2, 4, 8)]  # each one compile: few
+
+
+def sweep(products: dict[str, tuple], kernels, args: argparse.Namespace, device: torch.device) -> None:  # noqa: ANN001
+    """Prints each product's `segment_sums` time at every (BLOCK_E, BLOCK_D, num_warps) of `SWEEP`, best first."""
+    for product, operands in products.items():
+        shipped = kernels.TOKEN_MAJOR_TILE if operands[-1] is None else kernels.LATENT_MAJOR_TILE
+        times = {}
+        for tile in dict.fromkeys([shipped, *SWEEP]):
+            timed(lambda: kernels.segment_sums(*operands, tile=tile), args.warmup, device)  # noqa: B023
+            times[tile] = timed(lambda: kernels.segment_sums(*operands, tile=tile), args.steps, device)  # noqa: B023
+        best = sorted(times, key=times.get)[:5]
+        cells = ", ".join(f"E{e} D{d} w{w} {times[(e, d, w)] * 1e3:.3f} ms" for e, d, w in best)
+        e, d, w = shipped
+        print(f"sweep {product}: shipped E{e} D{d} w{w} {times[shipped] * 1e3:.3f} ms; best {cells}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,6 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="also time segment_sums at each tile size and warp count")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, float32: checks the script runs")
     args = parser.parse_args(argv)
     if args.dry_run:

@@ -86,6 +86,8 @@ def test_mp_forward_backward_match_the_plain_loop_given_the_indices(autocast: bo
     g_c, g_x = torch.randn_like(ref_c), torch.randn_like(ref_x_hat)
     ((ref_c * g_c).sum() + (ref_x_hat * g_x).sum()).backward()
     ((coefficients * g_c.float()).sum() + (x_hat * g_x.float()).sum()).backward()
+    # autocast: bf16 GEMM operands (error 1e-3 to 1e-2; 2.0e-3 measured on an H200); else float32 rounding
+    tolerance = 1e-2 if autocast else 1e-4
     for got, want in (
         (coefficients, ref_c),
         (x_hat, ref_x_hat),
@@ -94,7 +96,7 @@ def test_mp_forward_backward_match_the_plain_loop_given_the_indices(autocast: bo
         (x.grad, x64.grad),
     ):
         assert got is not None and want is not None and not got.isnan().any()
-        assert relative_error(got, want) <= 1e-4
+        assert relative_error(got, want) <= tolerance
 
 
 def test_omp_forward_backward_match_least_squares_given_the_indices() -> None:

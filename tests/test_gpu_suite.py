@@ -22,6 +22,7 @@ from benchmarks.gpu_suite_parts import (
     key_multi_sae,
     key_peers,
     key_pytest,
+    key_sparse_kernels,
     key_train_step,
 )
 
@@ -134,16 +135,36 @@ def test_key_figures_read_the_real_tables() -> None:
         "   8 |         20.00 |             21.00 |  0.952 |                  100 | 800\n"
     )
     assert key_multi_sae(multi) == "group / alone N=8 0.952"
+    sparse = (
+        "| product | Triton | embedding_bag / topk | dense GEMM | bag / Triton | dense / Triton |\n"
+        "|---|---|---|---|---|---|\n"
+        "| decode | 0.246 ms | 0.207 ms | 0.138 ms | 0.84x | 0.56x |\n"
+        "| batchtopk select | 1.513 ms | 0.912 ms | — | 0.60x | — |\n"
+    )
+    assert (
+        key_sparse_kernels(sparse)
+        == "Triton (best other / Triton): decode 0.246 ms (0.56x), batchtopk select 1.513 ms (0.60x)"
+    )
+    with pytest.raises(ValueError):
+        key_sparse_kernels("| product | Triton |\n")
 
 
 def test_the_parts_are_the_issues_and_fit_the_device_call() -> None:
     names = [part.name for part in PARTS]
-    assert names == ["pytest -m gpu", "gpu", "peers", "train_step", "mp_sae", "omp_sae", "multi_sae"]
+    assert names == ["pytest -m gpu", "gpu", "peers", "train_step", "mp_sae", "omp_sae", "sparse_kernels", "multi_sae"]
     assert sum(part.timeout_s for part in PARTS) + gpu_suite.WHEELS_TIMEOUT_S <= 8 * 60 - 30
     pytest_part = PARTS[0]
     assert "tests" in pytest_part.gpu_args and "-m" in pytest_part.gpu_args  # by the marker, not by file
     for part in PARTS[2:]:
-        assert "cuda" in part.gpu_args, part.name
+        assert "cuda" in part.gpu_args or part.name == "sparse_kernels", part.name  # that one is CUDA-only
+
+
+def test_where_to_run_lists_every_part_with_its_limit() -> None:
+    """docs/where-to-run.md's table of the suite's parts is the code's: names and limits."""
+    text = (REPO_DPATH / "docs" / "where-to-run.md").read_text()
+    table = text[text.index("| part | what it runs on the GPU | limit |") :].split("\n\n")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert [(row[0], row[-1]) for row in rows] == [(f"`{part.name}`", f"{part.timeout_s:.0f} s") for part in PARTS]
 
 
 # The parts whose dry run another test already runs (each with its own, finer assertions); the suite's dry run
@@ -153,6 +174,7 @@ DRY_RUN_ELSEWHERE = {
     "peers": "tests/test_benchmarks_peers.py",
     "mp_sae": "tests/test_mp_sae.py",
     "omp_sae": "tests/test_omp_sae.py",
+    "sparse_kernels": "tests/test_benchmarks_peers.py",
 }
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
 from feature_extraction.h5cache import CacheFormatError, TokenCache, read_attrs, write_token_cache
-from sae_pipeline.artifacts.codes import CodesWriter, read_codes
+from sae_pipeline.artifacts.codes import CodesWriter, count_codes, read_codes
 
 N, D = 37, 6
 
@@ -217,3 +218,29 @@ def test_a_cache_that_does_not_fit_is_refused_before_anything_is_written(tmp_pat
         assert line.endswith("; free space and rerun the same command"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["previous.h5"]  # no folder, no temporary file
     assert previous.read_bytes() == b"previous cache"
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda h5: h5.__delitem__("values"), "no dataset values"),
+        (lambda h5: h5.__delitem__("image_ids"), "no dataset image_ids"),
+        (lambda h5: (h5.__delitem__("indices"), h5.create_dataset("indices", data=np.zeros(4, np.int32))), "indices"),
+        (lambda h5: (h5.__delitem__("values"), h5.create_dataset("values", data=np.zeros((4, 2), np.int32))), "values"),
+        (lambda h5: (h5.__delitem__("token_positions"), h5.create_dataset("token_positions", data=np.zeros(3))), "n "),
+    ],
+)
+def test_codes_readers_name_a_damaged_layout_in_one_line(tmp_path, damage, match):
+    """A codes file with the right format attribute but missing or mis-shaped datasets (someone else's file,
+    or a hand edit) is a one-line CacheFormatError naming the file and what is wrong, not a KeyError."""
+    rng = np.random.default_rng(5)
+    fpath = tmp_path / "codes.h5"
+    with CodesWriter(fpath, {"d_sae": 10}) as writer:
+        writer.write(*_random_chunk(rng, 0, 4, 2, 10))
+    assert read_codes(fpath)["indices"].shape == (4, 2)
+    with h5py.File(fpath, "a") as h5:
+        damage(h5)
+    for reader in (read_codes, count_codes):
+        with pytest.raises(CacheFormatError, match=match) as info:
+            reader(fpath)
+        assert str(fpath) in str(info.value) and "\n" not in str(info.value)

@@ -357,3 +357,23 @@ def test_rewrite_crashing_before_its_sidecar_leaves_the_shard_incomplete(tmp_pat
         S.write_shard(tmp_path, 0, samples[2:])  # same size as the old tar, different bytes
     assert not S.shard_is_complete(tmp_path, 0)  # the old sidecar must not vouch for the new tar
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "content, what",
+    [(b'[{"image_id": "a"', "not JSON"), (b'{"image_id": "a"}', "not a JSON list"), (b"\xff\xfe", "not JSON")],
+)
+def test_finalize_reads_a_broken_skipped_list_as_data(tmp_path, content, what):
+    """A shard's skipped-N.json is read as data: a truncated or foreign one is a one-line error naming it,
+    and the fix (without the sidecar, the rerun redoes the shard and writes the list again)."""
+    from feature_extraction.shards.finalize import read_skipped
+
+    fpath = tmp_path / S.skipped_fname(3)
+    fpath.write_bytes(b'[{"image_id": "a", "reason": "decode"}]')
+    assert read_skipped(fpath, tmp_path, 3) == [{"image_id": "a", "reason": "decode"}]
+    fpath.write_bytes(content)
+    with pytest.raises(S.ShardFormatError) as info:
+        read_skipped(fpath, tmp_path, 3)
+    line = str(info.value)
+    assert line.startswith(f"{fpath}: {what}") and f"delete it and {tmp_path / S.sidecar_fname(3)}" in line, line
+    assert "\n" not in line

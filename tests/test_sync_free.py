@@ -15,6 +15,7 @@ from torch import Tensor
 
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder, get_sae_class
 from sae_pipeline.sae.config import class_path_of
+from sae_pipeline.sae.topk import spread_indices
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.group import SAEGroupModule
 from sae_pipeline.training.module import NonFiniteBatchError, SAEModule
@@ -170,3 +171,31 @@ def test_non_finite_batch_raises_on_the_next_logging_step(tmp_path: Path) -> Non
     with pytest.raises(NonFiniteBatchError, match="global step 3: batch from shards shard-000003.tar"):
         run.fit(module, memory_loader(make_data(8 * 32), nan_at_batch=3))
     assert steps == [0, 1, 2, 3, 4, 5]  # step 5 is the second logging step (every 3)
+
+
+def test_auxk_with_fewer_dead_latents_than_k_aux_matches_the_host_read_path() -> None:
+    """Fewer dead latents than ``k_aux``: the sync-free AuxK's masked picks (worth 0) sit on spread
+    latents (`spread_indices`), and its loss and gradients are the host-read path's (float64)."""
+    x = make_data(64).double()
+    results = []
+    for sync_free in (False, True):
+        torch.manual_seed(0)
+        sae = get_sae_class("topk")(D_IN, D_SAE, k=4, k_aux=8).double()
+        sae.sync_free = sync_free
+        sae.tokens_since_fired[:3] = sae.dead_after_tokens  # 3 dead latents, 8 picks per token
+        output = sae(x)
+        assert output.sparse is not None  # the sparse path, where the picks are entries of a support
+        loss = sae.auxiliary_loss(x, output)
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in sae.named_parameters()}))
+    (loss_read, grads_read), (loss_free, grads_free) = results
+    assert float(loss_read) > 0
+    torch.testing.assert_close(loss_free, loss_read, rtol=1e-10, atol=1e-12)
+    for name, grad in grads_read.items():
+        torch.testing.assert_close(grads_free[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_spread_indices_give_each_latent_its_share() -> None:
+    picks = spread_indices(torch.zeros(64, 8, dtype=torch.int64), D_SAE)
+    assert all(len(set(row.tolist())) == 8 for row in picks)  # no latent twice in a token
+    assert torch.bincount(picks.reshape(-1), minlength=D_SAE).tolist() == [64 * 8 // D_SAE] * D_SAE

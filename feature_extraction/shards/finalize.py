@@ -169,7 +169,7 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         for index in range(n_shards):
             fpath = out_dpath / skipped_fname(index)
             if fpath.is_file():
-                skipped += json.loads(fpath.read_text(encoding="utf-8"))
+                skipped += read_skipped(fpath, out_dpath, index)
         backbone = record["backbone_record"]
         selection = record.get("token_selection")
         return write_manifest(
@@ -190,6 +190,21 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         )
     finally:
         lock_fpath.unlink(missing_ok=True)
+
+
+def read_skipped(fpath: Path | RemotePath, out_dpath: Path | RemotePath, index: int) -> list[dict]:
+    """Shard ``index``'s list of undecodable images, as its writer wrote it: a JSON list of objects. Anything
+    else (a truncated upload, someone else's file) is a one-line ShardFormatError naming the file and the fix:
+    without its sidecar the shard is not whole, so the extraction's rerun writes both again."""
+    try:
+        skipped = json.loads(fpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exn:
+        skipped = exn
+    if not isinstance(skipped, list) or not all(isinstance(entry, dict) for entry in skipped):
+        what = f"not JSON ({skipped})" if isinstance(skipped, Exception) else "not a JSON list of objects"
+        sidecar = out_dpath / sidecar_fname(index)
+        raise ShardFormatError(f"{fpath}: {what}; delete it and {sidecar}, then {integrity.repair_command(out_dpath)}")
+    return skipped
 
 
 def _lock(lock_fpath: Path | RemotePath, force: bool) -> Path | RemotePath:

@@ -27,7 +27,14 @@ import h5py
 import numpy as np
 
 from feature_extraction.atomic_files import atomic_path, check_free_space
-from feature_extraction.h5cache import FORMAT_ATTR, H5_RESERVE_BYTES, open_checked, read_attrs, write_attrs
+from feature_extraction.h5cache import (
+    FORMAT_ATTR,
+    H5_RESERVE_BYTES,
+    CacheFormatError,
+    open_checked,
+    read_attrs,
+    write_attrs,
+)
 from feature_extraction.validate import check_int
 
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
@@ -130,10 +137,44 @@ class CodesWriter:
             stack.__exit__(exc_type, exc, tb)
 
 
+def check_layout(fpath: Path, h5: h5py.File) -> int:
+    """The file's token count; a one-line CacheFormatError unless its four datasets are there with the
+    shapes and kinds ``CodesWriter`` writes (a codes file may come from someone else: read it as data)."""
+    missing = [name for name in ("image_ids", "token_positions", "indices", "values") if not _dataset(h5, name)]
+    if missing:
+        raise CacheFormatError(f"{fpath}: no dataset {', '.join(missing)}: not a whole codes file; run predict again")
+    ids, positions, indices, values = (h5[name] for name in ("image_ids", "token_positions", "indices", "values"))
+    n = positions.shape[0] if positions.ndim == 1 else -1
+    problems = [
+        (ids.ndim != 1 or ids.shape[0] != n or ids.dtype.kind not in "OSU", "image_ids must be n strings"),
+        (n < 0 or positions.dtype.kind not in "iu", "token_positions must be n integers"),
+        (
+            indices.ndim != 2 or indices.shape[0] != n or indices.dtype.kind not in "iu",
+            "indices must be [n, k] integers",
+        ),
+        (values.shape != indices.shape or values.dtype.kind != "f", "values must be [n, k] floats like indices"),
+    ]
+    for broken, what in problems:
+        if broken:
+            shapes = ", ".join(
+                f"{d.name.lstrip('/')} {list(d.shape)} {d.dtype}" for d in (ids, positions, indices, values)
+            )
+            raise CacheFormatError(f"{fpath}: {what} ({shapes}); run predict again")
+    return n
+
+
+def _dataset(h5: h5py.File, name: str) -> bool:
+    try:
+        return isinstance(h5.get(name), h5py.Dataset)
+    except (KeyError, OSError):  # a broken or external link
+        return False
+
+
 def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
     """Read a codes file: ``image_ids`` (str), ``token_positions``, ``indices`` (-1 pads), ``values``."""
     fpath = Path(fpath)
     with open_checked(fpath, CODES_FORMAT, WRITER) as h5:
+        check_layout(fpath, h5)
         return {
             "image_ids": np.asarray(h5["image_ids"].asstr()[()], dtype=str),
             "token_positions": h5["token_positions"][()],
@@ -145,7 +186,7 @@ def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
 def count_codes(fpath: Path | str) -> int:
     """How many tokens a codes file holds (reads no codes)."""
     with open_checked(Path(fpath), CODES_FORMAT, WRITER) as h5:
-        return int(h5["token_positions"].shape[0])
+        return check_layout(Path(fpath), h5)
 
 
 def merge_codes(part_fpaths: Sequence[Path], out_fpath: Path) -> int:

@@ -169,17 +169,20 @@ def write_site_image_pages(
     write_patch_assets(root / "assets")
     pages: dict[int, str] = {}
     rows = []
+    hrefs: dict[int, str | None] = {}  # the same atoms recur on many pages
+
+    def href(atom: int) -> str | None:
+        if atom not in hrefs:
+            page = atom_page(atom)
+            hrefs[atom] = None if page is None else f"../{page}"
+        return hrefs[atom]
+
     for key, meta in sorted(collection["images"].items()):
         top = meta.get("top_atoms")
         if top is None or key in changed:
             continue
         (root / "images").mkdir(exist_ok=True)
         image_id, label = str(meta.get("image_id", key)), describe(meta)
-
-        def href(atom: int) -> str | None:
-            page = atom_page(atom)
-            return None if page is None else f"../{page}"
-
         nav = [("index", "../index.html"), ("all images", "index.html")]
         subtitle = f"label {label}" if label else ""
         page = image_page(image_id, subtitle, thumbs.get(key), top, layout, href, nav, atom_image)

@@ -130,7 +130,7 @@ def threshold_state(values: Tensor, n: int) -> Tensor:
     one histogram pass per key byte (the bytes above the pass's are settled: the host knows their mask)."""
     values = values.contiguous()
     state = torch.zeros(2, dtype=torch.int64, device=values.device)
-    state[1] = n  # a fill on the device, not a copy from the host
+    state[1:].fill_(n)  # a fill kernel: `state[1] = n` copies a host scalar, a sync (and illegal in a capture)
     hist = torch.zeros(256, dtype=torch.int32, device=values.device)
     is64 = values.dtype == torch.float64
     block, grid = _blocks(values)

@@ -190,7 +190,7 @@ def next_atom(
         q, row = orthonormal_step(W.index_select(0, j), Q, sync_free=True)
         stopped = torch.isinf(best[:, 0])
         identity = torch.zeros_like(row[:1])
-        identity[0, -1] = 1.0
+        identity[:, -1:].fill_(1.0)  # a fill kernel: `identity[0, -1] = 1.0` copies a host scalar, a sync
         return (
             torch.where(stopped, -1, j),
             torch.where(stopped[:, None], 0.0, q),
@@ -281,7 +281,10 @@ class LeastSquaresFunction(torch.autograd.Function):
         if grad_c is not None:
             gamma += grad_c.to(dtype)[:, :, None]
         gamma.masked_fill_(indices[:, :, None] < 0, 0.0)  # steps not taken: no atom, no gradient
-        lam = torch.cholesky_solve(gamma, L)  # G⁻¹ γ
+        # G⁻¹ γ by two triangular solves (G = L Lᵀ): cuBLAS's batched trsm can be captured in a CUDA graph,
+        # `torch.cholesky_solve` (MAGMA's batched potrs on CUDA) cannot
+        lam = torch.linalg.solve_triangular(L, gamma, upper=False)
+        lam = torch.linalg.solve_triangular(L.mT, lam, upper=True)
         lifted = torch.bmm(lam.transpose(1, 2), atoms)[:, 0]  # D_Sᵀ λ [B, d_in]
         u = g - lifted
         grad_x = lifted.to(x.dtype) if ctx.needs_input_grad[0] else None

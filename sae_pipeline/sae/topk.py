@@ -118,11 +118,29 @@ class TopKSAE(ShallowSAE):
         if output.sparse is None:
             return self.dense_auxiliary_loss(output, dead, residual)
         top = torch.where(dead, output.pre_acts, float("-inf")).topk(self.k_aux, dim=-1, sorted=False)
-        support = SparseCodes.from_topk(top.indices, self.d_sae)
+        real = torch.isfinite(top.values)
+        support = SparseCodes.from_topk(
+            torch.where(real, top.indices, spread_indices(top.indices, self.d_sae)), self.d_sae
+        )
         values = F.relu(sparse_encode(x, self.b_pre, self.W_enc, self.b_enc, output.pre_acts, support))
-        values = torch.where(torch.isfinite(top.values).reshape(-1), values, 0.0)
+        values = torch.where(real.reshape(-1), values, 0.0)
         e_hat = sparse_decode(support.with_values(values), self.W_dec)
         return self.aux_coefficient * F.mse_loss(e_hat, residual)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k_aux={self.k_aux}, aux_coefficient={self.aux_coefficient}"
+
+
+def spread_indices(indices: Tensor, d_sae: int) -> Tensor:
+    """Latents for AuxK's masked picks, each token's ``k_aux`` slots on consecutive latents, shifted per token.
+
+    Why: among the all ``-inf`` scores of the live latents, ``topk`` returns the same few tied latents
+    for every token, so the latent-major products of the backward (`triton_sparse.segment_sums`, one
+    program per latent) get a few segments of B entries each, run serially. On an H200 those products
+    took two thirds of a TopK step's GPU time (BENCHMARKS.md, "The GPU suite on an H200"); with no dead
+    latent every one of the ``k_aux`` picks is such a pick. They are worth 0 (their values and gradients
+    are masked), so any latent will do; spread, each latent gets about ``B · k_aux / d_sae`` of them.
+    """
+    batch, k = indices.shape
+    tokens = torch.arange(batch, device=indices.device)[:, None]
+    return (tokens * k + torch.arange(k, device=indices.device)[None, :]) % d_sae

@@ -33,8 +33,13 @@ except ImportError:  # the CPU path needs none of this
 
 #: Operand dtypes the kernels take; anything else (float64) stays on `F.embedding_bag`.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BLOCK_E = 16  # entries per step of a segment: a [16, BLOCK_D] tile of gathered rows
-BLOCK_D = 128
+#: ``(entries per step of a segment, columns per program, warps)`` of `segment_sums`: a
+#: ``[BLOCK_E, BLOCK_D]`` tile of gathered rows per step. Chosen by `benchmarks/sparse_kernels.py --sweep`
+#: on an H200 (bf16, d_in 768, d_sae 19 200, k 32, B 4 096; BENCHMARKS.md): token-major segments (k entries
+#: each: the decode, the input gradient) 0.246 → 0.053 ms at (32, 128, 2) against the first (16, 128, 4);
+#: latent-major ones (a few entries each: ``∂W_dec``, ``∂W_enc``) 0.599 → 0.176 ms at (16, 256, 2).
+TOKEN_MAJOR_TILE = (32, 128, 2)
+LATENT_MAJOR_TILE = (16, 256, 2)
 
 
 def applies(*tensors: Tensor) -> bool:
@@ -123,17 +128,22 @@ def segment_sums(
     weights: Tensor,
     order: Tensor | None = None,
     out: Tensor | None = None,
+    *,
+    tile: tuple[int, int, int] | None = None,
 ) -> Tensor:
     """``out[s] = Σ_{offsets[s] ≤ e < offsets[s+1]} weights[order[e] or e] · table[index[e]]``
     ``[len(offsets) − 1, table.shape[1]]`` in ``table``'s dtype (``out``: a contiguous buffer to write,
-    e.g. a poisoned one in the tests; every element is written)."""
+    e.g. a poisoned one in the tests; every element is written). ``tile``: ``(BLOCK_E, BLOCK_D, warps)``,
+    by default the one measured best for the order (with ``order``: latent-major); an argument for
+    `benchmarks/sparse_kernels.py --sweep`, which times the alternatives on a GPU."""
     n_segments, d = offsets.numel() - 1, table.shape[1]
     if out is None:
         out = torch.empty(n_segments, d, dtype=table.dtype, device=table.device)
     if n_segments == 0 or d == 0:
         return out.zero_()
     index, weights, offsets = index.contiguous(), weights.contiguous(), offsets.contiguous()
-    grid = (n_segments, triton.cdiv(d, BLOCK_D))
+    block_e, block_d, num_warps = tile or (TOKEN_MAJOR_TILE if order is None else LATENT_MAJOR_TILE)
+    grid = (n_segments, triton.cdiv(d, block_d))
     _segment_sums_kernel[grid](
         out,
         table,
@@ -146,8 +156,9 @@ def segment_sums(
         table.stride(0),
         table.stride(1),
         HAS_ORDER=order is not None,
-        BLOCK_E=BLOCK_E,
-        BLOCK_D=BLOCK_D,
+        BLOCK_E=block_e,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out
 

@@ -23,8 +23,8 @@ owns everything a training run adds to it:
   only on the steps it writes), the other train metrics are computed on those steps only, and
   NaN/Inf is noted on the device and read then, or before a checkpoint is written
   (`sae_pipeline.training.non_finite`).
-- On CUDA, when asked (`cuda_graph`: off by default until a GPU run has validated it), the whole step
-  (forward, backward, Adam, the projection, the clock) is one CUDA graph replayed per batch
+- On one CUDA device (`cuda_graph`, on by default there since the GPU tests passed on an H200), the whole
+  step (forward, backward, Adam, the projection, the clock) is one CUDA graph replayed per batch
   (`sae_pipeline.training.graph_step`).
 """
 
@@ -111,9 +111,8 @@ class SAEModule(L.LightningModule):
         inference_ks: the k values of the R²-vs-k sweep in the figures callback (None: it
             derives them from the SAE's k).
         babel_r_max: largest r of the Babel curves in the figures callback.
-        cuda_graph: run each training step as one replayed CUDA graph (False, the default until a GPU
-            run has validated the capture: never; None: wherever it can be captured, i.e. on one CUDA
-            device; True: also say why when it cannot).
+        cuda_graph: run each training step as one replayed CUDA graph (None, the default: wherever it
+            can be captured, i.e. on one CUDA device; True: also warn when it cannot; False: never).
     """
 
     def __init__(
@@ -125,7 +124,7 @@ class SAEModule(L.LightningModule):
         normalize_input: bool = True,
         inference_ks: list[int] | None = None,
         babel_r_max: int = 64,
-        cuda_graph: bool | None = False,
+        cuda_graph: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(sae, SparseAutoencoder):
