@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.gpu import make_sae
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 from sae_pipeline.training.ddp import COMPRESSION_HOOKS, DDP_DEFAULTS
-from sae_pipeline.training.module import adam_implementation
+from sae_pipeline.training.optim import adam_implementation
 
 LR = 5e-4
 

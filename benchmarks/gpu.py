@@ -36,7 +36,7 @@ import torch
 from benchmarks.extract import peak_tflops
 from feature_extraction.backbones import load_backbone
 from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder
-from sae_pipeline.training.module import adam_implementation
+from sae_pipeline.training.optim import adam_implementation
 
 SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline
 

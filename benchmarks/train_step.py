@@ -52,7 +52,8 @@ import torch
 from sae_pipeline.metrics import ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 from sae_pipeline.training.graph_step import WARMUP_STEPS
-from sae_pipeline.training.module import SAEModule, adam_implementation, warmup_cosine_factor
+from sae_pipeline.training.module import SAEModule
+from sae_pipeline.training.optim import adam_implementation, warmup_cosine_factor
 
 LR, MIN_LR = 5e-4, 1e-6
 

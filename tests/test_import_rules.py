@@ -45,6 +45,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "sae_pipeline.training.lightning_compat",
         "sae_pipeline.training.non_finite",  # NaN/Inf errors; imports nothing of sae_pipeline
         "sae_pipeline.training.graph_step",  # the step as one CUDA graph; imports nothing of sae_pipeline
+        "sae_pipeline.training.optim",  # Adam and its schedule; imports sae/ only
         "sae_pipeline.sae",
         "sae_pipeline.metrics",
         "feature_extraction",

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.sae import MatchingPursuitSAE, TopKSAE
-from sae_pipeline.training.module import NonFiniteBatchError, SAEModule, warmup_cosine_factor
+from sae_pipeline.training.module import NonFiniteBatchError, SAEModule
+from sae_pipeline.training.optim import warmup_cosine_factor
 
 D_IN, D_SAE, BATCH = 16, 64, 32
 

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from benchmarks.vit_like_tokens import vit_like_tokens
 from sae_pipeline.sae import JumpReLUSAE, ReLUSAE, TopKSAE
 from sae_pipeline.sae.calibration import per_latent_cut, pooled_cut
-from sae_pipeline.training.module import param_groups
+from sae_pipeline.training.optim import param_groups
 
 D, P, L0 = 32, 256, 16
 

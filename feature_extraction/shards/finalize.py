@@ -198,10 +198,11 @@ def read_skipped(fpath: Path | RemotePath, out_dpath: Path | RemotePath, index: 
     without its sidecar the shard is not whole, so the extraction's rerun writes both again."""
     try:
         skipped = json.loads(fpath.read_text(encoding="utf-8"))
+        listed = isinstance(skipped, list) and all(isinstance(entry, dict) for entry in skipped)
+        what = None if listed else "not a JSON list of objects"
     except (UnicodeDecodeError, json.JSONDecodeError) as exn:
-        skipped = exn
-    if not isinstance(skipped, list) or not all(isinstance(entry, dict) for entry in skipped):
-        what = f"not JSON ({skipped})" if isinstance(skipped, Exception) else "not a JSON list of objects"
+        what = f"not JSON ({exn})"
+    if what is not None:
         sidecar = out_dpath / sidecar_fname(index)
         raise ShardFormatError(f"{fpath}: {what}; delete it and {sidecar}, then {integrity.repair_command(out_dpath)}")
     return skipped

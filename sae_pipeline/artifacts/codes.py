@@ -40,6 +40,7 @@ from feature_extraction.validate import check_int
 __all__ = ["CODES_FORMAT", "CodesWriter", "count_codes", "merge_codes", "read_codes"]
 
 CODES_FORMAT = "codes/1"
+DATASETS = ("image_ids", "token_positions", "indices", "values")
 WRITER = "python -m sae_pipeline predict"
 MERGE_CHUNK_ROWS = 1 << 16
 _CODES_CHUNK_ROWS = 4096
@@ -140,10 +141,10 @@ class CodesWriter:
 def check_layout(fpath: Path, h5: h5py.File) -> int:
     """The file's token count; a one-line CacheFormatError unless its four datasets are there with the
     shapes and kinds ``CodesWriter`` writes (a codes file may come from someone else: read it as data)."""
-    missing = [name for name in ("image_ids", "token_positions", "indices", "values") if not _dataset(h5, name)]
+    missing = [name for name in DATASETS if not _dataset(h5, name)]
     if missing:
         raise CacheFormatError(f"{fpath}: no dataset {', '.join(missing)}: not a whole codes file; run predict again")
-    ids, positions, indices, values = (h5[name] for name in ("image_ids", "token_positions", "indices", "values"))
+    ids, positions, indices, values = (h5[name] for name in DATASETS)
     n = positions.shape[0] if positions.ndim == 1 else -1
     problems = [
         (ids.ndim != 1 or ids.shape[0] != n or ids.dtype.kind not in "OSU", "image_ids must be n strings"),

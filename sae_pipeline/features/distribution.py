@@ -106,20 +106,20 @@ class DistributionTable:
         negative = values < 0
         self.hist_negative += torch.bincount(atoms[negative], minlength=self.d_sae)
         positive = (values > 0).nonzero().squeeze(1)
-        rows, atoms, values = rows.index_select(0, positive), atoms.index_select(0, positive), values[positive].float()
+        rows, atoms, values = (t.index_select(0, positive) for t in (rows, atoms, values))
+        values = values.float()
         cell = atoms * N_BINS + bin_of(values)
         self.hist_counts.view(-1).index_add_(0, cell, torch.ones_like(cell))
         image_of = image.index_select(0, rows)
         hash_ = example_hash(image_of, atoms)
         last = self.res_hash.view(-1).index_select(0, cell * self.reservoir + (self.reservoir - 1))
         wanted = (hash_ <= last).nonzero().squeeze(1)
+        rows_wanted = rows.index_select(0, wanted)
         self.offer(
-            cell.index_select(0, wanted),
-            hash_.index_select(0, wanted),
-            image_of.index_select(0, wanted),
-            token.index_select(0, rows.index_select(0, wanted)),
+            *(t.index_select(0, wanted) for t in (cell, hash_, image_of)),
+            token.index_select(0, rows_wanted),
             values.index_select(0, wanted),
-            position.index_select(0, rows.index_select(0, wanted)),
+            position.index_select(0, rows_wanted),
         )
 
     def offer(self, cell: Tensor, hash_: Tensor, image: Tensor, token: Tensor, value: Tensor, position: Tensor) -> None:

@@ -81,12 +81,13 @@ def significant(values: np.ndarray, digits: int) -> np.ndarray:
     nearest to a short decimal and JSON writes it in at most ``digits`` digits."""
     v = np.asarray(values, np.float64)
     out = np.zeros_like(v)
-    nonzero = np.isfinite(v) & (v != 0)
-    exponent = digits - 1 - np.floor(np.log10(np.abs(v[nonzero]))).astype(np.int64)
-    scale = 10.0 ** np.abs(exponent)
+    finite = np.isfinite(v)
+    nonzero = finite & (v != 0)
     part = v[nonzero]
+    exponent = digits - 1 - np.floor(np.log10(np.abs(part))).astype(np.int64)
+    scale = 10.0 ** np.abs(exponent)
     out[nonzero] = np.where(exponent >= 0, np.round(part * scale) / scale, np.round(part / scale) * scale)
-    out[~np.isfinite(v)] = v[~np.isfinite(v)]
+    out[~finite] = v[~finite]
     return out
 
 

@@ -52,7 +52,8 @@ from sae_pipeline.artifacts.checkpoint import MEMBER_NAME, MEMBER_NAME_RULE
 from sae_pipeline.sae.base import SparseAutoencoder
 from sae_pipeline.sae.config import build_sae, sae_config
 from sae_pipeline.training import lightning_compat
-from sae_pipeline.training.module import SAEModule, adam_implementation, param_groups, warmup_cosine_factor
+from sae_pipeline.training.module import SAEModule
+from sae_pipeline.training.optim import adam_implementation, param_groups, warmup_cosine_factor
 
 MEMBER_KEYS = ("lr", "warmup_steps", "min_lr", "normalize_input", "inference_ks", "babel_r_max")
 CLIP_ALGORITHMS = ("norm", "value")
