@@ -18,11 +18,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m sae_pipeline.demo
 
+# Two workers on the 2-core CI box (TEST_WORKERS=0: one process); groups and order: tests/parallel.py.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 test: $(STAMP)
-	$(PY) -m pytest --durations=30
+	$(PY) -m pytest $(XDIST) --durations=30
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 # ruff's lint and format checks ([tool.ruff] in pyproject.toml; tests/test_lint.py runs them too); format fixes.
 lint: $(STAMP)

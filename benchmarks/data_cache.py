@@ -6,12 +6,12 @@
 
 Why: ``--data.cache`` pays one read of the training split to make every later epoch a gather
 from memory; this says what an epoch then costs against the uncached stream, at the two sizes
-the rehearsal names (``benchmarks/rehearsal.py``):
+the rehearsal names (``python -m benchmarks.rehearsal``):
 
 - ``digits``: the bundled 8x8 digits (1 617 training rows of 64 float32) with
   ``configs/mpsae_digits.yaml``'s data settings (batch 256, shuffle buffer 2 048, no workers);
   an epoch takes milliseconds, so this row runs at least ``DIGITS_EPOCHS`` epochs;
-- ``imagenet/50``: the rehearsal's synthetic DINOv2-shaped shards (``benchmarks/rehearsal_shards.py``:
+- ``imagenet/50``: the rehearsal's synthetic DINOv2-shaped shards (``benchmarks/rehearsal/shards.py``:
   261 tokens x 768 float16 per image, 1 000 images per shard, one shard held out) with the
   rehearsal's data settings (batch 4 096, shuffle buffer 16 batches, 1 worker), then the same
   without workers (the cache's gather is a memory copy, as is the workers' hand-over).
@@ -46,12 +46,13 @@ DIGITS_EPOCHS = 100
 def datasets(args: argparse.Namespace, tmp: Path) -> list[tuple[str, dict, int]]:
     """``(name, ActivationDataModule kwargs, epochs)`` of each row pair: digits, then the rehearsal's shards
     read by a worker and in the main process."""
-    from benchmarks import rehearsal, rehearsal_shards
+    from benchmarks.rehearsal.__main__ import sizes as rehearsal_sizes
+    from benchmarks.rehearsal.shards import write as write_rehearsal_shards
 
     digits = {"source": "digits", "batch_size": 256, "num_workers": 0, "shuffle_buffer_tokens": 2048}
     sizes = argparse.Namespace(quick=args.quick, images=args.images, d_sae=None, k=None, batch_size=None)
-    size = rehearsal.sizes(sizes)
-    manifest = rehearsal_shards.write(tmp, size["images"], size["d"], size["shard_size"])
+    size = rehearsal_sizes(sizes)
+    manifest = write_rehearsal_shards(tmp, size["images"], size["d"], size["shard_size"])
     shards = {
         "source": str(tmp / "shards"),
         "batch_size": size["batch_size"],

@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.fit_hooks import FitHooks
 from benchmarks.gpu import make_sae
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 from sae_pipeline.training.ddp import COMPRESSION_HOOKS, DDP_DEFAULTS
@@ -89,23 +90,25 @@ def side_durations(
     n_ranks = dist.get_world_size(group) if group is not None else 1
     optimizer = torch.optim.Adam(sae.parameters(), lr=LR, **adam_implementation(sae))
     marks: list[float] = []
+    hooks = FitHooks(sae)  # the SAE's host-side hooks where SAEModule calls them (TopK's AuxK plan)
     for step in range(args.warmup + args.steps):
         if step >= args.warmup and (x.device.type != "cuda" or step == args.warmup):
             sync(x.device)
             marks.append(time.perf_counter())
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
-            output, loss = module(x, step)
-        loss.backward()
-        with torch.no_grad():
-            fired = output.fired()
-            counts = torch.cat([fired.to(torch.int64), fired.new_full((1,), x.shape[0], dtype=torch.int64)])
-            if n_ranks > 1:
-                dist.all_reduce(counts, group=group)
-            sae.record_firing(counts[:-1] > 0, counts[-1])
-        sae.remove_parallel_grad()
-        optimizer.step()
-        sae.normalize_atoms()
+        with hooks.step():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=x.device.type == "cuda"):
+                output, loss = module(x, step)
+            loss.backward()
+            with torch.no_grad():
+                fired = output.fired()
+                counts = torch.cat([fired.to(torch.int64), fired.new_full((1,), x.shape[0], dtype=torch.int64)])
+                if n_ranks > 1:
+                    dist.all_reduce(counts, group=group)
+                sae.record_firing(counts[:-1] > 0, counts[-1])
+            sae.remove_parallel_grad()
+            optimizer.step()
+            sae.normalize_atoms()
     sync(x.device)
     marks.append(time.perf_counter())
     if x.device.type == "cuda":

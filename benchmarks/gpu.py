@@ -4,9 +4,12 @@
     python -m benchmarks.gpu --dry-run       # CPU, tiny shapes, float32 (tests/test_benchmarks_peers.py)
 
 SAE: for every variant, ``--steps`` full training steps (forward, loss, backward, parallel
-gradient removal, fused Adam, unit-norm atoms, dead-latent clock) as ``SAEModule`` runs them,
-timed between two device syncs after ``--warmup`` steps; tokens/s = B · steps / time. ReLU and
-JumpReLU start with L0 ≈ k (b_enc or θ set from the batch), the regime of a trained SAE.
+gradient removal, fused Adam, unit-norm atoms, dead-latent clock, and the SAE's host-side hooks: TopK's
+AuxK plan, benchmarks/fit_hooks.py) as ``SAEModule`` runs them, timed between two device syncs after
+``--warmup`` steps; tokens/s = B · steps / time. No latent is dead during the timing (the clock starts
+at 0), so the TopK family's plan queues no AuxK work, as in a fit while no latent is dead
+(benchmarks/peers.py times AuxK with dead latents). ReLU and JumpReLU start with L0 ≈ k (b_enc or θ
+set from the batch), the regime of a trained SAE.
 
 Fraction of the FLOP roofline (shallow variants), stated as a formula:
 
@@ -30,13 +33,15 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.extract import peak_tflops
+from benchmarks.fit_hooks import FitHooks
 from feature_extraction.backbones import load_backbone
 from sae_pipeline.sae import SAE_REGISTRY, JumpReLUSAE, ReLUSAE, SparseAutoencoder
-from sae_pipeline.training.optim import adam_implementation
+from sae_pipeline.training.optim import adam_implementation, param_groups
 
 SHALLOW = tuple(key for key, cls in SAE_REGISTRY.items() if not cls.is_pursuit)  # one encoder GEMM: roofline
 
@@ -73,21 +78,29 @@ def make_sae(variant: str, args: argparse.Namespace, x: torch.Tensor) -> SparseA
     return sae.train()
 
 
-def sae_step_seconds(variant: str, args: argparse.Namespace, x: torch.Tensor, autocast: bool) -> float:
-    sae = make_sae(variant, args, x)
-    optimizer = torch.optim.Adam(sae.parameters(), lr=5e-4, **adam_implementation(sae))
+def training_step(sae: SparseAutoencoder, x: torch.Tensor, autocast: bool) -> tuple[Callable[[], None], FitHooks]:
+    """One full training step of ``sae`` on ``x`` as ``SAEModule`` runs it (its Adam groups, its host-side hooks:
+    TopK's AuxK plan, benchmarks/fit_hooks.py), as a function; and the hooks, which count the steps."""
+    optimizer = torch.optim.Adam(param_groups(sae, 5e-4), **adam_implementation(sae))
+    hooks = FitHooks(sae)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            output = sae(x)
-            loss = sae.loss(x, output).loss
-        loss.backward()
-        sae.record_firing(output.fired(), x.shape[0])
-        sae.remove_parallel_grad()
-        optimizer.step()
-        sae.normalize_atoms()
+        with hooks.step():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+                output = sae(x)
+                loss = sae.loss(x, output).loss
+            loss.backward()
+            sae.record_firing(output.fired(), x.shape[0])
+            sae.remove_parallel_grad()
+            optimizer.step()
+            sae.normalize_atoms()
 
+    return step, hooks
+
+
+def sae_step_seconds(variant: str, args: argparse.Namespace, x: torch.Tensor, autocast: bool) -> float:
+    step, _ = training_step(make_sae(variant, args, x), x, autocast)
     timed(step, args.warmup, x.device)
     return timed(step, args.steps, x.device)
 

@@ -5,6 +5,9 @@ Shapes: the issue's (d_in 768, d_sae 19 200, k 32, B 4 096) wherever a part take
 of gpu.py, peers.py, train_step.py and mp_sae.py describe one step. Each part's seconds are sized so that
 all of them, with the wheels' install, fit one device call of 8 minutes on an H100 (their sum is
 `TOTAL_BUDGET_S`, with 20 s for the wheels); a part that outruns its own is stopped and the next one starts.
+An optional part (``reserved=False``, last) has no seconds of its own: it runs on what the others left of the
+budget, up to its limit, and its being skipped or stopped there does not fail the suite (SAELens compiled,
+whose compiling takes most of its time).
 
 Each ``key_*`` function reads the figure from the part's output and raises on output it does not
 recognise; the runner then shows the output's last line instead, so a changed table never hides a
@@ -33,6 +36,7 @@ class Part:
     timeout_s: float
     key: Callable[[str], str] = field(default=lambda text: last_line(text))
     failure: Callable[[str], str | None] = field(default=lambda text: None)
+    reserved: bool = True  # False: runs on the budget the others left (see the module docstring)
 
 
 def last_line(text: str) -> str:
@@ -72,7 +76,28 @@ def key_train_step(text: str) -> str:
 
 
 def key_peers(text: str) -> str:
-    """Per variant: the fastest peer's step over ours (> 1: ours is faster), and its peak memory over ours."""
+    """Per variant (and dead fraction): the fastest peer's step over ours (> 1: ours is faster), and its peak
+    memory over ours; from peers.py's last table, or, in an output without it, from the contenders' rows."""
+    parts = [fastest_peer(row) for row in table_cells(text) if len(row) == 7 and row[0] != "d_sae"]
+    if not parts:
+        parts = contender_ratios(text)
+    missing = re.findall(r"note: (\S+): not installed", text)
+    absent = f"; missing {', '.join(sorted(set(missing)))}" if missing else ""
+    failed = re.findall(r"note: (\S+ \S+): its step failed", text)
+    broken = f"; step failed: {', '.join(failed)}" if failed else ""
+    return "fastest peer / ours: " + ", ".join(parts) + absent + broken
+
+
+def fastest_peer(row: list[str]) -> str:
+    """One row of peers.py's last table (d_sae, variant, dead, ours, fastest peer, ÷ ours, peak ÷ ours)."""
+    block = row[1] if row[2] == "none" else f"{row[1]} {row[2].replace(' ', '')} dead"
+    if row[4] == "no peer":
+        return f"{block} no peer"
+    return f"{block} {float(row[5]):.2f}x ({row[4].split()[0]}, mem {float(row[6]):.2f}x)"
+
+
+def contender_ratios(text: str) -> list[str]:
+    """key_peers from the contenders' rows (an output cut before the last table, or an older one)."""
     best: dict[str, tuple[float, float, str]] = {}
     ours_peak: dict[str, float] = {}
     for row in table_cells(text):
@@ -93,9 +118,7 @@ def key_peers(text: str) -> str:
             parts.append(f"{variant} {ratio:.2f}x ({library}, mem {peak / ours_peak[variant]:.2f}x)")
         else:
             parts.append(f"{variant} no peer")
-    missing = re.findall(r"note: (\S+): not installed", text)
-    absent = f"; missing {', '.join(sorted(set(missing)))}" if missing else ""
-    return "fastest peer / ours: " + ", ".join(parts) + absent
+    return parts
 
 
 def failure_peers(text: str) -> str | None:
@@ -153,7 +176,8 @@ PARTS = [
     Part("gpu", ["-m", "benchmarks.gpu"], ["-m", "benchmarks.gpu", "--dry-run"], 55, key_gpu),
     Part(
         "peers",
-        ["-m", "benchmarks.peers", "--device", "cuda", *SHAPE, "--equal-rows", "1024"],
+        # bf16 autocast: training's precision on a GPU and every peer's fastest setting (equality stays float32)
+        ["-m", "benchmarks.peers", "--device", "cuda", *SHAPE, "--equal-rows", "1024", "--autocast"],
         ["-m", "benchmarks.peers", "--dry-run"],
         80,
         key_peers,
@@ -197,5 +221,16 @@ PARTS = [
         ["-m", "benchmarks.multi_sae", "--quick"],
         45,
         key_multi_sae,
+    ),
+    Part(
+        "peers_compiled",
+        # SAELens with its runner's compile_sae (torch.compile), timed after compiling; ours again, the reference
+        ["-m", "benchmarks.peers", "--device", "cuda", *SHAPE, "--equal-rows", "1024", "--autocast"]
+        + ["--peers", "SAELens+compile"],
+        ["-m", "benchmarks.peers", "--dry-run", "--variants", "topk", "--peers", "SAELens+compile"],
+        150,
+        key_peers,
+        failure_peers,
+        reserved=False,
     ),
 ]

@@ -10,8 +10,9 @@
 # transformers, huggingface-hub, h5py, tensorboard, xxhash, ...), each with --no-deps, so no second torch or
 # numpy shadows the image's. Versions are the ones the test suite passes with here. Dependencies that
 # no import reaches (plotly, nltk, babe: sae-lens's runners; opencv-python: the image has the headless
-# cv2) stay behind, which keeps the carried set small: about 30 MiB (20 of them wandb, which sae-lens
-# imports), against the 64 MiB the device tool carries.
+# cv2; nnsight, umap-learn, circuitsvis: dictionary-learning's, whose trainers benchmarks/peers.py imports
+# with a stub for nnsight, benchmarks/peer_dictionary_learning.py) stay behind, which keeps the carried set
+# small: about 30 MiB (20 of them wandb, which sae-lens imports), against the 64 MiB the device tool carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${WHEEL_DIR:-.whl}
@@ -24,7 +25,7 @@ PRODUCT=(   # pyproject's dependencies missing from the image
     typing-extensions==4.16.0   # pydantic 2.14 needs >= 4.16; newer is backward compatible
 )
 PEERS=(     # the bench extra and what importing it reaches
-    sae-lens==6.54.12 eai-sparsify==1.3.3 overcomplete==0.3.0
+    sae-lens==6.54.12 eai-sparsify==1.3.3 overcomplete==0.3.0 dictionary-learning==0.1.0
     transformer-lens==3.9.0 datasets==5.2.0 simple-parsing==0.1.9 schedulefree==1.4.1 natsort==8.4.0
     better-abc==0.0.3 dill==0.4.1 multiprocess==0.70.19 platformdirs==4.14.8 sniffio==1.3.1
     tenacity==9.2.1 python-dotenv==1.2.4

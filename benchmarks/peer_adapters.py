@@ -1,7 +1,8 @@
 """One training step of each contender in benchmarks/peers.py, behind one small interface.
 
 A :class:`Contender` owns a model started from *our* SAE's weights (so every contender begins
-from the same dictionary, encoder and biases), an Adam with the same settings for all
+from the same dictionary, encoder and biases) and from our dead-latent set (each library's own
+firing bookkeeping counts the same latents dead), an Adam with the same settings for all
 (``torch.optim.Adam(lr, fused=True)``: the optimiser is not what is compared), and:
 
 - ``step(x)``: what the library's own training loop does per step: zero grads, its training
@@ -10,15 +11,19 @@ from the same dictionary, encoder and biases), an Adam with the same settings fo
   gradients of the common loss ``mean((x_hat − x)²)`` in our names (``W_enc [d_in, d_sae]``,
   ``b_enc``, ``W_dec`` with its parallel component removed, ``b_pre``; MP-SAE has no encoder);
 - ``kept_bytes()``: scratch the contender keeps between steps besides its parameters and
-  optimiser state (our MP-SAE's :class:`Workspace`), counted in its memory.
+  optimiser state (our MP-SAE's :class:`Workspace`), counted in its memory;
+- ``dead_mask()``: the latents its own bookkeeping counts dead now, None where its step has no
+  AuxK (the table's "dead" column).
 
 The peers are imported lazily (the ``bench`` extra: ``pip install -e ".[bench]"``); a missing
 one is reported and skipped. overcomplete imports ``matplotlib.cm.get_cmap``, which
-matplotlib 3.9 removed: the shim below restores it for that import only.
+matplotlib 3.9 removed: the shim below restores it for that import only. dictionary_learning's
+adapter is in benchmarks/peer_dictionary_learning.py; the registry of all of them, in benchmarks/peers.py.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -27,12 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sae_pipeline.sae import BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SparseAutoencoder, TopKSAE
+from benchmarks.fit_hooks import FitHooks
+from sae_pipeline.sae import JumpReLUSAE, MatryoshkaBatchTopKSAE, SparseAutoencoder, TopKSAE
 from sae_pipeline.sae.mp_autograd import Workspace
 
-VARIANTS = ("topk", "batchtopk", "jumprelu", "relu", "mpsae")
 LR = 5e-4
 SPARSITY_COEFFICIENT = 1e-3  # λ of ReLU's L1 and JumpReLU's L0, the same for every library
+AUXK_VARIANTS = ("topk", "batchtopk", "matryoshka")  # ours: TopKSAE and its subclasses
+DEAD_AFTER = 10_000_000  # the peers' firing counters: a latent is dead beyond it (their units: tokens or steps)
 
 
 def make_adam(module: nn.Module) -> torch.optim.Optimizer:
@@ -47,18 +54,39 @@ def project_out_parallel(grad: Tensor, W_dec: Tensor) -> Tensor:
 
 class Contender:
     library = "?"
+    #: Untimed steps before the first timed round at least (a compiled step compiles in them).
+    min_warmup = 0
 
     def __init__(self, variant: str, template: SparseAutoencoder, batch_size: int, k: int) -> None:
         self.variant, self.batch_size, self.k = variant, batch_size, k
         self.model = self.build(template)
-        self.optimizer = make_adam(self.model)
+        self.optimizer = self.make_optimizer()
+        dead = template.dead_mask()
+        if bool(dead.any()):
+            self.mark_dead(dead.to(template.W_dec.device))
 
     @property
     def name(self) -> str:
         return f"{self.library} {self.variant}"
 
+    @classmethod
+    def has_pre_bias(cls, variant: str) -> bool:
+        """Whether the library's SAE subtracts a pre-bias from the input as ours does (``x − b_pre``); where it
+        does not, the equality check compares with ``b_pre = 0`` and leaves ``b_pre``'s gradient out."""
+        return True
+
     def build(self, template: SparseAutoencoder) -> nn.Module:
         raise NotImplementedError
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return make_adam(self.model)
+
+    def mark_dead(self, dead: Tensor) -> None:
+        """Count the latents of ``dead`` (bool ``[d_sae]``) dead in the library's own firing bookkeeping."""
+
+    def dead_mask(self) -> Tensor | None:
+        """The latents the library's bookkeeping counts dead now; None where its step has no AuxK."""
+        return None
 
     def kept_bytes(self) -> int:
         return 0
@@ -87,12 +115,20 @@ class Contender:
 
 # --- ours -------------------------------------------------------------------------------------
 class Ours(Contender):
+    """Our SAE, stepped as ``SAEModule`` steps it, its host-side hooks included (`benchmarks.fit_hooks`: TopK's
+    AuxK plan, so that on a GPU AuxK costs nothing while no latent is dead). Its dead latents are the template's."""
+
     library = "ours"
 
     def build(self, template: SparseAutoencoder) -> nn.Module:
         import copy
 
-        return copy.deepcopy(template).train()
+        sae = copy.deepcopy(template).train()
+        self.hooks = FitHooks(sae)
+        return sae
+
+    def dead_mask(self) -> Tensor | None:
+        return self.model.dead_mask() if isinstance(self.model, TopKSAE) else None
 
     def kept_bytes(self) -> int:
         workspaces = [m.workspace for m in self.model.modules() if isinstance(getattr(m, "workspace", None), Workspace)]
@@ -100,13 +136,14 @@ class Ours(Contender):
 
     def step(self, x: Tensor) -> None:
         sae = self.model
-        self.optimizer.zero_grad(set_to_none=True)
-        output = sae(x)
-        sae.loss(x, output).loss.backward()
-        sae.record_firing(output.fired(), x.shape[0])
-        sae.remove_parallel_grad()
-        self.optimizer.step()
-        sae.normalize_atoms()
+        with self.hooks.step():
+            self.optimizer.zero_grad(set_to_none=True)
+            output = sae(x)
+            sae.loss(x, output).loss.backward()
+            sae.record_firing(output.fired(), x.shape[0])
+            sae.remove_parallel_grad()
+            self.optimizer.step()
+            sae.normalize_atoms()
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         output = self.model(x)
@@ -123,8 +160,10 @@ class Ours(Contender):
 # --- SAELens -----------------------------------------------------------------------------------
 class SAELens(Contender):
     """SAELens 6 training SAEs, stepped as ``SAETrainer._train_step`` does (without its gradient
-    clipping, which none of the others does). TopK and BatchTopK rescale the codes by the decoder
-    norms (their default; 1 here, the atoms being unit-norm).
+    clipping, which only dictionary_learning's trainers share). TopK, BatchTopK and Matryoshka rescale the
+    codes by the decoder norms (their default; 1 here, the atoms being unit-norm). Matryoshka is
+    ``MatryoshkaBatchTopKTrainingSAE`` with our prefix widths (``matryoshka_widths``): the same BatchTopK
+    codes, one inner MSE per inner width. AuxK (TopK family) runs while its dead mask is not empty.
 
     MP-SAE is ``matching_pursuit`` with our definition's settings (docs/formats.md): k steps
     (``max_iterations``), no early stop (``residual_threshold = 0``,
@@ -159,6 +198,12 @@ class SAELens(Contender):
             sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(k=self.k, **common))
         elif self.variant == "batchtopk":
             sae = sae_lens.BatchTopKTrainingSAE(sae_lens.BatchTopKTrainingSAEConfig(k=self.k, **common))
+        elif self.variant == "matryoshka":
+            assert isinstance(template, MatryoshkaBatchTopKSAE)
+            config = sae_lens.MatryoshkaBatchTopKTrainingSAEConfig(
+                k=self.k, matryoshka_widths=list(template.prefix_widths), **common
+            )
+            sae = sae_lens.MatryoshkaBatchTopKTrainingSAE(config)
         elif self.variant == "jumprelu":
             assert isinstance(template, JumpReLUSAE)
             sae = sae_lens.JumpReLUTrainingSAE(
@@ -181,16 +226,26 @@ class SAELens(Contender):
         self.since_fired = torch.zeros(template.d_sae, device=device)
         return sae.train()
 
+    @property
+    def training_forward(self) -> Callable[..., Any]:
+        """The training forward its runner calls (`SAELensCompiled`: through ``torch.compile``)."""
+        return self.model.training_forward_pass
+
+    def mark_dead(self, dead: Tensor) -> None:
+        self.since_fired[dead] = DEAD_AFTER + 1
+
+    def dead_mask(self) -> Tensor | None:
+        return self.since_fired > DEAD_AFTER if self.variant in AUXK_VARIANTS else None
+
     def step(self, x: Tensor) -> None:
         from sae_lens.saes.sae import TrainStepInput
 
-        sae = self.model
         self.optimizer.zero_grad(set_to_none=True)
-        out = sae.training_forward_pass(
+        out = self.training_forward(
             TrainStepInput(
                 sae_in=x,
                 coefficients=self.coefficients,
-                dead_neuron_mask=self.since_fired > 10_000_000,
+                dead_neuron_mask=self.since_fired > DEAD_AFTER,
                 n_training_steps=0,
                 is_logging_step=False,
             )
@@ -216,6 +271,34 @@ class SAELens(Contender):
         return self.model.W_dec
 
 
+class SAELensCompiled(SAELens):
+    """SAELens with its runner's ``compile_sae=True``: the training forward through ``torch.compile`` (inductor,
+    ``sae_compilation_mode`` None: torch's default mode), as ``LanguageModelSAETrainingRunner`` wraps it; the
+    rest of the step (firing bookkeeping, backward, Adam) as :class:`SAELens`. The first steps compile (the
+    graphs around its host read of the dead count, for the branch the step takes): they are the untimed warm-up
+    (at least ``min_warmup``), so its figures are after compilation. Dynamo's recompile limit is raised: each
+    contender is a new module (one compile each), which the default limit of 8 per function would turn back
+    into eager steps."""
+
+    library = "SAELens+compile"
+    min_warmup = 3
+
+    def build(self, template: SparseAutoencoder) -> nn.Module:
+        import torch._dynamo
+
+        logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # its graph breaks (host reads) by name, per step
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+        sae = super().build(template)
+        self.compiled = torch.compile(sae.training_forward_pass, mode=None, backend="inductor")
+        return sae
+
+    @property
+    def training_forward(self) -> Callable[..., Any]:
+        return self.compiled
+
+
 # --- overcomplete ------------------------------------------------------------------------------
 def import_overcomplete() -> Any:
     import matplotlib
@@ -229,12 +312,14 @@ def import_overcomplete() -> Any:
 
 
 class Overcomplete(Contender):
-    """overcomplete's SAEs with their default linear encoder, trained as ``train_sae`` does.
+    """overcomplete's SAEs with their default linear encoder, trained as ``train_sae`` does, as shipped (its
+    ``train_sae_amp`` is float16 with a gradient scaler; under ``--autocast`` its step runs in everyone's bf16).
 
     overcomplete has no pre-bias: ``pre = x W + b``, ``x_hat = z D`` (so the equality check sets
     our ``b_pre`` to 0), and it renormalises the dictionary inside every training forward.
     Criterion: the MSE (TopK, BatchTopK: its ``top_k_auxiliary_loss`` is another definition,
-    an AuxK over the top half of the unselected latents at every step); ``mse_l1`` for ReLU;
+    an AuxK over the top half of the unselected latents at every step), so its TopK family has no AuxK
+    and no dead-latent bookkeeping: the table's "no AuxK"; ``mse_l1`` for ReLU;
     MSE + λ·L0 through its ``heaviside`` straight-through function for JumpReLU (rectangle kernel).
     BatchTopK's ``top_k`` counts over the batch: B·k. MP-SAE is ``MpSAE`` (identity encoder, k
     steps, signed argmax, an atom may be picked again: our definition, without b_pre), trained on
@@ -242,6 +327,10 @@ class Overcomplete(Contender):
     """
 
     library = "overcomplete"
+
+    @classmethod
+    def has_pre_bias(cls, variant: str) -> bool:
+        return False
 
     def build(self, template: SparseAutoencoder) -> nn.Module:
         oc = import_overcomplete()
@@ -324,7 +413,8 @@ class Sparsify(Contender):
     always runs in bf16, whatever its caller asks. Called as such, it was the one peer that "differed"
     (3.9e-01) and ran 2.7x faster in the float32 table of an H200 (2026-11-28): a bf16 step against
     float32 ones. So the forward below is the undecorated function under the caller's autocast state:
-    float32 in the float32 table, bf16 with everyone else's under ``--autocast``."""
+    float32 in the float32 table, bf16 with everyone else's under ``--autocast``, which is its decorator's
+    setting ("improves performance by almost 2x", its comment says): its fastest, as it trains on a GPU."""
 
     library = "sparsify"
 
@@ -347,10 +437,16 @@ class Sparsify(Contender):
         self.run = getattr(forward, "__wrapped__", forward).__get__(coder)  # without its own autocast
         return coder.train()
 
+    def mark_dead(self, dead: Tensor) -> None:
+        self.since_fired[dead] = DEAD_AFTER + 1
+
+    def dead_mask(self) -> Tensor | None:
+        return self.since_fired > DEAD_AFTER
+
     def step(self, x: Tensor) -> None:
         coder = self.model
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.run(x, dead_mask=self.since_fired > 10_000_000)
+        out = self.run(x, dead_mask=self.since_fired > DEAD_AFTER)
         (out.fvu + out.auxk_loss / 32).backward()
         with torch.no_grad():  # Trainer's firing bookkeeping
             self.since_fired += x.shape[0]
@@ -372,17 +468,3 @@ class Sparsify(Contender):
 
     def W_dec(self) -> Tensor:
         return self.model.W_dec
-
-
-PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
-    "SAELens": (SAELens, VARIANTS),
-    "overcomplete": (Overcomplete, VARIANTS),
-    "sparsify": (Sparsify, ("topk",)),
-}
-OURS: dict[str, type[SparseAutoencoder]] = {
-    "topk": TopKSAE,
-    "batchtopk": BatchTopKSAE,
-    "jumprelu": JumpReLUSAE,
-    "relu": ReLUSAE,
-    "mpsae": MatchingPursuitSAE,
-}

@@ -1,24 +1,39 @@
-"""Benchmark: one shallow-SAE training step, ours against SAELens, overcomplete and sparsify.
+"""Benchmark: one shallow-SAE training step, ours against SAELens, overcomplete, sparsify and dictionary_learning.
 
     pip install -e ".[bench]"                 # the peers (never a runtime dependency)
     python -m benchmarks.peers                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
     python -m benchmarks.peers --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
-    python -m benchmarks.peers --device cuda --d-sae 19200 --batch-size 4096 --equal-rows 1024   # on a GPU
+    python -m benchmarks.peers --device cuda --d-sae 19200 --batch-size 4096 --equal-rows 1024 --autocast   # GPU
+    python -m benchmarks.peers --device cuda ... --peers SAELens+compile    # SAELens compiled (its compile_sae)
 
 On CUDA (``--device cuda``) everything above holds on the GPU: the same shapes and dtype (float32), the
 peers stepping as their own trainers do there (sparsify with its Triton decoder). ``--autocast`` times
-every contender's step (and the GEMM) under bf16 autocast, the precision training uses on a GPU; the
-equality check still runs in float32. The peers travel to a
-lent GPU machine as wheels (benchmarks/gpu_wheels.sh); benchmarks/gpu_suite.py runs this there.
+every contender's step (and the GEMM) under bf16 autocast, the precision training uses on a GPU and each
+peer's fastest setting (sparsify's forward carries that autocast itself, dictionary_learning's ``trainSAE``
+and SAELens's runner offer it); the equality check still runs in float32. The peers travel to a lent GPU
+machine as wheels (benchmarks/gpu_wheels.sh); benchmarks/gpu_suite.py runs this there.
 
-For each variant (TopK, BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it trains from the
-same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4, torch's
-fused implementation for all). A step is what the library's own training loop does: forward,
-loss, firing bookkeeping, backward, decoder-norm maintenance, Adam (benchmarks/peer_adapters.py
-says what that is per library). ReLU and JumpReLU start at the sparsity of a trained SAE: b_enc
-(ReLU) or θ (JumpReLU) is set so that B·k codes of the batch are active (L0 ≈ k), the regime
-the paper compares them in; at init they would fire on half the latents. MP-SAE has no
-encoder: its k pursuit steps are the sparsity (SAELens ``matching_pursuit``, overcomplete ``MpSAE``).
+For each variant (TopK, BatchTopK, Matryoshka BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it
+trains from the same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4,
+torch's fused implementation for all). A step is what the library's own training loop does: forward, loss,
+firing bookkeeping, backward, decoder-norm maintenance, Adam (benchmarks/peer_adapters.py and
+benchmarks/peer_dictionary_learning.py say what that is per library); ours is the step ``SAEModule`` runs,
+its host-side hooks included (benchmarks/fit_hooks.py). ReLU and JumpReLU start at the sparsity of a trained
+SAE: b_enc (ReLU) or θ (JumpReLU) is set so that B·k codes of the batch are active (L0 ≈ k), the regime the
+paper compares them in; at init they would fire on half the latents. MP-SAE has no encoder: its k pursuit
+steps are the sparsity (SAELens ``matching_pursuit``, overcomplete ``MpSAE``). No peer has our OMP-SAE
+(overcomplete's ``OMPSAE`` solves a non-negative least squares by 10 projected-gradient steps, without
+gradients through the codes: another function), so it has no row.
+
+AuxK, like for like: the TopK family (TopK, BatchTopK, Matryoshka) is timed twice. First with no dead latent
+("dead" 0.0 %): every AuxK is then idle (ours queues none: on a GPU its plan knows the dead count is 0, on the
+CPU it reads it; SAELens, sparsify and dictionary_learning read their dead count and skip theirs), the
+step that overcomplete's, which has no AuxK ("no AuxK"), is to be compared with. Then with ``--dead-fraction``
+of the latents dead (default 1/16, spread over the dictionary): their encoder bias is lowered below every
+other pre-activation of the batch, so that none of them fires during the timing, and every library's own
+firing bookkeeping starts with them dead, so that each AuxK runs on every step: ours beside SAELens's,
+sparsify's and dictionary_learning's. The "dead" column is what each contender's own bookkeeping counts
+dead at the end of the timing ("a → b" where it changed during the timing; "—" for a variant without AuxK).
 
 Timing: contenders are interleaved: each round times a dense encoder GEMM
 (``(x − b_pre) @ W_enc``, ``[B, d_in] × [d_in, d_sae]``, fresh output; MP-SAE: ``W_decᵀ``, its
@@ -27,7 +42,10 @@ steps of every contender; the figure is the median over all rounds (on a shared 
 burst of interference spoils single steps, which the median ignores). On CUDA a round's
 ``--steps`` steps run between two device syncs (a sync per step would stall the queue and time
 the launch latency instead) and each counts as their mean. "÷ GEMM" is the step
-over the GEMM's median from the same rounds; "÷ ours" the contender's step over ours.
+over the GEMM's median from the same rounds; "÷ ours" the contender's step over ours. ``--warmup``
+untimed steps come first (at least 3 for a compiled step: it compiles in them, so its figures are after
+compilation). The last table gives, per variant and dead fraction, the fastest peer's step and peak memory
+over ours (> 1: ours is faster, or leaner).
 
 Memory: "resident" is what a contender holds between steps: parameters, gradients, buffers,
 Adam state, and scratch it keeps for the next step (our MP-SAE's workspace); "peak memory" is
@@ -38,8 +56,9 @@ Equality: where the definitions coincide the codes, ``x_hat`` and the gradients 
 ``mean((x_hat − x)²)`` (``W_dec``'s with its parallel component removed; SAELens TopK rescales
 codes by the decoder norms, which changes only that component) are compared with ours from the
 same weights; the table gives the largest difference relative to the largest value.
-overcomplete has no pre-bias ``b_pre``, so it is compared with ``b_pre = 0``; thresholds are
-not compared (SAELens trains θ, we and overcomplete log θ). MP-SAE: SAELens's
+overcomplete has no pre-bias ``b_pre``, nor does dictionary_learning's JumpReLU encoder, so they are
+compared with ``b_pre = 0``; thresholds are
+not compared (SAELens and dictionary_learning train θ, we and overcomplete log θ). MP-SAE: SAELens's
 ``matching_pursuit`` clips each step's correlation at zero, ours and overcomplete's take the
 signed argmax; they coincide when every selected correlation is positive, which is checked on
 the batch first ("not comparable" otherwise). MP-SAE is compared in float64 (weights and batch
@@ -61,13 +80,41 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from benchmarks.peer_adapters import OURS, PEERS, VARIANTS, Contender, Ours
-from sae_pipeline.sae import JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, SparseAutoencoder
+from benchmarks.peer_adapters import AUXK_VARIANTS, Contender, Ours, Overcomplete, SAELens, SAELensCompiled, Sparsify
+from benchmarks.peer_dictionary_learning import VARIANTS as DICTIONARY_LEARNING_VARIANTS
+from benchmarks.peer_dictionary_learning import DictionaryLearning
+from sae_pipeline.sae import (
+    BatchTopKSAE,
+    JumpReLUSAE,
+    MatchingPursuitSAE,
+    MatryoshkaBatchTopKSAE,
+    ReLUSAE,
+    SparseAutoencoder,
+    TopKSAE,
+)
 
 EQUAL_TOLERANCE = 1e-4  # float32, relative to the largest value
+VARIANTS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu", "mpsae")
+OURS: dict[str, type[SparseAutoencoder]] = {
+    "topk": TopKSAE,
+    "batchtopk": BatchTopKSAE,
+    "matryoshka": MatryoshkaBatchTopKSAE,
+    "jumprelu": JumpReLUSAE,
+    "relu": ReLUSAE,
+    "mpsae": MatchingPursuitSAE,
+}
+PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
+    "SAELens": (SAELens, VARIANTS),
+    "overcomplete": (Overcomplete, ("topk", "batchtopk", "jumprelu", "relu", "mpsae")),
+    "sparsify": (Sparsify, ("topk",)),
+    "dictionary_learning": (DictionaryLearning, DICTIONARY_LEARNING_VARIANTS),
+    "SAELens+compile": (SAELensCompiled, VARIANTS),
+}
+DEFAULT_PEERS = [name for name in PEERS if name != "SAELens+compile"]  # compiling costs minutes on a CPU
 
 
 def make_batch(d_in: int, batch_size: int, seed: int = 0) -> torch.Tensor:
@@ -87,7 +134,7 @@ def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) 
     """Our SAE, b_pre at the batch mean, and (ReLU, JumpReLU) L0 ≈ k on ``x``."""
     torch.manual_seed(0)
     cls = OURS[variant]
-    sae = cls(d_in, d_sae, k=k) if variant in ("topk", "batchtopk", "mpsae") else cls(d_in, d_sae)
+    sae = cls(d_in, d_sae, k=k) if cls.sparsity_knob == "k" else cls(d_in, d_sae)
     sae.init_b_pre(x.mean(0))
     if isinstance(sae, MatchingPursuitSAE):
         return sae
@@ -100,6 +147,22 @@ def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) 
         elif isinstance(sae, JumpReLUSAE):
             sae.log_threshold.fill_(float(cut.clamp_min(1e-6).log()))
     return sae
+
+
+def with_dead_latents(template: SparseAutoencoder, x: torch.Tensor, fraction: float) -> SparseAutoencoder:
+    """A copy of ``template`` (of the TopK family) with ``fraction`` of its latents dead, spread evenly over the
+    dictionary: their clock at ``dead_after_tokens`` (every contender's bookkeeping starts from it) and their
+    encoder bias lowered below every other pre-activation of ``x``, so that none of them fires during the timing
+    and the dead set holds (AuxK's work does not depend on their values)."""
+    dead_template = copy.deepcopy(template)
+    n_dead = min(max(round(fraction * template.d_sae), 1), template.d_sae - template.k)
+    dead = torch.zeros(template.d_sae, dtype=torch.bool, device=template.W_dec.device)
+    dead[torch.linspace(0, template.d_sae - 1, n_dead, device=dead.device).round().long()] = True
+    with torch.no_grad():
+        pre = dead_template.pre_activations(x)
+        dead_template.b_enc[dead] -= pre.max() - pre.min() + 1
+        dead_template.tokens_since_fired[dead] = dead_template.dead_after_tokens
+    return dead_template
 
 
 def median_step(fn: Callable[[], None], n: int, device: torch.device) -> list[float]:
@@ -188,7 +251,7 @@ def nonpositive_steps(template: MatchingPursuitSAE, x: torch.Tensor) -> int:
 
 def equality(variant: str, peer_cls: type[Contender], template: SparseAutoencoder, x: torch.Tensor, args) -> str:
     template = copy.deepcopy(template)
-    if peer_cls.library == "overcomplete":
+    if not peer_cls.has_pre_bias(variant):
         with torch.no_grad():
             template.b_pre.zero_()
     if isinstance(template, MatchingPursuitSAE):
@@ -223,47 +286,121 @@ def mebibytes(value: float) -> str:
     return f"{value:.{0 if value >= 10 else 2}f} MiB"
 
 
-def run_shape(d_sae: int, args) -> list[str]:
+def dead_fraction(contender: Contender) -> float | None:
+    """The fraction of latents the contender's own bookkeeping counts dead now; None: its step has no AuxK."""
+    dead = contender.dead_mask()
+    return None if dead is None else float(dead.float().mean())
+
+
+def dead_cell(variant: str, before: float | None, after: float | None) -> str:
+    if variant not in AUXK_VARIANTS:
+        return "—"
+    if before is None or after is None:
+        return "no AuxK"
+    if abs(before - after) > 1e-9:
+        return f"{100 * before:.1f} → {100 * after:.1f} %"
+    return f"{100 * after:.1f} %"
+
+
+@dataclass
+class Row:
+    """One contender's figures in one block (a variant at one dead fraction)."""
+
+    d_sae: int
+    variant: str
+    regime: str  # the block's dead latents: "none" or the fraction ("6.2 %")
+    library: str
+    name: str
+    step: float
+    peak: float  # MiB
+    equal: str
+
+
+def run_block(variant: str, template: SparseAutoencoder, regime: str, x: torch.Tensor, args) -> list[Row]:
+    """Every contender of ``variant`` from ``template``: equality, interleaved timing, memory; prints its rows."""
+    device = x.device
+    contenders, notes = load_contenders(variant, template, args)
+    x_equal = x[: args.equal_rows]
+    with torch.autocast(device.type, enabled=False):  # the same function, checked in float32 (or float64)
+        equal = {
+            c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x_equal, args)
+            for c in contenders
+        }
+    for c in list(contenders[1:]):  # a peer whose step fails (a compile, say) is reported, the others still run
+        try:
+            median_step(lambda: c.step(x), max(args.warmup, c.min_warmup), device)  # noqa: B023 (called at once)
+        except Exception as exn:  # noqa: BLE001 (any failure of a peer's own code)
+            notes.append(f"{c.name}: its step failed ({type(exn).__name__}: {str(exn).splitlines()[0][:200]})")
+            contenders.remove(c)
+    ours = contenders[0]
+    median_step(lambda: ours.step(x), args.warmup, device)
+    for note in notes:
+        print(f"  note: {note}", flush=True)
+    dead_before = {c.name: dead_fraction(c) for c in contenders}
+    xc = (x - template.b_pre).detach()
+    W_enc = template.W_dec.detach().T if isinstance(template, MatchingPursuitSAE) else template.W_enc.detach()
+    gemm_times: list[float] = []
+    step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for _ in range(args.rounds):
+        gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps, device)  # noqa: B023 (called at once)
+        for c in contenders:
+            step_times[c.name] += median_step(lambda: c.step(x), args.steps, device)  # noqa: B023 (called at once)
+    dead_after = {c.name: dead_fraction(c) for c in contenders}
+    gemm = statistics.median(gemm_times)
+    ours_time = statistics.median(step_times[ours.name])
+    rows = []
+    for c in contenders:
+        step = statistics.median(step_times[c.name])
+        peak = peak_step_bytes(c, x) / 2**20
+        resident = resident_bytes(c) / 2**20
+        dead = dead_cell(variant, dead_before[c.name], dead_after[c.name])
+        print(
+            f"| {args.d_in} | {template.d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | "
+            f"{step / gemm:.3g} | {mebibytes(peak)} | {mebibytes(resident)} | {equal[c.name]} | {dead} |",
+            flush=True,
+        )
+        rows.append(Row(template.d_sae, variant, regime, c.library, c.name, step, peak, equal[c.name]))
+    return rows
+
+
+def run_shape(d_sae: int, args) -> list[Row]:
     device = torch.device(args.device)
     x = make_batch(args.d_in, args.batch_size).to(device)
-    x_equal = x[: args.equal_rows]
     rows = []
     for variant in args.variants:
         template = make_template(variant, args.d_in, d_sae, args.k, x.cpu()).to(args.device)
-        contenders, notes = load_contenders(variant, template, args)
-        for note in notes:
-            print(f"  note: {note}", flush=True)
-        with torch.autocast(device.type, enabled=False):  # the same function, checked in float32 (or float64)
-            equal = {
-                c.name: "reference" if isinstance(c, Ours) else equality(variant, type(c), template, x_equal, args)
-                for c in contenders
-            }
-        xc = (x - template.b_pre).detach()
-        W_enc = template.W_dec.detach().T if isinstance(template, MatchingPursuitSAE) else template.W_enc.detach()
-        gemm_times: list[float] = []
-        step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
-        for round_index in range(args.rounds):
-            gemm_times += median_step(lambda: torch.mm(xc, W_enc), args.steps, device)  # noqa: B023 (called at once)
-            for c in contenders:
-                if round_index == 0:
-                    median_step(lambda: c.step(x), args.warmup, device)  # noqa: B023 (called at once)
-                step_times[c.name] += median_step(lambda: c.step(x), args.steps, device)  # noqa: B023 (called at once)
-        gemm = statistics.median(gemm_times)
-        ours_time = statistics.median(step_times[contenders[0].name])
-        for c in contenders:
-            step = statistics.median(step_times[c.name])
-            peak = peak_step_bytes(c, x) / 2**20
-            resident = resident_bytes(c) / 2**20
-            row = (
-                f"| {args.d_in} | {d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | {step / gemm:.3g} | "
-                f"{mebibytes(peak)} | {mebibytes(resident)} | {equal[c.name]} |"
-            )
-            print(row, flush=True)
-            rows.append(row)
-        del contenders
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next variant's contenders start from the same free memory
+        templates = {"none": template}
+        if variant in AUXK_VARIANTS and args.dead_fraction > 0:
+            dead_template = with_dead_latents(template, x, args.dead_fraction)
+            templates[f"{100 * float(dead_template.dead_mask().float().mean()):.1f} %"] = dead_template
+        for regime, block_template in templates.items():
+            rows += run_block(variant, block_template, regime, x, args)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the next block's contenders start from the same free memory
     return rows
+
+
+def fastest_peers(rows: list[Row]) -> list[str]:
+    """Per block, the fastest peer's step and peak memory over ours (> 1: ours is faster, or leaner)."""
+    lines = [
+        "| d_sae | variant | dead | ours | fastest peer | ÷ ours | peak memory ÷ ours |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    blocks: dict[tuple[int, str, str], list[Row]] = {}
+    for row in rows:
+        blocks.setdefault((row.d_sae, row.variant, row.regime), []).append(row)
+    for (d_sae, variant, regime), block in blocks.items():
+        ours = next(row for row in block if row.library == "ours")
+        peers = [row for row in block if row.library != "ours"]
+        if not peers:
+            lines.append(f"| {d_sae} | {variant} | {regime} | {ours.step:.3g} s | no peer | — | — |")
+            continue
+        best = min(peers, key=lambda row: row.step)
+        lines.append(
+            f"| {d_sae} | {variant} | {regime} | {ours.step:.3g} s | {best.library} {best.step:.3g} s | "
+            f"{best.step / ours.step:.3g} | {best.peak / ours.peak:.3g} |"
+        )
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -273,7 +410,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--k", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=DEFAULT_PEERS,
+        choices=list(PEERS),
+        help=f"default: {' '.join(DEFAULT_PEERS)} (SAELens+compile: SAELens's compile_sae, minutes of compiling)",
+    )
+    parser.add_argument(
+        "--dead-fraction",
+        type=float,
+        default=1 / 16,
+        help="the TopK family's second timing: this fraction of the latents dead, AuxK on (0: no second timing)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the first round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -297,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0 <= args.dead_fraction < 1:
+        parser.error(f"--dead-fraction must be in [0, 1), got {args.dead_fraction}")
     for d_sae in args.d_sae:
         if not 1 <= args.k <= d_sae:
             parser.error(f"--k must be in [1, --d-sae={d_sae}], got {args.k}")
@@ -321,12 +472,15 @@ def main(argv: list[str] | None = None) -> None:
         f"median over {args.rounds} rounds x {args.steps} steps",
         flush=True,
     )
-    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours | dead |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     device_type = torch.device(args.device).type
+    rows = []
     for d_sae in args.d_sae:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.autocast):
-            run_shape(d_sae, args)
+            rows += run_shape(d_sae, args)
+    print("\nThe fastest peer per variant (÷ ours > 1: ours is faster, or leaner):\n")
+    print("\n".join(fastest_peers(rows)), flush=True)
 
 
 if __name__ == "__main__":

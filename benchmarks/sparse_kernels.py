@@ -12,14 +12,24 @@ Rows (each timed between two device syncs after ``--warmup`` calls, the same ope
 - ``dvalues``: ``⟨∂x_hat[b], W_dec[j]⟩`` per entry; dense: ``∂x_hat @ W_dec.T`` then the gather;
 - ``decode fwd+bwd``: `sparse_decode` through autograd (the three above); dense: ``codes @ W_dec`` with its
   two gradient GEMMs;
-- ``batchtopk select``: the batch top ``B·k`` of ``[B, d_sae]``: the threshold search
-  (`sae_pipeline/sae/batch_select.py`) against `torch.topk` over the flattened batch (today's).
+- ``batchtopk select``: the batch top ``B·k`` of ``[B, d_sae]``: the selection kernels
+  (`sae_pipeline/sae/triton_topk.py`, what BatchTopK runs on a GPU) against `torch.topk` over the flattened batch;
+- ``topk select`` (CUDA only): TopK's per-token top ``k``, the per-token kernel against `torch.topk` (the memory
+  floor and the other contenders: `python -m benchmarks.topk_select`).
 
 The codes are a top-k support (k per token) of random scores; the columns' ratios are measured in the same
 run. Without CUDA the Triton column reads "needs CUDA" (the dry run checks the rest runs).
 
 ``--sweep`` adds a line per product: `segment_sums` (the decode and ``dW_dec`` rows) at each tile size
 and warp count of `SWEEP`, against its shipped setting, so a GPU session can choose them from one call.
+
+A second table (CUDA only: the dry run prints one line instead) is the chooser of `sae_pipeline/sae/product_choice.py`
+(each product as the Triton kernel or as cuBLAS, whichever it measured faster here): per product (``dW_enc`` too:
+``Σ ∂pre · (x − b_pre)`` per latent) and for the encoder's and decoder's forward and backward together
+(``encode+decode fwd+bwd``: all four through autograd), what it picked and the two times it measured (dense:
+the scatter into ``[B, d_sae]`` and the GEMM), then the product through `sae_pipeline.sae.sparse_decode` as a
+step runs it (``chosen``) and forced onto each path, and ``chosen / best``: the chosen time over the better
+forced one, which should stay at most 1.05.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.gpu import timed
-from sae_pipeline.sae import sparse_decode
+from sae_pipeline.sae import product_choice, sparse_decode
 from sae_pipeline.sae.sparse_decode import SparseCodes
 
 
@@ -44,6 +54,17 @@ def with_bag(fn: Callable[[], object]) -> Callable[[], object]:
             return fn()
         finally:
             sparse_decode.use_triton = before
+
+    return run
+
+
+def forced(path: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every sparse product on ``path`` ("sparse": the Triton kernels; "dense": cuBLAS), not the
+    chooser's pick."""
+
+    def run() -> object:
+        with product_choice.CHOOSER.forcing(path):
+            return fn()
 
     return run
 
@@ -62,7 +83,7 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     dense = codes.to_dense()
     kernels = None
     if device.type == "cuda":
-        from sae_pipeline.sae import batch_select, triton_sparse
+        from sae_pipeline.sae import triton_sparse, triton_topk
 
         kernels = triton_sparse
     W_leaf = W_dec.clone().requires_grad_(True)
@@ -93,7 +114,7 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
             with_bag(lambda: sparse_decode.entry_dots(codes, grad, W_dec)),
             lambda: (grad @ W_dec.T).reshape(-1).index_select(0, codes.rows * d_sae + codes.indices),
         ),
-        "decode fwd+bwd": (kernels and sparse_fwd_bwd, with_bag(sparse_fwd_bwd), dense_fwd_bwd),
+        "decode fwd+bwd": (kernels and forced("sparse", sparse_fwd_bwd), with_bag(sparse_fwd_bwd), dense_fwd_bwd),
     }
     if args.sweep and kernels is not None:
         sweep(
@@ -105,13 +126,79 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
             args,
             device,
         )
-    ranked = scores.to(dtype).flatten()
+    ranked = scores.to(dtype)
     table["batchtopk select"] = (
-        kernels and (lambda: batch_select.radix_top_indices(ranked, B * k)),
-        lambda: ranked.topk(B * k, sorted=False).indices,
+        kernels and (lambda: triton_topk.batch_top_k(ranked, B * k)),
+        lambda: ranked.flatten().topk(B * k, sorted=False).indices,
         None,
     )
+    if kernels is not None:
+        table["topk select"] = (
+            lambda: triton_topk.row_top_k(ranked, k),
+            lambda: ranked.topk(k, dim=1, sorted=False).indices,
+            None,
+        )
     return table
+
+
+def chooser_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The chooser's table (see the module's docstring): Markdown lines, header first. Each product's first call
+    (the warm-up of its ``chosen`` column) is where the chooser measures it."""
+    g = torch.Generator(device=device).manual_seed(1)
+    B, d_sae, d_in, k = args.batch_size, args.d_sae, args.d_in, args.k
+    W_dec = torch.randn(d_sae, d_in, device=device, generator=g).to(dtype)
+    W_enc = W_dec.T.clone()
+    b_enc, b_pre = torch.zeros(d_sae, device=device, dtype=dtype), torch.zeros(d_in, device=device, dtype=dtype)
+    x = torch.randn(B, d_in, device=device, generator=g).to(dtype)
+    grad = torch.randn(B, d_in, device=device, generator=g).to(dtype)
+    pre = torch.addmm(b_enc, x - b_pre, W_enc)
+    codes = SparseCodes.from_topk(pre.topk(k, dim=1).indices, d_sae)
+    values = torch.rand(B * k, device=device, generator=g).to(dtype)
+    grad_pre = torch.randn(B * k, device=device, generator=g).to(dtype)
+    codes, centred = codes.with_values(values), x - b_pre
+    codes.by_latent()  # computed once per batch and shared, as in a step (the table above too)
+    leaves = [t.clone().requires_grad_(True) for t in (W_enc, b_enc, b_pre, W_dec)]
+
+    def step() -> None:
+        W_enc_, b_enc_, b_pre_, W_dec_ = leaves
+        entries = sparse_decode.sparse_encode(x, b_pre_, W_enc_, b_enc_, pre, codes)
+        sparse_decode.sparse_decode(codes.with_values(entries), W_dec_, b_pre_).backward(grad)
+
+    products: dict[str, Callable[[], object]] = {
+        "decode": lambda: sparse_decode.token_sums(codes, W_dec, values),
+        "dW_dec": lambda: sparse_decode.latent_sums(codes, grad, values),
+        "dW_enc": lambda: sparse_decode.latent_sums(codes, centred, grad_pre, "dW_enc").T,
+        "dvalues": lambda: sparse_decode.entry_dots(codes, grad, W_dec),
+        "encode+decode fwd+bwd": step,
+    }
+    lines = [
+        "| product (chooser) | picked | measured Triton | measured cuBLAS | chosen | forced Triton | forced cuBLAS "
+        "| chosen / best |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for product, fn in products.items():
+        times = []
+        for run in (fn, forced("sparse", fn), forced("dense", fn)):
+            timed(run, args.warmup, device)
+            times.append(timed(run, args.steps, device))
+        choice = picked(product, B, d_sae, d_in)
+        cells = [{"sparse": "Triton", "dense": "cuBLAS"}[choice.path] if choice else "per product"]
+        for seconds in (choice.sparse_seconds, choice.dense_seconds) if choice else (None, None):
+            cells.append(f"{seconds * 1e3:.3f} ms" if seconds is not None else "—")
+        cells += [f"{t * 1e3:.3f} ms" for t in times]
+        cells.append(f"{times[0] / min(times[1:]):.2f}x")
+        lines.append(f"| {product} | {' | '.join(cells)} |")
+    return lines
+
+
+def picked(product: str, batch: int, d_sae: int, d_in: int) -> product_choice.Choice | None:
+    """What `product_choice.CHOOSER` keeps for ``product`` at this shape (None: a composite row, or not asked)."""
+    found = [
+        choice
+        for key, choice in product_choice.CHOOSER.choices.items()
+        if (key.product, key.batch, key.d_sae, key.width) == (product, batch, d_sae, d_in)
+    ]
+    return found[-1] if found else None
 
 
 SWEEP = [(e, d, w) for e in (16, 32, 64) for d in (128, 256) for w in (2, 4, 8)]  # each one compile: few
@@ -177,6 +264,12 @@ def main(argv: list[str] | None = None) -> None:
             cells[0] = "needs CUDA"
         ratios = [f"{t / times[0]:.2f}x" if t and times[0] else "—" for t in times[1:]]
         print(f"| {product} | {' | '.join(cells)} | {' | '.join(ratios)} |", flush=True)
+    if device.type != "cuda":
+        print("chooser (Triton kernel or cuBLAS per product): needs CUDA")
+        return
+    print()
+    for line in chooser_rows(args, device, dtype):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 Both sides do the same work per step on the same SAE (same initial weights, same batches
 already on the device): forward, loss (MSE + the variant's terms, AuxK for TopK), backward,
 removal of the gradient component parallel to each atom, Adam, the warm-up + cosine
-learning-rate schedule of ``SAEModule``, unit-norm atoms, and the dead-latent clock. The
+learning-rate schedule of ``SAEModule``, unit-norm atoms, the dead-latent clock, and the SAE's
+host-side hooks where the module calls them (TopK's AuxK plan: benchmarks/fit_hooks.py). The
 Lightning side is ``SAEModule`` in a ``Trainer`` with no logger, no checkpointing and no
 progress bar, so what it adds is the Trainer's loop and the module's own per-step
 bookkeeping (``self.log`` of the train metrics, train R²).
@@ -49,11 +50,12 @@ from typing import Any
 import lightning as L
 import torch
 
+from benchmarks.fit_hooks import FitHooks
 from sae_pipeline.metrics import ReconstructionR2, dead_fraction
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 from sae_pipeline.training.graph_step import WARMUP_STEPS
 from sae_pipeline.training.module import SAEModule
-from sae_pipeline.training.optim import adam_implementation, warmup_cosine_factor
+from sae_pipeline.training.optim import adam_implementation, param_groups, warmup_cosine_factor
 
 LR, MIN_LR = 5e-4, 1e-6
 
@@ -128,7 +130,17 @@ def lightning_step_durations(
     device: torch.device,
     cuda_graph: bool = False,
 ) -> list[float]:
-    sae = copy.deepcopy(template)
+    return lightning_steps(copy.deepcopy(template), batches, args, device, cuda_graph)
+
+
+def lightning_steps(
+    sae: SparseAutoencoder,
+    batches: list[torch.Tensor],
+    args: argparse.Namespace,
+    device: torch.device,
+    cuda_graph: bool = False,
+) -> list[float]:
+    """``SAEModule`` around ``sae`` (trained in place) in a ``Trainer``: the step durations."""
     module = SAEModule(
         sae, lr=LR, warmup_steps=args.warmup_lr_steps, min_lr=MIN_LR, normalize_input=False, cuda_graph=cuda_graph
     )
@@ -162,47 +174,62 @@ def bare_step_durations(
     device: torch.device,
     with_metrics: bool = False,
 ) -> list[float]:
-    """The same work as ``SAEModule.training_step`` + the optimiser hooks, written out by hand.
+    return bare_steps(copy.deepcopy(template).to(device), batches, args, device, with_metrics)
 
-    ``with_metrics`` adds the module's per-step bookkeeping (finite checks, input scaling, L0,
-    train R², dead fraction), so that the Trainer's own loop cost can be told apart from it.
+
+def bare_steps(
+    sae: SparseAutoencoder,
+    batches: list[torch.Tensor],
+    args: argparse.Namespace,
+    device: torch.device,
+    with_metrics: bool = False,
+) -> list[float]:
+    """The same work as ``SAEModule.training_step`` + the optimiser hooks, written out by hand, on ``sae`` (on
+    ``device``, trained in place): the step durations.
+
+    The SAE's host-side hooks run where the module runs them (`benchmarks.fit_hooks`: TopK's AuxK plan), Adam
+    has the module's parameter groups (JumpReLU's threshold at its own pace). ``with_metrics`` adds the module's
+    per-step bookkeeping (finite checks, input scaling, L0, train R², dead fraction), so that the Trainer's own
+    loop cost can be told apart from it.
     """
-    sae = copy.deepcopy(template).to(device).train()
+    sae.train()
     train_r2 = ReconstructionR2(sae.d_in).to(device)
     input_scale = torch.ones((), device=device)
     sae.init_b_pre(batches[0].mean(0))
     total = args.warmup + args.steps
-    optimizer = torch.optim.Adam(sae.parameters(), lr=LR, **adam_implementation(sae))
+    optimizer = torch.optim.Adam(param_groups(sae, LR), **adam_implementation(sae))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_factor(step, min(args.warmup_lr_steps, total), total, MIN_LR / LR)
     )
     clock = StepClock(args.warmup, args.steps, device)
+    hooks = FitHooks(sae)
     for step in range(total):
         clock.step_start(step)
-        x = batches[step % len(batches)]
-        if with_metrics:
-            if not torch.isfinite(x).all():
-                raise FloatingPointError(f"non-finite batch at step {step}")
-            x = x * input_scale
-        output = sae(x)
-        losses = sae.loss(x, output, step=step)
-        if with_metrics:
-            if not torch.isfinite(losses.loss):
-                raise FloatingPointError(f"non-finite loss at step {step}")
-        if with_metrics and (step + 1) % args.log_every == 0:
-            _ = [
-                output.l0().float(),
-                train_r2(x, output.x_hat).float(),
-                dead_fraction(sae.tokens_since_fired, sae.dead_after_tokens).float(),
-            ]
-        optimizer.zero_grad(set_to_none=True)
-        losses.loss.backward()
-        with torch.no_grad():
-            sae.record_firing(output.fired(), x.shape[0])
-        sae.remove_parallel_grad()
-        optimizer.step()
-        schedule.step()
-        sae.normalize_atoms()
+        with hooks.step():
+            x = batches[step % len(batches)]
+            if with_metrics:
+                if not torch.isfinite(x).all():
+                    raise FloatingPointError(f"non-finite batch at step {step}")
+                x = x * input_scale
+            output = sae(x)
+            losses = sae.loss(x, output, step=step)
+            if with_metrics:
+                if not torch.isfinite(losses.loss):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
+            if with_metrics and (step + 1) % args.log_every == 0:
+                _ = [
+                    output.l0().float(),
+                    train_r2(x, output.x_hat).float(),
+                    dead_fraction(sae.tokens_since_fired, sae.dead_after_tokens).float(),
+                ]
+            optimizer.zero_grad(set_to_none=True)
+            losses.loss.backward()
+            with torch.no_grad():
+                sae.record_firing(output.fired(), x.shape[0])
+            sae.remove_parallel_grad()
+            optimizer.step()
+            schedule.step()
+            sae.normalize_atoms()
     clock.finish()
     return clock.durations()
 

@@ -24,8 +24,9 @@ What this subclass adds to LightningCLI:
 - ``validate``, ``test`` and ``predict`` write no TensorBoard run (no ``version_N`` folder beside the
   training runs, no ``config.yaml``): their metrics are printed, their codes go to ``--codes.fpath``.
 - ``validate``, ``test`` and ``predict`` need ``--ckpt_path``; every ``--ckpt_path`` is checked
-  (exists, is a checkpoint of this package, fits the data's ``d_in``) before anything runs, and
-  output folders are checked writable: one-line errors, exit 2.
+  (exists, is a checkpoint of this package, fits the data's ``d_in``) before anything runs
+  (:mod:`sae_pipeline.resume_checks`; a ``fit --ckpt_path last`` holds the run's lock,
+  :mod:`sae_pipeline.run_lock`), and output folders are checked writable: one-line errors, exit 2.
 - Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
   (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
   directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
@@ -46,11 +47,9 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from feature_extraction.output_dirs import check_writable_dir, check_writable_file, dir_problem
-from feature_extraction.output_lock import output_lock
-from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
 from sae_pipeline.cli_args import (
     check_config_files,
     config_files,
@@ -60,18 +59,12 @@ from sae_pipeline.cli_args import (
     normalize_args,
 )
 from sae_pipeline.data import ActivationDataModule
+from sae_pipeline.resume_checks import EVALUATING, ResumeChecks, already_done
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.callbacks import SAEFigures
-from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint, newest_checkpoint
-from sae_pipeline.training.ckpt_config import (
-    check_against_checkpoint,
-    check_group_against_checkpoint,
-    explicit_config,
-    sae_label,
-    sae_namespace,
-    sets_sae_class,
-)
+from sae_pipeline.training.checkpointing import AtomicCheckpointIO, SAECheckpoint
+from sae_pipeline.training.ckpt_config import explicit_config
 from sae_pipeline.training.ddp import DDPSettings
 from sae_pipeline.training.group import SAEGroupModule
 from sae_pipeline.training.interrupts import Interrupts
@@ -82,8 +75,6 @@ from sae_pipeline.training.requeue import SLURMRequeue, hpc_checkpoints, slurm_j
 DEFAULT_RUNS_DPATH = "runs"
 DEFAULT_RUN_NAME = "sae"
 PROG = "python -m sae_pipeline"
-EVALUATING = ("validate", "test", "predict")
-CKPT_NEEDS = ("global_step",)  # beyond the weights and the SAE: a Lightning training checkpoint
 DESCRIPTION = (
     "Train (fit), evaluate (validate, test) and apply (predict: codes to HDF5) sparse autoencoders "
     "on token activations. Each fit run writes runs/<config stem>/version_N/ (TensorBoard) and "
@@ -115,9 +106,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         self.group = group  # model is SAEGroupModule (cli_args.names_group), else SAEModule
         self.run_dpath: Path | None = None
         self._prepared = False
-        self._ckpt_d_in: int | None = None
-        self._ckpt_hyper_parameters: dict[str, Any] | None = None
-        self._nothing_to_train: str | None = None  # fit --ckpt_path already at max_steps: the line saying so
+        self._resume: ResumeChecks | None = None  # the checks of --ckpt_path, and what they kept of its checkpoint
         kwargs.setdefault("save_config_callback", FitConfigSaver)
         self._explicit: Namespace | None = None  # what config files and flags set (ckpt_config)
         given = sys.argv[1:] if args is None else args if isinstance(args, (list, tuple)) else []
@@ -159,7 +148,7 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, and keep what the user set explicitly (:mod:`sae_pipeline.training.ckpt_config`). With ``--ckpt_path``
         and no ``model.sae`` the SAE is the checkpoint's: the check of required arguments waits until
-        `_check_ckpt_path` has filled it in. ``--model.members.NAME.KEY`` flags are merged into their
+        `sae_pipeline.resume_checks` has filled it in. ``--model.members.NAME.KEY`` flags are merged into their
         member (`sae_pipeline.cli_args.member_flags`): the parse without them gives the config's members,
         and the merged members are passed as one ``--model.members`` after every other argument."""
         if self.group and (args is None or isinstance(args, (list, tuple))):
@@ -190,24 +179,16 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         """Called by LightningCLI before it reads ``--ckpt_path`` (:class:`lightning_compat.CkptPathHook`); returns
         the checked checkpoint's hyper-parameters for the CLI to merge (None without ``--ckpt_path``)."""
         if self._prepared:
-            return self._ckpt_hyper_parameters
+            return self._resume.hyper_parameters if self._resume is not None else None
         self._prepared = True
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         self._name_run(config, subcommand)
         self._check_outputs(config, subcommand)
-        self._check_ckpt_path(config, subcommand)
-        requeued = hpc_checkpoints(config.trainer.default_root_dir) if config.trainer.get("default_root_dir") else []
-        if subcommand and config.get(self._model_key) is None and not config.get("ckpt_path") and requeued:
-            # A requeued SLURM job that was started with --ckpt_path and no model.sae: _follow_slurm_job dropped
-            # --ckpt_path for the job's own hpc checkpoint, which holds the same model; Lightning merges the
-            # hyper-parameters of --ckpt_path only, so they are taken here.
-            checkpoint = read_checkpoint(requeued[-1], need=CKPT_NEEDS, for_fit=True, last=True, mmap=True)
-            self._check_model_config(config, subcommand, str(requeued[-1]), checkpoint)
-            for key, value in (checkpoint.get("hyper_parameters") or {}).items():
-                if key not in ("sae", "members") and not key.startswith("_") and key in config.model:
-                    config.model[key] = value
-        return self._ckpt_hyper_parameters
+        self._resume = ResumeChecks(self.parser, self.config, self._explicit, self.group, self._locks)
+        self._resume.check_ckpt_path(config, subcommand, self.run_dpath)
+        self._resume.check_requeued(config, subcommand, self._model_key)  # a requeued job's own model
+        return self._resume.hyper_parameters
 
     @property
     def _model_key(self) -> str:
@@ -269,87 +250,19 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         if subcommand == "predict":
             check_writable_file(config.codes.fpath, "--codes.fpath")
 
-    def _check_ckpt_path(self, config: Namespace, subcommand: str | None) -> None:
-        """``last`` -> the newest checkpoint of this config's runs; any path -> checked readable."""
-        ckpt_path = config.get("ckpt_path") if subcommand else None
-        if subcommand in EVALUATING and not ckpt_path:
-            raise CheckpointError(
-                f"{subcommand} needs a trained SAE: pass --ckpt_path FILE (written by fit, e.g. "
-                f"{self.run_dpath}/version_0/checkpoints/last.ckpt) or --ckpt_path last (the "
-                "newest run of this config)"
-            )
-        if not ckpt_path:
-            return
-        if str(ckpt_path) == "last":
-            search = [self.run_dpath] + ([Path(config.checkpoint.dirpath)] if config.checkpoint.get("dirpath") else [])
-            found = newest_checkpoint(search)
-            if found is None:
-                what = (
-                    "resume; run fit without --ckpt_path to start a new run"
-                    if subcommand == "fit"
-                    else "use; train one first with fit"
-                )
-                raise CheckpointError(
-                    f"--ckpt_path last: no checkpoint under {' or '.join(map(str, search))} to {what}"
-                )
-            rank_zero_info(f"--ckpt_path last: {found}")
-            config.ckpt_path = ckpt_path = str(found)
-            if subcommand == "fit":  # one resume of a run at a time; released when the command ends
-                run_dpath = found.parent.parent if found.parent.name == "checkpoints" else found.parent
-                self._locks.enter_context(output_lock(run_dpath, "fit --ckpt_path last", what="the run"))
-        checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
-        self._check_model_config(config, subcommand, str(ckpt_path), checkpoint)
-        if subcommand == "fit":
-            self._nothing_to_train = nothing_to_train(str(ckpt_path), checkpoint, config.trainer.get("max_steps"))
-        self._ckpt_d_in = checkpoint_d_in(checkpoint)
-        self._ckpt_source = (checkpoint.get("data") or {}).get("source")
-        self._ckpt_hyper_parameters = dict(checkpoint.get("hyper_parameters") or {})  # merged by lightning_compat
-        del checkpoint
-
-    def _check_model_config(
-        self, config: Namespace, subcommand: str | None, ckpt_path: str, checkpoint: dict[str, Any]
-    ) -> None:
-        """The user's explicit model settings agree with the checkpoint's; an SAE left unset is the
-        checkpoint's, said in one line (:mod:`sae_pipeline.training.ckpt_config`)."""
-        explicit = self._explicit.get(subcommand) if self._explicit is not None and subcommand else None
-        explicit_model = explicit.get("model") if explicit is not None else None
-        if self.group or "sae_group" in checkpoint:
-            written = explicit_model if explicit is not None else config.get("model")
-            check_group_against_checkpoint(ckpt_path, checkpoint, written, self.group)
-            return
-        check_against_checkpoint(ckpt_path, checkpoint, config.get("model"), explicit_model)
-        if explicit is None or sets_sae_class(explicit_model):
-            return
-        sae = checkpoint["sae_config"]
-        if config.get("model.sae") is None:
-            config.model.sae = sae_namespace(sae)
-            try:
-                self.parser.validate(self.config)  # the check parse_arguments held back
-            except (TypeError, KeyError, ValueError) as exn:
-                self.parser.error(str(exn), exn)  # what the parse would have said: usage, tip, error line
-        doing = "resuming" if subcommand == "fit" else "using"
-        label = sae_label(sae["class_path"], sae.get("init_args") or {})
-        rank_zero_info(f"--ckpt_path {ckpt_path}: {doing} its {label} (the config names no model.sae)")
-
     # --- instantiation --------------------------------------------------------------------------
     def after_instantiate_classes(self) -> None:
         """The checkpoint's SAE must take the data's width (the model's d_in is linked from the data)."""
-        d_in = getattr(self.datamodule, "d_in", None)
         trainer_config = (self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {}
         if self.group and trainer_config.get("gradient_clip_val") is not None:
             raise ValueError(
                 "--trainer.gradient_clip_val clips the norm of every SAE of a group together; clip each by its own "
                 "norm with model.gradient_clip_val (every member) or model.members.NAME.gradient_clip_val"
             )
-        if self._ckpt_d_in is not None and d_in is not None and d_in != self._ckpt_d_in:
+        if self._resume is not None:
             subcommand = self.subcommand or ""
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            trained_on = f" (it was trained on {self._ckpt_source})" if self._ckpt_source else ""
-            raise CheckpointError(
-                f"--ckpt_path {ckpt_path}: its SAE takes d_in={self._ckpt_d_in} inputs but "
-                f"data.source {getattr(self.datamodule, 'source', '?')} gives d_in={d_in}; pass "
-                f"the data it was trained on{trained_on}"
-            )
+            self._resume.check_data_width(self.datamodule, ckpt_path)
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """The trainer, with checkpoints written atomically, and its set-up errors in one line."""
@@ -365,6 +278,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             raise ValueError(trainer_setup_error(exn, config_init.get("trainer") or {})) from None
 
     # --- fit ------------------------------------------------------------------------------------
+    @property
+    def _nothing_to_train(self) -> str | None:
+        """The line of a ``fit --ckpt_path`` already at ``--trainer.max_steps`` (it trains nothing), or None."""
+        return self._resume.nothing_to_train if self._resume is not None else None
+
     def fit(self, model: Any, **kwargs: Any) -> None:
         """``trainer.fit``, unless ``--ckpt_path`` is already at ``--trainer.max_steps``: then one line says so and
         nothing runs, so no empty ``version_N`` is left (exit 0: the run is done, as a rerun of a finished job
@@ -405,27 +323,6 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
             print(f"TensorBoard runs: {log_dir}/<member>/   (tensorboard --logdir {log_dir})", flush=True)
         elif log_dir:
             print(f"TensorBoard run: {log_dir}   (tensorboard --logdir {trainer.logger.save_dir})", flush=True)
-
-
-def nothing_to_train(ckpt_path: str, checkpoint: dict[str, Any], max_steps: Any) -> str | None:
-    """The line for a ``fit --ckpt_path`` whose checkpoint already reached ``--trainer.max_steps``, or None."""
-    step = checkpoint.get("global_step")
-    if not isinstance(max_steps, int) or max_steps < 0 or not isinstance(step, int) or step < max_steps:
-        return None
-    return (
-        f"Nothing to train: {ckpt_path} is already at global step {step} (--trainer.max_steps {max_steps}); "
-        "raise it to train further"
-    )
-
-
-def already_done(trainer: Any) -> str | None:
-    """Where a resumed run already was that its stopping setting had reached (``global step N
-    (--trainer.max_steps N)``), or None."""
-    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return f"global step {trainer.global_step} (--trainer.max_steps {trainer.max_steps})"
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
-        return f"epoch {trainer.current_epoch} (--trainer.max_epochs {trainer.max_epochs})"
-    return None
 
 
 def trainer_setup_error(exn: Exception, trainer_config: Any) -> str:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import fork_server  # noqa: F401  (imported first: its BASE_ENV is the suite's starting environment)
 import numpy as np
 import pytest
-import torch
 
-torch.set_num_threads(2)
-
-pytest_plugins = ["s3_fixtures"]  # the S3 server fixtures (tests/s3_fixtures.py), for any test module
+# The S3 server fixtures (tests/s3_fixtures.py), for any test module; the two-worker rules (tests/parallel.py).
+pytest_plugins = ["s3_fixtures", "parallel"]
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TINY_TOKENS_PER_IMAGE = 5  # 1 prefix token + a 2x2 grid of patches

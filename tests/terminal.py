@@ -3,20 +3,22 @@
 A shell starts background jobs (``cmd &``, ``nohup``) with SIGINT ignored, and a child inherits
 that, so Python in it never turns Ctrl-C into KeyboardInterrupt: tests that send SIGINT to a
 command pass ``default_sigint`` as ``preexec_fn`` to give it the default disposition, as under a
-terminal. ``Command`` does so, in the command's own process group, and reads its output as it
-comes; ``child_pids`` finds the processes a command started (DDP ranks, loader workers, writers).
+terminal. ``Command`` does so, in the command's own process group (forked from the tests' fork
+server where that gives the same process: tests/fork_server.py), and reads its output as it comes;
+``child_pids`` finds the processes a command started (DDP ranks, loader workers, writers).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import fork_server
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 TIMEOUT_S = 240
@@ -30,15 +32,8 @@ class Command:
     """A running ``python -m MODULE ARGS`` whose stdout and stderr are read as they come."""
 
     def __init__(self, cwd: Path, *args: str, module: str = "sae_pipeline", env: dict | None = None) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            cwd=cwd,
-            env=env or ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            preexec_fn=default_sigint,
+        self.process = fork_server.popen(
+            [sys.executable, "-m", module, *args], cwd=cwd, env=env or ENV, new_session=True, default_sigint=True
         )
         self.out: list[str] = []
         self.err: list[str] = []

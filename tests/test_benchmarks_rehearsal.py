@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.rehearsal_audit import check_resume
+from benchmarks.rehearsal.audit import check_resume
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 STAGES = [

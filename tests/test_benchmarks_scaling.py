@@ -1,4 +1,4 @@
-"""benchmarks/scaling.py: the slope fit and its flags against a plain reference, one point per real process,
+"""benchmarks/scaling/: the slope fit and its flags against a plain reference, one point per real process,
 and a --quick run of the numerical-kernel parts end to end."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.scaling_compute import PARTS as COMPUTE_PARTS
-from benchmarks.scaling_fit import SLOPE_TOLERANCE, Curve, loglog_slope, run_point
+from benchmarks.scaling.compute import PARTS as COMPUTE_PARTS
+from benchmarks.scaling.fit import SLOPE_TOLERANCE, Curve, loglog_slope, run_point
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 

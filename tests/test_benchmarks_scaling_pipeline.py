@@ -1,4 +1,4 @@
-"""``python -m benchmarks.scaling --quick`` over the command-level parts (``benchmarks/scaling_pipeline.py``).
+"""``python -m benchmarks.scaling --quick`` over the command-level parts (``benchmarks/scaling/pipeline.py``).
 
 One run in this process (``--quick`` runs each command in-process: the imports once), read by every test.
 """
@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from benchmarks import scaling, scaling_pipeline
+from benchmarks.scaling import pipeline
+from benchmarks.scaling.__main__ import main as scaling_main
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("scaling")
-    scaling.main(["--quick", "--parts", *scaling_pipeline.PARTS, "--out", str(out)])
+    scaling_main(["--quick", "--parts", *pipeline.PARTS, "--out", str(out)])
     assert (out / "scaling.png").stat().st_size > 0
     assert "fit start-up" in (out / "scaling.md").read_text()
     return {c["stage"]: c for c in json.loads((out / "scaling.json").read_text())}

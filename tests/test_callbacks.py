@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import sae_pipeline.metrics.measure as measure_module
 from sae_pipeline.data import ActivationDataModule
-from sae_pipeline.demo import format_table, read_final_metrics
+from sae_pipeline.demo_report import format_table, read_final_metrics
 from sae_pipeline.metrics.measure import default_inference_ks, evaluate_sae
 from sae_pipeline.sae import MatchingPursuitSAE, ReLUSAE, SparseAutoencoder, TopKSAE
 from sae_pipeline.training.callbacks import SAEFigures

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from pause_io import env_with_repo_root, pause_in_save_args
@@ -141,12 +142,10 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     resumed_from.append(newest_step(chaos_dpath))
 
     # 4. resumed to the end
-    final = subprocess.run(
+    final = fork_server.run(
         [sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"],
         cwd=chaos_dpath,
         env=ENV,
-        capture_output=True,
-        text=True,
         timeout=TIMEOUT_S,
     )
     assert final.returncode == 0, f"{context}\n{final.stderr[-3000:]}"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import lightning as L
 import numpy as np
 import pytest
@@ -28,9 +29,7 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
     env.pop("SAE_PIPELINE_TRACEBACK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return fork_server.run([sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, timeout=timeout)
 
 
 def error_lines(result: subprocess.CompletedProcess) -> list[str]:

@@ -10,6 +10,7 @@ import io
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 import yaml
 
@@ -210,8 +211,6 @@ def test_fingerprint_covers_every_piece(tmp_path: Path) -> None:
 
 def test_a_broken_piece_is_one_line_naming_it(tmp_path: Path) -> None:
     """``python -m sae_pipeline fit --config`` with a piece that is not YAML, or not there: one line, exit 2."""
-    import subprocess
-
     (tmp_path / "vision").mkdir()
     (tmp_path / "vision" / "v.yaml").write_text("model:\n  lr: [1\n")
     (tmp_path / "run.yaml").write_text("config: vision/v.yaml\n")
@@ -221,12 +220,9 @@ def test_a_broken_piece_is_one_line_naming_it(tmp_path: Path) -> None:
         ("run.yaml", "v.yaml: YAML syntax error at line 3"),
         ("gone.yaml", "nowhere.yaml: not found"),
     ):
-        done = subprocess.run(
+        done = fork_server.run(
             [sys.executable, "-m", "sae_pipeline", "fit", "--config", str(tmp_path / name)],
-            capture_output=True,
-            text=True,
             cwd=tmp_path,
-            check=False,
             env={**__import__("os").environ, "PYTHONPATH": str(repo)},
         )
         assert done.returncode == 2, done.stderr

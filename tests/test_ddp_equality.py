@@ -11,11 +11,11 @@ order; the loss is a mean over tokens, so only float64 rounding separates the ru
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import fork_server
 import pytest
 import torch
 import yaml
@@ -78,12 +78,10 @@ def two_ranks(dpath: Path, config: Path, name: str, *args: str) -> tuple[dict[st
     cwd.mkdir()
     batch = ["--data.batch_size", str(B), "--data.shuffle_buffer_tokens", str(B)]
     ddp = ["--trainer.devices", "2", "--trainer.strategy", "ddp"]
-    result = subprocess.run(
+    result = fork_server.run(
         [sys.executable, "-m", "sae_pipeline", "fit", "--config", str(config), *batch, *ddp, *args, *QUIET],
         cwd=cwd,
         env=ENV,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from sae_pipeline.demo import FINAL_TAGS, SHARDS_LABEL, build_feature_sites, format_table, run_shard_stage
+from sae_pipeline.demo_report import FINAL_TAGS, SHARDS_LABEL, format_table
+from sae_pipeline.demo_stages import build_feature_sites, run_shard_stage
 
 
 @pytest.mark.slow

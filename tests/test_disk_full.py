@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import fork_server
 import pytest
 import system_tools
 import torch
@@ -91,14 +92,8 @@ def fill(dpath: Path, leave: int) -> None:
 def sae_pipeline(*args: str, cwd: Path | None = None, umask: int | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_DPATH), "PYTHONWARNINGS": "ignore"}
     env.pop("SAE_PIPELINE_TRACEBACK", None)
-    return subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd or REPO_DPATH,
-        timeout=600,
-        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
+    return fork_server.run(
+        [sys.executable, "-m", "sae_pipeline", *args], cwd=cwd or REPO_DPATH, env=env, timeout=600, umask=umask
     )
 
 

@@ -24,6 +24,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import fork_server
 import pytest
 from docs_text import REPO_DPATH, bash_commands, documented_commands
 
@@ -275,7 +276,7 @@ def test_documented_commands_run_at_a_tiny_size(tmp_path: Path) -> None:
             if argv[0] == "python":
                 argv[0] = sys.executable
             argv += TINY[command]
-            result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            result = fork_server.run(argv, cwd=tmp_path, env=env, timeout=600)
             if result.returncode != 0:
                 return [f"{shlex.join(argv[1:])}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"]
         return []

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 import torch
@@ -255,7 +256,7 @@ def test_variants_labels_and_sparsity_flags_come_from_the_registry() -> None:
 def test_parser_stays_light() -> None:
     """--help and flag errors must not wait for torch: the registry is read only once the flags parsed."""
     code = (
-        "import sys; from sae_pipeline.evaluate.__main__ import build_parser; "
+        "import sys; import sae_pipeline.evaluate.__main__; from sae_pipeline.evaluate.parser import build_parser; "
         "build_parser().parse_args(['all', '--out', 'x', '--variants', 'mpsae']); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
@@ -281,10 +282,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, expect
 
 
 def test_unparsable_k_exits_2_with_one_line(tmp_path) -> None:
-    completed = subprocess.run(
+    completed = fork_server.run(
         [sys.executable, "-m", "sae_pipeline.evaluate", "inference", "--out", str(tmp_path / "out"), "--k", "0"],
-        capture_output=True,
-        text=True,
         cwd=REPO_DPATH,
     )
     assert completed.returncode == 2

@@ -5,10 +5,10 @@ a folder that holds an export is refused before anything is written; the same fo
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 from in_process import fit_in
 
@@ -78,11 +78,9 @@ def test_the_command_refuses_the_other_format(ckpt: Path, tmp_path: Path) -> Non
     out = tmp_path / "sae"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "sae_pipeline", "export", "--ckpt_path", str(ckpt), "--out", str(out)]
-    assert subprocess.run(command, env=env, capture_output=True, timeout=300, check=False).returncode == 0
+    assert fork_server.run(command, cwd=Path.cwd(), env=env, timeout=300).returncode == 0
     before = contents(out)
-    result = subprocess.run(
-        [*command, "--format", "saelens"], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    result = fork_server.run([*command, "--format", "saelens"], cwd=Path.cwd(), env=env, timeout=300)
     assert result.returncode == 2, result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
         (

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 from features_fixtures import identity_sae, write_export, write_shards
@@ -18,14 +19,7 @@ from sae_pipeline.__main__ import main
 
 def features(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", "features", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return fork_server.run([sys.executable, "-m", "sae_pipeline", "features", *args], cwd=cwd, env=env, timeout=300)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from feature_extraction import shards as S
 from feature_extraction.extract import extract
 from feature_extraction.shards.read import read_shard_samples
 from sae_pipeline.__main__ import main
-from sae_pipeline.features.explain import recorded_extraction
+from sae_pipeline.features.explain_backbone import recorded_extraction
 from sae_pipeline.sae import ReLUSAE
 
 D_IN, D_SAE, TOP = 192, 24, 16  # vit_tiny's width; a dictionary small enough that most atoms fire on a photo
@@ -146,7 +146,8 @@ def test_explain_equals_the_extraction_and_links_into_the_site(built) -> None:
 def test_explain_tokens_are_the_extractions(built) -> None:
     """The recorded backbone rebuilt (random weights from the seed) on the photos gives the shards' tokens."""
     from feature_extraction.images import ImageDataset, list_images
-    from sae_pipeline.features.explain import build_backbone, image_tokens
+    from sae_pipeline.features.explain_backbone import build_backbone
+    from sae_pipeline.features.explain_images import image_tokens
 
     record = recorded_extraction(built["sae_dpath"])
     backbone = build_backbone(record, None, D_IN)
@@ -257,7 +258,7 @@ def vit_tiny_weights(tmp_path: Path, seed: int) -> Path:
 def test_the_extractions_weights_are_recorded_and_checked(built, tmp_path, capsys) -> None:
     """The manifest names the backbone's weights by content: the seed's weights saved as a file pass, others do
     not; a record from before the hash cannot tell, and says so once."""
-    from sae_pipeline.features.explain import build_backbone
+    from sae_pipeline.features.explain_backbone import build_backbone
 
     record = recorded_extraction(built["sae_dpath"])
     assert len(record["backbone"]["weights_sha256"]) == 64
@@ -277,7 +278,7 @@ def test_the_sae_hash_survives_both_export_formats(name: str, tmp_path) -> None:
     """A site built from a checkpoint records the hash that explain computes from its export, native or SAELens
     (JumpReLU's threshold crosses as exp / log), so the right site is never refused; a trained step changes it."""
     from sae_pipeline.artifacts import load_sae
-    from sae_pipeline.artifacts.saelens import write_saelens
+    from sae_pipeline.artifacts.saelens_export import write_saelens
     from sae_pipeline.sae import get_sae_class
 
     cls = get_sae_class(name)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from features_fixtures import D, write_export, write_shards
 
-from benchmarks.features_sparse import former_image_top
+from benchmarks.features.sparse import former_image_top
 from sae_pipeline.__main__ import main
 from sae_pipeline.features.image_codes import ImageCodes, split_images
 from sae_pipeline.features.image_top import image_top_atoms

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sae_pipeline.sae import OMPSAE, MatchingPursuitSAE, omp, triton_pursuit
+from sae_pipeline.sae import OMPSAE, MatchingPursuitSAE, omp_autograd, triton_pursuit
 from sae_pipeline.sae.mp_autograd import MatchingPursuitFunction, select_atoms
-from sae_pipeline.sae.omp import LeastSquaresFunction
+from sae_pipeline.sae.omp_autograd import LeastSquaresFunction
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -104,8 +104,8 @@ def test_omp_forward_backward_match_least_squares_given_the_indices() -> None:
     W = dictionary(d_sae, d_in).requires_grad_()
     b = (0.1 * torch.randn(d_in, device=DEVICE)).requires_grad_()
     x = torch.randn(n, d_in, device=DEVICE).requires_grad_()
-    indices, L, z, _ = omp.select_atoms(x.detach() - b.detach(), W, k, sync_free=True)
-    unfused = omp.select_atoms(x.detach() - b.detach(), W, k, sync_free=True, fused=False)[0]
+    indices, L, z, _ = omp_autograd.select_atoms(x.detach() - b.detach(), W, k, sync_free=True)
+    unfused = omp_autograd.select_atoms(x.detach() - b.detach(), W, k, sync_free=True, fused=False)[0]
     assert (indices == unfused).all(1).float().mean() >= 0.99
     assert (indices >= 0).all()  # k ≪ d_in: every step taken
     coefficients, x_hat = LeastSquaresFunction.apply(x, W, b, indices, L, z)

@@ -6,6 +6,7 @@ most of it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -125,6 +126,24 @@ def test_key_figures_read_the_real_tables() -> None:
         key_peers(peers) == "fastest peer / ours: topk 2.00x (sparsify, mem 1.50x), relu no peer; missing overcomplete"
     )
     assert failure_peers(peers) == "DIFFERS from ours: sparsify topk"
+    peers_now = (  # the dead column, and the last table: per variant and dead fraction, the fastest peer
+        "| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours | dead |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "| 768 | 19200 | ours topk | 0.001 s | 1 | 2 | 200 MiB | 100 MiB | reference | 0.0 % |\n"
+        "| 768 | 19200 | overcomplete topk | 0.0005 s | 0.5 | 1 | 400 MiB | 100 MiB | equal (1.0e-07) | no AuxK |\n"
+        "| 768 | 19200 | SAELens+compile topk | 0.002 s | 2 | 4 | 300 MiB | 100 MiB | DIFFERS (3.0e-01) | 6.2 % |\n"
+        "  note: dictionary_learning topk: its step failed (RuntimeError: boom)\n"
+        "| d_sae | variant | dead | ours | fastest peer | ÷ ours | peak memory ÷ ours |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| 19200 | topk | none | 0.001 s | overcomplete 0.0005 s | 0.5 | 2 |\n"
+        "| 19200 | topk | 6.2 % | 0.003 s | SAELens+compile 0.002 s | 0.667 | 1.5 |\n"
+        "| 19200 | mpsae | none | 0.01 s | no peer | — | — |\n"
+    )
+    assert key_peers(peers_now) == (
+        "fastest peer / ours: topk 0.50x (overcomplete, mem 2.00x), topk 6.2% dead 0.67x (SAELens+compile, mem 1.50x), "
+        "mpsae no peer; step failed: dictionary_learning topk"
+    )
+    assert failure_peers(peers_now) == "DIFFERS from ours: SAELens+compile topk"
     train = (
         "variant      bare bare+metrics  Trainer  overhead  loop only  mean ovh.\n"
         "topk      250      240      230     8.7%       4.3%      9.0%   250/240/230\n"
@@ -151,12 +170,43 @@ def test_key_figures_read_the_real_tables() -> None:
 
 def test_the_parts_are_the_issues_and_fit_the_device_call() -> None:
     names = [part.name for part in PARTS]
-    assert names == ["pytest -m gpu", "gpu", "peers", "train_step", "mp_sae", "omp_sae", "sparse_kernels", "multi_sae"]
-    assert sum(part.timeout_s for part in PARTS) + gpu_suite.WHEELS_TIMEOUT_S <= 8 * 60 - 30
+    assert names == [
+        "pytest -m gpu",
+        "gpu",
+        "peers",
+        "train_step",
+        "mp_sae",
+        "omp_sae",
+        "sparse_kernels",
+        "multi_sae",
+        "peers_compiled",
+    ]
+    # the reserved parts fit the call; the optional ones (last) run on what those leave
+    assert sum(part.timeout_s for part in PARTS if part.reserved) + gpu_suite.WHEELS_TIMEOUT_S <= 8 * 60 - 30
+    assert [part.name for part in PARTS if not part.reserved] == ["peers_compiled"] and not PARTS[-1].reserved
     pytest_part = PARTS[0]
     assert "tests" in pytest_part.gpu_args and "-m" in pytest_part.gpu_args  # by the marker, not by file
     for part in PARTS[2:]:
         assert "cuda" in part.gpu_args or part.name == "sparse_kernels", part.name  # that one is CUDA-only
+    for part in PARTS:
+        if "benchmarks.peers" in part.gpu_args:  # every peer at its fastest: bf16 (equality stays float32)
+            assert "--autocast" in part.gpu_args, part.name
+
+
+def test_an_optional_part_skipped_or_stopped_does_not_fail_the_suite(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    parts = [
+        stand_in("first", "print('fine')"),
+        dataclasses.replace(stand_in("slow extra", "import time; time.sleep(60)", timeout_s=1), reserved=False),
+        dataclasses.replace(stand_in("broken extra", "import sys; sys.exit('no')"), reserved=False),
+    ]
+    status = gpu_suite.run_suite(parts[:2], tmp_path / "a", budget_s=120, dry_run=True)
+    rows = table_rows(capsys.readouterr().out)
+    assert status == 0 and rows["slow extra"][1] == "TIMEOUT"
+    status = gpu_suite.run_suite(parts[::2], tmp_path / "b", budget_s=120, dry_run=True)
+    rows = table_rows(capsys.readouterr().out)
+    assert status == 1 and rows["broken extra"][1] == "FAILED"  # a crash still fails it
 
 
 def test_where_to_run_lists_every_part_with_its_limit() -> None:
@@ -175,6 +225,7 @@ DRY_RUN_ELSEWHERE = {
     "mp_sae": "tests/test_mp_sae.py",
     "omp_sae": "tests/test_omp_sae.py",
     "sparse_kernels": "tests/test_benchmarks_peers.py",
+    "peers_compiled": "tests/test_benchmarks_peers.py",
 }
 
 

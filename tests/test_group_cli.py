@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 import yaml
@@ -315,13 +316,8 @@ def test_sigterm_to_one_ddp_rank_saves_the_group_and_the_run_resumes(tmp_path: P
     step = saved_step(err, "SIGTERM", last)
     assert 2 <= step < max_steps and torch.load(tmp_path / last, weights_only=True)["global_step"] == step
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *args, "--ckpt_path", "last"],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    resumed = fork_server.run(
+        [sys.executable, "-m", "sae_pipeline", *args, "--ckpt_path", "last"], cwd=tmp_path, env=ENV, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Final checkpoint of topk (global step {max_steps})" in resumed.stdout

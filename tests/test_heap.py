@@ -1,5 +1,5 @@
 """sae_pipeline.training.heap: after fix_mmap_threshold a freed large block goes back to the system, as it
-does before glibc's dynamic threshold kicks in (the growth ``predict`` showed in benchmarks/scaling.py)."""
+does before glibc's dynamic threshold kicks in (the growth ``predict`` showed in python -m benchmarks.scaling)."""
 
 from __future__ import annotations
 

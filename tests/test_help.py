@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
 
+import fork_server
 import pytest
 from jsonargparse import ArgumentParser
 
 from feature_extraction.help_format import DefaultsHelpFormatter
 from sae_pipeline.__main__ import COMMANDS, LIGHTNING_COMMANDS, usage
-from sae_pipeline.evaluate.__main__ import build_parser
+from sae_pipeline.evaluate.parser import build_parser
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -91,9 +92,7 @@ def test_every_other_command_is_jsonargparse_with_the_one_error_line(module: str
 
 
 def test_export_help_shows_the_formats_and_default() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", "export", "--help"], capture_output=True, text=True, timeout=120
-    )
+    result = fork_server.run([sys.executable, "-m", "sae_pipeline", "export", "--help"], cwd=os.getcwd(), timeout=120)
     text = " ".join(result.stdout.split())
     assert result.returncode == 0 and "--format {native,saelens}" in text and "(default: native)" in text
 
@@ -101,9 +100,7 @@ def test_export_help_shows_the_formats_and_default() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["fit", "extract"])
 def test_jsonargparse_commands_show_defaults_too(command: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", command, "--help"], capture_output=True, text=True, timeout=300
-    )
+    result = fork_server.run([sys.executable, "-m", "sae_pipeline", command, "--help"], cwd=os.getcwd(), timeout=300)
     assert result.returncode == 0 and result.stdout.count("default: ") >= 5  # jsonargparse: (type: T, default: X)
 
 

@@ -21,7 +21,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sae_pipeline", "feature_extraction", "benchmarks")  # benchmarks once it is a package
 
-SAE_PIPELINE_TOP = ("cli", "__main__", "evaluate", "features", "demo", "cli_args", "config_files")
+SAE_PIPELINE_TOP = (
+    "cli",
+    "__main__",
+    "evaluate",
+    "features",
+    "demo",
+    "demo_stages",
+    "demo_report",
+    "cli_args",
+    "config_files",
+    "resume_checks",
+    "run_lock",
+)
 #: ``{layer: layers it may import}``; a layer is a module or a package (and everything in it): a module belongs to
 #: the longest key that names it or one of its packages. A module may always import its own layer and third-party code.
 LAYERS: dict[str, tuple[str, ...]] = {

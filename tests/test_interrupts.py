@@ -14,10 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from in_process import QUIET, run
-from terminal import ENV, child_pids, default_sigint
+from terminal import ENV, child_pids
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 MPSAE_DIGITS = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
@@ -44,16 +45,10 @@ ARGS = [
 ]
 
 
-def start(cwd: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "sae_pipeline", *ARGS, *extra],
-        cwd=cwd,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as under a terminal
-        preexec_fn=default_sigint,
+def start(cwd: Path, *extra: str) -> fork_server.ForkedProcess | subprocess.Popen:
+    # its own process group and the default Ctrl-C, as under a terminal
+    return fork_server.popen(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, *extra], cwd=cwd, env=ENV, new_session=True, default_sigint=True
     )
 
 
@@ -100,13 +95,8 @@ def test_sigterm_saves_exits_143_and_the_run_resumes(tmp_path: Path) -> None:
     interrupted = torch.load(tmp_path / last, weights_only=True)
     assert interrupted["global_step"] == step  # the step it stopped at, not the last periodic one
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    resumed = fork_server.run(
+        [sys.executable, "-m", "sae_pipeline", *ARGS, "--ckpt_path", "last"], cwd=tmp_path, env=ENV, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final_fpath = "runs/mpsae_digits/version_1/checkpoints/last.ckpt"

@@ -162,7 +162,8 @@ def test_l0_gradient_reaches_the_encoder_only_when_asked() -> None:
 
 
 def test_saelens_export_refuses_a_token_scaled_threshold() -> None:
-    from sae_pipeline.artifacts.saelens import ExportError, saelens_architecture
+    from sae_pipeline.artifacts.saelens_export import saelens_architecture
+    from sae_pipeline.sae.config import ExportError
 
     assert saelens_architecture(BatchTopKSAE(8, 16, k=2)) == "jumprelu"
     with pytest.raises(ExportError, match="token_scaled_threshold"):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 
@@ -136,14 +136,8 @@ def test_the_command_refuses_a_hand_edited_scale(shards: tuple[Path, np.ndarray]
     dpath, tokens = shards
     written = edit_stats(dpath, _scale(5e6))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *FIT, "--data.source", str(dpath)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = fork_server.run(
+        [sys.executable, "-m", "sae_pipeline", *FIT, "--data.source", str(dpath)], cwd=tmp_path, env=env, timeout=300
     )
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

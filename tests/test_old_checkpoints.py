@@ -14,10 +14,10 @@ command loads it; a path the table does not name is still refused, importing not
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from test_checkpointing import SMALL, TOPK_DIGITS, error_lines, run
@@ -43,7 +43,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with a real ``fit`` checkpoint (6 steps on the digits) at ``new.ckpt``, and ``old.ckpt``: the
     same with its model class stored under the pre-move module path."""
     cwd = tmp_path_factory.mktemp("old_ckpt")
-    result = subprocess.run(
+    result = fork_server.run(
         [
             sys.executable,
             "-m",
@@ -58,8 +58,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "runs",
         ],
         cwd=cwd,
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

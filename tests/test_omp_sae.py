@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae.omp import OMPSAE, RANK_TOLERANCE, LeastSquaresFunction, select_atoms
+from sae_pipeline.sae.omp import OMPSAE
+from sae_pipeline.sae.omp_autograd import RANK_TOLERANCE, LeastSquaresFunction, select_atoms
 
 
 def plain_omp(x: Tensor, W_dec: Tensor, b_pre: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -101,7 +102,7 @@ SHAPES = [
 def test_matches_plain_loop_values_and_gradients(
     batch: int, d_in: int, d_sae: int, k: int, unit_norm: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sae_pipeline.sae.omp.CPU_CHUNK_ROWS", 16)
+    monkeypatch.setattr("sae_pipeline.sae.omp_autograd.CPU_CHUNK_ROWS", 16)
     sae = make_sae(d_in, d_sae, k, seed=batch + d_sae, unit_norm=unit_norm)
     x = torch.randn(batch, d_in, dtype=torch.float64) * 2.0
     compare(sae, x, k)

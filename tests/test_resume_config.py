@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 import yaml
@@ -119,7 +120,7 @@ def fit_without_sae(ckpt: str, cwd: Path, extra_env: dict[str, str] | None = Non
     """``python -m sae_pipeline fit --ckpt_path CKPT`` on digits with no config, so no ``model.sae``: 3 steps."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_DPATH), os.environ.get("PYTHONPATH", "")])}
     data = ["--data.source", "digits", "--data.batch_size", "256", "--data.num_workers", "0"]
-    return subprocess.run(
+    return fork_server.run(
         [
             sys.executable,
             "-m",
@@ -136,10 +137,7 @@ def fit_without_sae(ckpt: str, cwd: Path, extra_env: dict[str, str] | None = Non
         ],
         cwd=cwd,
         env={**env, **(extra_env or {})},
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
     )
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.scaling_fit.run_measured: a Ctrl-C at the driver stops the measured command too (the command
+"""benchmarks.scaling.fit.run_measured: a Ctrl-C at the driver stops the measured command too (the command
 runs in its own session, out of reach of the terminal's SIGINT)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_ctrl_c_at_the_driver_stops_the_measured_command(tmp_path: Path) -> None
     marker = tmp_path / "running"
     child_code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     driver_code = (
-        "import signal, sys\nfrom benchmarks.scaling_fit import run_measured\n"
+        "import signal, sys\nfrom benchmarks.scaling.fit import run_measured\n"
         # a terminal's Ctrl-C: Python leaves SIGINT ignored when it starts so (as under `nohup` or `cmd &`)
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"run_measured([sys.executable, '-c', {child_code!r}])\n"

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from fault_proxy import FaultProxy
@@ -133,9 +134,7 @@ def test_a_server_stopped_mid_read_and_restarted_does_not_end_the_epoch(
 
 def run_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env or {}), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    return fork_server.run([sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=env, timeout=600)
 
 
 def fit_args(source: str, *extra: str) -> list[str]:

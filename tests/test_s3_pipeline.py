@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 import torch
@@ -27,9 +28,7 @@ QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summa
 
 def run(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    result = fork_server.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

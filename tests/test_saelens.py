@@ -24,7 +24,7 @@ from torch import Tensor
 from feature_extraction.h5cache import write_token_cache
 from sae_pipeline.__main__ import main as sae_pipeline_main
 from sae_pipeline.artifacts import ExportError, load_sae
-from sae_pipeline.artifacts.saelens import export_checkpoint_saelens, saelens_architecture, write_saelens
+from sae_pipeline.artifacts.saelens_export import export_checkpoint_saelens, saelens_architecture, write_saelens
 from sae_pipeline.data import ActivationDataModule, validation_tokens
 from sae_pipeline.evaluate.__main__ import main as evaluate_main
 from sae_pipeline.sae import SAE_REGISTRY, BatchTopKSAE, JumpReLUSAE, MatchingPursuitSAE, ReLUSAE, TopKSAE

@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 import xxhash
@@ -127,7 +127,7 @@ def test_positions_are_checksummed_and_checked(tmp_path: Path) -> None:
 def test_flipped_payload_bytes_stop_fit_with_one_line_naming_shard_and_repair(shards: Path, tmp_path: Path) -> None:
     flip_tokens_payload(shards / S.shard_fname(1))
     assert S.shard_is_complete(shards, 1)  # same size: the old completeness test does not see it
-    completed = subprocess.run(
+    completed = fork_server.run(
         [
             sys.executable,
             "-m",
@@ -158,8 +158,6 @@ def test_flipped_payload_bytes_stop_fit_with_one_line_naming_shard_and_repair(sh
             "--model.sae.init_args.k",
             "2",
         ],
-        capture_output=True,
-        text=True,
         cwd=tmp_path,
         timeout=300,
     )

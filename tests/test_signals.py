@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from terminal import ENV, TIMEOUT_S, Command, child_pids, command_line
@@ -30,14 +31,7 @@ HEADS = {signal.SIGINT: "interrupted (Ctrl-C): ", signal.SIGTERM: "terminated (S
 
 def run_sae_pipeline(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """``python -m sae_pipeline ARGS`` to the end (no signal), its output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "sae_pipeline", *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    return fork_server.run([sys.executable, "-m", "sae_pipeline", *args], cwd=cwd, env=ENV, timeout=TIMEOUT_S)
 
 
 def the_line(command: Command, signum: int) -> str:
@@ -295,13 +289,8 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
     saved = torch.load(run_dpath / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 1 <= saved < steps
 
-    rerun = subprocess.run(
-        [sys.executable, "-m", "sae_pipeline.evaluate", *args],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    rerun = fork_server.run(
+        [sys.executable, "-m", "sae_pipeline.evaluate", *args], cwd=tmp_path, env=ENV, timeout=TIMEOUT_S
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     record = (out / "models" / name / "study_run.json").read_text()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sae_pipeline.sae import mp_autograd, omp, triton_pursuit
+from sae_pipeline.sae import mp_autograd, omp_autograd, triton_pursuit
 from sae_pipeline.sae.mp_autograd import select_atoms
 from sae_pipeline.sae.triton_pursuit import update_argmax
 from tests.test_mp_sae import make_sae as make_mp
@@ -219,9 +219,9 @@ def test_omp_sae_through_the_kernel_matches_the_plain_loop(
     sync_free: bool, shape: tuple[int, int, int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    real = omp.omp_step
-    monkeypatch.setattr(omp, "fused_available", lambda device: True)
-    monkeypatch.setattr(omp, "omp_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = omp_autograd.omp_step
+    monkeypatch.setattr(omp_autograd, "fused_available", lambda device: True)
+    monkeypatch.setattr(omp_autograd, "omp_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     batch, d_in, d_sae, k = shape
     sae = make_omp(d_in, d_sae, k, seed=int(torch.seed() % 2**31))
     sae.sync_free = sync_free

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fork_server
 import pytest
 import torch
 from test_export import trained_checkpoint
@@ -58,9 +59,7 @@ def evil_dpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_in(dpath: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items() if key != TRUSTED_MODULES_ENV}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DPATH), environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, *args], cwd=dpath, env=environ | env, capture_output=True, text=True, timeout=300
-    )
+    return fork_server.run([sys.executable, *args], cwd=dpath, env=environ | env, timeout=300)
 
 
 CONFIG = str(REPO_DPATH / "configs" / "topk_digits.yaml")

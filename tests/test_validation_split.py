@@ -1,6 +1,6 @@
 """``evaluate sae`` reads the validation split block by block: the same numbers, without holding the split.
 
-``benchmarks/scaling.py``'s ``memory_tokens`` curve showed ``python -m sae_pipeline.evaluate sae``'s peak
+``python -m benchmarks.scaling``'s ``memory_tokens`` curve showed ``python -m sae_pipeline.evaluate sae``'s peak
 memory growing with the number of tokens: the whole split was read into one tensor first.
 """
 

@@ -6,7 +6,8 @@ The public API, importable from here::
 
 - :mod:`.checkpoint`: the one reader of ``fit``'s checkpoints (every command's ``--ckpt_path``).
 - :mod:`.export`: the native export (``sae.safetensors`` + ``config.json``) and the ``export`` command.
-- :mod:`.saelens`: SAELens 6's format, both ways.
+- :mod:`.saelens_export`: SAELens 6's format written (`export --format saelens`), with the MP-SAE check in
+  :mod:`.saelens_probe`; :mod:`.saelens_load`: a SAELens directory read back.
 - :mod:`.export_files`: what the two formats share (file names, whole-or-nothing writes).
 - :mod:`.load`: :func:`load_sae`, either format back as a module.
 - :mod:`.codes`: the HDF5 codes file ``predict`` writes.
@@ -19,7 +20,7 @@ from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint, 
 from sae_pipeline.artifacts.codes import read_codes
 from sae_pipeline.artifacts.export import export_checkpoint
 from sae_pipeline.artifacts.load import load_sae
-from sae_pipeline.artifacts.saelens import export_checkpoint_saelens
+from sae_pipeline.artifacts.saelens_export import export_checkpoint_saelens
 from sae_pipeline.sae.config import ExportError
 
 __all__ = [

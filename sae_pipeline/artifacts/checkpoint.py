@@ -86,7 +86,10 @@ MOVED_MODULES: dict[str, str] = {
             "step_boundary",
         )
     },
-    **{f"sae_pipeline.{name}": f"sae_pipeline.artifacts.{name}" for name in ("codes", "export", "saelens")},
+    **{f"sae_pipeline.{name}": f"sae_pipeline.artifacts.{name}" for name in ("codes", "export")},
+    # The SAELens module was later split by concept; a path into it goes to the export side.
+    "sae_pipeline.saelens": "sae_pipeline.artifacts.saelens_export",
+    "sae_pipeline.artifacts.saelens": "sae_pipeline.artifacts.saelens_export",
 }
 
 

@@ -14,7 +14,7 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens] [--name NAME]``
 (``--name``: one member of a group's checkpoint; without it a group exports every member into ``DIR/NAME``)
-(SAELens's format: :mod:`sae_pipeline.artifacts.saelens`). Both files are replaced together or not at all
+(SAELens's format: :mod:`sae_pipeline.artifacts.saelens_export`). Both files are replaced together or not at all
 (:mod:`sae_pipeline.artifacts.export_files`, which also keeps one SAE per export folder): a full disk
 ends with one ``no space left on device`` line (exit 1) and leaves a previous export in ``--out``
 whole. The files get the user's umask (e.g. 0644 under umask 022).
@@ -40,7 +40,6 @@ import sae_pipeline
 from feature_extraction.exit_status import run_cli
 from feature_extraction.file_hashes import file_sha256
 from feature_extraction.output_lock import output_lock
-from sae_pipeline.artifacts import saelens
 from sae_pipeline.artifacts.checkpoint import (
     checkpoint_input_scale,
     member_names,
@@ -50,11 +49,14 @@ from sae_pipeline.artifacts.checkpoint import (
 from sae_pipeline.artifacts.export_files import (
     CONFIG_FNAME,
     EXPORT_FORMAT,
+    SAELENS_CFG_FNAME,
+    SAELENS_WEIGHTS_FNAME,
     WEIGHTS_FNAME,
     check_export_out,
     export_data,
     write_export_files,
 )
+from sae_pipeline.artifacts.saelens_export import export_checkpoint_saelens
 from sae_pipeline.sae import SparseAutoencoder, variant_key
 from sae_pipeline.sae.config import ExportError, build_sae, sae_config
 
@@ -227,17 +229,13 @@ def run(args: Any) -> None:
         name: Path(args.out) / name if name is not None and args.name is None else Path(args.out)
         for name in names or [None]
     }
-    files = (
-        (saelens.SAELENS_WEIGHTS_FNAME, saelens.SAELENS_CFG_FNAME)
-        if args.format == "saelens"
-        else (WEIGHTS_FNAME, CONFIG_FNAME)
-    )
+    files = (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME) if args.format == "saelens" else (WEIGHTS_FNAME, CONFIG_FNAME)
     with output_lock(args.out, "export"):
         for out in outs.values():  # every member's folder before the first is written
             check_export_out(out, files)
         for name, out in outs.items():
             if args.format == "saelens":
-                out_dpath = saelens.export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
+                out_dpath = export_checkpoint_saelens(args.ckpt_path, out, probe=args.probe, name=name)
             else:
                 out_dpath = export_checkpoint(args.ckpt_path, out, name=name)
             what = f"{args.ckpt_path} ({name})" if name is not None else args.ckpt_path

@@ -1,7 +1,7 @@
 """What the two export formats share: their file names, the whole-or-nothing write, one SAE per folder.
 
 The native export (:mod:`sae_pipeline.artifacts.export`) and SAELens's format
-(:mod:`sae_pipeline.artifacts.saelens`) both write through here, and :func:`export_format` tells a
+(:mod:`sae_pipeline.artifacts.saelens_export`) both write through here, and :func:`export_format` tells a
 reader which of the two a folder holds. Both modules sit above this one and neither imports the
 other, so each can be loaded (and changed) alone.
 

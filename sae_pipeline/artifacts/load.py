@@ -3,7 +3,7 @@
 Every ``--sae DIR`` (``features``, ``evaluate sae``, the studies) and users' own code load through
 here, so both formats are accepted everywhere: the native export (``config.json`` +
 ``sae.safetensors``, :func:`sae_pipeline.artifacts.export.load_native`) and a SAELens directory
-(``cfg.json`` + ``sae_weights.safetensors``, :func:`sae_pipeline.artifacts.saelens.load_saelens`,
+(``cfg.json`` + ``sae_weights.safetensors``, :func:`sae_pipeline.artifacts.saelens_load.load_saelens`,
 which builds our equivalent module). Neither reader imports what the folder names
 (`sae_pipeline.sae.config`). The folder ``export`` fills with a group's members (one export per
 member, ``DIR/NAME``) holds no export itself: it is refused naming the member folders to pass instead.
@@ -17,7 +17,7 @@ import torch
 
 from sae_pipeline.artifacts.export import load_native
 from sae_pipeline.artifacts.export_files import CONFIG_FNAME, SAELENS_CFG_FNAME, export_format
-from sae_pipeline.artifacts.saelens import load_saelens
+from sae_pipeline.artifacts.saelens_load import load_saelens
 from sae_pipeline.sae import SparseAutoencoder
 from sae_pipeline.sae.config import ExportError
 

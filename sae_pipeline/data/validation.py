@@ -8,7 +8,7 @@ SAELens export's MP-SAE check and a training run with the same ``val_fraction`` 
 :func:`validation_tokens` returns the split as one tensor; :func:`validation_split` returns a
 :class:`ValidationSplit`, which reads it from disk again on every pass, one block at a time, so a
 measurement over the whole split (``evaluate sae``) holds a block, not the split: its memory does not
-grow with the number of tokens (``benchmarks/scaling.py``'s ``memory_tokens`` curve).
+grow with the number of tokens (``python -m benchmarks.scaling``'s ``memory_tokens`` curve).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 ``python -m sae_pipeline.evaluate {expressivity,inference,coherence,concepts,probing,all,report,dictionary,sae}``
 (see :mod:`sae_pipeline.evaluate.__main__`). One concept per module:
 
+- `.parser`: the flags of every subcommand; `.study_runner`: what a study subcommand does, start to end;
 - :mod:`.runs`: plan the grid of training runs; :mod:`.run_training`: train / export / resume them through the CLI;
 - `.data_flags`: how evaluate spells its data flags in advice (``--data_dpath``, not fit's), MNIST checked early;
 - :mod:`.studies`: evaluate each exported run and gather the numbers per study (each SAE's numbers and curves:

@@ -13,7 +13,7 @@ and of the co-activated atoms. Numbers go into ``OUT/results.json`` under ``saes
 
 The data must be in the units the SAE was trained on: an exported SAE takes raw activations
 (its input scale is folded in); a SAELens SAE takes what its ``normalize_activations`` says,
-and only run-time-free settings load (see :mod:`sae_pipeline.artifacts.saelens`).
+and only run-time-free settings load (see :mod:`sae_pipeline.artifacts.saelens_load`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ with a page per image of the atoms that fire most on it and of each clicked patc
 (:mod:`.image_top`, :mod:`.image_pages`, :mod:`.patch_atoms`)
 and, where the images carry labels, per-atom label statistics and a page per label (:mod:`.labels`
 counts in the pass, :mod:`.selectivity`, :mod:`.label_pages`, :mod:`.label_assets`).
-``features explain`` (:mod:`.explain`) writes those image pages for new images, through the
-backbone the SAE's training data was extracted with.
+``features explain`` (:mod:`.explain`, the command; :mod:`.explain_backbone`, :mod:`.explain_images`,
+:mod:`.explain_pages`) writes those image pages for new images, through the backbone the SAE's
+training data was extracted with.
 :mod:`.tensorboard` logs the top patches of a few atoms during training.
 """

@@ -9,7 +9,7 @@ Pages: ``images/<key>.html`` (the image with a patch picker, `patch_atoms.py`, t
 rankings as heatmap cards linking to each atom's page; pixel data: one ranking of the atoms'
 decoder images) and ``images/index.html`` listing them; the atom pages link each top image
 to its page. ``features explain`` writes the same pages for the user's images
-(:mod:`sae_pipeline.features.explain`).
+(:mod:`sae_pipeline.features.explain_pages`).
 """
 
 from __future__ import annotations

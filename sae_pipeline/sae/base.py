@@ -11,11 +11,15 @@ know about a variant (its key, label, sparsity knob, ...) are class attributes o
 
 The shallow variants (ReLU, JumpReLU, TopK, BatchTopK) share one linear encoder,
 :class:`ShallowSAE`; MP-SAE is weight-tied and has none.
+
+This is the training contract. The sparse codes at inference (``encode_sparse``, what ``predict``
+and ``features`` read) come from the mixins of `sae_pipeline/sae/sparse_inference.py`, bases of
+both classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -25,8 +29,9 @@ from torch import Tensor, nn
 
 from feature_extraction.file_hashes import tensors_sha256
 from feature_extraction.validate import check_float, check_int
-from sae_pipeline.sae.inference_codes import from_dense, from_token_lists
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_decode, sparse_encode
+from sae_pipeline.sae.sparse_inference import ShallowSparseInference, SparseInference
+from sae_pipeline.sae.topk_select import top_k_indices
 
 
 class SAEOutput:
@@ -114,12 +119,13 @@ class SAELoss:
 
 
 def keep_top_k(codes: Tensor, k: int) -> Tensor:
-    """Zero all but the ``k`` largest entries of each row (ties broken by ``torch.topk``)."""
-    values, indices = codes.topk(k, dim=-1, sorted=False)
-    return torch.zeros_like(codes).scatter(-1, indices, values)
+    """Zero all but the ``k`` largest entries of each row (`topk_select.top_k_indices`: on a GPU its kernel, ties
+    to the lowest index; else ``torch.topk``)."""
+    indices = top_k_indices(codes, k)
+    return torch.zeros_like(codes).scatter(-1, indices, codes.gather(-1, indices))
 
 
-class SparseAutoencoder(nn.Module):
+class SparseAutoencoder(SparseInference, nn.Module):
     """Base of every variant: unit-norm decoder ``W_dec [d_sae, d_in]``, pre-bias ``b_pre``.
 
     ``tokens_since_fired`` counts, per latent, the tokens seen since it last fired; a latent is
@@ -194,19 +200,6 @@ class SparseAutoencoder(nn.Module):
         codes = coefficients.new_zeros(coefficients.shape[0], self.d_sae)
         return codes.scatter_add_(1, indices, coefficients)  # in place: no second [B, d_sae] copy
 
-    @torch.no_grad()
-    def encode_sparse(self, x: Tensor) -> SparseCodes:
-        """The non-zero codes of ``encode(x)`` as canonical entries (`sae_pipeline/sae/inference_codes.py`),
-        what ``predict`` and ``features`` read: from a pursuit's selection order without dense codes, else
-        from the dense codes. The shallow variants build them from their support (`ShallowSAE`)."""
-        if self.is_pursuit:
-            return self.sparse_from_pursuit(*self.pursuit(x))
-        return from_dense(self.encode(x))
-
-    def sparse_from_pursuit(self, indices: Tensor, coefficients: Tensor) -> SparseCodes:
-        """`codes_from_pursuit` as canonical entries (index -1, a step not taken, carries 0, as there)."""
-        return from_token_lists(indices.clamp_min(0), coefficients, self.d_sae)
-
     # --- loss --------------------------------------------------------------------------
     def loss(self, x: Tensor, output: SAEOutput, step: int = 0) -> SAELoss:
         """The sum of :meth:`loss_terms`, with each term kept by name for logging."""
@@ -234,6 +227,21 @@ class SparseAutoencoder(nn.Module):
         warm-up): a step captured as a CUDA graph keeps the value of its capture, so the training module
         runs such steps eagerly (`sae_pipeline.training.graph_step`). Default: never."""
         return False
+
+    # --- host-side bookkeeping around each training step (called by the training module) -----------
+    def begin_fit(self) -> None:
+        """Before a fit's first training step, on the host (a host read is fine here: once per fit).
+        Default: nothing. TopK starts its late dead count (`sae_pipeline.sae.late_count`)."""
+
+    def plan_step(self) -> Hashable:
+        """Before each training step, on the host: fix what the step's work depends on that the host knows
+        (never a device value read now) and return it as the step's key. Steps of one key queue the same
+        kernels on the same shapes: a captured step keeps one CUDA graph per key
+        (`sae_pipeline.training.graph_step`). Default: None, one key. TopK: its AuxK slots, 0 for none."""
+        return None
+
+    def after_step(self) -> None:
+        """After each training step is queued, on the host, outside any captured graph. Default: nothing."""
 
     def lr_scales(self) -> dict[str, float]:
         """Learning-rate multipliers by parameter name (as in ``named_parameters``) for the parameters
@@ -351,7 +359,7 @@ class SparseAutoencoder(nn.Module):
         return f"d_in={self.d_in}, d_sae={self.d_sae}, k={self.k}"
 
 
-class ShallowSAE(SparseAutoencoder):
+class ShallowSAE(ShallowSparseInference, SparseAutoencoder):
     """One-step encoder ``pre = (x - b_pre) @ W_enc + b_enc``, then a variant's nonlinearity.
 
     ``W_enc [d_in, d_sae]`` starts as ``W_dec.T`` (tied at init, as in Gao et al. 2024), which
@@ -395,21 +403,6 @@ class ShallowSAE(SparseAutoencoder):
         self.check_input(x)
         k = None if k is None else self.resolve_k(k)
         return self.activate(self.pre_activations(x), k)
-
-    def inference_entries(self, pre: Tensor) -> SparseCodes | None:
-        """The non-zero codes of ``activate(pre, None)`` as canonical entries, without dense codes; None
-        where the variant has no such path (then `encode_sparse` reads them off the dense codes). May
-        overwrite ``pre`` (no graph; it is not used again) when it returns entries."""
-        return None
-
-    @torch.no_grad()
-    def encode_sparse(self, x: Tensor) -> SparseCodes:
-        """As `SparseAutoencoder.encode_sparse`, from `inference_entries` where the variant has it and
-        ``sparse_max_density`` > 0 (0 forces the dense codes, as for forward)."""
-        self.check_input(x)
-        pre = self.pre_activations(x)
-        codes = self.inference_entries(pre) if self.sparse_max_density > 0 else None
-        return codes if codes is not None else from_dense(self.activate(pre, None))
 
     def forward(self, x: Tensor) -> SAEOutput:
         self.check_input(x)

@@ -1,5 +1,8 @@
 """BatchTopK's selection: the ``n`` largest of ``B·d_sae`` values, without a top-k over all of them on a GPU.
 
+Since the selection kernels (`topk_select.py`, `triton_topk.py`: one read of the values), this search runs only
+for the shapes they do not take (`topk_select.batch_top_indices` falls back to it); the tie rule is the same.
+
 The support BatchTopK trains on is the batch top ``n = B·k`` of the ranked pre-activations. On the
 CPU that stays one `torch.topk` (a partial sort, cheap there). On a GPU a `topk` of 131 072 out of
 78.6 M values (the paper shape) is a multi-block radix select plus a gather of values and indices;

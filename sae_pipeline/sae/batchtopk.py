@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from feature_extraction.validate import check_float
-from sae_pipeline.sae import sparse_decode
 from sae_pipeline.sae.base import SAEOutput, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks
 from sae_pipeline.sae.inference_codes import from_support
 from sae_pipeline.sae.sparse_decode import SparseCodes
 from sae_pipeline.sae.token_scale import token_scale
 from sae_pipeline.sae.topk import TopKSAE
+from sae_pipeline.sae.topk_select import batch_top_indices
 
 
 class BatchTopKSAE(TopKSAE):
@@ -85,31 +85,23 @@ class BatchTopKSAE(TopKSAE):
 
     def batch_top_k(self, acts: Tensor) -> Tensor:
         """Keep the ``B·k`` largest entries of ``acts [B, d_sae]`` (of ``acts / s(x)`` with a token-scaled
-        threshold) over the whole batch."""
+        threshold) over the whole batch (`topk_select.batch_top_indices`, as `select_support`)."""
         flat = acts.flatten()
         n_keep = min(acts.shape[0] * self.k, flat.numel())
-        indices = self.ranked(acts.detach()).flatten().topk(n_keep, sorted=False).indices
+        indices = batch_top_indices(self.ranked(acts.detach()), n_keep)
         return torch.zeros_like(flat).scatter(0, indices, flat[indices]).view_as(acts)
 
     def select_support(self, pre: Tensor) -> SparseCodes | None:
-        """Training: the batch top ``B·k`` of ``pre`` (or ``pre / s(x)``; on a GPU found by the threshold
-        search of `batch_select.py`, ties at the threshold to the lowest flat index, as CUDA's `topk`);
-        inference: ``pre > max(θ, 0)`` (``pre / s(x) > θ``)."""
+        """Training: the batch top ``B·k`` of ``pre`` (or ``pre / s(x)``), by `topk_select.batch_top_indices` (on a
+        GPU the selection kernel, ties at the threshold to the lowest flat index, as CUDA's `topk`; the indices
+        come ascending, so `from_flat` does not sort them); inference: ``pre > max(θ, 0)`` (``pre / s(x) > θ``)."""
         batch = pre.shape[0]
         if self.training:
             n_keep = min(batch * self.k, pre.numel())
             if not self.fits_sparse(n_keep, batch):
                 return None
-            ranked = self.ranked(pre).flatten()
-            if ranked.is_cuda and sparse_decode.use_triton:  # imported here: the CPU path never loads Triton
-                from sae_pipeline.sae.batch_select import batch_top_indices
-
-                indices = sparse_decode.with_kernels(
-                    lambda: batch_top_indices(ranked, n_keep), lambda: ranked.topk(n_keep, sorted=False).indices
-                )
-            else:
-                indices = ranked.topk(n_keep, sorted=False).indices
-            return SparseCodes.from_flat(indices, batch, self.d_sae)
+            indices = batch_top_indices(self.ranked(pre), n_keep)
+            return SparseCodes.from_flat(indices, batch, self.d_sae, is_sorted=True)
         mask = (self.ranked(pre) > self.threshold) & (pre > 0)
         if not self.fits_sparse(int(mask.sum()), batch):
             return None

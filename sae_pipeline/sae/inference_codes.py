@@ -9,10 +9,11 @@ the non-zero entries.
 
 The entries here are *canonical*: a `SparseCodes` holding the non-zero codes only, in the order
 of `dense.nonzero()` (by token, then by latent), whether a sparse encoder built them
-(`SparseAutoencoder.encode_sparse`) or `from_dense` read them off dense codes (the variants
-without a sparse encoder: ReLU, JumpReLU, BatchTopK in training mode). So every consumer sees
-the same entries in the same order either way, and a sum over entries adds the same floats in
-the same order as the dense path did: the results are equal bit for bit, not within rounding.
+(`SparseAutoencoder.encode_sparse`, `sae_pipeline/sae/sparse_inference.py`) or `from_dense` read
+them off dense codes (the variants without a sparse encoder: ReLU, JumpReLU, BatchTopK in training
+mode). So every consumer sees the same entries in the same order either way, and a sum over entries
+adds the same floats in the same order as the dense path did: the results are equal bit for bit,
+not within rounding.
 """
 
 from __future__ import annotations

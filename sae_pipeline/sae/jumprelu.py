@@ -12,6 +12,10 @@ need it to reach their target L0 within ~1000 steps), ``token_scaled_threshold``
 ``z / s(x)``, the token's own scale, for ViT register/CLS tokens) and ``threshold_lr_scale`` (θ learns
 at a multiple of the learning rate, so it keeps pace with the encoder); the backbone configs set the
 last two.
+
+Precision: the decisions ``pre > θ`` and ``|pre − θ| < ε/2`` are the float32 encoder's under bf16 autocast
+too. On a GPU the encoder GEMM runs in bf16 and only the pre-activations that its rounding could carry
+across θ or θ ± ε/2 are recomputed in float32 (`jumprelu_bf16.py`); elsewhere the encoder runs in float32.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 from feature_extraction.validate import check_float
 from sae_pipeline.sae.base import SAEOutput, ShallowSAE, keep_top_k
 from sae_pipeline.sae.calibration import mean_over_ranks, pooled_cut
+from sae_pipeline.sae.jumprelu_bf16 import bf16_pre_activations, kernel_available
 from sae_pipeline.sae.sparse_decode import SparseCodes, sparse_encode
 from sae_pipeline.sae.token_scale import token_scale
 
@@ -129,6 +134,11 @@ class JumpReLUSAE(ShallowSAE):
     label = "JumpReLU"
     sparsity_knob = "target_l0"  # with sparsity_loss: target_l0 in its configs
     test_kwargs = {"initial_threshold": 0.05}
+    #: Whether the encoder GEMM runs in bf16 under bf16 autocast, the band of pre-activations that its rounding
+    #: could carry across θ or θ ± ε/2 recomputed in float32 (:mod:`sae_pipeline.sae.jumprelu_bf16`). None: on
+    #: CUDA with Triton (elsewhere the float32 encoder, as before); True: on every device (the tests run it on the
+    #: CPU); False: never. Not a constructor argument: it changes the cost, not the firing set.
+    bf16_encoder: bool | None = None
 
     def __init__(
         self,
@@ -193,16 +203,42 @@ class JumpReLUSAE(ShallowSAE):
             self.log_threshold.sub_(math.log(scale))
 
     def pre_activations(self, x: Tensor) -> Tensor:
-        """``(x - b_pre) @ W_enc + b_enc`` in float32 even under bf16 autocast: bf16 spaces values near 1 by
-        ~0.004, coarser than the kernel window ε, so θ's straight-through gradient would be rounding noise."""
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            pre = super().pre_activations(at_least_float32(x))
+        """``(x - b_pre) @ W_enc + b_enc`` as float32, with the float32 encoder's threshold decisions under bf16
+        autocast too. The decisions ``pre > θ`` (the firing set) and ``|pre − θ| < ε/2`` (θ's straight-through
+        gradient) are sensitive to rounding: a bf16 GEMM moves ``pre`` by up to ~2⁻⁸·‖x − b_pre‖·‖W_enc[:, j]‖
+        (~0.1 at d_in 768 for normalised inputs), more than ε/2 and than the margin of the entries next to θ,
+        so bf16 pre-activations would flip the firing set and make θ's gradient rounding noise.
+
+        Under bf16 autocast with :attr:`bf16_encoder` (CUDA with Triton by default) the GEMM runs in bf16 and
+        only the entries within ε/2 + a rounding bound of θ are recomputed in float32
+        (:mod:`sae_pipeline.sae.jumprelu_bf16`); otherwise, and on the first training batch when θ is
+        calibrated from it, the whole encoder runs in float32 (autocast off here)."""
         # activate / select_support / sparse_activate of this forward (or encode) read it
-        self._token_scale = token_scale(x, self.b_pre).to(pre.dtype) if self.token_scaled_threshold else None
+        self._token_scale = token_scale(x, self.b_pre) if self.token_scaled_threshold else None
+        bf16 = self.uses_bf16_encoder(x)  # reads the autocast state, so before it is switched off
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            if bf16:
+                half = self.bandwidth / 2
+                a = at_least_float32(x) - self.b_pre
+                pre = bf16_pre_activations(a, self.W_enc, self.b_enc, self.threshold, self._token_scale, half)
+            else:
+                pre = super().pre_activations(at_least_float32(x))
+        if self._token_scale is not None:
+            self._token_scale = self._token_scale.to(pre.dtype)
         if self._calibration_pending and self.training:
             self._calibration_pending = False
             self.calibrate_threshold(pre if self._token_scale is None else pre / self._token_scale)
         return pre
+
+    def uses_bf16_encoder(self, x: Tensor) -> bool:
+        """Whether :meth:`pre_activations` runs the bf16 encoder on ``x`` (see :attr:`bf16_encoder`): under bf16
+        autocast, for float32/16 input, not on the batch that calibrates θ (its quantile is read in float32)."""
+        device = x.device.type
+        if self.bf16_encoder is False or x.dtype == torch.float64 or not torch.is_autocast_enabled(device):
+            return False
+        if torch.get_autocast_dtype(device) != torch.bfloat16 or (self._calibration_pending and self.training):
+            return False
+        return self.bf16_encoder is True or (x.is_cuda and kernel_available())
 
     def gate(self, rows: Tensor | None = None, latents: Tensor | None = None) -> tuple[Tensor, float | Tensor]:
         """θ and ε as compared with ``pre``: ``θ [d_sae]`` and ε, or with a token-scaled threshold

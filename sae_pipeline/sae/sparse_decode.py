@@ -11,8 +11,11 @@ only the selected (token, latent) pairs:
 - the encoder's backward only over the selected columns: ``∂W_enc[:, j] = Σ_b ∂pre_bj · (x_b − b_pre)``,
   ``∂b_enc[j] = Σ_b ∂pre_bj``, ``∂b_pre = −W_enc · ∂b_enc``.
 
-On a GPU (CUDA tensors of float32/bfloat16/float16, Triton importable) the three products run as
-Triton kernels (`triton_sparse.py`); everywhere else, `F.embedding_bag` and ATen's own gradient.
+On a GPU (CUDA tensors of float32/bfloat16/float16, Triton importable) each product runs as a
+Triton kernel (`triton_sparse.py`) or as its dense cuBLAS form (the entries scattered into ``[B, d_sae]``,
+then one GEMM; for the per-entry dots one GEMM, then the gather), whichever this process measured faster
+for the device, dtype and shape (`product_choice.py`: fewer flops is not always less time); everywhere
+else, `F.embedding_bag` and ATen's own gradient.
 
 Dense autograd would instead run three more GEMMs of the encoder's size (``codes @ W_dec``, its
 two gradients) and a fourth for ``∂W_enc``, and allocate several ``[B, d_sae]`` tensors.
@@ -36,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sae_pipeline.sae import product_choice
 
 
 class SparseCodes:
@@ -64,9 +69,11 @@ class SparseCodes:
         return cls(indices.reshape(-1), rows, crow, d_sae)
 
     @classmethod
-    def from_flat(cls, flat_indices: Tensor, batch: int, d_sae: int) -> SparseCodes:
-        """From indices into the flattened ``[B, d_sae]`` (e.g. a batch-wide top-k), any order."""
-        flat_indices = flat_indices.sort().values
+    def from_flat(cls, flat_indices: Tensor, batch: int, d_sae: int, is_sorted: bool = False) -> SparseCodes:
+        """From indices into the flattened ``[B, d_sae]`` (e.g. a batch-wide top-k), any order (``is_sorted``:
+        already ascending, as `topk_select.batch_top_indices` gives them; no sort)."""
+        if not is_sorted:
+            flat_indices = flat_indices.sort().values
         rows = torch.div(flat_indices, d_sae, rounding_mode="floor")
         return cls(flat_indices - rows * d_sae, rows, row_offsets(rows, batch), d_sae)
 
@@ -138,8 +145,9 @@ def row_offsets(rows: Tensor, batch: int) -> Tensor:
 
 
 # --- the three sparse products -----------------------------------------------------------------
-#: False: the products use `F.embedding_bag` on a GPU too (benchmarks/sparse_kernels.py compares the two);
-#: set to False for the rest of the process when a kernel fails to compile or launch (`with_kernels`).
+#: False: the products use `F.embedding_bag` on a GPU too, with no choice of cuBLAS (benchmarks/sparse_kernels.py
+#: compares the two); set to False for the rest of the process when a kernel fails to compile or launch
+#: (`with_kernels`).
 use_triton = True
 T = TypeVar("T")
 
@@ -174,15 +182,38 @@ def with_kernels(kernel_call: Callable[[], T], fallback: Callable[[], T]) -> T:
     return fallback()
 
 
-def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
-    """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``."""
+def _chosen(
+    product: str,
+    codes: SparseCodes,
+    operand: Tensor,
+    sparse: Callable[[], Tensor],
+    dense: Callable[[], Tensor],
+    timed_sparse: Callable[[], object] | None = None,
+) -> Tensor:
+    """``sparse()`` (the kernel) or ``dense()`` (cuBLAS), as `product_choice.CHOOSER` measured for this product
+    and shape; ``operand``: the table or tokens whose dtype, device and width the key names."""
+    key = product_choice.key_for(
+        product, operand, codes.batch_size, codes.d_sae, operand.shape[1], codes.indices.numel()
+    )
+    return product_choice.CHOOSER.run(key, operand.device, sparse, dense, timed_sparse)
+
+
+def token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor, product: str = "decode") -> Tensor:
+    """``out[b] = Σ_{e in token b} per_entry[e] · weight[indices[e]]`` ``[B, d]``; ``product``: the name its
+    choice of kernel or cuBLAS is kept and logged under (`product_choice.PRODUCTS`)."""
     kernels = _gpu_kernels(weight, per_entry)
-    if kernels is not None:
-        return with_kernels(
+    if kernels is None:
+        return _token_sums(codes, weight, per_entry)
+    return _chosen(
+        product,
+        codes,
+        weight,
+        lambda: with_kernels(
             lambda: kernels.segment_sums(codes.crow, codes.indices, weight, per_entry),
             lambda: _token_sums(codes, weight, per_entry),
-        )
-    return _token_sums(codes, weight, per_entry)
+        ),
+        lambda: _dense_token_sums(codes, weight, per_entry),
+    )
 
 
 def _token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
@@ -196,16 +227,30 @@ def _token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor
     )
 
 
-def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
-    """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]``."""
-    order, rows, latent_crow = codes.by_latent()
+def latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor, product: str = "dW_dec") -> Tensor:
+    """``out[j] = Σ_{e of latent j} per_entry[e] · source[rows[e]]`` ``[d_sae, d]`` (``product``: as in
+    `token_sums`). The kernel needs the latent-major order, the dense form does not: a call that would
+    compute the order (the first of the batch) is timed with it."""
     kernels = _gpu_kernels(source, per_entry)
-    if kernels is not None:
+    if kernels is None:
+        return _latent_sums(codes, source, per_entry)
+
+    def sparse(entries: SparseCodes = codes) -> Tensor:
+        order, rows, latent_crow = entries.by_latent()
         return with_kernels(
             lambda: kernels.segment_sums(latent_crow, rows, source, per_entry, order),
-            lambda: _latent_sums(codes, source, per_entry),
+            lambda: _latent_sums(entries, source, per_entry),
         )
-    return _latent_sums(codes, source, per_entry)
+
+    unsorted = codes._by_latent is None
+    return _chosen(
+        product,
+        codes,
+        source,
+        sparse,
+        lambda: _dense_latent_sums(codes, source, per_entry),
+        (lambda: sparse(SparseCodes(codes.indices, codes.rows, codes.crow, codes.d_sae))) if unsorted else None,
+    )
 
 
 def _latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
@@ -220,15 +265,21 @@ def _latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tenso
     )
 
 
-def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
-    """``out[e] = ⟨tokens[rows[e]], weight[indices[e]]⟩`` ``[nnz]``."""
+def entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor, product: str = "dvalues") -> Tensor:
+    """``out[e] = ⟨tokens[rows[e]], weight[indices[e]]⟩`` ``[nnz]`` (``product``: as in `token_sums`)."""
     kernels = _gpu_kernels(tokens, weight)
-    if kernels is not None:
-        return with_kernels(
+    if kernels is None:
+        return _entry_dots(codes, tokens, weight)
+    return _chosen(
+        product,
+        codes,
+        tokens,
+        lambda: with_kernels(
             lambda: kernels.entry_dots(codes.rows, codes.indices, tokens, weight),
             lambda: _entry_dots(codes, tokens, weight),
-        )
-    return _entry_dots(codes, tokens, weight)
+        ),
+        lambda: _dense_entry_dots(codes, tokens, weight),
+    )
 
 
 def _entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
@@ -244,6 +295,33 @@ def _entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
             sl = slice(start, start + step)
             out[sl] = (tokens[codes.rows[sl]] * weight[codes.indices[sl]]).sum(1)
         return out
+
+
+# --- the dense forms (cuBLAS), for shapes where they are faster than the kernels ---------------------
+# Each computes its product's sums in the operands' dtype with autocast off, as the kernels read them: a
+# bf16-autocast run whose weights are float32 gets a float32 GEMM (at the run's float32 matmul precision), and
+# its choice is measured as such. Not autocast's bf16 GEMM: that would round W_dec, which the kernels do not.
+def dense_codes(codes: SparseCodes, per_entry: Tensor, dtype: torch.dtype) -> Tensor:
+    """``per_entry`` scattered into ``[B, d_sae]`` of ``dtype`` (entries on the same (token, latent) summed)."""
+    dense = torch.zeros(codes.batch_size * codes.d_sae, dtype=dtype, device=per_entry.device)
+    dense.index_add_(0, codes.rows * codes.d_sae + codes.indices, per_entry.to(dtype))
+    return dense.view(codes.batch_size, codes.d_sae)
+
+
+def _dense_token_sums(codes: SparseCodes, weight: Tensor, per_entry: Tensor) -> Tensor:
+    with torch.autocast(weight.device.type, enabled=False):
+        return dense_codes(codes, per_entry, weight.dtype) @ weight
+
+
+def _dense_latent_sums(codes: SparseCodes, source: Tensor, per_entry: Tensor) -> Tensor:
+    with torch.autocast(source.device.type, enabled=False):
+        return dense_codes(codes, per_entry, source.dtype).T @ source
+
+
+def _dense_entry_dots(codes: SparseCodes, tokens: Tensor, weight: Tensor) -> Tensor:
+    dtype = torch.promote_types(tokens.dtype, weight.dtype)
+    with torch.autocast(tokens.device.type, enabled=False):
+        return codes.gather(tokens.to(dtype) @ weight.to(dtype).T).to(tokens.dtype)
 
 
 # --- autograd Functions -----------------------------------------------------------------------
@@ -271,7 +349,7 @@ class SparseEncodeGather(torch.autograd.Function):
         need_x, need_b_pre, need_W, need_b_enc = ctx.needs_input_grad[:4]
         grad_x = grad_b_pre = grad_W = grad_b_enc = None
         if need_W:  # [d_sae, d_in] transposed: the strides of W_enc = W_dec.T.clone()
-            grad_W = latent_sums(codes, (x - b_pre).to(W_enc.dtype), grad).T
+            grad_W = latent_sums(codes, (x - b_pre).to(W_enc.dtype), grad, "dW_enc").T
         if need_b_enc or need_b_pre:
             column_sums = torch.zeros(codes.d_sae, dtype=grad.dtype, device=grad.device).index_add_(
                 0, codes.indices, grad
@@ -279,7 +357,7 @@ class SparseEncodeGather(torch.autograd.Function):
             grad_b_enc = column_sums if need_b_enc else None
             grad_b_pre = -(W_enc @ column_sums).to(b_pre.dtype) if need_b_pre else None
         if need_x:
-            grad_x = token_sums(codes, W_enc.T, grad).to(x.dtype)
+            grad_x = token_sums(codes, W_enc.T, grad, "dx").to(x.dtype)
         return grad_x, grad_b_pre, grad_W, grad_b_enc, None, None
 
 

@@ -18,7 +18,7 @@ lane of the tile (a compare per element, no reduction per tile), reduced across 
 ``C`` may start in another dtype than the one it is kept in (``c_in`` read, ``c_out`` written: the
 first update reads the bf16 correlations of a bf16 GEMM and keeps float32), so no cast pass is needed.
 
-Used by `mp_autograd.select_atoms` and `omp.select_atoms` on CUDA when Triton is installed
+Used by `mp_autograd.select_atoms` and `omp_autograd.select_atoms` on CUDA when Triton is installed
 (`fused_available`); the CPU keeps its PyTorch path. The tests run this kernel on the CPU under
 ``TRITON_INTERPRET=1`` (``tests/test_triton_pursuit.py``), which must be set before the kernel is
 built: it is built on first use (`_kernel`), not at import.
@@ -248,7 +248,7 @@ def omp_step(
     distances: Tensor | None,
     tolerance: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """OMP's step ``t`` of `omp.select_atoms` in place, ``(indices[:, t], best [B, 1])``: from ``t = 1`` the
+    """OMP's step ``t`` of `omp_autograd.select_atoms` in place, ``(indices[:, t], best [B, 1])``: from ``t = 1`` the
     previous step's update ``corr −= z[:, t−1] · proj`` (``proj = q_{t−1} W_decᵀ``), the picked atom
     ``indices[:, t−1]`` masked and, given ``distances``, the rank rule; then the argmax."""
     if t == 0:

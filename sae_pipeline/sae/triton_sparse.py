@@ -15,6 +15,10 @@ would give through autograd is a scatter with atomics. Here each product is one 
 Operands may be float32, bfloat16 or float16; every sum accumulates in float32 and is stored in
 the output's dtype. The kernels take any strides (no `.contiguous()` copy of `W_enc.T`).
 
+Fewer flops than the dense GEMMs is not always less time (cuBLAS's GEMM beat the latent-major sums at the
+paper's shape on an H200), so `sparse_decode.py` runs each product here only where this process measured it
+faster than its cuBLAS form (`product_choice.py`).
+
 Tests run these kernels on the CPU under `TRITON_INTERPRET=1` (`tests/test_triton_sparse.py`; the
 interpreter is chosen when `triton.jit` decorates, so the test loads its own copy of this module
 with the variable set); `tests/test_gpu_sparse_kernels.py` runs them on CUDA.

@@ -20,6 +20,10 @@ What a graph needs, and how the module gives it:
   back as a number).
 - A few eager steps first, on a side stream (PyTorch's rule: lazy state such as Adam's moments and
   cuBLAS workspaces must exist before capture), then capture, then one replay per step.
+- A host value that does change the step's work is a key (`SparseAutoencoder.plan_step`: TopK's AuxK
+  slots, from a dead count the host knows a few steps late, 0 while no latent is dead): one graph per
+  key, sharing one memory pool, each captured the first time its key comes (after one eager step of it)
+  and replayed for every later step of that key (`StaticStep`).
 
 Where capture is impossible the step runs eagerly and the module says why once: not CUDA, DDP (the
 gradient all-reduce runs outside the step), gradient accumulation or the Trainer's gradient clipping
@@ -31,6 +35,8 @@ check the captured callable against the module's eager step.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -75,7 +81,19 @@ def checkpoint_groups(optimizer_state: dict[str, Any]) -> None:
 
 class StaticStep:
     """One optimiser step of ``module`` on fixed buffers: captured as a CUDA graph and replayed on
-    CUDA; run eagerly (the same code) when ``capture`` is False."""
+    CUDA; run eagerly (the same code) when ``capture`` is False.
+
+    One graph per step key (`SparseAutoencoder.plan_step`: what the step's work depends on that the host
+    knows, e.g. TopK's AuxK slots, 0 while no latent is dead), each replayed for the steps of its key. A key
+    seen for the first time costs one eager step (on the side stream: PyTorch's warm-up before a capture,
+    here for the key's new shapes and kernels) and one capture; a key seen before costs nothing, so a
+    flip of the key costs at most a capture. The first capture also waits for `WARMUP_STEPS` eager steps.
+
+    The graphs share one memory pool, which is safe in any order of replays: what a capture allocates is
+    its step's temporaries (gradients included: each step sets them to None first) and its outputs, read
+    only after a replay of the same graph; the state carried from step to step (parameters, Adam's
+    moments, buffers, the input and step buffers) is allocated outside the captures and updated in place.
+    """
 
     def __init__(self, module: SAEModule, optimizer: torch.optim.Optimizer, capture: bool) -> None:
         self.module, self.optimizer, self.capture = module, optimizer, capture
@@ -83,38 +101,56 @@ class StaticStep:
         self.batch: dict[str, Any] = {}
         self.step: Tensor | None = None  # the global step, int64 on the device
         self.outputs: tuple[Tensor, Any, Any] | None = None
-        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
-        self.eager_runs = 0  # warm-up runs before the capture
+        self.graphs: dict[Hashable, Any] = {}  # step key -> torch.cuda.CUDAGraph
+        self.graph_outputs: dict[Hashable, tuple[Tensor, Any, Any]] = {}  # each graph's outputs
+        self.graph: Any = None  # the graph replayed last (None before the first capture)
+        self.pool: Any = None  # the graphs' shared memory pool
+        self.warmed: set[Hashable] = set()  # keys that ran eagerly (a capture of a new key waits for one)
+        self.capturing = False  # a capture under way (its failure is not the step's)
+        self.eager_runs = 0  # warm-up runs before a capture
         self.runs = 0
+        self.key_runs: Counter[Hashable] = Counter()  # runs per key
         prepare_optimizer(optimizer)
 
     def fits(self, x: Tensor) -> bool:
         """Whether ``x`` can go through the buffers (same shape, dtype and device as the first batch)."""
         return self.x is None or (x.shape == self.x.shape and x.dtype == self.x.dtype and x.device == self.x.device)
 
-    def run(self, batch: dict[str, Any], step: int) -> tuple[Tensor, Any, Any]:
-        """The step on ``batch`` at global step ``step``: ``(x as the SAE saw it, SAEOutput, SAELoss)``, valid
-        until the next run (the batch's other keys, such as its shards, serve an eager run's error messages)."""
+    def action(self, key: Hashable) -> str:
+        """What a run of ``key`` does: ``"replay"`` its graph, ``"capture"`` it (then replay), or ``"eager"``
+        (a warm-up: before the first capture, `WARMUP_STEPS` steps; before a new key's, one of that key)."""
+        if key in self.graphs:
+            return "replay"
+        if self.eager_runs < WARMUP_STEPS or key not in self.warmed:
+            return "eager"
+        return "capture"
+
+    def run(self, batch: dict[str, Any], step: int, key: Hashable = None) -> tuple[Tensor, Any, Any]:
+        """The step on ``batch`` at global step ``step``, whose work is ``key``'s (`SparseAutoencoder.plan_step`,
+        called just before): ``(x as the SAE saw it, SAEOutput, SAELoss)``, valid until the next run (the
+        batch's other keys, such as its shards, serve an eager run's error messages)."""
         x = batch["x"]
         self.runs += 1
+        self.key_runs[key] += 1
         if self.x is None or self.step is None:
             self.x = torch.empty_like(x)
             self.step = torch.zeros((), dtype=torch.int64, device=x.device)
         self.x.copy_(x)
         self.batch = {**batch, "x": self.x}
         self.step.fill_(step)
+        action = self.action(key)
         if not self.capture:
             self.outputs = self._step()
-        elif self.graph is None and self.eager_runs < WARMUP_STEPS:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.outputs = self._step()
-            torch.cuda.current_stream().wait_stream(side)
+        elif action == "eager":
+            self.outputs = self._warm_up()
             self.eager_runs += 1
+            self.warmed.add(key)
         else:
-            if self.graph is None:
-                self._capture()
+            if action == "capture":
+                self.capturing = True
+                self.graphs[key], self.graph_outputs[key] = self._capture()
+                self.capturing = False
+            self.graph, self.outputs = self.graphs[key], self.graph_outputs[key]
             self.graph.replay()
         assert self.outputs is not None
         x_seen, output, losses = self.outputs
@@ -122,9 +158,21 @@ class StaticStep:
             output._codes = None  # dense codes built from an earlier run's sparse ones would be stale
         return x_seen, output, losses
 
-    def _capture(self) -> None:
+    def _warm_up(self) -> tuple[Tensor, Any, Any]:
+        """The step run eagerly on a side stream (before a capture), ordered with the current stream."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outputs = self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        return outputs
+
+    def _capture(self) -> tuple[Any, tuple[Tensor, Any, Any]]:
+        """The step captured (not run) into a new graph in the shared pool: ``(graph, its outputs)``."""
         graph = torch.cuda.CUDAGraph()
         device_type = "cuda"
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         # Autocast's cache of cast weights must not outlive the capture (PyTorch's rule for graphs).
         autocast = torch.autocast(
             device_type,
@@ -133,9 +181,9 @@ class StaticStep:
             cache_enabled=False,
         )
         # thread_local: the data loader's pin-memory thread may allocate host memory during the capture
-        with autocast, torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.outputs = self._step()
-        self.graph = graph
+        with autocast, torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = self._step()
+        return graph, outputs
 
     def _step(self) -> tuple[Tensor, Any, Any]:
         """What Lightning's eager step does, in its order of effects: forward and loss (the firing clock and
@@ -185,21 +233,21 @@ class CudaGraphStep:
             return False
         return True
 
-    def run(self, module: SAEModule, batch: dict[str, Any]) -> tuple[Tensor, Any, Any]:
-        """The step through the `StaticStep`. Where the capture fails, this step runs the same code
-        eagerly and every later one takes Lightning's eager step."""
+    def run(self, module: SAEModule, batch: dict[str, Any], key: Hashable = None) -> tuple[Tensor, Any, Any]:
+        """The step through the `StaticStep`, with the step's key (`SparseAutoencoder.plan_step`). Where a
+        capture fails, this step runs the same code eagerly and every later one takes Lightning's eager step."""
         static = self.static
         assert static is not None
         try:
-            return static.run(batch, module.global_step)
+            return static.run(batch, module.global_step, key)
         except RuntimeError as exn:  # torch.AcceleratorError (a CUDA error) included
-            if static.graph is not None or static.eager_runs < WARMUP_STEPS:
-                raise  # not the capture: a real error of the step
+            if not static.capturing:
+                raise  # not a capture: a real error of the step
             self.failed = f"capture failed ({str(exn).splitlines()[0] if str(exn) else type(exn).__name__})"
             self.say(f"the training step runs eagerly, not as a CUDA graph: {self.failed}", force_warning=True)
             self.static = None
-            static.capture, static.graph = False, None
-            return static.run(batch, module.global_step)
+            static.capture, static.capturing, static.graph, static.graphs = False, False, None, {}
+            return static.run(batch, module.global_step, key)
 
     def say(self, line: str, force_warning: bool = False) -> None:
         if line in self.said:

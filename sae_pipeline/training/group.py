@@ -223,9 +223,17 @@ class SAEGroupModule(L.LightningModule):
             member_logger.log_metrics(scalars, step=step)
 
     # --- training ----------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        for _, member in self.named_members():
+            member.on_train_start()
+
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         for _, member in self.named_members():
             member.on_train_batch_start(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Any], batch_idx: int) -> None:
+        for _, member in self.named_members():
+            member.on_train_batch_end(outputs, batch, batch_idx)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         optimizer = self.optimizers()

@@ -4,7 +4,7 @@ glibc's malloc serves a block above ``M_MMAP_THRESHOLD`` (128 KiB) with its own 
 system when freed, but each such free raises the threshold to the freed size (up to 32 MiB), so the
 next blocks of that size come from the heap instead, where they fragment: a ``predict`` over 67k tokens
 (d_in 768, d_sae 4096, batches of 1024: a few MiB per tensor) grew from 0.9 to 1.7-2.4 GiB, and its
-peak grew with the number of tokens (``benchmarks/scaling.py``, part ``predict_tokens``). Setting the
+peak grew with the number of tokens (``python -m benchmarks.scaling``, part ``predict_tokens``). Setting the
 threshold explicitly turns that adjustment off (mallopt(3)): per-batch tensors are then mapped and
 unmapped each batch, and the peak stays flat (0.9 GiB at any size), for a page-fault cost per batch that
 the encoder's matmul dwarfs.

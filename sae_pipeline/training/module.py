@@ -22,10 +22,14 @@ owns everything a training run adds to it:
 - No host read in the training step on a GPU: the loss is logged as a tensor (Lightning reads it
   only on the steps it writes), the other train metrics are computed on those steps only, and
   NaN/Inf is noted on the device and read then, or before a checkpoint is written
-  (`sae_pipeline.training.non_finite`).
+  (`sae_pipeline.training.non_finite`); what the host must know before a step (TopK's AuxK: whether
+  latents are dead, and how many) it knows a few steps late (`SparseAutoencoder.plan_step`, planned at
+  each batch's start; `after_step` at its end, `begin_fit` at the fit's start).
 - On one CUDA device (`cuda_graph`, on by default there since the GPU tests passed on an H200), the whole
   step (forward, backward, Adam, the projection, the clock) is one CUDA graph replayed per batch
   (`sae_pipeline.training.graph_step`).
+- The sparse products' choice of Triton kernel or cuBLAS, measured at their first call
+  (`sae_pipeline.sae.product_choice`), logged once per fit, one INFO line per product.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 import sae_pipeline
 from feature_extraction.shards import extraction_record, manifest_sha256
 from feature_extraction.validate import check_float, check_int
 from sae_pipeline.metrics import ActivationStats, ReconstructionR2, dead_fraction
-from sae_pipeline.sae import SparseAutoencoder
+from sae_pipeline.sae import SparseAutoencoder, product_choice
 from sae_pipeline.sae.config import sae_config
 from sae_pipeline.sae.inference_codes import ranked_lists
 from sae_pipeline.training import lightning_compat
@@ -120,6 +125,7 @@ class SAEModule(L.LightningModule):
         self.non_finite = NonFiniteWatch()  # where the GPU's step notes NaN/Inf (see step_loss)
         self.graph_step = CudaGraphStep(cuda_graph)
         self._replay = False  # whether this batch's step goes through the graph (decided at the batch's start)
+        self._step_key: Any = None  # the SAE's plan of this batch's step (`SparseAutoencoder.plan_step`)
 
     # --- input ----------------------------------------------------------------------------
     def preprocess(self, x: Tensor) -> Tensor:
@@ -188,6 +194,23 @@ class SAEModule(L.LightningModule):
         if not self._initialized_cache:
             self._init_from_batch(batch)
         self._replay = self.graph_step.use_for(self, batch)
+        # what the step's work depends on that the host knows (TopK: AuxK's slots from the late dead count)
+        self._step_key = self.sae.plan_step()
+
+    def on_train_start(self) -> None:
+        """The SAE's host-side state for this fit (TopK: its late dead count, from the clock as restored), and
+        a new report of the sparse products' choices (each logged once per fit)."""
+        self.sae.begin_fit()
+        product_choice.CHOOSER.new_fit()
+
+    def on_train_batch_end(self, outputs: Any, batch: dict[str, Any], batch_idx: int) -> None:
+        """After the step is queued (replayed or eager): the SAE's host-side bookkeeping (TopK: the dead count's
+        non-blocking copy that a step `aux_lag` steps on plans with), and one INFO line per sparse product whose
+        choice of Triton kernel or cuBLAS this fit has not said yet (`sae_pipeline.sae.product_choice`: measured
+        at the product's first call, i.e. in the first step; nothing to say on the CPU)."""
+        self.sae.after_step()
+        for line in product_choice.CHOOSER.report():
+            rank_zero_info(line)
 
     def _init_from_batch(self, batch: dict[str, Any]) -> None:
         x = batch["x"].detach().float()
@@ -199,7 +222,7 @@ class SAEModule(L.LightningModule):
 
     # --- training ---------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
-        replayed = self.graph_step.run(self, batch) if self._replay else None
+        replayed = self.graph_step.run(self, batch, self._step_key) if self._replay else None
         if replayed is None:
             x, output, losses = self.step_loss(batch)
             self.log("train/loss", losses.loss, prog_bar=True)  # a tensor: read only when Lightning writes it

@@ -11,7 +11,7 @@ step. :func:`check_resume` then stitches the killed run's batches before its che
 resumed run's and compares them, token by token, with the hashes recorded while generating the
 tokens.
 
-A token's hash is ``rehearsal_shards.token_hashes``: the callback (on the batch Lightning hands the
+A token's hash is ``shards.token_hashes`` (beside this): the callback (on the batch Lightning hands the
 step) and the generator (on the array it writes) agree bit for bit.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.rehearsal_shards import token_hashes
+from benchmarks.rehearsal.shards import token_hashes
 
 AUDIT_ENV = "SAE_REHEARSAL_AUDIT"
 HOLD_ENV = "SAE_REHEARSAL_HOLD_AT"

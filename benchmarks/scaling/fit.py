@@ -1,6 +1,6 @@
 """Cost curves: one stage measured at several sizes, its fitted log-log slope and the slope its algorithm predicts.
 
-The parts of ``benchmarks/scaling.py`` each return :class:`Curve` objects; this module fits, flags,
+The parts of ``python -m benchmarks.scaling`` each return :class:`Curve` objects; this module fits, flags,
 tabulates and plots them, and measures one point of a curve in a fresh process (:func:`run_point`),
 so that each size's peak RSS is that size's alone and not the high-water mark of the sizes before it.
 

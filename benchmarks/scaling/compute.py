@@ -1,5 +1,5 @@
-"""Cost curves of the numerical kernels: the parts of ``benchmarks/scaling.py`` that time the training step,
-Babel, ``predict`` and the training loader (the commands around them are in ``scaling_pipeline.py``).
+"""Cost curves of the numerical kernels: the parts of ``python -m benchmarks.scaling`` that time the training
+step, Babel, ``predict`` and the training loader (the commands around them are in ``pipeline.py`` beside this).
 
 Expected slopes, from each algorithm (B tokens per batch, k atoms per token, d_in x d_sae dictionary):
 
@@ -46,8 +46,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.scaling_fit import Curve, run_point
-from benchmarks.scaling_predict import predict_tokens
+from benchmarks.scaling.fit import Curve, run_point
+from benchmarks.scaling.predict import predict_tokens
 
 TRAIN_VARIANTS = ("relu", "jumprelu", "topk", "batchtopk", "matryoshka", "mpsae", "ompsae")
 K_VARIANTS = ("topk", "batchtopk", "mpsae", "ompsae")
@@ -58,14 +58,14 @@ def peak_mib_self() -> float:
 
 
 def point(args: argparse.Namespace, argv: list[str]) -> dict:
-    """One point of ``benchmarks.scaling_points``: in a fresh process, or (``--quick``) here, where peak RSS is
+    """One point of ``benchmarks.scaling.points``: in a fresh process, or (``--quick``) here, where peak RSS is
     this process's high-water mark (a smoke run: its memory slopes mean nothing)."""
     if not args.quick:
-        return run_point("benchmarks.scaling_points", argv)
-    from benchmarks import scaling_points
+        return run_point("benchmarks.scaling.points", argv)
+    from benchmarks.scaling import points
 
     start = time.perf_counter()
-    result = scaling_points.POINTS[argv[0]](scaling_points.parse_args(argv))
+    result = points.POINTS[argv[0]](points.parse_args(argv))
     return {**result, "wall_s": time.perf_counter() - start, "peak_rss_mib": peak_mib_self()}
 
 
@@ -216,7 +216,7 @@ PARTS: dict[str, Callable[[argparse.Namespace], list[Curve]]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("numerical kernels (scaling_compute)")
+    group = parser.add_argument_group("numerical kernels (scaling.compute)")
     group.add_argument("--train-variants", nargs="+", default=list(TRAIN_VARIANTS), choices=TRAIN_VARIANTS)
     group.add_argument("--train-batch", type=int, default=256, help="tokens per training step (default 256)")
     group.add_argument("--train-k", type=int, default=16, help="k of the d_sae curves (default 16)")

@@ -1,4 +1,4 @@
-"""Parts of ``benchmarks/scaling.py``: the commands around the kernels, each point one fresh process.
+"""Parts of ``python -m benchmarks.scaling``: the commands around the kernels, each point one fresh process.
 
 - ``fit_startup_shards``: ``fit``'s start-up (the command's start to its first training step: flags,
   manifest, sidecars and integrity checks, the train/val split, the first batch) and peak RSS against
@@ -12,7 +12,7 @@
 - ``memory_tokens``: ``fit`` (one epoch), ``features`` and ``python -m sae_pipeline.evaluate sae`` against
   the number of tokens (more shards of the same size): time slope 1, memory slope 0.
 
-Times exclude the libraries' imports (the same at every size; see ``benchmarks/scaling_commands.py``),
+Times exclude the libraries' imports (the same at every size; see ``benchmarks/scaling/commands.py``),
 and the memory slopes are fitted on the peak RSS above what those imports leave.
 """
 
@@ -30,11 +30,11 @@ from unittest import mock
 
 import numpy as np
 
-from benchmarks import scaling_commands
-from benchmarks.scaling_fit import Curve, run_point
+from benchmarks.scaling import commands
+from benchmarks.scaling.fit import Curve, run_point
 
-WRAPPER = "benchmarks.scaling_commands"
-REPO_DPATH = Path(__file__).resolve().parents[1]
+WRAPPER = "benchmarks.scaling.commands"
+REPO_DPATH = Path(__file__).resolve().parents[2]
 # No progress bar, summary, figures or sanity check: the curves measure the product's work, not the terminal's.
 QUIET_FIT = [
     "--trainer.enable_progress_bar=false",
@@ -61,7 +61,7 @@ def write_tiny_shards(dpath: Path, n_shards: int, images_per_shard: int = 2, tok
 
 def write_image_shards(dpath: Path, n_images: int, d: int, images_per_shard: int = 16) -> None:
     """Shards in DINOv2's token layout whose images are scikit-image's bundled astronaut (the site draws them)."""
-    from benchmarks.features_data import write_synthetic_shards
+    from benchmarks.features.data import write_synthetic_shards
 
     with _no_fsync():
         write_synthetic_shards(dpath, n_images, d, images_per_shard=images_per_shard)
@@ -69,7 +69,7 @@ def write_image_shards(dpath: Path, n_images: int, d: int, images_per_shard: int
 
 def write_sae(dpath: Path, d_in: int, d_sae: int, k: int) -> Path:
     """A random TopK SAE as ``python -m sae_pipeline export`` writes it (config.json + sae.safetensors)."""
-    from benchmarks.features_data import make_sae
+    from benchmarks.features.data import make_sae
     from sae_pipeline.artifacts.export import EXPORT_FORMAT
     from sae_pipeline.artifacts.export_files import CONFIG_FNAME, WEIGHTS_FNAME, write_export_files
     from sae_pipeline.sae.config import sae_config
@@ -99,7 +99,7 @@ def command(kind: str, args: list[str], cwd: Path, in_process: bool = False) -> 
     os.chdir(cwd)
     try:
         if in_process:
-            result = scaling_commands.run(kind, args)
+            result = commands.run(kind, args)
             return {**result, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         path = os.pathsep.join(p for p in [str(REPO_DPATH), os.environ.get("PYTHONPATH", "")] if p)
         return run_point(WRAPPER, [kind, *args], env={"PYTHONPATH": path, "PYTHONWARNINGS": "ignore"})

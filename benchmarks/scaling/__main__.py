@@ -5,9 +5,9 @@
     python -m benchmarks.scaling --quick              # tiny sizes, every part (tests/test_benchmarks_scaling.py)
 
 Each part measures one stage at >= 4 sizes spanning >= 16x (in --quick, fewer and smaller) and returns
-:class:`~benchmarks.scaling_fit.Curve` objects; the fit, the flag (a slope above its expectation) and the
-table are in ``benchmarks/scaling_fit.py``. The parts live in ``benchmarks/scaling_compute.py`` (the
-numerical kernels: training steps, Babel, predict, the loader) and ``benchmarks/scaling_pipeline.py``
+``Curve`` objects; the fit, the flag (a slope above its expectation) and the table are in
+``benchmarks/scaling/fit.py``. The parts live in ``benchmarks/scaling/compute.py`` (the
+numerical kernels: training steps, Babel, predict, the loader) and ``benchmarks/scaling/pipeline.py``
 (the commands around them: ``fit`` start-up vs shards, the feature browser, extraction, memory vs tokens).
 Writes ``scaling.{json,md,png}`` (the curves, the table, the figure) to ``--out`` and prints the table, each
 expected slope next to the fitted one.
@@ -20,10 +20,10 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks import scaling_compute, scaling_pipeline
-from benchmarks.scaling_fit import Curve, markdown_table, plot
+from benchmarks.scaling import compute, pipeline
+from benchmarks.scaling.fit import Curve, markdown_table, plot
 
-PARTS = {**scaling_compute.PARTS, **scaling_pipeline.PARTS}
+PARTS = {**compute.PARTS, **pipeline.PARTS}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--parts", nargs="+", choices=sorted(PARTS), default=sorted(PARTS))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--out", type=Path, default=Path("scaling_out"))
-    scaling_compute.add_arguments(parser)
-    scaling_pipeline.add_arguments(parser)
+    compute.add_arguments(parser)
+    pipeline.add_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -8,7 +8,7 @@ SAE to find: each is a sparse sum of unit directions of a fixed random dictionar
 exponential coefficients) plus its image's label direction on a third of its patches, plus Gaussian
 noise; so R² and the label statistics of ``features`` mean something. Images are generated one at a
 time and streamed into the writer, so memory stays flat whatever ``--images``.
-Each token's audit hash (:func:`token_hashes`, for ``rehearsal_audit.py``) is saved per shard beside the shards.
+Each token's audit hash (``token_hashes``, for ``audit.py`` beside this) is saved per shard beside the shards.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def write(out: Path, n_images: int, d: int = 768, shard_size: int = 1000, seed: 
         tokens_per_image=N_PREFIX + GRID[0] * GRID[1],
         n_prefix_tokens=N_PREFIX,
         grid=GRID,
-        extra={"synthetic": "benchmarks/rehearsal_shards.py", "seed": seed},
+        extra={"synthetic": "benchmarks/rehearsal/shards.py", "seed": seed},
     )
 
 
@@ -115,7 +115,7 @@ def train_hashes(out: Path, val_fraction: float) -> np.ndarray:
 def main() -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description="synthetic DINOv2-shaped shards (benchmarks/rehearsal.py's stage 1)")
+    parser = argparse.ArgumentParser(description="synthetic DINOv2-shaped shards (the rehearsal's stage 1)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--images", type=int, required=True)
     parser.add_argument("--d", type=int, default=768)

@@ -1,8 +1,8 @@
 """The site parts of ``python -m benchmarks.features`` (its parts 3, 3c and 3d: the site's build time and
 size, then the label statistics' and image pages' shares of one build and of one whole ``features`` run).
 Apart from the pass parts because they build sites from synthetic tables, not from a pass; the driver,
-its flags and the pass parts are in :mod:`benchmarks.features`, the shared synthetic data in
-:mod:`benchmarks.features_data`."""
+its flags and the pass parts are in ``benchmarks/features/__main__.py``, the shared synthetic data in
+``benchmarks/features/data.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.features_data import GRID, TPI, make_sae, write_photos, write_synthetic_shards
+from benchmarks.features.data import GRID, TPI, make_sae, write_photos, write_synthetic_shards
 
 LABEL_PARTS = ("label_stats", "atom_section", "index_columns", "index_headers", "index_section", "index_data")
 LABEL_PARTS += ("write_label_pages",)

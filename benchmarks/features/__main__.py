@@ -38,10 +38,10 @@
 5. The label counts' cost in the pass, measured apart: ``LabelCounts.update`` against the
    top-N table's update on the same codes, and the shard read with and without ``meta.json``.
 6. (``sparse``) The pass's updates and the image rankings from the SAE's sparse codes against the
-   former dense ``[B, d_sae]`` path, same batches, outputs checked equal (``benchmarks/features_sparse.py``).
+   former dense ``[B, d_sae]`` path, same batches, outputs checked equal (``benchmarks/features/sparse.py``).
 
-Parts 3, 3c and 3d (the site) are in ``benchmarks/features_site.py``, the synthetic data all parts use
-in ``benchmarks/features_data.py``; this module holds the driver and the pass parts.
+Parts 3, 3c and 3d (the site) are in ``benchmarks/features/site.py``, the synthetic data all parts use
+in ``benchmarks/features/data.py``; this module holds the driver and the pass parts.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.features_data import TPI, make_sae, write_synthetic_shards
-from benchmarks.scaling_fit import run_measured
+from benchmarks.features.data import TPI, make_sae, write_synthetic_shards
+from benchmarks.scaling.fit import run_measured
 
 warnings.filterwarnings("ignore")
-REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m benchmarks.features` from here
+REPO_DPATH = Path(__file__).resolve().parents[2]  # the children run `python -m benchmarks.features` from here
 
 
 def timed_predict(side: str, shards: Path, sae, batch_size: int, device: str, top: int) -> dict:  # noqa: ANN001
@@ -348,8 +348,8 @@ def main() -> None:
         args.images, args.memory_images, args.d_sae, args.repeats = 20, 10, 512, 1
         args.site_d_sae, args.site_images, args.site_labels = 256, 64, 10
         args.explain_backbone, args.explain_d_sae = "vit_tiny", 512
-    from benchmarks.features_site import run_shares, site, site_shares
-    from benchmarks.features_sparse import sparse_vs_dense
+    from benchmarks.features.site import run_shares, site, site_shares
+    from benchmarks.features.sparse import sparse_vs_dense
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -1,6 +1,6 @@
 """The synthetic data of ``python -m benchmarks.features`` (and of the scaling benchmark's feature parts):
 shards in DINOv2's token layout, JPEG photos for them, and a TopK SAE, shared by the pass parts
-(:mod:`benchmarks.features`) and the site parts (:mod:`benchmarks.features_site`)."""
+(``benchmarks/features/__main__.py``) and the site parts (``benchmarks/features/site.py``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """One point of a numerical-kernel cost curve, measured in this (fresh) process; prints one JSON line.
 
-    python -m benchmarks.scaling_points train --variant topk --d-in 768 --d-sae 8192 --batch-size 1024 --k 32
-    python -m benchmarks.scaling_points babel --d-in 768 --p 8192
-    python -m benchmarks.scaling_points bare-train  # the imports and the input batches alone: the memory offset
+    python -m benchmarks.scaling.points train --variant topk --d-in 768 --d-sae 8192 --batch-size 1024 --k 32
+    python -m benchmarks.scaling.points babel --d-in 768 --p 8192
+    python -m benchmarks.scaling.points bare-train  # the imports and the input batches alone: the memory offset
 
-``benchmarks/scaling_compute.py`` runs each point through ``scaling_fit.run_point``, so that a point's
+``benchmarks/scaling/compute.py`` runs each point through ``fit.run_point``, so that a point's
 peak RSS is its own and not the high-water mark of the sizes before it. The training step is the one of
 ``benchmarks/train_step.py``'s bare loop (forward, the variant's loss, backward, parallel-gradient
-removal, Adam, the learning-rate schedule, unit-norm atoms, the dead-latent clock), i.e. what
+removal, Adam, the learning-rate schedule, unit-norm atoms, the dead-latent clock, the SAE's host-side
+hooks of benchmarks/fit_hooks.py), i.e. what
 ``SAEModule.training_step`` and its optimiser hooks do, without the Trainer's loop around it. It is
 written out here rather than imported from ``benchmarks/train_step.py`` because that module imports
 Lightning, which costs ~5 s per point on a loaded 2-core machine and ~60 points are measured.
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from benchmarks.fit_hooks import FitHooks
 from sae_pipeline.sae import SAE_REGISTRY, SparseAutoencoder
 
 
@@ -44,18 +46,20 @@ def step_durations(sae: SparseAutoencoder, batches: list[torch.Tensor], warmup: 
     sae.init_b_pre(batches[0].mean(0))
     optimizer = torch.optim.Adam(sae.parameters(), lr=5e-4, fused=True)
     durations = []
+    hooks = FitHooks(sae)  # the SAE's host-side hooks where SAEModule calls them (TopK's AuxK plan)
     for step in range(warmup + steps):
         start = time.perf_counter()
-        x = batches[step % len(batches)]
-        output = sae(x)
-        losses = sae.loss(x, output, step=step)
-        optimizer.zero_grad(set_to_none=True)
-        losses.loss.backward()
-        with torch.no_grad():
-            sae.record_firing(output.fired(), x.shape[0])
-        sae.remove_parallel_grad()
-        optimizer.step()
-        sae.normalize_atoms()
+        with hooks.step():
+            x = batches[step % len(batches)]
+            output = sae(x)
+            losses = sae.loss(x, output, step=step)
+            optimizer.zero_grad(set_to_none=True)
+            losses.loss.backward()
+            with torch.no_grad():
+                sae.record_firing(output.fired(), x.shape[0])
+            sae.remove_parallel_grad()
+            optimizer.step()
+            sae.normalize_atoms()
         if step >= warmup:
             durations.append(time.perf_counter() - start)
     return durations

@@ -1,9 +1,9 @@
-"""The ``predict_tokens`` part of ``benchmarks/scaling.py``: the real ``python -m sae_pipeline predict`` against
+"""The ``predict_tokens`` part of ``python -m benchmarks.scaling``: the real ``python -m sae_pipeline predict`` against
 the number of tokens it encodes (expected time slope 1, memory slope 0: codes stream to the HDF5 file).
 
 One checkpoint (a TopK SAE fitted for one step with ``configs/demo_shards.yaml``'s settings, d_sae and k
 raised) predicts over shard directories of 1, 2, 4, ... shards written by ``benchmarks/loader.py``'s
-writer; each ``predict`` is a fresh process (:func:`~benchmarks.scaling_fit.run_point`), so its peak RSS is
+writer; each ``predict`` is a fresh process (``benchmarks.scaling.fit.run_point``), so its peak RSS is
 its own. ``--quick`` runs the commands in this process instead (``sae_pipeline.__main__.main``, the same
 code path) at tiny sizes: a smoke run whose memory column means nothing.
 """
@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from benchmarks.loader import write_shards
-from benchmarks.scaling_fit import Curve, run_measured
+from benchmarks.scaling.fit import Curve, run_measured
 
-REPO_DPATH = Path(__file__).resolve().parents[1]
+REPO_DPATH = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO_DPATH / "configs" / "demo_shards.yaml")
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 

@@ -10,11 +10,11 @@ tokens, ~514 GB of float16 shards) would take. Each stage is a real process (``p
 timed by wall clock, its peak RSS taken from ``os.wait4`` (the process and the children it reaped:
 DataLoader workers included) and its disk as the bytes under its output folder:
 
-1. ``shards``: synthetic tokens (``benchmarks/rehearsal_shards.py``) through the shard writer.
+1. ``shards``: synthetic tokens (``benchmarks/rehearsal/shards.py``) through the shard writer.
 2. ``fit``: a group of one TopK and one MP-SAE (``model.members``), one epoch. The run is held at
    half-way through the epoch, after its second periodic checkpoint (``--checkpoint.every_n_train_steps``),
    and killed with SIGKILL (no handler runs); ``fit --ckpt_path last`` then finishes the epoch.
-   ``benchmarks/rehearsal_audit.py`` records every batch's tokens in both processes and checks the
+   ``benchmarks/rehearsal/audit.py`` records every batch's tokens in both processes and checks the
    stitched epoch: every step once, the replayed batches equal to those the kill lost, no token
    repeated, none from outside the training split, fewer than one batch of it left out.
 3. ``features``: the feature browser of each member (``--name``) on the first ``--part_shards`` shards
@@ -37,10 +37,10 @@ import signal
 import sys
 from pathlib import Path
 
-from benchmarks.rehearsal_audit import AUDIT_ENV, HOLD_ENV
-from benchmarks.scaling_fit import run_measured
+from benchmarks.rehearsal.audit import AUDIT_ENV, HOLD_ENV
+from benchmarks.scaling.fit import run_measured
 
-REPO_DPATH = Path(__file__).resolve().parents[1]  # the children run `python -m ...` from here
+REPO_DPATH = Path(__file__).resolve().parents[2]  # the children run `python -m ...` from here
 FULL_IMAGES = 1_281_167  # ImageNet-1k train
 MEMBERS = ("topk", "mpsae")
 FIT_ENV = (AUDIT_ENV, HOLD_ENV)
@@ -65,7 +65,7 @@ def disk_bytes(*dpaths: Path) -> int:
 
 
 def run_stage(argv: list[str], env: dict | None = None, hold: Path | None = None) -> dict:
-    """Run ``python ARGV`` from the repository through :func:`benchmarks.scaling_fit.run_measured` (its launcher
+    """Run ``python ARGV`` from the repository through ``benchmarks.scaling.fit.run_measured`` (its launcher
     keeps the driver's RSS out of the stage's peak); with ``hold``, SIGKILL it once that file appears.
     Returns wall seconds, CPU seconds and peak RSS (MiB) from ``wait4`` (the stage and the children it reaped:
     workers, writers), the exit code and the log (stdout and stderr); raises on an unexpected failure."""
@@ -103,7 +103,7 @@ def write_config(out: Path, size: dict, val_fraction: float, every: int) -> Path
             "num_sanity_val_steps": 0,
             "default_root_dir": str(out / "runs"),
             "enable_progress_bar": False,
-            "callbacks": [{"class_path": "benchmarks.rehearsal_audit.BatchAudit"}],
+            "callbacks": [{"class_path": "benchmarks.rehearsal.audit.BatchAudit"}],
         },
         "checkpoint": {"every_n_train_steps": every},
         "model": {
@@ -160,8 +160,8 @@ def part_of_shards(out: Path, n: int) -> Path:
 
 
 def rehearse(args: argparse.Namespace) -> dict:
-    from benchmarks import rehearsal_shards
-    from benchmarks.rehearsal_audit import check_resume
+    from benchmarks.rehearsal.audit import check_resume
+    from benchmarks.rehearsal.shards import train_hashes
 
     out, size = Path(args.out).resolve(), sizes(args)
     rows: list[dict] = []
@@ -183,13 +183,13 @@ def rehearse(args: argparse.Namespace) -> dict:
         )
         print(f"{stage}: {result['wall_s']:.1f} s, {result['peak_rss_mib']:.0f} MiB", flush=True)
 
-    shards_argv = ["-m", "benchmarks.rehearsal_shards", "--out", str(out), "--images", str(size["images"])]
+    shards_argv = ["-m", "benchmarks.rehearsal.shards", "--out", str(out), "--images", str(size["images"])]
     shards_argv += ["--d", str(size["d"]), "--shard_size", str(size["shard_size"])]
     row("shards", run_stage(shards_argv), out / "shards", out / "hashes", note="+ audit hashes")
     manifest = json.loads((out / "shards" / "manifest.json").read_text())
     n_shards = len(manifest["shards"])
     val_fraction = 1 / n_shards  # one shard held out
-    train = rehearsal_shards.train_hashes(out, val_fraction)
+    train = train_hashes(out, val_fraction)
     n_batches = len(train) // size["batch_size"]
     every = max(1, n_batches // 5)
     hold_at = 2 * every + max(1, every // 2)  # held (then killed) half-way between two checkpoints

@@ -1,4 +1,4 @@
-"""Part 6 of `benchmarks/features.py`: the pass and the image rankings from sparse codes vs the former dense path.
+"""Part 6 of `python -m benchmarks.features`: the pass and image rankings from sparse codes vs the former dense path.
 
     python -m benchmarks.features --parts sparse --d 768 --d_sae 19200 --k 32 --images 160 --repeats 3
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.features_data import TPI, make_sae
+from benchmarks.features.data import TPI, make_sae
 
 
 def former_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: int = 16) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""One command of ``benchmarks/scaling_pipeline.py``'s curves, run in this fresh process, with its stage times as JSON.
+"""One command of ``benchmarks/scaling/pipeline.py``'s curves, run in this fresh process, with its stage times as JSON.
 
-    python -m benchmarks.scaling_commands fit ARGS        # python -m sae_pipeline fit ARGS
-    python -m benchmarks.scaling_commands features ARGS   # python -m sae_pipeline features ARGS
-    python -m benchmarks.scaling_commands evaluate ARGS   # python -m sae_pipeline.evaluate ARGS
-    python -m benchmarks.scaling_commands extract ARGS    # python -m feature_extraction ARGS
+    python -m benchmarks.scaling.commands fit ARGS        # python -m sae_pipeline fit ARGS
+    python -m benchmarks.scaling.commands features ARGS   # python -m sae_pipeline features ARGS
+    python -m benchmarks.scaling.commands evaluate ARGS   # python -m sae_pipeline.evaluate ARGS
+    python -m benchmarks.scaling.commands extract ARGS    # python -m feature_extraction ARGS
 
 Why a wrapper and not the bare command: the libraries' imports (torch, Lightning, torchmetrics: 5-15 s
 on a loaded 2-core box) are the same at every size and would flatten every curve, so they are done
@@ -17,7 +17,7 @@ curves' offset); ``command_s`` is the command itself, called through the same ``
 - ``features``: ``site_s``, the call of ``build_site`` (pages, heatmaps, thumbnails, swap into
   ``--out``); ``pass_s`` is everything before it (SAE load, checks, the streaming pass).
 
-The last stdout line is the JSON object ``benchmarks.scaling_fit.run_point`` reads.
+The last stdout line is the JSON object ``benchmarks.scaling.fit.run_point`` reads.
 """
 
 from __future__ import annotations
