@@ -2,7 +2,7 @@
 
     pip install -e ".[bench]"                 # the peers (never a runtime dependency)
     python -m benchmarks.peers                # d_in 768, d_sae 8192 and 16384, B 1024, k 32, float32, CPU
-    python -m benchmarks.peers --dry-run      # tiny shapes, one round (tests/test_benchmarks_peers.py)
+    python -m benchmarks.peers --dry-run      # tiny shapes, one round, 1 thread (tests/test_benchmarks_peers.py)
     python -m benchmarks.peers --device cuda --d-sae 19200 --batch-size 4096 --equal-rows 1024 --autocast   # GPU
     python -m benchmarks.peers --device cuda ... --peers SAELens+compile    # SAELens compiled (its compile_sae)
 
@@ -16,8 +16,9 @@ machine as wheels (benchmarks/gpu_wheels.sh); benchmarks/gpu_suite.py runs this 
 For each variant (TopK, BatchTopK, Matryoshka BatchTopK, JumpReLU, ReLU, MP-SAE) every library that has it
 trains from the same weights (ours, copied in) on the same batch with the same optimiser (Adam, lr 5e-4,
 torch's fused implementation for all). A step is what the library's own training loop does: forward, loss,
-firing bookkeeping, backward, decoder-norm maintenance, Adam (benchmarks/peer_adapters.py and
-benchmarks/peer_dictionary_learning.py say what that is per library); ours is the step ``SAEModule`` runs,
+firing bookkeeping, backward, decoder-norm maintenance, Adam (each library's adapter says what that is:
+benchmarks/peer_saelens.py, peer_overcomplete.py, peer_sparsify.py, peer_dictionary_learning.py; the interface
+and ours, benchmarks/peer_adapters.py); ours is the step ``SAEModule`` runs,
 its host-side hooks included (benchmarks/fit_hooks.py). ReLU and JumpReLU start at the sparsity of a trained
 SAE: b_enc (ReLU) or θ (JumpReLU) is set so that B·k codes of the batch are active (L0 ≈ k), the regime the
 paper compares them in; at init they would fire on half the latents. MP-SAE has no encoder: its k pursuit
@@ -73,40 +74,32 @@ more than an 80 GB GPU holds.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import platform
 import statistics
-import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from benchmarks.peer_adapters import AUXK_VARIANTS, Contender, Ours, Overcomplete, SAELens, SAELensCompiled, Sparsify
+from benchmarks.peer_adapters import AUXK_VARIANTS, Contender, Ours
 from benchmarks.peer_dictionary_learning import VARIANTS as DICTIONARY_LEARNING_VARIANTS
 from benchmarks.peer_dictionary_learning import DictionaryLearning
-from sae_pipeline.sae import (
-    BatchTopKSAE,
-    JumpReLUSAE,
-    MatchingPursuitSAE,
-    MatryoshkaBatchTopKSAE,
-    ReLUSAE,
-    SparseAutoencoder,
-    TopKSAE,
+from benchmarks.peer_measure import (
+    VARIANTS,
+    equality,
+    make_batch,
+    make_template,
+    median_step,
+    peak_step_bytes,
+    resident_bytes,
+    with_dead_latents,
 )
+from benchmarks.peer_overcomplete import Overcomplete
+from benchmarks.peer_report import CONTENDER_HEADER, Row, contender_line, dead_cell, dead_fraction, fastest_peers
+from benchmarks.peer_saelens import SAELens, SAELensCompiled
+from benchmarks.peer_sparsify import Sparsify
+from sae_pipeline.sae import MatchingPursuitSAE, SparseAutoencoder
 
-EQUAL_TOLERANCE = 1e-4  # float32, relative to the largest value
-VARIANTS = ("topk", "batchtopk", "matryoshka", "jumprelu", "relu", "mpsae")
-OURS: dict[str, type[SparseAutoencoder]] = {
-    "topk": TopKSAE,
-    "batchtopk": BatchTopKSAE,
-    "matryoshka": MatryoshkaBatchTopKSAE,
-    "jumprelu": JumpReLUSAE,
-    "relu": ReLUSAE,
-    "mpsae": MatchingPursuitSAE,
-}
 PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
     "SAELens": (SAELens, VARIANTS),
     "overcomplete": (Overcomplete, ("topk", "batchtopk", "jumprelu", "relu", "mpsae")),
@@ -115,157 +108,6 @@ PEERS: dict[str, tuple[type[Contender], tuple[str, ...]]] = {
     "SAELens+compile": (SAELensCompiled, VARIANTS),
 }
 DEFAULT_PEERS = [name for name in PEERS if name != "SAELens+compile"]  # compiling costs minutes on a CPU
-
-
-def make_batch(d_in: int, batch_size: int, seed: int = 0) -> torch.Tensor:
-    """Token-like activations: low-rank plus noise, with an offset."""
-    generator = torch.Generator().manual_seed(seed)
-    rank = max(d_in // 4, 1)
-    mixing = torch.randn(rank, d_in, generator=generator) / rank**0.5
-    latent = torch.randn(batch_size, rank, generator=generator)
-    return (
-        latent @ mixing
-        + 0.1 * torch.randn(batch_size, d_in, generator=generator)
-        + torch.randn(d_in, generator=generator)
-    )
-
-
-def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) -> SparseAutoencoder:
-    """Our SAE, b_pre at the batch mean, and (ReLU, JumpReLU) L0 ≈ k on ``x``."""
-    torch.manual_seed(0)
-    cls = OURS[variant]
-    sae = cls(d_in, d_sae, k=k) if cls.sparsity_knob == "k" else cls(d_in, d_sae)
-    sae.init_b_pre(x.mean(0))
-    if isinstance(sae, MatchingPursuitSAE):
-        return sae
-    with torch.no_grad():
-        pre = sae.pre_activations(x)
-        top = pre.flatten().topk(x.shape[0] * k + 1).values  # B·k entries above the cut, none at it
-        cut = (top[-1] + top[-2]) / 2
-        if isinstance(sae, ReLUSAE):
-            sae.b_enc.sub_(cut)
-        elif isinstance(sae, JumpReLUSAE):
-            sae.log_threshold.fill_(float(cut.clamp_min(1e-6).log()))
-    return sae
-
-
-def with_dead_latents(template: SparseAutoencoder, x: torch.Tensor, fraction: float) -> SparseAutoencoder:
-    """A copy of ``template`` (of the TopK family) with ``fraction`` of its latents dead, spread evenly over the
-    dictionary: their clock at ``dead_after_tokens`` (every contender's bookkeeping starts from it) and their
-    encoder bias lowered below every other pre-activation of ``x``, so that none of them fires during the timing
-    and the dead set holds (AuxK's work does not depend on their values)."""
-    dead_template = copy.deepcopy(template)
-    n_dead = min(max(round(fraction * template.d_sae), 1), template.d_sae - template.k)
-    dead = torch.zeros(template.d_sae, dtype=torch.bool, device=template.W_dec.device)
-    dead[torch.linspace(0, template.d_sae - 1, n_dead, device=dead.device).round().long()] = True
-    with torch.no_grad():
-        pre = dead_template.pre_activations(x)
-        dead_template.b_enc[dead] -= pre.max() - pre.min() + 1
-        dead_template.tokens_since_fired[dead] = dead_template.dead_after_tokens
-    return dead_template
-
-
-def median_step(fn: Callable[[], None], n: int, device: torch.device) -> list[float]:
-    """``n`` step times; on CUDA ``n`` copies of their mean between two syncs (the queue stays full)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize(device)
-        return [(time.perf_counter() - start) / n] * n
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def resident_bytes(contender: Contender) -> int:
-    """Parameters, their gradients, buffers, the optimiser state (each storage once) and kept scratch."""
-    seen: dict[int, int] = {}
-    tensors = list(contender.model.parameters()) + list(contender.model.buffers())
-    tensors += [p.grad for p in contender.model.parameters() if p.grad is not None]
-    for state in contender.optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values()) + contender.kept_bytes()
-
-
-def peak_step_bytes(contender: Contender, x: torch.Tensor) -> int:
-    """What is allocated when a step starts, plus the peak of that step's own allocations.
-
-    CPU: two steps under ``torch.profiler`` (allocator events); the second is measured, so every
-    block it frees (the first step's gradients, a dictionary a peer replaces in its forward)
-    was allocated while recording and its release is seen.
-    """
-    if x.device.type == "cuda":
-        contender.step(x)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        at_start = resident_bytes(contender)
-        contender.step(x)
-        torch.cuda.synchronize()
-        return at_start + torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        contender.step(x)
-        at_start = resident_bytes(contender)
-        with record_function("measured_step"):
-            contender.step(x)
-    events = list(prof.profiler.kineto_results.events())
-    window = next(e for e in events if e.name() == "measured_step")
-    start, end = window.start_ns(), window.start_ns() + window.duration_ns()
-    live = peak = base = 0
-    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        if event.start_ns() > end:
-            break
-        live += event.nbytes()
-        if event.start_ns() < start:
-            base = live
-        else:
-            peak = max(peak, live - base)
-    return at_start + peak
-
-
-def relative_difference(ours: Contender, peer: Contender, x: torch.Tensor) -> float:
-    """Largest |ours − peer| / largest |ours| over codes, x_hat and the common gradients."""
-    with torch.no_grad():
-        pairs = list(zip(ours.forward(x), peer.forward(x)))
-    ours_grads, peer_grads = ours.grads(x), peer.grads(x)
-    pairs += [(ours_grads[name], grad) for name, grad in peer_grads.items()]
-    return max(float((a - b).abs().max() / a.abs().max().clamp_min(1e-30)) for a, b in pairs)
-
-
-def nonpositive_steps(template: MatchingPursuitSAE, x: torch.Tensor) -> int:
-    """Pursuit steps (token, t) of ours whose selected correlation is ≤ 0 (where SAELens's clipped MP differs)."""
-    with torch.no_grad():
-        _, coefficients = template.pursuit(x)
-    return int((coefficients <= 0).sum())
-
-
-def equality(variant: str, peer_cls: type[Contender], template: SparseAutoencoder, x: torch.Tensor, args) -> str:
-    template = copy.deepcopy(template)
-    if not peer_cls.has_pre_bias(variant):
-        with torch.no_grad():
-            template.b_pre.zero_()
-    if isinstance(template, MatchingPursuitSAE):
-        # float64: in float32 a near-tie of two correlations (late steps, small residuals) may
-        # resolve differently between any two implementations, which changes that token's codes.
-        template, x = template.double(), x.double()
-        template.normalize_atoms()  # unit norm in float64 too (overcomplete renormalises in its forward)
-    if isinstance(template, MatchingPursuitSAE) and peer_cls.library == "SAELens":
-        clipped = nonpositive_steps(template, x)
-        if clipped:
-            return f"not comparable ({clipped} of {x.shape[0] * args.k} steps ≤ 0)"
-    rows = x.shape[0]  # --equal-rows: overcomplete's BatchTopK keeps k·rows codes of the batch it is built for
-    diff = relative_difference(Ours(variant, template, rows, args.k), peer_cls(variant, template, rows, args.k), x)
-    return f"{'equal' if diff <= EQUAL_TOLERANCE else 'DIFFERS'} ({diff:.1e})"
 
 
 def load_contenders(variant: str, template: SparseAutoencoder, args) -> tuple[list[Contender], list[str]]:
@@ -280,40 +122,6 @@ def load_contenders(variant: str, template: SparseAutoencoder, args) -> tuple[li
         except ImportError as exn:
             notes.append(f"{library}: not installed ({exn.name}); pip install -e '.[bench]'")
     return contenders, notes
-
-
-def mebibytes(value: float) -> str:
-    return f"{value:.{0 if value >= 10 else 2}f} MiB"
-
-
-def dead_fraction(contender: Contender) -> float | None:
-    """The fraction of latents the contender's own bookkeeping counts dead now; None: its step has no AuxK."""
-    dead = contender.dead_mask()
-    return None if dead is None else float(dead.float().mean())
-
-
-def dead_cell(variant: str, before: float | None, after: float | None) -> str:
-    if variant not in AUXK_VARIANTS:
-        return "—"
-    if before is None or after is None:
-        return "no AuxK"
-    if abs(before - after) > 1e-9:
-        return f"{100 * before:.1f} → {100 * after:.1f} %"
-    return f"{100 * after:.1f} %"
-
-
-@dataclass
-class Row:
-    """One contender's figures in one block (a variant at one dead fraction)."""
-
-    d_sae: int
-    variant: str
-    regime: str  # the block's dead latents: "none" or the fraction ("6.2 %")
-    library: str
-    name: str
-    step: float
-    peak: float  # MiB
-    equal: str
 
 
 def run_block(variant: str, template: SparseAutoencoder, regime: str, x: torch.Tensor, args) -> list[Row]:
@@ -350,16 +158,19 @@ def run_block(variant: str, template: SparseAutoencoder, regime: str, x: torch.T
     ours_time = statistics.median(step_times[ours.name])
     rows = []
     for c in contenders:
-        step = statistics.median(step_times[c.name])
-        peak = peak_step_bytes(c, x) / 2**20
-        resident = resident_bytes(c) / 2**20
-        dead = dead_cell(variant, dead_before[c.name], dead_after[c.name])
-        print(
-            f"| {args.d_in} | {template.d_sae} | {c.name} | {step:.3g} s | {step / ours_time:.3g} | "
-            f"{step / gemm:.3g} | {mebibytes(peak)} | {mebibytes(resident)} | {equal[c.name]} | {dead} |",
-            flush=True,
+        row = Row(
+            template.d_sae,
+            variant,
+            regime,
+            c.library,
+            c.name,
+            statistics.median(step_times[c.name]),
+            peak_step_bytes(c, x) / 2**20,
+            equal[c.name],
         )
-        rows.append(Row(template.d_sae, variant, regime, c.library, c.name, step, peak, equal[c.name]))
+        dead = dead_cell(variant, dead_before[c.name], dead_after[c.name])
+        print(contender_line(args.d_in, row, ours_time, gemm, resident_bytes(c) / 2**20, dead), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -378,29 +189,6 @@ def run_shape(d_sae: int, args) -> list[Row]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the next block's contenders start from the same free memory
     return rows
-
-
-def fastest_peers(rows: list[Row]) -> list[str]:
-    """Per block, the fastest peer's step and peak memory over ours (> 1: ours is faster, or leaner)."""
-    lines = [
-        "| d_sae | variant | dead | ours | fastest peer | ÷ ours | peak memory ÷ ours |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    blocks: dict[tuple[int, str, str], list[Row]] = {}
-    for row in rows:
-        blocks.setdefault((row.d_sae, row.variant, row.regime), []).append(row)
-    for (d_sae, variant, regime), block in blocks.items():
-        ours = next(row for row in block if row.library == "ours")
-        peers = [row for row in block if row.library != "ours"]
-        if not peers:
-            lines.append(f"| {d_sae} | {variant} | {regime} | {ours.step:.3g} s | no peer | — | — |")
-            continue
-        best = min(peers, key=lambda row: row.step)
-        lines.append(
-            f"| {d_sae} | {variant} | {regime} | {ours.step:.3g} s | {best.library} {best.step:.3g} s | "
-            f"{best.step / ours.step:.3g} | {best.peak / ours.peak:.3g} |"
-        )
-    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -436,11 +224,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="time every step and the GEMM under bf16 autocast (training's precision on a GPU); equality stays float32",
     )
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one round of 2 steps (a smoke run)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes, one round of 2 steps, 1 thread (a smoke run)"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         args.d_in, args.d_sae, args.batch_size, args.k = 16, [64], 32, 4
         args.steps, args.warmup, args.rounds = 2, 1, 1
+        # at these sizes a second thread only adds hand-offs: 33 s with 2 threads, 2 s with 1, on a loaded 2-core box
+        args.threads = 1 if args.threads is None else args.threads
     for name in ("d_in", "batch_size", "k", "steps", "rounds", "equal_rows"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -472,8 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         f"median over {args.rounds} rounds x {args.steps} steps",
         flush=True,
     )
-    print("| d_in | d_sae | contender | step | ÷ ours | ÷ GEMM | peak memory | resident | equal to ours | dead |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(CONTENDER_HEADER, flush=True)
     device_type = torch.device(args.device).type
     rows = []
     for d_sae in args.d_sae:

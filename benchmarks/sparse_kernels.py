@@ -13,7 +13,7 @@ Rows (each timed between two device syncs after ``--warmup`` calls, the same ope
 - ``decode fwd+bwd``: `sparse_decode` through autograd (the three above); dense: ``codes @ W_dec`` with its
   two gradient GEMMs;
 - ``batchtopk select``: the batch top ``B·k`` of ``[B, d_sae]``: the selection kernels
-  (`sae_pipeline/sae/triton_topk.py`, what BatchTopK runs on a GPU) against `torch.topk` over the flattened batch;
+  (`sae_pipeline/sae/triton_batch_topk.py`, what BatchTopK runs on a GPU) against `torch.topk` over the flattened batch;
 - ``topk select`` (CUDA only): TopK's per-token top ``k``, the per-token kernel against `torch.topk` (the memory
   floor and the other contenders: `python -m benchmarks.topk_select`).
 
@@ -83,7 +83,7 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     dense = codes.to_dense()
     kernels = None
     if device.type == "cuda":
-        from sae_pipeline.sae import triton_sparse, triton_topk
+        from sae_pipeline.sae import triton_batch_topk, triton_sparse, triton_topk
 
         kernels = triton_sparse
     W_leaf = W_dec.clone().requires_grad_(True)
@@ -128,7 +128,7 @@ def rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
         )
     ranked = scores.to(dtype)
     table["batchtopk select"] = (
-        kernels and (lambda: triton_topk.batch_top_k(ranked, B * k)),
+        kernels and (lambda: triton_batch_topk.batch_top_k(ranked, B * k)),
         lambda: ranked.flatten().topk(B * k, sorted=False).indices,
         None,
     )

@@ -34,7 +34,7 @@ SWEEP = [
     for g, u, w in ((256, 8, 2), (512, 4, 1), (512, 4, 2), (512, 8, 2), (512, 8, 4), (1024, 2, 2), (1024, 4, 4))
     for s in (1, 3)
 ]
-#: the same for the per-token kernel inside `triton_topk.batch_top_k` (R = 2k per row)
+#: the same for the per-token kernel inside `triton_batch_topk.batch_top_k` (R = 2k per row)
 BATCH_SWEEP = [(512, 4, 2, 1), (1024, 2, 2, 1), (1024, 2, 4, 1), (1024, 4, 4, 1), (1024, 2, 4, 3), (2048, 1, 4, 1)]
 
 
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     values = torch.randn(B, d_sae, device=device, generator=torch.Generator(device).manual_seed(0)).to(dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     print(f"device: {name}; B={B} d_sae={d_sae} k={k} {args.dtype}; {values.numel() * values.element_size():,} bytes")
-    kernels = batch_select = None
+    kernels = batch_select = triton_batch_topk = None
     if device.type == "cuda":
-        from sae_pipeline.sae import batch_select, triton_topk
+        from sae_pipeline.sae import batch_select, triton_batch_topk, triton_topk
 
         kernels = triton_topk
     floor = measure(lambda: values.amax(), args, device)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             None,
         ),
         "batch top-k": (
-            kernels and (lambda: kernels.batch_top_k(values, B * k)),
+            kernels and (lambda: triton_batch_topk.batch_top_k(values, B * k)),
             lambda: flat.topk(B * k, sorted=False).indices,
             batch_select and (lambda: batch_select.radix_top_indices(flat, B * k)),
         ),
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         cells = ", ".join(f"G{g} U{u} w{w} s{s} {t * 1e3:.3f} ms" for (g, u, w, s), t in fastest)
         print(f"sweep per-token (G, UNROLL, warps, STAGES), fastest first: {cells}")
         times = {
-            tile: measure(lambda t=tile: kernels.batch_top_k(values, B * k, tile=t), args, device)
+            tile: measure(lambda t=tile: triton_batch_topk.batch_top_k(values, B * k, tile=t), args, device)
             for tile in BATCH_SWEEP
         }
         fastest = sorted(times.items(), key=lambda item: item[1])

@@ -1,22 +1,19 @@
 """benchmarks/scaling/: the slope fit and its flags against a plain reference, one point per real process,
-and a --quick run of the numerical-kernel parts end to end."""
+and a --quick run of the numerical-kernel parts end to end (in this process)."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.scaling.compute import PARTS as COMPUTE_PARTS
 from benchmarks.scaling.fit import SLOPE_TOLERANCE, Curve, loglog_slope, run_point
-
-REPO_DPATH = Path(__file__).resolve().parents[1]
 
 
 def reference_slope(xs: np.ndarray, ys: np.ndarray) -> float:
@@ -88,12 +85,35 @@ def test_run_point_measures_each_process_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_quick_run_of_the_numerical_kernel_parts(tmp_path: Path) -> None:
+def test_quick_run_of_the_numerical_kernel_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``python -m benchmarks.scaling --quick`` over every numerical-kernel part, its ``main`` in this process (its
+    points run in-process in --quick anyway; a fresh interpreter paid the imports of torch, Lightning and
+    matplotlib again). The run rewrites its outputs after each part; the figure, the most of that time (~3 s a
+    drawing on a loaded 2-core box), is drawn here only for the last write, which the test reads."""
+    import benchmarks.scaling.__main__ as scaling
+
     parts = sorted(COMPUTE_PARTS)
-    command = [sys.executable, "-m", "benchmarks.scaling", "--quick", "--parts", *parts, "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO_DPATH, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    drawn: list[int] = []
+    draw = scaling.plot
+
+    def last_drawing_only(curves: list, fpath: Path) -> None:
+        drawn.append(len(curves))
+        if len(drawn) == len(parts):
+            draw(curves, fpath)
+
+    monkeypatch.setattr(scaling, "plot", last_drawing_only)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a suite worker: at these sizes a second thread only adds hand-offs
+    try:
+        scaling.main(["--quick", "--parts", *parts, "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(drawn) == len(parts) and drawn == sorted(drawn)  # written after each part, the curves adding up
+    assert "flagged:" in capsys.readouterr().out.splitlines()[-1]
     curves = json.loads((tmp_path / "scaling.json").read_text())
+    assert len(curves) == drawn[-1]
     stages = {(c["stage"], c["x_name"]) for c in curves}
     variants = ("relu", "jumprelu", "topk", "batchtopk", "matryoshka", "mpsae", "ompsae")
     assert {(f"train step {v}", "d_sae") for v in variants} <= stages

@@ -4,15 +4,53 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import types
 
+import fork_server
 import pytest
 
+from sae_pipeline import demo_stages
 from sae_pipeline.demo_report import FINAL_TAGS, SHARDS_LABEL, format_table
 from sae_pipeline.demo_stages import build_feature_sites, run_shard_stage
 
 
+def forked_popen(argv, *, stdout, stderr, env):
+    """``subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)`` as the demo's stages call it, forked
+    from the test's fork server (tests/fork_server.py): the same ``python -m`` command in a process of its own, with
+    its output in the log, without a fresh interpreter's ten CPU-seconds of imports. ``MKL_NUM_THREADS`` equal to
+    ``OMP_NUM_THREADS`` is what the forked child applies anyway (torch and every BLAS get ``OMP_NUM_THREADS``); any
+    command the server cannot stand in for runs as the demo runs it."""
+    forked_env = dict(env)
+    if forked_env.get("MKL_NUM_THREADS") == forked_env.get("OMP_NUM_THREADS"):
+        forked_env.pop("MKL_NUM_THREADS", None)
+    server = fork_server._SERVER or (fork_server._start() if fork_server.ENABLED else None)
+    if server is None or not server.accepts(argv, forked_env):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env)
+    out = stdout.fileno()
+    err = out if stderr == subprocess.STDOUT else stderr.fileno()
+    with open(os.devnull) as stdin:
+        process = fork_server.ForkedProcess(server, argv, cwd=os.getcwd(), env=forked_env, stdio=(stdin, out, err))
+    forked.append(argv[2])
+    return process
+
+
+def forked_run(argv, *, stdout, stderr, env):
+    process = forked_popen(argv, stdout=stdout, stderr=stderr, env=env)
+    return subprocess.CompletedProcess(argv, process.wait())
+
+
+forked: list[str] = []  # the modules of the commands forked
+
+
 @pytest.mark.slow
-def test_shard_stage_end_to_end(tmp_path):
+def test_shard_stage_end_to_end(tmp_path, monkeypatch):
+    """`make demo`'s shard stage as it runs (its configs' sizes: the demo has no flags for them), each stage's
+    command forked rather than started in a fresh interpreter."""
+    shim = types.SimpleNamespace(Popen=forked_popen, run=forked_run, STDOUT=subprocess.STDOUT)
+    monkeypatch.setattr(demo_stages, "subprocess", shim)
+    forked.clear()
     metrics = run_shard_stage(tmp_path, threads=2)
     manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
     assert manifest["n_images"] == 14 and manifest["n_tokens"] == 14 * manifest["tokens_per_image"]
@@ -42,6 +80,8 @@ def test_shard_stage_end_to_end(tmp_path):
     argv = ["features", "explain", "--sae", str(tmp_path / "exported"), "--images", "samples", "--site", str(site)]
     assert main(argv) == 0
     assert len(list((site / "explained" / "images").glob("[0-9]*.html"))) == 14
+    if fork_server.ENABLED:  # extract, fit, extract (resumed), fit, features: none started a fresh interpreter
+        assert forked == ["feature_extraction", "sae_pipeline"] * 2 + ["sae_pipeline"]
 
 
 def test_unknown_variant_is_one_error_line_naming_the_registered_ones(tmp_path, capsys) -> None:

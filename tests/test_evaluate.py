@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from sae_pipeline.sae import SAE_REGISTRY, display_label
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 
+# p 16 and 24 (p_main 16): the study's atom grids show min(25, p) atoms, so a smaller p draws fewer of them
 TINY = [
     "--k",
     "4",
@@ -28,10 +30,10 @@ TINY = [
     "--k_main",
     "4",
     "--p",
-    "32",
-    "48",
+    "16",
+    "24",
     "--p_main",
-    "32",
+    "16",
     "--max_steps",
     "20",
     "--k_infer",
@@ -51,12 +53,22 @@ def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO_DPATH)  # configs/ is found from the working directory
 
 
+def without_training_figures(patch: pytest.MonkeyPatch) -> None:
+    """The fit's own TensorBoard figures (``SAEFigures``, drawn for every member at its validation) off: they cost
+    most of a tiny study's training and no assertion here reads them. The study's figures stay; ``SAEFigures`` in a
+    group of every variant is drawn in :func:`test_concepts_cover_every_variant` (and in tests/test_group_cli.py)."""
+    from sae_pipeline.training.callbacks import SAEFigures
+
+    patch.setattr(SAEFigures, "on_validation_epoch_end", lambda self, trainer, pl_module: None)
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory: pytest.TempPathFactory):
-    """Every study over MP-SAE and TopK: 6 runs (k in {4, 8} at p = 32, p = 48 at k = 4)."""
+    """Every study over MP-SAE and TopK: 6 runs (k in {4, 8} at p = 16, p = 24 at k = 4)."""
     out = tmp_path_factory.mktemp("study")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO_DPATH)
+        without_training_figures(patch)
         assert main(["all", "--data", "digits", "--out", str(out), "--variants", "mpsae", "topk", *TINY]) == 0
     return out
 
@@ -72,9 +84,9 @@ def test_all_studies_write_their_files(study) -> None:
     results = json.loads((study / "results.json").read_text())
     assert {"runs", "expressivity", "inference", "coherence", "concepts", "claims", "meta"} <= results.keys()
     assert sorted(results["runs"]) == sorted(
-        f"{v}_p{p}_k{k}" for v in ("mpsae", "topk") for k, p in [(4, 32), (8, 32), (4, 48)]
+        f"{v}_p{p}_k{k}" for v in ("mpsae", "topk") for k, p in [(4, 16), (8, 16), (4, 24)]
     )
-    assert [row["p"] for row in results["expressivity"]["vs_p"]["mpsae"]] == [32, 48]
+    assert [row["p"] for row in results["expressivity"]["vs_p"]["mpsae"]] == [16, 24]
     assert [row["k"] for row in results["expressivity"]["vs_k"]["topk"]] == [4, 8]
     names = {p.stem for p in (study / "figures").glob("*.png")}
     assert {
@@ -111,7 +123,7 @@ def test_results_agree_with_what_training_logged(study) -> None:
 @pytest.mark.slow
 def test_numbers_match_plain_references(study) -> None:
     results = json.loads((study / "results.json").read_text())
-    spec = plan_runs(["mpsae"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    spec = plan_runs(["mpsae"], [(4, 16)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
     sae = load_sae(study / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val").double()
     with torch.no_grad():
@@ -141,7 +153,7 @@ def test_rerun_reuses_finished_runs(study) -> None:
     assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
     assert not list((study / "runs").glob("*/version_1"))
     after = json.loads((study / "results.json").read_text())
-    assert after["runs"]["topk_p32_k4"]["r2"] == before["topk_p32_k4"]["r2"]
+    assert after["runs"]["topk_p16_k4"]["r2"] == before["topk_p16_k4"]["r2"]
     assert "expressivity" in after and "probing" in after["meta"]["studies"]  # earlier studies are kept
     assert (study / "figures" / "probing_accuracy_vs_k.png").is_file()
     (study / "report.md").unlink()
@@ -160,7 +172,7 @@ def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
 
     assert sorted(probing["variants"]) == ["mpsae", "topk"] and probing["ks"] == [1, 4]
     assert (probing["n_train_rows"], probing["n_val_rows"]) == (1617, 180)
-    spec = plan_runs(["topk"], [(4, 32)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
+    spec = plan_runs(["topk"], [(4, 16)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
     entry = probing["variants"]["topk"]
     assert entry["run"] == spec.name and entry["r2_val"] == pytest.approx(runs[spec.name]["r2"], abs=1e-6)
     datamodule, labels = datamodule_for(spec), load_digits().target
@@ -202,41 +214,23 @@ def test_changed_settings_are_not_finished(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_concepts_cover_every_variant(tmp_path) -> None:
-    out = tmp_path / "five"
-    assert (
-        main(
-            [
-                "concepts",
-                "--data",
-                "digits",
-                "--out",
-                str(out),
-                "--k",
-                "4",
-                "--k_main",
-                "4",
-                "--p",
-                "32",
-                "--p_main",
-                "32",
-                "--max_steps",
-                "12",
-                "--r_max",
-                "8",
-            ]
-        )
-        == 0
-    )
+def test_concepts_cover_every_variant(study, tmp_path) -> None:
+    """The concepts study over every registered variant (a copy of the study: its MP-SAE and TopK runs at k_main,
+    p_main are reused, the others trained as one group with the training figures on)."""
+    out = tmp_path / "every"
+    shutil.copytree(study, out)
+    assert main(["concepts", "--data", "digits", "--out", str(out), *TINY]) == 0
     results = json.loads((out / "results.json").read_text())
     assert sorted(results["concepts"]["variants"]) == sorted(SAE_REGISTRY)
+    reused = {"mpsae_p16_k4", "topk_p16_k4"}
     for variant, stats in results["concepts"]["variants"].items():
         assert (out / "figures" / f"atoms_{variant}_by_frequency.png").is_file()
         assert (out / "figures" / f"atoms_{variant}_by_mean.png").is_file()
-        assert len(stats["frequency"]) == 32 and stats["n_tokens"] == 1797  # the whole digits set
+        assert len(stats["frequency"]) == 16 and stats["n_tokens"] == 1797  # p atoms; the whole digits set
         run = results["runs"][stats["run"]]
         record = json.loads((out / "models" / stats["run"] / "study_run.json").read_text())
         assert run["r2"] == pytest.approx(logged_scalar(record["log_dpath"], "val/r2"), abs=1e-5)  # its group member
+        assert (Path(record["log_dpath"]).is_relative_to(study)) == (stats["run"] in reused)  # reused, not retrained
     assert results["concepts"]["variants"]["relu"]["sequence"]["order"]  # ReLU's active atoms, by value
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import fork_server
 import numpy as np
 import pytest
 from PIL import Image
@@ -272,8 +273,12 @@ def test_resume_after_sigkill_mid_upload(s3_bucket, s3_env, tmp_path) -> None:
 
 
 def start_and_stop_after_first_upload(command: list[str], url: str, sig: int) -> tuple[int, str]:
-    """Run `command`, send `sig` once a shard's sidecar is in the bucket; returns the exit status and stderr."""
-    process = subprocess.Popen(command, cwd=REPO_DPATH, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """Run `command`, send `sig` once a shard's sidecar is in the bucket; returns the exit status and stderr.
+
+    The command is a process of its own that gets the real signal, forked from the test's fork server
+    (tests/fork_server.py, as tests/test_interrupts.py signals `fit`): what is tested is how the running extraction
+    stops, not an interpreter's start."""
+    process = fork_server.popen(command, cwd=REPO_DPATH)
     bucket = location(url)
     deadline = time.time() + 120
     while process.poll() is None and time.time() < deadline:
@@ -283,7 +288,7 @@ def start_and_stop_after_first_upload(command: list[str], url: str, sig: int) ->
         time.sleep(0.01)
     process.send_signal(sig)
     _, stderr = process.communicate()
-    return process.returncode, stderr.decode()
+    return process.returncode, stderr
 
 
 @pytest.mark.slow

@@ -1,12 +1,13 @@
 """``python -m benchmarks.gpu_suite``, the script a lent GPU runs first: every part's outcome reaches the table and
 the output folder, a failing or overrunning part included, within the device tool's limits on what comes back
 (at most 8 files). The fast tests drive the runner with stand-in parts (tiny Python commands); the dry run of
-the real parts on the CPU is marked slow (each part imports torch; the peers and pytest's collection take
-most of it)."""
+the real parts on the CPU is marked slow (the suite with its pytest part, whose collection of the GPU tests takes
+most of it; the other parts' commands in this process)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_suite
 from benchmarks.gpu_suite_parts import (
@@ -218,7 +220,8 @@ def test_where_to_run_lists_every_part_with_its_limit() -> None:
 
 
 # The parts whose dry run another test already runs (each with its own, finer assertions); the suite's dry run
-# here runs the others, so that no dry run is paid twice in the suite.
+# here runs the others, so that no dry run is paid twice in the suite. ``peers_compiled`` (SAELens's inductor
+# compile) runs on CUDA only, in a ``gpu`` test there; the CPU checks its wiring.
 DRY_RUN_ELSEWHERE = {
     "gpu": "tests/test_benchmarks_peers.py",
     "peers": "tests/test_benchmarks_peers.py",
@@ -227,26 +230,44 @@ DRY_RUN_ELSEWHERE = {
     "sparse_kernels": "tests/test_benchmarks_peers.py",
     "peers_compiled": "tests/test_benchmarks_peers.py",
 }
+PYTEST_PART = PARTS[0]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1900)  # the dry run's own budget is 30 minutes; about 2 on a quiet 2-core box
-def test_dry_run_runs_the_parts_on_the_cpu(tmp_path: Path) -> None:
-    names = [part.name.split()[0] for part in PARTS if part.name not in DRY_RUN_ELSEWHERE]
+@pytest.mark.timeout(1900)  # the dry run's own budget is 30 minutes; about 30 s on a loaded 2-core box
+def test_dry_run_runs_the_parts_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The suite's own dry run (a process, as the device call runs it) with its pytest part: the GPU tests collect
+    and skip, pytest's junit.xml lands beside the summaries. The other parts' dry commands run in this process
+    (``main`` of the module each part names, with its dry arguments: what ``python -m`` runs), their key figure read
+    from their real output: a fresh interpreter per part cost its imports of torch and Lightning, ~20 s a part on a
+    loaded 2-core box, and how the runner runs a part as a process is what the stand-in tests above check."""
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(tmp_path), "--parts", *names],
+        [sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(tmp_path), "--parts", "pytest"],
         capture_output=True,
         text=True,
         timeout=1850,
         cwd=REPO_DPATH,
     )
     rows = table_rows(result.stdout)
-    assert list(rows) == [part.name for part in PARTS if part.name not in DRY_RUN_ELSEWHERE], result.stdout[-3000:]
-    assert result.returncode == 0 and all(row[1] == "ok" for row in rows.values()), result.stdout[-3000:]
-    assert "skipped" in rows["pytest -m gpu"][2]  # no CUDA here: the GPU tests collect and skip
-    assert not any("last line:" in row[2] for row in rows.values()), rows  # every key figure read
+    assert list(rows) == [PYTEST_PART.name], result.stdout[-3000:]
+    assert result.returncode == 0 and rows[PYTEST_PART.name][1] == "ok", result.stdout[-3000:]
+    assert "skipped" in rows[PYTEST_PART.name][2]  # no CUDA here: the GPU tests collect and skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junit.xml", "logs.txt", "summary.json", "summary.md"]
     assert "GPU suite on no nvidia-smi (CPU) (dry run" in result.stdout
+
+    here = [part for part in PARTS[1:] if part.name not in DRY_RUN_ELSEWHERE]
+    assert here, "every part's dry run is elsewhere: drop this half"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a suite worker runs: at these sizes a second thread only adds hand-offs
+    try:
+        for part in here:
+            assert part.dry_args[0] == "-m", part.dry_args
+            capsys.readouterr()
+            importlib.import_module(part.dry_args[1]).main(part.dry_args[2:])
+            output = capsys.readouterr().out
+            assert part.key(output) and part.failure(output) is None, output  # key raises on output it cannot read
+    finally:
+        torch.set_num_threads(threads)
     for test_file in DRY_RUN_ELSEWHERE.values():
         assert (REPO_DPATH / test_file).is_file()
 

@@ -13,6 +13,7 @@ from tests.topk_select_checks import check_flat, check_rows, flat_cases, row_cas
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 triton_topk = pytest.importorskip("sae_pipeline.sae.triton_topk")
+triton_batch_topk = pytest.importorskip("sae_pipeline.sae.triton_batch_topk")
 if triton_topk.triton is None:
     pytest.skip("needs Triton", allow_module_level=True)
 
@@ -49,7 +50,8 @@ def test_batch_selection_matches_the_rule_without_a_sync() -> None:
         if n != 128 * 32:
             continue  # another R per row: another compile
         values = values.cuda()
-        got = no_sync(lambda v=values, n=n: triton_topk.batch_top_k(v, n, out=torch.full((n,), -1, device="cuda")))
+        poisoned = torch.full((n,), -1, device="cuda")
+        got = no_sync(lambda v=values, n=n, out=poisoned: triton_batch_topk.batch_top_k(v, n, out=out))
         check_flat(got, values, n, name)
 
 

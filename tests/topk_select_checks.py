@@ -137,48 +137,94 @@ def flat_cases(batch: int, d_sae: int, k: int, dtype: torch.dtype, seed: int) ->
     massive[:2] += 100  # two tokens take every slot they can (a CLS / register token): those rows read whole
     yield "massive rows", massive, n
     nan = plain.clone()
-    nan[3, :4] = float("nan")
+    nan[-1, :4] = float("nan")
     yield "nan", nan, n
     masked = torch.where(torch.rand(batch, d_sae, generator=g) < 0.5, float("-inf"), plain.double()).to(dtype)
     yield "-inf", masked, n
 
 
+#: Interpreter sizes: it runs every program instance in Python, so a case costs about rows × columns. 40 columns:
+#: one whole chunk of the (16, 2) tile and a partial one, lanes of two or three values; one row per case but where
+#: the case is about several rows (`row_cases`: -inf in rows 0-1, NaN in rows 0-2). Rows of signed zeros take
+#: the exact path's counting passes (more than its 4·8 slots at or above the bound); NaN rows, cut to 24 columns,
+#: gather theirs.
+ROW_SHAPE, ROW_TILE, ROWS_OF_CASE = (3, 40, 5), (16, 2, 1, 1), {"-inf": [0, 1], "nan": [0, 1, 2]}
+COLUMNS_OF_CASE = {"nan": 24}
+#: float16 differs from bfloat16 only in where +inf and NaN lie: its cases are those about them (NaN: of either
+#: sign; the ties of many NaNs, row 1, are bfloat16's and float32's).
+HALF_CASES = {"-inf": [0, 1], "nan": [0, 2]}
+#: Three rows (two of them massive in `flat_cases`), two per program of the batch passes: two programs add up.
+FLAT_SHAPE, FLAT_ROWS_PER_PROGRAM = (3, 40, 2), 2
+#: float32's batch cases: its four digits in both rounds (massive rows), NaN's key and ties of -0, +0 and negatives.
+WIDE_FLAT_CASES = ("coarse", "massive rows", "nan")
+
+
+def three_in_a_lane(values: Tensor, lanes: int) -> Tensor:
+    """``values`` with row 0's three largest in columns 0, ``lanes`` and ``2·lanes``: one lane of the per-token
+    kernel meets three of its top k, so its two candidates miss one and the row takes the exact path from a bound
+    (random rows this small rarely do)."""
+    crowded = values.double().clone()
+    crowded[0, [0, lanes, 2 * lanes]] = crowded[0].max() + torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    return crowded.to(values.dtype)
+
+
 def interpreted_checks() -> list[str]:
     """Every case on CPU tensors (for a process started with ``TRITON_INTERPRET=1``), the launches guarded
     against host reads and their outputs poisoned; returns the names of the cases run."""
-    from sae_pipeline.sae import triton_topk
+    from sae_pipeline.sae import triton_batch_topk, triton_topk
     from sae_pipeline.training.sync_guard import HostSyncCounter
 
     done = []
+    fallbacks = torch.zeros(1, dtype=torch.int32)  # the rows that took the exact path
+    rows_run = exact_before = 0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         straddled = 0
-        fallbacks = torch.zeros(1, dtype=torch.int32)
-        names = [name for name, _, _ in row_cases(6, 100, 5, dtype, seed=1)]
-        for name, values, k in row_cases(6, 100, 5, dtype, seed=1):
+        cases = list(row_cases(*ROW_SHAPE, dtype, seed=1))
+        if dtype != torch.float16:
+            cases.append(("three in a lane", three_in_a_lane(cases[0][1][:1], ROW_TILE[0]), ROW_SHAPE[2]))
+        for name, values, k in cases:
+            if dtype == torch.float16 and name not in HALF_CASES:
+                continue
+            rows = (HALF_CASES if dtype == torch.float16 else ROWS_OF_CASE).get(name, [0])
+            values = values[rows, : COLUMNS_OF_CASE.get(name, ROW_SHAPE[1])]
             with HostSyncCounter(raise_on_sync=True):
                 got = triton_topk.row_top_k(
-                    values, k, out=torch.full((6, k), -1), tile=(16, 2, 1, 1), fallbacks=fallbacks
-                )  # 16 lanes of ~6 values: some rows take the exact path
+                    values, k, out=torch.full((values.shape[0], k), -1), tile=ROW_TILE, fallbacks=fallbacks
+                )
             straddled += check_rows(got, values, k, f"{name} {dtype}")
+            if name == "three in a lane":
+                assert int(fallbacks) == exact_before + 1, f"{dtype}: the crowded lane's row must take the exact path"
+            exact_before = int(fallbacks)
+            rows_run += values.shape[0]
             done.append(f"rows-{name.replace(' ', '-')}-{dtype}")
-        assert straddled >= 3, f"{dtype}: the cases must put ties across the threshold"
-        assert 0 < int(fallbacks) < 6 * len(names), f"{dtype}: both paths must run ({int(fallbacks)} rows exact)"
-        values = next(row_cases(6, 100, 5, dtype, seed=2))[1]
-        got = triton_topk.row_top_k(values, 5, tile=(16, 1, 1, 2), force_exact=True)  # every row by counting passes
+        assert straddled >= (1 if dtype == torch.float16 else 3), f"{dtype}: the cases must put ties at the threshold"
+    assert 0 < int(fallbacks) < rows_run, f"both paths must run ({int(fallbacks)} of {rows_run} rows exact)"
+    for dtype in (torch.float32, torch.bfloat16):  # 32- and 16-bit keys; by counting passes, ties at the threshold
+        values = dict((name, v) for name, v, _ in row_cases(*ROW_SHAPE, dtype, seed=2))["coarse"][:1]
+        got = triton_topk.row_top_k(values, 5, tile=(32, 1, 1, 2), force_exact=True)
         check_rows(got, values, 5, f"forced exact {dtype}")
         done.append(f"rows-forced-exact-{dtype}")
+    batch, d_sae, k = FLAT_SHAPE
     for dtype in (torch.float32, torch.bfloat16):
-        for name, values, n in flat_cases(12, 80, 3, dtype, seed=3):
+        cases = list(flat_cases(batch, d_sae, k, dtype, seed=3))
+        if dtype == torch.bfloat16:
+            cases.append(("three in a lane", three_in_a_lane(cases[0][1], ROW_TILE[0]), cases[0][2]))
+        for name, values, n in cases:
+            if dtype == torch.float32 and name not in WIDE_FLAT_CASES:
+                continue
             with HostSyncCounter(raise_on_sync=True):
-                got = triton_topk.batch_top_k(values, n, out=torch.full((n,), -1), tile=(16, 2, 1, 1))
+                got = triton_batch_topk.batch_top_k(
+                    values, n, out=torch.full((n,), -1), tile=ROW_TILE, rows_per_program=FLAT_ROWS_PER_PROGRAM
+                )
             check_flat(got, values, n, f"{name} {dtype}")
             done.append(f"flat-{name.replace(' ', '-')}-{dtype}")
-    # the default tile (G 512: every row held whole by the candidates), rows of several chunks, over 65 536 columns
-    values = torch.randn(3, 1500, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    # the default tile (k 32: G 512, four chunks a step, the row in its partial step), several whole steps of a
+    # small tile, a row over 65 536 columns (composites of 64 bits)
+    values = torch.randn(1, 1500, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     check_rows(triton_topk.row_top_k(values, 32), values, 32, "default tile")
     check_rows(triton_topk.row_top_k(values, 7, tile=(64, 4, 1, 2)), values, 7, "several chunks")
-    wide = torch.randn(2, 65_600, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    check_rows(triton_topk.row_top_k(wide, 3), wide, 3, "65 600 columns")
+    wide = torch.randn(1, 65_600, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    check_rows(triton_topk.row_top_k(wide, 1), wide, 1, "65 600 columns")
     done += ["rows-default-tile", "rows-several-chunks", "rows-65600-columns"]
     return done
 
@@ -223,7 +269,7 @@ def sae_checks(kernels: bool) -> dict[str, dict[str, Tensor]]:
         with torch.no_grad():
             template.b_enc.copy_(0.1 * torch.randn_like(template.b_enc))
         template.tokens_since_fired[::9] = template.dead_after_tokens  # 11 dead latents: AuxK picks 6 of them
-        x = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))  # two tokens: the interpreter's cost
         for sparse in (True, False):
             found[f"{cls.key} {'sparse' if sparse else 'dense'}"] = sae_step(copy.deepcopy(template), x, sparse)
     return found

@@ -1,5 +1,6 @@
 """Top-k selection of the training step: the per-token top ``k`` (TopK's support, its dense ``activate``, AuxK's
-picks) and BatchTopK's batch top ``B·k``, by Triton kernels on a GPU (`triton_topk.py`), `torch.topk` elsewhere.
+picks) and BatchTopK's batch top ``B·k``, by Triton kernels on a GPU (`triton_topk.py`, `triton_batch_topk.py`),
+`torch.topk` elsewhere.
 
 Why: `torch.topk` per token took about 1.3 ms of a TopK step at the paper's shape on an H200, and BatchTopK's
 threshold search (`batch_select.py`) 0.6x a plain top-k, where reading the pre-activations once takes about
@@ -97,12 +98,12 @@ def top_k_indices(values: Tensor, k: int) -> Tensor:
 
 
 def keep_per_row(batch: int, n: int) -> int:
-    """``R``, the entries `triton_topk.batch_top_k` keeps per row: twice the mean of ``n`` over the rows."""
+    """``R``, the entries `triton_batch_topk.batch_top_k` keeps per row: twice the mean of ``n`` over the rows."""
     return 2 * -(-n // batch)
 
 
 def batch_applies(values: Tensor, n: int) -> bool:
-    """Whether `triton_topk.batch_top_k` takes ``values [B, d_sae]`` and ``n``: the per-token kernel `applies` to
+    """Whether `triton_batch_topk.batch_top_k` takes ``values [B, d_sae]`` and ``n``: the per-token kernel `applies` to
     its ``R`` per row."""
     return values.dim() == 2 and 1 <= n <= values.numel() and applies(values, keep_per_row(values.shape[0], n))
 
@@ -112,9 +113,9 @@ def batch_top_indices(values: Tensor, n: int) -> Tensor:
     entries equal to the ``n``-th largest, those of lowest flat index where a kernel runs (`batch_top_k`, or
     `batch_select.py`'s threshold search where that does not apply), `torch.topk`'s on the CPU."""
     if batch_applies(values, n):
-        from sae_pipeline.sae import triton_topk
+        from sae_pipeline.sae import triton_batch_topk
 
-        return with_select_kernels(lambda: triton_topk.batch_top_k(values, n), lambda: _batch_fallback(values, n))
+        return with_select_kernels(lambda: triton_batch_topk.batch_top_k(values, n), lambda: _batch_fallback(values, n))
     return _batch_fallback(values, n)
 
 
