@@ -10,8 +10,8 @@ whatever happens to the others: each part is a child process with its own time l
 (benchmarks/gpu_suite_parts.py lists them), killed with its whole process group when it outruns it,
 and all of them share one budget (``--budget``, 7.5 minutes) so the call ends inside the device tool's
 8. A part that fails, times out or is not reached is reported as such in the table, never dropped. The optional
-part (``peers_compiled``, last) runs on what the others left of the budget: it does not fail the suite for being
-skipped or stopped there.
+parts (``fit_pace``, ``peers_compiled``, last) run on what the others left of the budget: they do not fail the
+suite for being skipped or stopped there.
 
 Before the parts: the wheels in ``.whl/`` (when there are any) are installed into ``--site`` (a
 folder of the machine's temporary directory) with the device tool's command, and every part then

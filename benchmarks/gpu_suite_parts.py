@@ -5,9 +5,9 @@ Shapes: the issue's (d_in 768, d_sae 19 200, k 32, B 4 096) wherever a part take
 of gpu.py, peers.py, train_step.py and mp_sae.py describe one step. Each part's seconds are sized so that
 all of them, with the wheels' install, fit one device call of 8 minutes on an H100 (their sum is
 `TOTAL_BUDGET_S`, with 20 s for the wheels); a part that outruns its own is stopped and the next one starts.
-An optional part (``reserved=False``, last) has no seconds of its own: it runs on what the others left of the
-budget, up to its limit, and its being skipped or stopped there does not fail the suite (SAELens compiled,
-whose compiling takes most of its time).
+An optional part (``reserved=False``, the last two) has no seconds of its own: it runs on what the others left
+of the budget, up to its limit, and its being skipped or stopped there does not fail the suite (`fit` from
+shards, four fresh fits; SAELens compiled, whose compiling takes most of its time).
 
 Each ``key_*`` function reads the figure from the part's output and raises on output it does not
 recognise; the runner then shows the output's last line instead, so a changed table never hides a
@@ -73,6 +73,14 @@ def key_train_step(text: str) -> str:
     if not rows:
         raise ValueError("no variant rows")
     return "Trainer overhead " + ", ".join(f"{variant} {overhead}" for variant, overhead in rows)
+
+
+def key_fit_pace(text: str) -> str:
+    """`fit`'s tokens/s over the bare step's, per variant: from the loader's workers, then from the cache."""
+    rows = [row for row in table_cells(text) if len(row) == 6 and row[0] != "variant"]
+    if not rows:
+        raise ValueError("no variant rows")
+    return "fit / bare step: " + ", ".join(f"{row[0]} {row[3]} (workers) {row[5]} (cache)" for row in rows)
 
 
 def key_peers(text: str) -> str:
@@ -221,6 +229,15 @@ PARTS = [
         ["-m", "benchmarks.multi_sae", "--quick"],
         45,
         key_multi_sae,
+    ),
+    Part(
+        "fit_pace",
+        # the real `fit` from shards (the recipe's 4 workers, then --data.cache gpu) against the bare step
+        ["-m", "benchmarks.fit_pace"],
+        ["-m", "benchmarks.fit_pace", "--dry-run", "--variants", "topk"],
+        120,
+        key_fit_pace,
+        reserved=False,
     ),
     Part(
         "peers_compiled",

@@ -22,6 +22,7 @@ from benchmarks.gpu_suite_parts import (
     PARTS,
     Part,
     failure_peers,
+    key_fit_pace,
     key_multi_sae,
     key_peers,
     key_pytest,
@@ -168,6 +169,14 @@ def test_key_figures_read_the_real_tables() -> None:
     )
     with pytest.raises(ValueError):
         key_sparse_kernels("| product | Triton |\n")
+    pace = (
+        "| variant | bare step tokens/s | fit, 4 workers | ratio | fit, cache gpu | ratio |\n"
+        "|---|---|---|---|---|---|\n"
+        "| topk | 4,000,000 | 3,000,000 | 0.75 | 3,800,000 | 0.95 |\n"
+    )
+    assert key_fit_pace(pace) == "fit / bare step: topk 0.75 (workers) 0.95 (cache)"
+    with pytest.raises(ValueError):
+        key_fit_pace("fit (topk, workers) failed with exit 2\n")
 
 
 def test_the_parts_are_the_issues_and_fit_the_device_call() -> None:
@@ -181,15 +190,16 @@ def test_the_parts_are_the_issues_and_fit_the_device_call() -> None:
         "omp_sae",
         "sparse_kernels",
         "multi_sae",
+        "fit_pace",
         "peers_compiled",
     ]
     # the reserved parts fit the call; the optional ones (last) run on what those leave
     assert sum(part.timeout_s for part in PARTS if part.reserved) + gpu_suite.WHEELS_TIMEOUT_S <= 8 * 60 - 30
-    assert [part.name for part in PARTS if not part.reserved] == ["peers_compiled"] and not PARTS[-1].reserved
+    assert [part.name for part in PARTS if not part.reserved] == ["fit_pace", "peers_compiled"]
     pytest_part = PARTS[0]
     assert "tests" in pytest_part.gpu_args and "-m" in pytest_part.gpu_args  # by the marker, not by file
     for part in PARTS[2:]:
-        assert "cuda" in part.gpu_args or part.name == "sparse_kernels", part.name  # that one is CUDA-only
+        assert "cuda" in part.gpu_args or part.name in ("sparse_kernels", "fit_pace"), part.name  # CUDA-only ones
     for part in PARTS:
         if "benchmarks.peers" in part.gpu_args:  # every peer at its fastest: bf16 (equality stays float32)
             assert "--autocast" in part.gpu_args, part.name
