@@ -12,6 +12,9 @@ traceback of every error instead of the line.
 
 SIGTERM is turned into ``Terminated`` (a ``KeyboardInterrupt``), so the cleanup that Ctrl-C
 runs (``finally`` blocks, the shard writers' abort, temporary files removed) runs for it too.
+Both also set the stop flag (``stop_flag``): a wait in another thread or a forked worker (an upload
+retrying a store that has died) ends as well, and the ``Stopped`` it raises is the same stop, whose
+line then names the store that was not answering.
 The Lightning commands stop with :class:`Interrupted` instead (``sae_pipeline.training.interrupts``: a
 ``SystemExit``, because Lightning turns a ``KeyboardInterrupt`` into exit 1); :func:`run_command`
 treats it as the interruption it is.
@@ -34,7 +37,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from feature_extraction import stop_flag
 from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
+from feature_extraction.file_checks import terminal_text
 
 __all__ = [
     "EXIT_BAD_INPUT",
@@ -88,12 +93,30 @@ _TERMINATED: list[int] = []  # SIGTERM seen by this process
 
 def _raise_terminated(signum: int, frame: Any) -> None:  # noqa: ARG001 (signal handler signature)
     _TERMINATED.append(signum)
+    stop_flag.request(signum)  # the waits of other threads and of forked workers end too
     raise Terminated()
 
 
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 (signal handler signature)
+    stop_flag.request(signum)
+    raise KeyboardInterrupt
+
+
+def _stop_line(signum: int, interrupted: str) -> int:
+    """Print the one stop line (with the store that was not answering, if one was) and return 128 + signal."""
+    note = stop_flag.unanswered()
+    detail = f"{interrupted}; {note}" if note else interrupted
+    if signum == signal.SIGTERM:
+        print(f"terminated (SIGTERM): {detail}", file=sys.stderr)
+        return EXIT_TERMINATED
+    print(f"\ninterrupted (Ctrl-C): {detail}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def one_line(error: BaseException) -> str:
-    """The error's message on one line (whitespace collapsed); its type name when it has none."""
-    return " ".join(str(error).split()) or type(error).__name__
+    """The error's message on one line (whitespace collapsed, control characters escaped: it may quote a file);
+    its type name when it has none."""
+    return terminal_text(" ".join(str(error).split()), limit=None) or type(error).__name__
 
 
 def error_line(error: BaseException, error_type: bool = False) -> str:
@@ -160,11 +183,14 @@ def run_command(
     ``kept``: what a full disk leaves, for the ``kept:`` part of its line when the error itself does
     not say (``atomic_files.DiskFullError.kept``).
     """
-    previous = None
+    previous = previous_int = None
     _TERMINATED.clear()
+    stop_flag.reset()
     threading.excepthook = quiet_thread_disk_full
     try:
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not ignored, not a Lightning command's
+            previous_int = signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     except ValueError:  # not the main thread: leave SIGTERM alone
         pass
     try:
@@ -174,15 +200,16 @@ def run_command(
             print(f"{interrupted_head(stop.signum)}: {interrupted}", file=sys.stderr)
         return int(stop.code), None
     except Terminated:
-        print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr)
-        return EXIT_TERMINATED, None
+        return _stop_line(signal.SIGTERM, interrupted), None
     except KeyboardInterrupt:
-        print(f"\ninterrupted (Ctrl-C): {interrupted}", file=sys.stderr)
-        return EXIT_INTERRUPTED, None
+        return _stop_line(signal.SIGINT, interrupted), None
+    except stop_flag.Stopped as stopped:  # a wait of this thread cut short by a stop (stop_flag)
+        return _stop_line(stopped.signum, interrupted), None
     except (ValueError, OSError, RuntimeError) as error:
-        if _TERMINATED:  # a SIGTERM to the whole group: a helper process (DataLoader worker) died of it first
-            print(f"terminated (SIGTERM): {interrupted}", file=sys.stderr)
-            return EXIT_TERMINATED, None
+        # a stop, then an error it caused: a helper process (DataLoader worker) died of a SIGTERM to the whole group
+        signum = stop_flag.requested() or (signal.SIGTERM if _TERMINATED else 0)
+        if signum:
+            return _stop_line(signum, interrupted), None
         if os.environ.get("SAE_PIPELINE_TRACEBACK"):
             raise
         disk_full = disk_full_line(error, kept)
@@ -194,3 +221,5 @@ def run_command(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)

@@ -42,7 +42,8 @@ Design choices:
   writers all shrink with it; each sample then also holds `positions.npy`.
 - `--out s3://bucket/prefix` (any fsspec URL): the same extraction runs into a local staging folder
   (`--stage`) and each shard is uploaded whole as soon as it is written, the manifest last;
-  resume continues from the whole shards in the bucket (`remote_out.py`).
+  resume continues from the whole shards in the bucket (`remote_out.py`). The stage is removed once
+  the task's uploads succeed, unless another task of the host still uses it (`stage_lease.py`).
 - Image ids may contain '.', which webdataset reads as the start of the extension, so a
   sample's `__key__` is the id percent-escaped (`shards.layout.image_key`, reversible by
   `image_id_from_key`); `meta.json` keeps the original id, its source and `image_xxh3_64`,
@@ -65,7 +66,7 @@ from feature_extraction.backbones import get_backbone_spec, load_backbone
 from feature_extraction.images import ImageDataset, list_images
 from feature_extraction.output_dirs import check_output_path, prepare_output_dir
 from feature_extraction.output_lock import output_lock
-from feature_extraction.remote_out import ShardUploader, default_stage, prepare_stage, resume_plan
+from feature_extraction.remote_out import ShardUploader, StageSpace, default_stage, prepare_stage, resume_plan
 from feature_extraction.shard_loop import write_shards
 from feature_extraction.shards import (
     assign_shards,
@@ -77,6 +78,7 @@ from feature_extraction.shards import (
     shards_for_task,
 )
 from feature_extraction.shards.finalize import check_or_create_record, finalize_if_last, ids_digest
+from feature_extraction.stage_lease import StageLease
 from feature_extraction.store import RemotePath, location
 from feature_extraction.token_selection import make_selection, selected_positions, token_kinds
 from feature_extraction.validate import check_int
@@ -171,8 +173,9 @@ def extract(
             image id (the same in every task and rerun); default: every patch. Cuts disk in proportion.
         keep_prefix_tokens: also store the CLS and register tokens (false: patches only).
         stage: with a URL --out, the local folder each shard is written to before its upload (deleted from
-            there once uploaded: needs room for about num_writers + 8 shards); default: a folder in the system
-            temp dir named after the URL. Ignored for a local --out.
+            there once uploaded: needs room for about num_writers + 8 shards; the folder itself is removed when
+            the task succeeds and no other task uses it); default: a folder in the system temp dir named after
+            the URL. Ignored for a local --out.
     """
     for name, value, minimum in (
         ("batch_size", batch_size, 1),
@@ -232,7 +235,8 @@ def extract(
         "token_selection": selection,
     }
     target = out_dpath if stage_dpath is None else target
-    with output_lock(target, "extract", part=(task_index, num_tasks)):  # one writer per task's shards
+    stage_lease = nullcontext() if stage_dpath is None else StageLease(out_dpath)  # held while this task stages
+    with output_lock(target, "extract", part=(task_index, num_tasks)), stage_lease:  # one writer per task's shards
         check_or_create_record(target, record)
 
         owned = shards_for_task(len(shards), task_index, num_tasks)
@@ -272,7 +276,9 @@ def extract(
                 " and the prefix tokens" if selection["keep_prefix_tokens"] and spec.n_prefix_tokens else "",
             )
         uploader = None if stage_dpath is None else ShardUploader(out_dpath, target, staged)
-        with uploader or nullcontext():  # waits for the last uploads; drops the queue on an error or interrupt
+        stage_space = None if stage_dpath is None else StageSpace(out_dpath, target, num_writers)  # a full --stage
+        # the uploader waits for the last uploads; drops the queue on an error or interrupt
+        with stage_space or nullcontext(), uploader or nullcontext():
             counts = write_shards(
                 model,
                 ImageDataset(records, model.preprocess),
@@ -291,7 +297,11 @@ def extract(
                 ),
                 on_shard_written=None if uploader is None else uploader.submit,
             )
+        if stage_space is not None:
+            stage_space.raise_if_full()  # one line, exit 2 (remote_out.StageSpace)
         finalized = finalize_if_last(target, len(shards))
+        if stage_dpath is not None:  # every shard this task owns is in the bucket: its staged files go
+            stage_lease.finish(owned)
     return {
         "out": str(target),
         "task_index": task_index,

@@ -15,7 +15,9 @@ second process is refused in one line naming the holder (bad input, exit 2):
 - How: ``open(O_CREAT | O_EXCL)``, then JSON ``{pid, host, started, command, slurm_job_id,
   slurm_restart_count, token}``. Released (deleted, if still ours) when the block ends, also on an
   error, Ctrl-C or SIGTERM (both raise through the block: ``exit_status`` and
-  ``sae_pipeline.training.interrupts``). Only ``kill -9`` or a crashed node leave one behind.
+  ``sae_pipeline.training.interrupts``). Only ``kill -9`` or a crashed node leave one behind, and a
+  stop while the store holding a lock object does not answer (the stop does not wait out the
+  store's retries: the rerun takes the object over).
 - A lock left behind is taken over when its holder is surely gone: the same host and no process
   with its pid, or the same SLURM job at an earlier restart (a requeued job, maybe on another node).
   A holder on another host cannot be checked from here: the refusal names it and the manual fix.
@@ -48,7 +50,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from feature_extraction import stop_flag
 from feature_extraction.atomic_files import DiskFullError, out_of_space
+from feature_extraction.file_checks import COUNT, TEXT, Kind, check_fields, nullable, parse_json, terminal_text
 from feature_extraction.output_dirs import dir_problem, prepare_output_dir
 from feature_extraction.store import RemotePath, StoreError, location
 
@@ -56,6 +60,19 @@ __all__ = ["LOCK_FNAME", "OutputLocked", "is_launching_process", "lock_fpath", "
 
 LOCK_FNAME = ".lock"
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
+MAX_LOCK_BYTES = 64 << 10  # a holder record is a few hundred bytes
+# what a holder record must be (`_holder_record`) for its process to be checked
+HOLDER_KINDS = {
+    "pid": Kind(lambda v: COUNT.test(v) and 1 <= v < 1 << 31, "a process id (an integer in [1, 2^31))"),
+    "host": TEXT,
+    "started": TEXT,
+    "command": TEXT,
+    "slurm_job_id": nullable(TEXT),
+    "slurm_restart_count": COUNT,
+    "token": TEXT,
+}
+_TOO_LARGE = "\0too large"  # the key _read gives a file too large to be a lock
+_OPTIONAL_HOLDER_FIELDS = ("started", "command", "slurm_job_id", "slurm_restart_count", "token")
 UNREADABLE_STALE_S = 60.0  # a lock file still empty after this was left by a process killed while creating it
 TAKEOVER_STALE_S = 30.0  # a takeover takes milliseconds; an older takeover lock was left by a killed process
 
@@ -98,28 +115,49 @@ def _holder_record(command: str) -> dict[str, Any]:
 
 
 def _read(fpath: Path | RemotePath) -> dict[str, Any] | None:
-    """The holder written in ``fpath``; None when it is gone; ``{}`` when unreadable (being created, or garbled)."""
+    """The holder written in ``fpath``; None when it is gone; ``{}`` when unreadable (being created, or garbled);
+    parsed with bounds (`file_checks`), its fields checked by `_holder_problem`."""
     try:
         if isinstance(fpath, RemotePath):
             fpath.parent.refresh()  # another process may have created or removed it since this one listed
             if not fpath.is_file():
                 return None
+            if (size := fpath.stat().st_size) > MAX_LOCK_BYTES:
+                return {_TOO_LARGE: size}  # not fetched
             try:
-                text = fpath.read_text(encoding="utf-8")
+                text = fpath.read_bytes()
             except StoreError:
                 fpath.parent.refresh()
                 if fpath.is_file():
                     raise
                 return None  # removed between the listing and the read
         else:
-            text = fpath.read_text(encoding="utf-8")
+            with fpath.open("rb") as f:
+                text = f.read(MAX_LOCK_BYTES + 1)
     except FileNotFoundError:
         return None
+    if len(text) > MAX_LOCK_BYTES:
+        return {_TOO_LARGE: len(text)}  # no lock this program wrote: broken (_holder_problem)
     try:
-        holder = json.loads(text)
+        holder = parse_json(text, source=fpath, what="lock", fix="", max_depth=4)
     except ValueError:
         return {}
     return holder if isinstance(holder, dict) else {}
+
+
+def _holder_problem(holder: dict[str, Any]) -> str | None:
+    """Why ``holder`` (read from a lock file, not empty) is no record this program wrote; None when it is one.
+
+    Such a lock names no process that can be checked, so it is neither a live holder nor taken over:
+    the refusal names the file to delete (its text, escaped, only as the reason).
+    """
+    if _TOO_LARGE in holder:
+        return f"over {MAX_LOCK_BYTES} bytes"
+    try:
+        check_fields(holder, HOLDER_KINDS, source="", what="", fix="", optional=_OPTIONAL_HOLDER_FIELDS)
+    except ValueError as exn:
+        return str(exn).strip(": ;")
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -151,6 +189,8 @@ def _gone(holder: dict[str, Any], fpath: Path | RemotePath) -> bool:
     if not holder:  # created and never written: its creator was killed in that instant, or is writing it now
         # (an object is created whole: an unreadable one was garbled by hand, and is not taken over)
         return not isinstance(fpath, RemotePath) and _age(fpath, holder) > UNREADABLE_STALE_S
+    if _holder_problem(holder):
+        return False  # broken: refused, naming the file to delete (_refusal)
     job = os.environ.get("SLURM_JOB_ID")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     if job and holder.get("slurm_job_id") == job and int(holder.get("slurm_restart_count") or 0) < restarts:
@@ -202,11 +242,18 @@ def _refusal(what: str, path: Path | RemotePath, fpath: Path | RemotePath, holde
             f"{what} {path} is locked by {fpath}, which another process is creating now; wait a minute and "
             f"rerun, or delete {fpath} if no other process writes {path}"
         )
-    where = f"pid {holder.get('pid')} on host {holder.get('host')}"
+    problem = _holder_problem(holder)
+    if problem:
+        return OutputLocked(
+            f"{what} {path} is locked by {fpath}, which is broken ({problem}): no lock this program wrote, so "
+            f"whose it is cannot be checked; delete {fpath} if no other process writes {path}"
+        )
+    where = f"pid {holder['pid']} on host {terminal_text(holder['host'], 100)}"
     if holder.get("host") != socket.gethostname():
         where += " (another host: whether it still runs cannot be checked from here)"
+    started, command = (terminal_text(holder.get(k), 100) for k in ("started", "command"))
     return OutputLocked(
-        f"{what} {path} is being written by {where} since {holder.get('started')} ({holder.get('command')}); "
+        f"{what} {path} is being written by {where} since {started} ({command}); "
         f"wait for it to finish, or delete {fpath} if that process is gone"
     )
 
@@ -285,7 +332,7 @@ def output_lock(
             if not _gone(holder, fpath):
                 raise _refusal(what, path, fpath, holder)
             _take_over(fpath, holder)
-            time.sleep(0.05)
+            stop_flag.sleep(0.05)
         else:
             holder = _read(fpath) or {}
             raise _refusal(what, path, fpath, holder)
@@ -299,8 +346,11 @@ def output_lock(
                 raise _refusal(what, path, clash[0], clash[1])
         yield fpath
     finally:
-        if _read(fpath) == record:  # not taken over meanwhile (then it is another process's now)
-            fpath.unlink(missing_ok=True)
+        try:
+            if _read(fpath) == record:  # not taken over meanwhile (then it is another process's now)
+                fpath.unlink(missing_ok=True)
+        except stop_flag.Stopped:  # stopped while the store does not answer: the lock object stays, and the
+            pass  # rerun on this host takes it over (its pid is gone) rather than wait out a retry window here
         _remove_created(created)
 
 

@@ -17,7 +17,11 @@ task and rerun compares its settings before it writes a shard.
   when the store is slower than the GPU the queue fills and the extraction waits, so the stage
   never grows past the shards being written (`--num_writers`), waiting and uploading: about
   `num_writers + QUEUE_DEPTH + UPLOAD_THREADS` shards (~5 GB for a ViT-B at `--shard_size 1000`).
-  An uploaded tar is deleted from the stage; its sidecar (a few KB) is kept.
+  An uploaded tar is deleted from the stage; its sidecar (a few KB) stays until the task's uploads have
+  all succeeded, when the task deletes what it staged and, unless another task of the host still uses
+  it, the folder (`stage_lease.py`). A stage whose disk fills up ends the command with one line naming
+  the stage, what the bucket keeps and the room a stage needs, exit 2 (`StageSpace`): not the full-disk
+  line of a local `--out`, which would say the shards are kept in the folder.
 - Resume (a rerun after Ctrl-C, SIGTERM or kill -9): the prefix is listed once; a shard whose
   sidecar and tar objects exist with the sidecar's size is done and not downloaded again; a
   staged shard that is complete and intact but not uploaded is uploaded, not recomputed; every
@@ -45,19 +49,30 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
+from feature_extraction import stop_flag
+from feature_extraction.atomic_files import DiskFullError, free_bytes
 from feature_extraction.shards import shard_is_complete, shard_is_intact
 from feature_extraction.shards.finalize import check_or_create_record
 from feature_extraction.shards.layout import shard_fname, sidecar_fname, skipped_fname
 from feature_extraction.store import RemotePath
 
-__all__ = ["QUEUE_DEPTH", "UPLOAD_THREADS", "ShardUploader", "default_stage", "prepare_stage", "resume_plan"]
+__all__ = [
+    "QUEUE_DEPTH",
+    "UPLOAD_THREADS",
+    "ShardUploader",
+    "StageFull",
+    "StageSpace",
+    "default_stage",
+    "prepare_stage",
+    "resume_plan",
+]
 
 logger = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 4  # shards uploaded at once (each a multipart upload of parallel parts)
 QUEUE_DEPTH = 4  # complete shards waiting for an upload thread before the extraction waits
 STAGE_PREFIX = "sae-pipeline-stage-"
-ABORT_WAIT_S = 10.0  # on an interruption, how long the uploads in flight may finish
+ABORT_WAIT_S = 3.0  # on an interruption, how long the uploads in flight may finish (a stop ends within 5 s)
 
 
 def default_stage(target: RemotePath) -> Path:
@@ -76,6 +91,46 @@ def prepare_stage(stage_dpath: Path, record: dict) -> None:
         ) from None
 
 
+class StageFull(ValueError):
+    """The disk of `--stage` filled up: the shards are safe in the bucket, and the fix is another `--stage` or
+    room on its disk; one line, exit 2, as for a flag that cannot work (`StageSpace`)."""
+
+
+class StageSpace:
+    """Around the extraction into the stage: a full disk there ends the command with `StageFull`'s line (what was
+    being written, what is kept in the bucket, the room the stage needs) instead of the full-disk line of a local
+    `--out`, whose shards would be kept in the folder (`raise_if_full` raises it after the block, so that it is
+    not chained to the disk's error)."""
+
+    def __init__(self, stage_dpath: Path, target: RemotePath, num_writers: int) -> None:
+        self.stage, self.target, self.num_writers = stage_dpath, target, num_writers
+        self.full: StageFull | None = None
+
+    def __enter__(self) -> StageSpace:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> bool:
+        path = Path(str(getattr(error, "path", ""))) if isinstance(error, DiskFullError) else None
+        if path is None or not path.is_relative_to(self.stage):
+            return False
+        try:
+            free = f" ({free_bytes(self.stage) / 2**20:.1f} MiB free)"
+        except OSError:
+            free = ""
+        shards = self.num_writers + QUEUE_DEPTH + UPLOAD_THREADS
+        self.full = StageFull(
+            f"--stage {self.stage} is full{free}: no space left on device writing {path}; kept: the shards uploaded "
+            f"to {self.target} and the complete ones staged (a rerun skips or uploads them; the partial shard was "
+            f"removed); pass --stage DIR on a disk with room for about {shards} shards (--num_writers + "
+            f"{QUEUE_DEPTH + UPLOAD_THREADS}), or free space there, and rerun the same command"
+        )
+        return True  # raised by raise_if_full, outside this exception's handling
+
+    def raise_if_full(self) -> None:
+        if self.full is not None:
+            raise self.full
+
+
 def resume_plan(target: RemotePath, stage_dpath: Path, owned: Iterable[int]) -> tuple[list[int], list[int], list[int]]:
     """`(in the bucket, staged but not uploaded, to extract)` of the shards `owned` (module docstring)."""
     owned = list(owned)
@@ -83,7 +138,11 @@ def resume_plan(target: RemotePath, stage_dpath: Path, owned: Iterable[int]) -> 
     names = {p.name for p in target.iterdir()}
     listed = [i for i in owned if shard_fname(i) in names and sidecar_fname(i) in names]
     with ThreadPoolExecutor(16) as pool:  # one small GET per sidecar
-        whole = {i for i, ok in zip(listed, pool.map(lambda i: shard_is_complete(target, i), listed)) if ok}
+        try:
+            whole = {i for i, ok in zip(listed, pool.map(lambda i: shard_is_complete(target, i), listed)) if ok}
+        except BaseException:  # a stop: the GETs not started are dropped, not each made and waited for
+            pool.shutdown(cancel_futures=True)
+            raise
     for i in whole:  # uploaded, then killed before its staged copy was deleted
         (stage_dpath / shard_fname(i)).unlink(missing_ok=True)
     rest = [i for i in owned if i not in whole]
@@ -110,7 +169,8 @@ class ShardUploader:
     `submit(index)` queues a shard (waiting while `QUEUE_DEPTH` wait already) and raises the first
     upload error; `close()` waits for every upload; `abort()` drops the queue. As a context manager:
     `close` on success, `abort` on an exception. The threads start at the first `submit` or at
-    `close`, after the shard writers have forked.
+    `close`, after the shard writers have forked. Those waits, and an upload's retries, end on a
+    stop (`stop_flag`): a store that has died holds no SIGTERM up.
     """
 
     def __init__(self, stage_dpath: Path, target: RemotePath, staged: Iterable[int] = ()) -> None:
@@ -135,8 +195,7 @@ class ShardUploader:
     def submit(self, index: int) -> None:
         with self.cond:
             self._start()
-            while len(self.pending) >= QUEUE_DEPTH and self.error is None:
-                self.cond.wait(1.0)
+            stop_flag.wait_for(self.cond, lambda: len(self.pending) < QUEUE_DEPTH or self.error is not None, "uploads")
             self._raise()
             self.pending.append(index)
             self.cond.notify_all()
@@ -148,7 +207,7 @@ class ShardUploader:
             self.closing = True
             self.cond.notify_all()
         for thread in self.threads:
-            thread.join()
+            stop_flag.join(thread, where="uploads")  # an upload retrying a dead store ends on a stop
         self._raise()
 
     def abort(self) -> None:

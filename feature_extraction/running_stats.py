@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from feature_extraction.file_checks import COUNT, NUMBER, list_of, shown
 from feature_extraction.validate import check_int
 
 __all__ = ["RunningStats"]
@@ -70,8 +71,16 @@ class RunningStats:
 
     @classmethod
     def from_json(cls, d: dict) -> RunningStats:
-        """Inverse of ``to_json``."""
-        try:
-            return cls(int(d["d"]), int(d["n_tokens"]), np.asarray(d["sum"], np.float64), float(d["sum_sq_norm"]))
-        except (KeyError, TypeError) as exn:
-            raise ValueError(f"RunningStats json needs d, n_tokens, sum, sum_sq_norm: {exn!r}") from None
+        """Inverse of ``to_json``; a ValueError for anything else (a sidecar is read from disk: the types are
+        checked before ``d`` sizes any array, so a forged ``d`` of 10¹² allocates nothing)."""
+        fields = {"d": COUNT, "n_tokens": COUNT, "sum": list_of(NUMBER), "sum_sq_norm": NUMBER}
+        problem = "must be a JSON object" if not isinstance(d, dict) else None
+        for name, kind in fields.items() if problem is None else ():
+            if name not in d or not kind.test(d[name]):
+                problem = f"needs {name} as {kind.text}, got {shown(d.get(name))}"
+                break
+        if problem is None and len(d["sum"]) != d["d"]:
+            problem = f"has {len(d['sum'])} sums for d = {d['d']}"
+        if problem is not None:
+            raise ValueError(f"RunningStats json {problem}")
+        return cls(d["d"], d["n_tokens"], np.asarray(d["sum"], np.float64), float(d["sum_sq_norm"]))

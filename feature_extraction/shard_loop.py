@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from feature_extraction.allocation import allocating
 from feature_extraction.backbones import Backbone
 from feature_extraction.images import CONTENT_HASH_KEY, ImageRecord, collate_images
 from feature_extraction.shards import image_key
@@ -57,7 +58,9 @@ def forward_tokens(
             tokens = tokens.gather(1, index[:, :, None].expand(-1, -1, tokens.shape[2]))
     if not on_cuda:
         return tokens, None
-    host = torch.empty(tokens.shape, dtype=torch.float16, pin_memory=True)
+    fix = "lower --batch_size, or free host memory (pinned pages stay in RAM)"
+    with allocating("the extraction: a batch's tokens in pinned host memory", tokens.numel() * 2, fix):
+        host = torch.empty(tokens.shape, dtype=torch.float16, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
     event = torch.cuda.Event()
     event.record()

@@ -12,7 +12,8 @@ bad input are ``ValueError`` s naming the file, field or flag and the fix, print
 ``feature_extraction.exit_status`` (whose ``run_cli`` runs every command that is not Lightning's); set
 ``SAE_PIPELINE_TRACEBACK=1`` to see the traceback instead. A full disk is one line and exit 1 in every
 command: ``error: no space left on device writing PATH; kept: ...; free space and rerun the same
-command`` (``feature_extraction.atomic_files.DiskFullError``).
+command`` (``feature_extraction.atomic_files.DiskFullError``); so is an object store that did not answer
+for its whole retry window (``feature_extraction.store.StoreUnavailable``).
 
 In a multi-process job (``srun``, torchrun) every rank usually hits the same bad input at the
 same moment. Ranks other than 0 wait a few seconds before printing theirs: rank 0's exit
@@ -29,9 +30,10 @@ import sys
 import threading
 import time
 
-from feature_extraction import exit_status
+from feature_extraction import exit_status, stop_flag
 from feature_extraction.atomic_files import disk_full_line, quiet_thread_disk_full
 from feature_extraction.exit_status import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_RUNTIME, error_line
+from feature_extraction.store.urls import StoreUnavailable
 
 PROG = "python -m sae_pipeline"
 PEER_ERROR_DELAY_S = 5.0
@@ -118,6 +120,7 @@ def _run(args: list[str], argv: list[str] | None) -> int:
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
+    stop_flag.request(signum)
     raise exit_status.Interrupted(signum)
 
 
@@ -146,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(PEER_ERROR_DELAY_S)
         print(error_line(exn, error_type=True), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except StoreUnavailable as exn:  # the store did not answer for its retry window: a runtime failure
+        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
+            raise
+        if _rank() > 0:
+            time.sleep(PEER_ERROR_DELAY_S)
+        print(error_line(exn, error_type=True), file=sys.stderr)
+        return EXIT_RUNTIME
     except (OSError, RuntimeError) as exn:  # a full disk in fit, predict or features; anything else is a bug
         line = disk_full_line(exn)
         if line is None or os.environ.get("SAE_PIPELINE_TRACEBACK"):

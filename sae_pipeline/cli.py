@@ -25,8 +25,10 @@ What this subclass adds to LightningCLI:
   training runs, no ``config.yaml``): their metrics are printed, their codes go to ``--codes.fpath``.
 - ``validate``, ``test`` and ``predict`` need ``--ckpt_path``; every ``--ckpt_path`` is checked
   (exists, is a checkpoint of this package, fits the data's ``d_in``) before anything runs
-  (:mod:`sae_pipeline.resume_checks`; a ``fit --ckpt_path last`` holds the run's lock,
-  :mod:`sae_pipeline.run_lock`), and output folders are checked writable: one-line errors, exit 2.
+  (:mod:`sae_pipeline.resume_checks`), and output folders are checked writable: one-line errors, exit 2.
+- ``fit`` holds the lock of its own run folder (a new ``version_N``, claimed before anything is written to
+  it) and, with ``--ckpt_path last``, of the run it resumes (:mod:`sae_pipeline.run_lock`): a second
+  ``fit --ckpt_path last`` that resolves ``last`` to either is refused in one line, exit 2.
 - Under SLURM (``srun``, see ``slurm/train.sh``) the TensorBoard version is ``slurm-<job id>``
   (``slurm-<array job>_<task>`` in an array) and ``trainer.default_root_dir`` is that version
   directory, where Lightning saves and looks for its hpc checkpoint: a requeued job (same id)
@@ -60,6 +62,7 @@ from sae_pipeline.cli_args import (
 )
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.resume_checks import EVALUATING, ResumeChecks, already_done
+from sae_pipeline.run_lock import RunLocks
 from sae_pipeline.sae import VARIANTS  # noqa: F401 -- imports every registered variant, so bare class names resolve in configs
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.callbacks import SAEFigures
@@ -114,7 +117,9 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("trainer_defaults", {"callbacks": [SLURMRequeue(), Interrupts()]})
-        self._locks = ExitStack()  # output_lock of the run a fit resumes, held while the command runs
+        self._locks = ExitStack()  # the run folders a fit writes and resumes, locked while the command runs
+        self._run_locks = RunLocks(self._locks)
+        self._claimed_version = False  # the logger's version is the version_N claimed for this fit
         with self._locks:
             super().__init__(
                 SAEGroupModule if group else SAEModule,
@@ -185,10 +190,18 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         self._name_run(config, subcommand)
         self._check_outputs(config, subcommand)
-        self._resume = ResumeChecks(self.parser, self.config, self._explicit, self.group, self._locks)
+        self._resume = ResumeChecks(self.parser, self.config, self._explicit, self.group, self._run_locks)
         self._resume.check_ckpt_path(config, subcommand, self.run_dpath)
         self._resume.check_requeued(config, subcommand, self._model_key)  # a requeued job's own model
+        if subcommand == "fit" and self._resume.nothing_to_train is None:  # locked before its first write
+            self._claimed_version = self._run_locks.fit_outputs(config, self._trained)
         return self._resume.hyper_parameters
+
+    def _trained(self) -> bool:
+        """Whether this fit trained a step (a failed fit's new version_N is removed otherwise: run_lock)."""
+        trainer = getattr(self, "trainer", None)
+        start = self._resume.start_step if self._resume is not None else 0
+        return trainer is not None and trainer.global_step > start
 
     @property
     def _model_key(self) -> str:
@@ -252,8 +265,11 @@ class SAECLI(lightning_compat.CkptPathHook, LightningCLI):
 
     # --- instantiation --------------------------------------------------------------------------
     def after_instantiate_classes(self) -> None:
-        """The checkpoint's SAE must take the data's width (the model's d_in is linked from the data)."""
+        """The checkpoint's SAE must take the data's width (the model's d_in is linked from the data); the
+        version claimed for this fit leaves the config once the logger has it."""
         trainer_config = (self.config[self.subcommand] if self.subcommand else self.config).get("trainer") or {}
+        if self._claimed_version:  # the logger has it; the run's config.yaml must not pin a later fit to it
+            trainer_config.logger.init_args.version = None
         if self.group and trainer_config.get("gradient_clip_val") is not None:
             raise ValueError(
                 "--trainer.gradient_clip_val clips the norm of every SAE of a group together; clip each by its own "

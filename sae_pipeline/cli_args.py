@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from sae_pipeline.config_files import check_includes
+from sae_pipeline.config_files import check_includes, read_yaml
 from sae_pipeline.training.group import plain_config
 
 MEMBER_FLAG = "--model.members."
@@ -106,15 +106,7 @@ def check_config_files(args: list[str]) -> None:
         fpath = Path(name)
         if not fpath.is_file():
             continue  # jsonargparse names a missing file itself
-        try:
-            loaded = yaml.safe_load(fpath.read_text())
-        except yaml.YAMLError as exn:
-            mark = getattr(exn, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exn, "problem", None) or str(exn).splitlines()[0]
-            raise ValueError(f"config file {name}: YAML syntax error{where}: {problem}; fix the file") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"config file {name}: not a text (YAML) file; pass a .yaml config") from None
+        loaded = read_yaml(fpath)  # bounded (size, nesting, aliases), before the parser reads it
         if isinstance(loaded, dict):
             check_includes(fpath)  # the pieces it names (configs/vision/, configs/data/)
 
@@ -138,7 +130,7 @@ def _config_names_group(fpath: Path, seen: set[Path]) -> bool:
     seen.add(fpath)
     try:
         root = yaml.compose(fpath.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError):
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError):
         return False  # check_config_files says what is wrong
     if not isinstance(root, yaml.MappingNode):
         return False

@@ -32,19 +32,82 @@ from typing import Any
 import yaml
 
 INCLUDE_KEY = "config"
+MAX_BYTES = 16 << 20
+MAX_DEPTH = 32  # a config nests 5 deep (model.members.NAME.sae.init_args)
+MAX_NODES = 100_000
 YAML_SUFFIXES = (".yaml", ".yml")
 
 
-def _read(fpath: Path) -> dict:
-    if not fpath.is_file():
-        raise ValueError(f"config file {fpath}: not found; fix the reference to it")
+def read_yaml(fpath: Path) -> Any:
+    """The YAML document in ``fpath``, read bounded: at most `MAX_BYTES`, UTF-8, nesting at most `MAX_DEPTH` and at
+    most `MAX_NODES` values once its aliases are expanded (a config is a few hundred; ``&a [*b, *b]`` chains make a
+    file of a few lines stand for 2^30, which every reader that walks it would expand). Any other file is one
+    ValueError naming it and the fix."""
+    if fpath.stat().st_size > MAX_BYTES:
+        raise ValueError(f"config file {fpath}: larger than {MAX_BYTES >> 20} MiB, not a training config; fix the file")
     try:
-        config = yaml.safe_load(fpath.read_text()) or {}
+        text = fpath.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {fpath}: not UTF-8 text (YAML); fix the file") from None
+    if _flow_depth(text) > MAX_DEPTH:  # PyYAML's scanner takes time quadratic in this depth, its composer recurses
+        raise ValueError(f"config file {fpath}: nests more than {MAX_DEPTH} deep; fix the file")
+    try:
+        config = yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"config file {fpath}: nests more than {MAX_DEPTH} deep; fix the file") from None
     except yaml.YAMLError as exn:
         mark = getattr(exn, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exn, "problem", None) or str(exn).splitlines()[0]
         raise ValueError(f"config file {fpath}: YAML syntax error{where}: {problem}; fix the file") from None
+    problem = _size_problem(config)
+    if problem:
+        raise ValueError(f"config file {fpath}: {problem}; fix the file")
+    return config
+
+
+def _flow_depth(text: str) -> int:
+    """How deeply ``[`` / ``{`` nest in ``text`` outside quotes and comments (YAML's flow style), read in one pass."""
+    depth = deepest = 0
+    quote, previous, comment = "", "\n", False
+    for char in text:
+        if comment:
+            comment = char != "\n"
+        elif quote:
+            quote = "" if char == quote and previous != "\\" else quote
+        elif char in "\"'":
+            quote = char
+        elif char == "#" and previous in " \t\n":
+            comment = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+        previous = char
+    return deepest
+
+
+def _size_problem(value: Any) -> str | None:
+    """Too deep or too many values (aliases expanded), counted without recursion and stopped at the limit."""
+    nodes, stack = 0, [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            return f"holds more than {MAX_NODES} values once its aliases are expanded"
+        if isinstance(node, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return f"nests more than {MAX_DEPTH} deep"
+            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def _read(fpath: Path) -> dict:
+    if not fpath.is_file():
+        raise ValueError(f"config file {fpath}: not found; fix the reference to it")
+    config = read_yaml(fpath) or {}
     if not isinstance(config, dict):
         raise ValueError(f"config file {fpath}: not a mapping of settings; fix the file")
     return config

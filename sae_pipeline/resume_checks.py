@@ -18,7 +18,6 @@ Kept apart from the LightningCLI subclass, which only wires these checks in.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from sae_pipeline.artifacts.checkpoint import CheckpointError, checkpoint_d_in, read_checkpoint
-from sae_pipeline.run_lock import lock_run
+from sae_pipeline.run_lock import RunLocks
 from sae_pipeline.training.checkpointing import newest_checkpoint
 from sae_pipeline.training.ckpt_config import (
     check_against_checkpoint,
@@ -47,7 +46,7 @@ class ResumeChecks:
 
     `parser` and `config` are the CLI's (the whole parse, validated again once an SAE is taken from the
     checkpoint), `explicit` what config files and flags set, `group` whether the model is a group of SAEs;
-    the run lock of a resumed `fit` is entered into `locks`, which the CLI holds while the command runs."""
+    the run a `fit --ckpt_path last` resumes is held in `locks` (`sae_pipeline.run_lock`) while the command runs."""
 
     def __init__(
         self,
@@ -55,13 +54,14 @@ class ResumeChecks:
         config: Namespace,
         explicit: Namespace | None,
         group: bool,
-        locks: ExitStack,
+        locks: RunLocks,
     ) -> None:
         self.parser, self.config, self.explicit, self.group, self.locks = parser, config, explicit, group, locks
         self.d_in: int | None = None  # the checkpoint's SAE's input width
         self.source: Any = None  # the data it was trained on, as its checkpoint says
         self.hyper_parameters: dict[str, Any] | None = None  # merged by lightning_compat
         self.nothing_to_train: str | None = None  # fit --ckpt_path already at max_steps: the line saying so
+        self.start_step = 0  # the global step a fit starts from (its checkpoint's)
 
     def check_ckpt_path(self, config: Namespace, subcommand: str | None, run_dpath: Path | None) -> None:
         """`last` -> the newest checkpoint of this config's runs (`run_dpath`); any path -> checked readable."""
@@ -89,10 +89,11 @@ class ResumeChecks:
             rank_zero_info(f"--ckpt_path last: {found}")
             config.ckpt_path = ckpt_path = str(found)
             if subcommand == "fit":  # one resume of a run at a time; released when the command ends
-                self.locks.enter_context(lock_run(found))
+                self.locks.resume(found)
         checkpoint = read_checkpoint(ckpt_path, need=CKPT_NEEDS, for_fit=subcommand == "fit", last=True, mmap=True)
         self.check_model_config(config, subcommand, str(ckpt_path), checkpoint)
         if subcommand == "fit":
+            self.start_step = int(checkpoint.get("global_step") or 0)
             self.nothing_to_train = nothing_to_train(str(ckpt_path), checkpoint, config.trainer.get("max_steps"))
         self.d_in = checkpoint_d_in(checkpoint)
         self.source = (checkpoint.get("data") or {}).get("source")

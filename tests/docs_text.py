@@ -82,7 +82,16 @@ REPO_PATH = re.compile(
 # A file named without its folder (``export.py``, ``mpsae_dinov2.yaml``): some tracked file must end with it.
 FILE_NAME = re.compile(r"(?<![\w./*}>-])([\w][\w./-]*\.(?:py|yaml|yml|sh|md))(?![\w<{*/])")
 # Files that runs and users write (not in the repository), named as examples.
-WRITTEN_AT_RUN_TIME = {"config.yaml", "hparams.yaml", "CFG.yaml", "file.yaml", "evilmod.py", "group.yaml", "causal.md"}
+WRITTEN_AT_RUN_TIME = {
+    "config.yaml",
+    "hparams.yaml",
+    "CFG.yaml",
+    "file.yaml",
+    "evilmod.py",
+    "group.yaml",
+    "causal.md",
+    "intervene.md",
+}
 # Paths of the machine a text was written on, never of a user's.
 MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/root/|/home/(?!u/)[\w.-]+/|/tmp/[\w.-])")
 

@@ -234,3 +234,133 @@ def test_cuda_cache_gathers_the_uncached_batches_on_the_device(shards, tmp_path,
     assert recorder.in_step == {(torch.float32, "cuda")}
     ref = [hashlib.sha1(b["x"].float().numpy().tobytes()).hexdigest() for e in (0, 1) for b in loader(plain, 0, 1, e)]
     assert recorder.seen == ref
+
+
+def in_forked_child(function) -> str:
+    """What ``function()`` returned, or ``Type: message`` of what it raised, in a forked child of this process:
+    a limit set there (``resource.setrlimit``) binds the child alone, and the fork costs milliseconds."""
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        try:
+            text = str(function())
+        except BaseException as exn:  # noqa: BLE001 -- reported to the parent, whatever it is
+            text = f"{type(exn).__name__}: {exn}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_ulimit_v_is_part_of_the_fit_check_and_a_refused_mmap_is_one_line():
+    """Issue 43, item 4: ``--data.cache ram`` under ``ulimit -v`` ended in a 78-line OSError from the cache's mmap.
+    In a child whose RLIMIT_AS leaves it 512 MiB: the fit check refuses a split needing more than half of that,
+    and an allocation refused all the same is one line naming the cache, its size and the fix."""
+    import resource
+    from types import SimpleNamespace
+
+    from feature_extraction.allocation import address_space_used
+
+    def under_the_limit() -> str:
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (address_space_used() + 512 * 2**20, hard))
+        lines = []
+        data_cache.check_fits("ram", 64 * 2**20, torch.device("cpu"))  # fits in half
+        try:
+            data_cache.check_fits("ram", 400 * 2**20, torch.device("cpu"))
+        except ValueError as exn:
+            lines.append(str(exn))
+        units = [SimpleNamespace(n_tokens=2**20, name="unit")]  # 1 GiB of float16 rows of 512: the mmap fails
+        try:
+            data_cache.fill(units, 512, np.dtype(np.float16), torch.device("cpu"))
+        except ValueError as exn:
+            lines.append(f"{type(exn).__name__}: {exn}")
+        return "\n".join(lines)
+
+    check, refused = in_forked_child(under_the_limit).splitlines()
+    needs = data_cache.size_text(400 * 2**20)
+    assert check.startswith(f"--data.cache ram: the training split needs {needs}, more than half of the ")
+    assert check.endswith(
+        " of address space that ulimit -v (RLIMIT_AS) leaves this process; use --data.cache none (read the shards "
+        "every epoch), or raise ulimit -v"
+    )
+    assert refused.startswith(
+        "AllocationError: --data.cache ram: the training split in host memory: could not allocate "
+        f"{data_cache.size_text(2**30)} (Cannot allocate memory; ulimit -v leaves this process "
+    )
+    assert refused.endswith("use --data.cache none (read the shards every epoch), or free memory (raise ulimit -v)")
+
+
+def test_a_device_cache_or_a_pinned_batch_that_cannot_be_allocated_is_one_line(shards, monkeypatch):
+    """The errors torch raises when device memory or pinned host memory runs out (simulated: no GPU here) become
+    one line naming what was allocated and the fix, not a traceback."""
+    from feature_extraction.allocation import AllocationError
+
+    empty = torch.empty
+
+    def no_device_memory(*args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity")
+        return empty(*args, device=device, **kwargs)
+
+    units = make_dm(str(shards)).data_source.units("train", 0.2)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", no_device_memory)
+        with pytest.raises(AllocationError) as info:
+            data_cache.fill(units, D, np.dtype(np.float16), torch.device("cuda", 0))
+    n_bytes = sum(unit.n_tokens for unit in units) * D * 2
+    assert str(info.value) == (
+        f"--data.cache gpu: the training split in cuda:0: could not allocate {data_cache.size_text(n_bytes)} (CUDA "
+        "out of memory); use --data.cache ram, --data.cache none, or free memory on the GPU (another process may "
+        "hold it)"
+    )
+
+    def no_pinned_memory(data, device=None):
+        raise torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # as on a GPU machine: the loader pins
+    monkeypatch.setattr(torch.utils.data._utils.pin_memory, "pin_memory", no_pinned_memory)
+    dm = make_dm(str(shards), num_workers=0)
+    with pytest.raises(AllocationError) as info:
+        next(iter(TrainTokenLoader(dm.train_dataset(0, 1), num_workers=0, pin_memory=True)))
+    assert str(info.value) == (
+        f"the data loader: a batch in pinned host memory, for the copy to the GPU: could not allocate "
+        f"{data_cache.size_text(BATCH * D * 2)} (CUDA error: out of memory); lower --data.batch_size or "
+        "--data.num_workers, or free host memory (pinned pages stay in RAM)"
+    )
+
+
+def test_fit_whose_cache_cannot_be_allocated_exits_2_and_leaves_no_run(tmp_path, monkeypatch, capsys):
+    """Through the CLI: the cache's mmap refused (ENOMEM, as under ulimit -v) is one line, exit 2, and the fit's new
+    version_N (which TensorBoard had begun) is removed: no empty run is left."""
+    import errno
+    import mmap
+
+    from sae_pipeline.__main__ import main
+
+    real_mmap = mmap.mmap
+
+    def refused(fileno, length, *args, **kwargs):
+        if length <= 64 * 1024:  # small maps (the stop flag's page) are not the cache
+            return real_mmap(fileno, length, *args, **kwargs)
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mmap, "mmap", refused)
+    config = str(REPO_DPATH / "configs" / "mpsae_digits.yaml")
+    args = ["fit", "--config", config, "--model.sae.init_args.d_sae", "64", "--data.cache", "ram"]
+    assert main([*args, "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(
+        "error: AllocationError: --data.cache ram: the training split in host memory: could not allocate "
+    )
+    assert "(Cannot allocate memory); use --data.cache none" in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no runs/mpsae_digits/version_0

@@ -46,6 +46,7 @@ TINY = [
     "--r_max",
     "8",
 ]
+SEEDS = ["--sae_seeds", "2"]  # the fixture's replicas: seed 0 and 1 of each run, trained in the same group fit
 
 
 @pytest.fixture(autouse=True)
@@ -64,12 +65,12 @@ def without_training_figures(patch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory: pytest.TempPathFactory):
-    """Every study over MP-SAE and TopK: 6 runs (k in {4, 8} at p = 16, p = 24 at k = 4)."""
+    """Every study over MP-SAE and TopK: 6 settings (k in {4, 8} at p = 16, p = 24 at k = 4), 2 SAE seeds each."""
     out = tmp_path_factory.mktemp("study")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(REPO_DPATH)
         without_training_figures(patch)
-        assert main(["all", "--data", "digits", "--out", str(out), "--variants", "mpsae", "topk", *TINY]) == 0
+        assert main(["all", "--data", "digits", "--out", str(out), "--variants", "mpsae", "topk", *TINY, *SEEDS]) == 0
     return out
 
 
@@ -83,9 +84,11 @@ def logged_scalar(run_dpath, tag: str) -> float:
 def test_all_studies_write_their_files(study) -> None:
     results = json.loads((study / "results.json").read_text())
     assert {"runs", "expressivity", "inference", "coherence", "concepts", "claims", "meta"} <= results.keys()
-    assert sorted(results["runs"]) == sorted(
-        f"{v}_p{p}_k{k}" for v in ("mpsae", "topk") for k, p in [(4, 16), (8, 16), (4, 24)]
+    assert sorted(results["runs"]) == sorted(  # seed 0 keeps the name it had before SAE seeds; seed 1 is _s1
+        f"{v}_p{p}_k{k}{s}" for v in ("mpsae", "topk") for k, p in [(4, 16), (8, 16), (4, 24)] for s in ("", "_s1")
     )
+    assert {"mpsae", "topk"} <= set(results["seeds"]["stability"]["variants"])
+    assert "## Across SAE seeds (2 per variant and setting)" in (study / "report.md").read_text()
     assert [row["p"] for row in results["expressivity"]["vs_p"]["mpsae"]] == [16, 24]
     assert [row["k"] for row in results["expressivity"]["vs_k"]["topk"]] == [4, 8]
     names = {p.stem for p in (study / "figures").glob("*.png")}
@@ -148,7 +151,20 @@ def test_rerun_reuses_finished_runs(study) -> None:
     exports = sorted((study / "models").glob("*/sae.safetensors"))
     mtimes = {p: p.stat().st_mtime_ns for p in exports}
     before = json.loads((study / "results.json").read_text())["runs"]
-    args = ["--data", "digits", "--out", str(study), "--variants", "mpsae", "topk", *TINY, "--probe_k", "1", "4"]
+    args = [
+        "--data",
+        "digits",
+        "--out",
+        str(study),
+        "--variants",
+        "mpsae",
+        "topk",
+        *TINY,
+        *SEEDS,
+        "--probe_k",
+        "1",
+        "4",
+    ]
     assert main(["probing", *args, "--seeds", "2"]) == 0
     assert {p: p.stat().st_mtime_ns for p in exports} == mtimes
     assert not list((study / "runs").glob("*/version_1"))
@@ -174,7 +190,10 @@ def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
     assert (probing["n_train_rows"], probing["n_val_rows"]) == (1617, 180)
     spec = plan_runs(["topk"], [(4, 16)], "digits", 20, REPO_DPATH / "configs", "digits")[0]
     entry = probing["variants"]["topk"]
-    assert entry["run"] == spec.name and entry["r2_val"] == pytest.approx(runs[spec.name]["r2"], abs=1e-6)
+    assert entry["run"] == spec.name and entry["sae_seeds"][0]["r2_val"] == pytest.approx(
+        runs[spec.name]["r2"], abs=1e-6
+    )
+    check_probing_over_seeds(probing)
     datamodule, labels = datamodule_for(spec), load_digits().target
     sae = load_sae(study / "models" / spec.name)
     codes, targets = {}, {}
@@ -189,8 +208,22 @@ def check_probing_by_hand(study: Path, probing: dict, runs: dict) -> None:
     chosen = np.argsort(-difference, kind="stable")[:4]
     probe = LogisticRegression(max_iter=1000).fit(codes["train"][:, chosen], y)
     plain = np.mean(probe.predict(codes["val"][:, chosen]) == targets["val"])
-    assert entry["by_seed"][0]["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)  # the first draw
+    assert entry["by_draw"][0]["by_label"]["3"]["4"] == pytest.approx(plain, abs=1e-12)  # the first draw
     assert 0.5 < probing["raw"]["mean"]["all"] <= 1
+
+
+def check_probing_over_seeds(probing: dict) -> None:
+    """A variant's figure is the mean over its SAE seeds; variants are compared by Welch over those seeds."""
+    from scipy import stats
+
+    assert probing["sae_seeds"] == 2 and probing["draws"] == 2
+    topk, mpsae = probing["variants"]["topk"], probing["variants"]["mpsae"]
+    assert [r["run"] for r in topk["sae_seeds"]] == ["topk_p16_k4", "topk_p16_k4_s1"]
+    per_seed = {v: [r["mean"]["1"] for r in e["sae_seeds"]] for v, e in (("topk", topk), ("mpsae", mpsae))}
+    assert topk["mean"]["1"] == pytest.approx(np.mean(per_seed["topk"]))
+    (found,) = [c for c in probing["comparisons"] if c["key"] == "1"]
+    assert found["test"] == "welch over SAE seeds" and found["a"] == "mpsae"
+    assert found["p"] == pytest.approx(stats.ttest_ind(per_seed["mpsae"], per_seed["topk"], equal_var=False).pvalue)
 
 
 def test_changed_settings_are_not_finished(tmp_path) -> None:
@@ -219,7 +252,7 @@ def test_concepts_cover_every_variant(study, tmp_path) -> None:
     p_main are reused, the others trained as one group with the training figures on)."""
     out = tmp_path / "every"
     shutil.copytree(study, out)
-    assert main(["concepts", "--data", "digits", "--out", str(out), *TINY]) == 0
+    assert main(["concepts", "--data", "digits", "--out", str(out), *TINY, "--sae_seeds", "1"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert sorted(results["concepts"]["variants"]) == sorted(SAE_REGISTRY)
     reused = {"mpsae_p16_k4", "topk_p16_k4"}
@@ -320,6 +353,8 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
         "16",
         "--r_max",
         "4",
+        "--sae_seeds",
+        "1",
     ]
     assert main(args) == 0
     results = json.loads((out / "results.json").read_text())
@@ -348,4 +383,4 @@ def test_study_on_a_shard_directory_with_user_configs(tmp_path, token_shards) ->
     (rows, y), (val_rows, val_y) = tasks["train"], tasks["val"]
     probe = LogisticRegression(max_iter=1000).fit(pooled["train"][rows], y)
     plain = np.mean(probe.predict(pooled["val"][val_rows]) == val_y)
-    assert probing["raw"]["by_seed"][0]["by_label"]["0"]["all"] == pytest.approx(plain, abs=1e-12)
+    assert probing["raw"]["by_draw"][0]["by_label"]["0"]["all"] == pytest.approx(plain, abs=1e-12)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fork_server
 import pytest
+import torch
 from in_process import fit_in
 
 from sae_pipeline.__main__ import main
@@ -57,7 +58,6 @@ def test_an_export_folder_holds_one_sae(
     assert export(ckpt, out, first, capsys)[0] == 0
     for fname in set(FILES[first]) - set(held):
         (out / fname).unlink()
-    (out / "notes.txt").write_text("the user's own file\n")
     before = contents(out)
     status, err = export(ckpt, out, fmt, capsys)
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -70,7 +70,7 @@ def test_an_export_folder_holds_one_sae(
         assert contents(out) == before  # nothing written, nothing removed
     else:
         assert status == 0 and not lines, err
-        assert sorted(contents(out)) == sorted([*FILES[fmt], "notes.txt"])
+        assert sorted(contents(out)) == sorted(FILES[fmt])
         assert load_sae(out).d_sae == 32
 
 
@@ -136,3 +136,72 @@ def test_a_groups_export_checks_every_member_folder_first(tmp_path: Path, capsys
     status, err = export(ckpt, tmp_path / "out", "native", capsys)
     assert status == 2 and "holds a config.json that this package did not write" in err, err
     assert not (tmp_path / "out" / "first").exists()  # refused before the first member was written
+
+
+def without_mark(fpath: Path) -> None:
+    """Rewrite a safetensors file with the same tensors and no metadata: another program's, or ours before the mark."""
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(str(fpath)), str(fpath))
+
+
+OTHERS = {  # name: (the format exported first, or None, what is then added or changed, format exported, refused)
+    "a lone sae.safetensors": (None, "sae.safetensors", "native", True),
+    "a lone SAELens sae_weights.safetensors": (None, "sae_weights.safetensors", "saelens", True),
+    "another program's weights beside our config": ("native", "unmarked sae.safetensors", "native", True),
+    "a user's file beside our export": ("native", "notes.txt", "native", True),
+    "a folder beside our export": ("saelens", "runs/", "saelens", True),
+    "the temporary file of a killed export": ("native", ".sae.safetensors.4242.tmp", "native", False),
+    "our SAELens export of before the mark": ("saelens", "unmarked sae_weights.safetensors", "saelens", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHERS))
+def test_an_out_holding_a_file_export_did_not_write_is_refused(
+    case: str, ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 43, item 5: nothing written by someone else is replaced, or joined. Export knows its own files by
+    their marks (config's format, weights' header metadata) and names (its lock, its temporary files); anything
+    else in --out is refused in one line before anything is written. Re-exporting over its own export works."""
+    first, added, fmt, refused = OTHERS[case]
+    out = tmp_path / "sae"
+    if first is not None:
+        assert export(ckpt, out, first, capsys)[0] == 0
+    name = added.removeprefix("unmarked ").rstrip("/")
+    if added.startswith("unmarked "):
+        without_mark(out / name)
+    elif added.endswith(".safetensors"):  # another program's weights, with its own metadata
+        from safetensors.torch import save_file
+
+        out.mkdir()
+        save_file({"W": torch.zeros(2, 2)}, str(out / name), metadata={"format": "pt"})
+    elif added.endswith("/"):
+        (out / name).mkdir()
+    else:
+        (out / name).write_text("not an export's\n")
+    before = contents(out) if not added.endswith("/") else None
+    status, err = export(ckpt, out, fmt, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    if refused:
+        assert status == 2 and len(lines) == 1, err
+        what = f"a {name} that" if name in FILES[fmt] else f"{name}, which"  # a file it would replace, or join
+        assert f"--out {out} holds {what} this package did not write" in lines[0], lines[0]
+        assert "pass another --out" in lines[0], lines[0]
+        assert before is None or contents(out) == before  # nothing written, nothing removed
+    else:
+        assert status == 0 and not lines, err
+        assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".tmp")) == sorted(FILES[fmt])
+        assert load_sae(out).d_sae == 32
+
+
+def test_a_groups_out_holding_a_file_export_did_not_write_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_group_artifacts import group_checkpoint
+
+    ckpt = group_checkpoint(tmp_path / "group.ckpt", ["first", "second"])
+    assert export(ckpt, tmp_path / "out", "native", capsys)[0] == 0
+    assert export(ckpt, tmp_path / "out", "native", capsys)[0] == 0  # over its own export: replaced
+    (tmp_path / "out" / "README.md").write_text("the user's notes\n")
+    status, err = export(ckpt, tmp_path / "out", "native", capsys)
+    assert status == 2 and f"--out {tmp_path / 'out'} holds README.md, which this package did not write" in err, err

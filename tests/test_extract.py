@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -218,6 +220,25 @@ def test_refuses_directory_of_another_extraction(images, reference, tmp_path) ->
     (foreign / "shard-000000.tar").write_bytes(b"")
     with pytest.raises(ValueError, match="no extraction.json"):
         run(images, foreign)
+
+
+def test_a_rerun_refuses_an_edited_extraction_json(images, reference, tmp_path, capsys) -> None:
+    """An edited layer would otherwise be believed: the rerun with that layer would mix two layers' shards."""
+    out = tmp_path / "shards"
+    shutil.copytree(reference, out)
+    fpath = out / S.EXTRACTION_FNAME
+    record = json.loads(fpath.read_text())
+    fpath.write_text(json.dumps(record, indent=4))  # spacing is not content: still accepted
+    assert run(images, out)["shards_written"] == []
+    fpath.write_text(json.dumps({**record, "layer": 0}))
+    rerun = ["--backbone", BACKBONE, "--images", str(images), "--shard_size", "3", "--layer", "0", "--device", "cpu"]
+    for argv in (rerun, ["finalize"]):
+        assert main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"error: {fpath} was edited after the extraction wrote it"), err
+        names_fields = "fields that differ from this run's: backbone_record" in err  # it holds the layer
+        assert "undo the edit" in err and names_fields == (argv == rerun)
+    assert not (out / "shard-000000.tar.tmp").exists() and S.shard_is_intact(out, 0)
 
 
 @pytest.mark.parametrize(

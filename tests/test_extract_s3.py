@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -28,6 +30,7 @@ from feature_extraction import shards as S
 from feature_extraction.__main__ import main
 from feature_extraction.extract import extract
 from feature_extraction.remote_out import default_stage
+from feature_extraction.stage_lease import LEASE_FNAME, StageLease
 from feature_extraction.store import client, location, remote
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
@@ -103,15 +106,20 @@ def test_extract_to_bucket_equals_local(images, reference, s3_bucket, s3_env, tm
     assert_same_shards(url, reference)
     names = set(objects(url))
     assert not any(name.startswith(".lock") or name.startswith(".finalize") for name in names), names
-    assert {p.name for p in (tmp_path / "stage").glob("*.tar")} == set()  # uploaded tars leave the stage
-    assert len(list((tmp_path / "stage").glob("shard-*.json"))) == 4  # their sidecars stay
+    assert not (tmp_path / "stage").exists()  # every staged shard is in the bucket: the stage is removed
     secret = s3_env["AWS_SECRET_ACCESS_KEY"]
     assert not any(secret.encode() in data for data in objects(url).values())
     assert secret not in caplog.text and s3_env["AWS_ACCESS_KEY_ID"] not in caplog.text
     assert json.loads(objects(url)[S.EXTRACTION_FNAME])["images"] == str(images)
 
-    again = run(images, url, tmp_path / "stage")  # a rerun of a finished bucket writes nothing
+    stage = tmp_path / "stage"
+    with StageLease(stage):  # another task of this host stages there meanwhile: the folder stays for it
+        again = run(images, url, stage)  # a rerun of a finished bucket writes nothing
+        assert sorted(p.name for p in stage.iterdir()) == [LEASE_FNAME, S.EXTRACTION_FNAME]
     assert again["shards_written"] == [] and again["shards_already_complete"] == 4 and again["finalized"]
+    (stage / "notes.txt").write_text("someone's")  # a --stage holding other files is never removed whole
+    run(images, url, stage)
+    assert (stage / "notes.txt").read_text() == "someone's"
 
 
 def test_uploads_through_503s_and_cut_connections_are_retried(
@@ -140,9 +148,11 @@ def test_resume_redoes_what_is_not_whole(images, reference, s3_bucket, s3_env, t
     (prefix / S.MANIFEST_FNAME).unlink()
     (prefix / S.sidecar_fname(0)).unlink()  # killed between the tar's upload and its sidecar's
     (prefix / S.shard_fname(1)).write_bytes(b"half a tar")  # a stale sidecar beside another tar
+    stage.mkdir()  # removed after the first run's uploads; staged again as a run killed before its upload leaves it
     for name in (S.shard_fname(2), S.sidecar_fname(2)):  # written and staged, killed before its upload
         (prefix / name).unlink()
-    (stage / S.shard_fname(2)).write_bytes((reference / S.shard_fname(2)).read_bytes())
+    for name in (S.shard_fname(2), S.sidecar_fname(2), S.EXTRACTION_FNAME):
+        (stage / name).write_bytes((reference / name).read_bytes())
     summary = run(images, url, stage)
     assert summary["shards_written"] == [0, 1] and summary["shards_already_complete"] == 2 and summary["finalized"]
     assert_same_shards(url, reference)
@@ -234,6 +244,14 @@ def test_finalize_a_bucket(images, reference, s3_bucket, s3_env, tmp_path, capsy
     assert main(["finalize", "--out", url, "--verify", "false", "--force", "true"]) == 0  # sizes agree
     assert S.load_manifest(url)["shards"] == S.load_manifest(reference)["shards"]
     assert ".finalize.lock" not in objects(url)
+    # the advice, followed: a rerun trusts a bucket's shards, so it starts with deleting the sidecar
+    first, rerun = err.split("; ", 1)[1].split("rerun `", 1)
+    assert first == f"delete the damaged shard's sidecar (shard-NNNNNN.json) from {url}, then "
+    (prefix / S.sidecar_fname(1)).unlink()
+    command = [*shlex.split(rerun.split("`", 1)[0])[3:], "--stage", str(tmp_path / "stage")]
+    assert main([*command, "--batch_size", "2", "--num_workers", "0", "--device", "cpu", "--progress", "false"]) == 0
+    assert main(["finalize", "--out", url]) == 0
+    assert objects(url)[S.shard_fname(1)] == (reference / S.shard_fname(1)).read_bytes()
 
 
 def test_bad_urls_are_one_line(images, s3_env, tmp_path, capsys) -> None:
@@ -311,3 +329,28 @@ def test_default_stage_is_per_url() -> None:
     assert default_stage(a) == default_stage(location("s3://shards/a/", "--out")) != default_stage(b)
     assert default_stage(a).name.startswith("sae-pipeline-stage-") and len(default_stage(a).name) == 19 + 12
     assert os.path.dirname(default_stage(a)) == __import__("tempfile").gettempdir()
+
+
+def test_a_full_stage_is_one_line_and_the_rerun_resumes_from_the_bucket(
+    images, reference, s3_bucket, s3_env, tmp_path, capsys
+) -> None:
+    """Issue 43, item 4: a --stage whose disk fills up is one line naming the stage, what the bucket keeps and the
+    room a stage needs, exit 2 (it said the shards were kept in the stage, which holds none of them); a rerun with
+    room finishes from the bucket."""
+    from test_disk_full import tmpfs
+
+    url = f"s3://{s3_bucket}/vit"
+    with tmpfs(tmp_path / "stage", "64k") as stage:  # room for a sidecar or two, not for a shard's tar
+        assert main(argv(images, url, stage)) == 2
+        err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].startswith(f"error: --stage {stage} is full (") and " MiB free): " in lines[0], lines[0]
+    assert f"no space left on device writing {stage / 'shard-'}" in lines[0], lines[0]
+    kept = f"; kept: the shards uploaded to {url} and the complete ones staged (a rerun skips or uploads them; "
+    assert kept + "the partial shard was removed); " in lines[0], lines[0]
+    fix = r"pass --stage DIR on a disk with room for about \d+ shards \(--num_writers \+ \d+\), or free space there"
+    assert re.search(fix + ", and rerun the same command$", lines[0]), lines[0]
+    assert S.MANIFEST_FNAME not in objects(url)
+    assert main(argv(images, url, tmp_path / "roomy")) == 0
+    assert_same_shards(url, reference)

@@ -159,7 +159,11 @@ def check_chance_order_and_marks(page, table) -> None:
     assert page.locator('th[data-key="excess"]').get_attribute("class") == "sorted-desc"
     classes = dict(zip(ids, rows.evaluate_all("rows => rows.map(r => r.className)")))
     too_few = {a for a in range(D) if table["label_too_few"][a]}
-    null = {a for a in range(D) if np.isfinite(table["label_top_p_adjusted"][a]) and not table["label_beats_chance"][a]}
+    null = {
+        a
+        for a in range(D)
+        if np.isfinite(table["label_selectivity_p_adjusted"][a]) and not table["label_beats_chance"][a]
+    }
     assert too_few and null  # the thresholds give both kinds
     assert {a for a, c in classes.items() if c == "few"} == too_few
     assert {a for a, c in classes.items() if c == "chance"} == null

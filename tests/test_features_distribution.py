@@ -12,12 +12,13 @@ from sae_pipeline.__main__ import main
 from sae_pipeline.features.distribution import (
     HIST_EDGES,
     N_BINS,
+    SAMPLE,
     DistributionTable,
     bands,
     example_hash,
     merge_distribution_states,
 )
-from sae_pipeline.features.distribution_html import column_range
+from sae_pipeline.features.distribution_html import WIDTH, column_range, distribution_section, histogram_svg
 
 D_SAE, TOKENS_PER_IMAGE = 7, 3
 
@@ -73,13 +74,20 @@ def test_merge_of_two_halves_equals_the_whole() -> None:
 
 
 def reference_bands(codes: dict, j: int, first: int, last: int, per_band: int) -> list[int]:
-    """The band's examples straight from the definition: the smallest-hash distinct images with a value in it."""
+    """The band's examples straight from the definition: of the atom's SAMPLE positive tokens of smallest hash,
+    those with a value in the band; their distinct images, each at its smallest hash, by hash."""
     v, token = codes["dense"][:, j].astype(np.float64), codes["token"].numpy()
+    positive = v > 0
+    v, token = v[positive], token[positive]
+    h = example_hash(torch.from_numpy(token), torch.full((len(token),), j)).numpy()
+    sample = np.lexsort((token, h))[:SAMPLE]
     low, high = column_range(first)[0], column_range(last)[1]
-    inside = (v > 0) & (v >= low) & (v < high)
-    images = np.unique(token[inside] // TOKENS_PER_IMAGE)
-    h = example_hash(torch.from_numpy(images), torch.full((len(images),), j)).numpy()
-    return images[np.lexsort((images, h))][:per_band].tolist()
+    sample = sample[(v[sample] >= low) & (v[sample] < high)]
+    best: dict[int, int] = {}
+    for i in sample:
+        image = int(token[i] // TOKENS_PER_IMAGE)
+        best[image] = min(best.get(image, 1 << 62), int(h[i]))
+    return sorted(best, key=lambda image: (best[image], image))[:per_band]
 
 
 def test_band_examples_lie_in_their_band_and_are_deterministic() -> None:
@@ -128,3 +136,63 @@ def test_atom_page_draws_the_histogram_and_band_rows(tmp_path: Path) -> None:
     )
     shown = npz["band_image"][atom][npz["band_token"][atom] >= 0]
     assert len(shown) and all(f"thumbs/{key}.jpg" in page for key in shown.tolist())
+
+
+def test_bands_hold_a_fifth_each_and_the_memory_is_within_the_old() -> None:
+    """An atom with many values spread over under a decade (where quarter-decade bins made one to three bands):
+    five bands of about a fifth each, each with four examples; the table's bytes per atom stay below the
+    quarter-decade table's (34 int64 counts and 34 x 4 reservoir slots of 36 bytes)."""
+    g = np.random.default_rng(11)
+    n_tokens = 3000
+    dense = np.zeros((n_tokens, D_SAE), np.float32)
+    dense[:, 0] = np.exp(g.normal(0.0, 0.44, n_tokens))  # 95 % of the values within a factor 5.6
+    dense[g.random(n_tokens) < 0.5, 1] = 2.0  # one value only: one band
+    codes = {"dense": dense, "token": torch.arange(n_tokens, dtype=torch.int64)}
+    table = DistributionTable(D_SAE)
+    feed(table, codes, batch=256)
+    out = bands(table.state())
+    shares = out["band_count"][0].numpy() / n_tokens
+    largest_bin = table.hist_counts[0].max().item() / n_tokens  # a band is a fifth to within one bin's mass
+    assert np.abs(shares - 0.2).max() <= min(largest_bin, 0.05), (shares, largest_bin)
+    filled = (out["band_token"][0] >= 0).sum(1)  # ~13 of the 64 sampled tokens per band: four examples, mostly
+    assert filled.min() >= 2 and filled.sum() >= 17, filled
+    assert int((out["band_bins"][1, :, 0] >= 0).sum()) == 1  # one value, one bin: one band holds it all
+    assert int(out["band_count"][1].max()) == int((dense[:, 1] > 0).sum())
+    old = 34 * 8 + 34 * 4 * 36
+    per_atom = sum(t.numel() * t.element_size() for t in DistributionTable(10).state().values()) / 10
+    assert per_atom < old and table.res_hash.shape[1] == SAMPLE
+
+
+def tick_texts(svg: str) -> list[tuple[float, str, str]]:
+    import re
+
+    return [
+        (float(x), anchor, text)
+        for x, anchor, text in re.findall(r'<text class="tick" x="([0-9.]+)"[^>]*text-anchor="(\w+)">([^<]*)<', svg)
+    ]
+
+
+def test_histogram_ticks_are_round_plain_and_inside_the_figure() -> None:
+    """Ticks at round values in one notation (no %g's 1e+04 or 1.77828), two at least even for an atom whose values
+    span a factor of 2, and none running off the right edge; a band of one token says "1 token"."""
+    for low, high in ((1.0, 2.0), (0.013, 3e4), (2e-5, 0.9), (1.33, 1.4)):
+        values = np.geomspace(low, high, 200)
+        counts = np.histogram(values, bins=np.concatenate([[0], HIST_EDGES, [np.inf]]))[0]
+        svg = histogram_svg(counts, np.zeros(N_BINS, np.int64))
+        found = tick_texts(svg)
+        assert len(found) >= 2, (low, high)
+        for x, anchor, text in found:
+            assert "e+" not in text and len(text.partition(".")[2]) <= 4 and float(text) > 0, text
+            width = 6 * len(text)
+            left = {"start": x, "middle": x - width / 2, "end": x - width}[anchor]
+            assert 0 <= left and left + width <= WIDTH, (text, x, anchor)
+    state = {
+        "hist_counts": torch.zeros((1, N_BINS), dtype=torch.int64),
+        "hist_negative": torch.zeros(1, dtype=torch.int64),
+        "band_bins": torch.full((1, 5, 2), -1),
+        "band_count": torch.zeros((1, 5), dtype=torch.int64),
+        "band_token": torch.full((1, 5, 4), -1),
+    }
+    state["hist_counts"][0, 100], state["band_bins"][0, 0], state["band_count"][0, 0] = 1, torch.tensor([100, 100]), 1
+    section = distribution_section(state, 0, lambda band, example: "")
+    assert "(1 token)" in section and "1 tokens" not in section and "1 positive value" in section

@@ -132,11 +132,14 @@ def check_site_labels(site, codes: np.ndarray, image_label: np.ndarray, tpi: int
 
 def check_site_chance(site, table) -> None:
     """The fields against chance in ``features.npz`` and ``features.json``: the null at each atom's n, the excess,
-    the top label's exact hypergeometric tail (x L), Benjamini-Hochberg over the atoms with n >= n_min."""
+    the p-value of S (recomputed from the counts), the top label's exact hypergeometric tail (x L, kept beside it),
+    Benjamini-Hochberg over the p-values of S of the atoms with n >= n_min."""
     import json
     import math
 
-    from test_features_chance import bh_direct, tail
+    from test_features_chance import bh_direct, one_label, tail
+
+    from sae_pipeline.features.chance import selectivity_p
 
     summary = json.loads((site / "features.json").read_text())["labels"]["chance"]
     fire, images = table["label_fire"][:, table["label_ids"]], table["label_images"][table["label_ids"]]
@@ -151,14 +154,15 @@ def check_site_chance(site, table) -> None:
         best = max(fire[atom] / images)
         tails = [tail(int(c), total, int(m), int(n[atom])) for c, m in zip(fire[atom], images) if c / m == best]
         assert table["label_top_p"][atom] == pytest.approx(min(1.0, n_labels * float(min(tails))), rel=1e-9)
+    p, method, *_ = selectivity_p(fire, images, table["label_selectivity"], summary["draws"], summary["seed"])
+    np.testing.assert_array_equal(table["label_selectivity_p"], p)
+    np.testing.assert_array_equal(table["label_selectivity_p_method"], method)
     n_min = summary["min_images"]
-    assert n_min == next(
-        k for k in range(1, total + 1) if n_labels * min(tail(k, total, int(m), k) for m in images if m >= k) <= 0.05
-    )
+    assert n_min == next(k for k in range(1, total + 1) if one_label(images.tolist(), k) <= 0.05)
     tested = np.flatnonzero(fired & (n >= n_min))
     assert (table["label_too_few"] == (fired & (n < n_min))).all()
-    assert np.isnan(table["label_top_p_adjusted"][~np.isin(np.arange(len(n)), tested)]).all()
-    beats = {int(tested[i]) for i in bh_direct(table["label_top_p"][tested].tolist(), 0.05)}
+    assert np.isnan(table["label_selectivity_p_adjusted"][~np.isin(np.arange(len(n)), tested)]).all()
+    beats = {int(tested[i]) for i in bh_direct(table["label_selectivity_p"][tested].tolist(), 0.05)}
     assert set(np.flatnonzero(table["label_beats_chance"]).tolist()) == beats
     assert summary["fdr"] == 0.05 and summary["tested"] == len(tested) and summary["beat_chance"] == len(beats)
     assert summary["draws"] == 1000 and summary["seed"] == 0 and not math.isnan(table["label_chance_by_n"][1])

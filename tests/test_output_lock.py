@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from terminal import Command
 from feature_extraction.__main__ import main as extract_main
 from feature_extraction.atomic_files import DiskFullError
 from feature_extraction.output_lock import OutputLocked, lock_fpath, output_lock
+from sae_pipeline.run_lock import RunLocks
 
 REPO_DPATH = Path(__file__).resolve().parents[1]
 TOPK_DIGITS = str(REPO_DPATH / "configs" / "topk_digits.yaml")
@@ -133,6 +135,30 @@ def test_ranks_of_one_run_do_not_lock(tmp_path: Path, monkeypatch: pytest.Monkey
                     assert fpath is None
 
 
+def test_fits_starting_together_claim_their_own_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit's new version_N is created (one process wins it) and locked before anything is written to it; one
+    left empty is removed at the end, and so is one a fit failed in before training, but not one it trained in."""
+    root = tmp_path / "runs" / "topk_digits"
+    (root / "version_3").mkdir(parents=True)  # numbered after the highest, as Lightning numbers them
+    with ExitStack() as stack:
+        locks = RunLocks(stack)
+        first, second = locks.new_version(root, lambda: False), locks.new_version(root, lambda: False)
+        assert (first, second) == (4, 5)
+        assert json.loads((root / "version_4" / ".lock").read_text())["command"] == "fit"
+        with pytest.raises(OutputLocked, match=r"the run .*version_5 is being written by"):
+            output_lock(root / "version_5", "fit --ckpt_path last", what="the run").__enter__()
+        with monkeypatch.context() as env:
+            env.setenv("LOCAL_RANK", "1")
+            assert locks.new_version(root, lambda: False) is None  # ranks > 0 take rank 0's folder
+    assert sorted(p.name for p in root.iterdir()) == ["version_3"]  # both left empty: removed
+    for trained in (False, True):
+        with pytest.raises(RuntimeError, match="failed"), ExitStack() as stack:
+            number = RunLocks(stack).new_version(root, lambda trained=trained: trained)
+            (root / f"version_{number}" / "events.out.tfevents.0").write_bytes(b"begun")
+            raise RuntimeError("the fit failed")
+        assert (root / f"version_{number}").exists() == trained, trained
+
+
 def test_extraction_tasks_lock_their_own_part_and_other_splits_clash(tmp_path: Path) -> None:
     out = tmp_path / "shards"
     with output_lock(out, "extract", part=(0, 2)) as first, output_lock(out, "extract", part=(1, 2)) as second:
@@ -229,21 +255,31 @@ def test_the_lock_is_released_after_each_command(
 
 
 @pytest.mark.slow
-def test_a_resume_holds_its_run_until_sigterm(
+def test_a_resume_holds_its_run_and_its_own_version_until_sigterm(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two real fits of one run: the second resume is refused naming the first; SIGTERM (143) releases the run."""
-    version = tmp_path / "runs" / "topk_digits" / "version_0"
-    shutil.copytree(trained / "runs" / "topk_digits" / "version_0", version)
+    """Two real fits of one run: a second resume is refused naming the first, whichever version `last` resolves to.
+    Issue 43, item 3: once the first resume has saved a periodic checkpoint, `last` is the first fit's own new
+    version_1, which was not locked: the second resume forked it into version_2 and trained the same steps again.
+    SIGTERM (143) releases both."""
+    runs = tmp_path / "runs" / "topk_digits"
+    shutil.copytree(trained / "runs" / "topk_digits" / "version_0", runs / "version_0")
     fit = ["fit", "--config", TOPK_DIGITS, "--model.sae.init_args.d_sae", "64", *QUIET, "--ckpt_path", "last"]
-    first = Command(tmp_path, *fit, "--trainer.max_steps", "1000000", "--trainer.max_epochs", "-1")
+    periodic = ["--checkpoint.every_n_train_steps", "1", "--trainer.max_steps", "1000000", "--trainer.max_epochs", "-1"]
+    first = Command(tmp_path, *fit, *periodic)
     try:
-        first.wait_for((version / ".lock").is_file, "the resume's lock")
+        first.wait_for((runs / "version_1" / "checkpoints" / "last.ckpt").is_file, "the first periodic checkpoint")
         monkeypatch.chdir(tmp_path)
-        status, _, err = run([*fit, "--trainer.max_steps", "3"], capsys)
-        assert status == 2 and len(error_lines(err)) == 1, err[-2000:]
-        assert f"the run runs/topk_digits/version_0 is being written by pid {first.process.pid} on host {HOST}" in err
+        resumed = runs / "version_0" / "checkpoints" / "last.ckpt"
+        for version in ("version_1", "version_0"):  # last: the first fit's own version, then the run it resumes
+            if version == "version_0":  # the newest by time, whatever the first fit saves meanwhile
+                os.utime(resumed, (resumed.stat().st_atime, resumed.stat().st_mtime + 3600))
+            status, _, err = run([*fit, "--trainer.max_steps", "3"], capsys)
+            assert status == 2 and len(error_lines(err)) == 1, err[-2000:]
+            holder = f"is being written by pid {first.process.pid} on host {HOST}"
+            assert f"the run runs/topk_digits/{version} {holder}" in err, err
     finally:
         first.signal(signal.SIGTERM)
         assert first.finish() == 143, first.text()[-3000:]
-    assert not (version / ".lock").exists()
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0", "version_1"]  # the refused resumes left nothing
+    assert not list(runs.glob("*/.lock"))

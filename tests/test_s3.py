@@ -210,3 +210,21 @@ def test_ddp_over_a_bucket_trains_the_weights_of_ddp_over_the_local_copy(
             assert url in config and os.environ["AWS_SECRET_ACCESS_KEY"] not in config
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_no_credentials_at_all_names_them(s3_bucket: str, s3_env, monkeypatch, tmp_path: Path) -> None:
+    """No key variables, no profile, no config or credentials file (HOME empty): reading and writing a bucket
+    end with one line naming what to set (today's line said "failed (NoCredentialsError)")."""
+    url = f"s3://{s3_bucket}/shards"
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for on this machine
+    reset()
+    with pytest.raises(ValueError) as caught:
+        open_source(url)
+    line = str(caught.value)
+    assert line.startswith(f"{url}: no AWS credentials found (") and "\n" not in line, line
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE" in line
+    with pytest.raises(ValueError, match=f"^{url}/x: no AWS credentials found .*; set AWS_ACCESS_KEY_ID"):
+        location(url + "/x").write_bytes(b"x")

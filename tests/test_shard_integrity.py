@@ -8,6 +8,7 @@ of each member's bytes as ``tarfile`` reads them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import shutil
@@ -227,3 +228,49 @@ def test_old_sidecars_are_checked_by_sha256_and_finalize_adds_checksums(shards: 
         upgraded, fresh = S.read_sidecar(shards, index), S.read_sidecar(extracted, index)
         assert upgraded["sample_checksums"] == fresh["sample_checksums"]
         assert upgraded["xxh3_64"] == fresh["xxh3_64"]
+
+
+def cut_and_rehash(tar_fpath: Path, keep: int) -> None:
+    """Keep the tar's first ``keep`` bytes and make its sidecar match them (size, sha256, xxh3-64), as a
+    writer whose tail was lost after it hashed what it wrote, or a cut copy re-hashed, would leave it."""
+    data = tar_fpath.read_bytes()[:keep]
+    tar_fpath.write_bytes(data)
+    sidecar_fpath = tar_fpath.with_suffix(".json")
+    sidecar = json.loads(sidecar_fpath.read_text())
+    sidecar |= {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "xxh3_64": xxhash.xxh3_64_hexdigest(data),
+    }
+    sidecar_fpath.write_text(json.dumps(sidecar))
+
+
+@pytest.mark.parametrize("cut", ["end", "half"])
+def test_a_cut_shard_whose_sidecar_matches_names_the_rerun_that_redoes_it(
+    shards: Path, extracted: Path, capsys, cut: str
+) -> None:
+    """The tar loses its end-of-archive marker (``end``: the reader's tail check finds it) or half its bytes
+    (``half``: the manifest's sizes find it); a finalize that trusts the sidecars (``--verify false``, what
+    every finalize did before) writes a manifest that agrees. The reader's line and a checking finalize name
+    the same rerun, and following it restores the shard byte for byte."""
+    tar_fpath = shards / S.shard_fname(1)
+    data = tar_fpath.read_bytes()
+    cut_and_rehash(tar_fpath, -(-len(data.rstrip(b"\0")) // 512) * 512 if cut == "end" else len(data) // 2)
+    assert S.shard_is_complete(shards, 1)
+    assert extraction_main(["finalize", "--out", str(shards), "--verify", "false"]) == 0
+    capsys.readouterr()
+    with pytest.raises(S.ShardFormatError) as caught:
+        read_all(shards)
+    line = str(caught.value)
+    assert line.startswith(f"{tar_fpath}: ") and "\n" not in line and "re-extract" in line, line
+    assert ("truncated tar" if cut == "end" else "the shard was cut short") in line
+    rerun = line.split("rerun `", 1)[1].split("`", 1)[0]
+    assert extraction_main(["finalize", "--out", str(shards)]) == 2  # it reads every shard: it refuses this one
+    err = [line for line in capsys.readouterr().err.splitlines() if " INFO " not in line]
+    assert len(err) == 1 and str(tar_fpath) in err[0] and f"rerun `{rerun}`" in err[0], err
+    command = shlex.split(rerun)
+    assert command[:3] == ["python", "-m", "feature_extraction"]
+    assert extraction_main([*command[3:], "--num_workers", "0", "--device", "cpu", "--progress", "false"]) == 0
+    assert tar_fpath.read_bytes() == (extracted / S.shard_fname(1)).read_bytes()
+    assert extraction_main(["finalize", "--out", str(shards)]) == 0
+    assert len(read_all(shards)) == 14

@@ -361,7 +361,12 @@ def test_rewrite_crashing_before_its_sidecar_leaves_the_shard_incomplete(tmp_pat
 
 @pytest.mark.parametrize(
     "content, what",
-    [(b'[{"image_id": "a"', "not JSON"), (b'{"image_id": "a"}', "not a JSON list"), (b"\xff\xfe", "not JSON")],
+    [
+        (b'[{"image_id": "a"', "skipped list is not valid JSON"),
+        (b'{"image_id": "a"}', "skipped list must be a JSON list"),
+        (b"\xff\xfe", "skipped list is not valid JSON"),
+        (b'[{"image_id": 3, "reason": "decode"}]', "skipped list entry 0 field 'image_id' must be a string"),
+    ],
 )
 def test_finalize_reads_a_broken_skipped_list_as_data(tmp_path, content, what):
     """A shard's skipped-N.json is read as data: a truncated or foreign one is a one-line error naming it,

@@ -273,6 +273,8 @@ def test_evaluate_interrupted_then_rerun_continues_the_interrupted_run(tmp_path:
         "4",
         "--r_max",
         "4",
+        "--sae_seeds",
+        "1",  # one run, trained alone: its run folder is the one to interrupt
         "--config_dir",
         str(REPO_DPATH / "configs"),
     ]

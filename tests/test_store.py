@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from feature_extraction.shards.tar_scan import iter_members
-from feature_extraction.store import RemotePath, StoreError, client, display, fetch, is_url, location
+from feature_extraction.store import (
+    RemotePath,
+    StoreError,
+    StoreUnavailable,
+    client,
+    display,
+    fetch,
+    is_url,
+    location,
+)
 from feature_extraction.store.urls import check_url
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.data.loaders import TrainTokenLoader
@@ -81,7 +90,7 @@ class _Flaky:
 
 
 def test_transient_failures_are_retried_and_logged_once(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    monkeypatch.setattr(client.stop_flag, "sleep", lambda seconds, where="": None)  # no backoff
     monkeypatch.setattr(client, "_logged", set())
     flaky = _Flaky(3, ConnectionResetError("peer reset"))
     with caplog.at_level(logging.WARNING, "feature_extraction.store"):
@@ -94,7 +103,7 @@ def test_transient_failures_are_retried_and_logged_once(monkeypatch, caplog) -> 
 
 
 def test_refusals_are_one_line_at_once_and_spent_retries_too(monkeypatch) -> None:
-    monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    monkeypatch.setattr(client.stop_flag, "sleep", lambda seconds, where="": None)  # no backoff
     denied = _Flaky(1, PermissionError("SignatureDoesNotMatch: StringToSign AKIASECRET"))
     with pytest.raises(StoreError) as caught:
         client.call("s3://b/p/x", "reading the object", denied)
@@ -104,7 +113,7 @@ def test_refusals_are_one_line_at_once_and_spent_retries_too(monkeypatch) -> Non
             "s3://b/p/x", "reading the object", _Flaky(1, FileNotFoundError("The specified bucket does not exist"))
         )
     monkeypatch.setenv(client.RETRY_ENV, "0")
-    with pytest.raises(StoreError, match="did not answer for 0 s"):
+    with pytest.raises(StoreUnavailable, match="did not answer for 0 s"):  # a runtime failure (exit 1), not bad input
         client.call("s3://b/p/x", "reading the object", _Flaky(5, TimeoutError()))
 
 

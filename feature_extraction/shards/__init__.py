@@ -13,13 +13,15 @@ side, the feature browser and the evaluation read through it.
   ``from feature_extraction.shards import iter_shard_samples``); ``tar_scan.py``: where each
   member of a shard's tar lies (what the reader and the integrity checks share), each member
   checked first; ``npy.py``: a member's ``.npy`` header, its declared size checked before anything
-  is allocated (docs/formats.md, "What a reader refuses").
+  is allocated (docs/formats.md, "What a reader refuses"); ``meta.py``: a sample's ``meta.json``, the one
+  reader of both.
 - ``sidecar.py``: a shard's sidecar, and the completion and intactness tests.
 - ``integrity.py``: the checksums in each sidecar, who checks them, the repair command.
 - ``manifest.py``: ``manifest.json``, assembled from the sidecars (``write_manifest``),
   checked (``load_manifest``), hashed (``manifest_sha256``).
 - ``finalize.py``: the extraction's record (``extraction.json``) and ``finalize``: verify
-  the shards and write the manifest once, under a lock, when every shard exists.
+  the shards and write the manifest once, under a lock, when every shard exists;
+  ``extraction_files.py``: ``extraction.json`` and ``skipped-N.json`` read back, their fields checked.
 """
 
 from feature_extraction.shards.layout import (

@@ -27,7 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from feature_extraction.atomic_files import write_json_atomic
+from feature_extraction.file_checks import NUMBER, check_fields, parse_json, shown
 from feature_extraction.shards import integrity
+from feature_extraction.shards.extraction_files import load_record, read_record, read_skipped
 from feature_extraction.shards.layout import (
     EXTRACTION_FNAME,
     LOCK_FNAME,
@@ -38,8 +40,9 @@ from feature_extraction.shards.layout import (
     skipped_fname,
 )
 from feature_extraction.shards.manifest import format_indices, load_manifest, write_manifest
+from feature_extraction.shards.record import check_sealed, seal
 from feature_extraction.shards.sidecar import read_sidecar, shard_is_complete
-from feature_extraction.store import RemotePath, StoreError, fetch, location
+from feature_extraction.store import RemotePath, fetch, location
 from feature_extraction.token_selection import token_kinds
 
 __all__ = ["check_or_create_record", "finalize", "finalize_if_last", "ids_digest", "verify_shards"]
@@ -68,19 +71,17 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
                 f"--out {out_dpath} holds shard files but no {EXTRACTION_FNAME}: it was not written "
                 "by this command; use an empty --out directory"
             )
-        write_json_atomic(fpath, record, exclusive=True)  # another task may have won: compare below
-    try:
-        old = json.loads(fpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exn:
-        raise ValueError(f"{fpath} cannot be read ({exn}); delete it if --out holds no shards") from None
+        write_json_atomic(fpath, seal(record), exclusive=True)  # another task may have won: compare below
+    old = load_record(out_dpath, "delete it if --out holds no shards")
+    check_sealed(old, fpath, record)  # an edited record would be believed below
     if (old.get("backbone"), old.get("layer")) != (record["backbone"], record["layer"]):
         raise ValueError(
-            f"--out {out_dpath} holds shards of backbone {old.get('backbone')!r} layer {old.get('layer')} "
+            f"--out {out_dpath} holds shards of backbone {shown(old.get('backbone'))} layer {shown(old.get('layer'))} "
             f"but this run extracts backbone {record['backbone']!r} layer {record['layer']}; "
             "use another --out (e.g. one directory per backbone and layer)"
         )
     differ = [
-        f"{_FLAG_HINTS.get(k, k)}: {old.get(k)!r} there, {record[k]!r} now"
+        f"{_FLAG_HINTS.get(k, k)}: {shown(old.get(k))} there, {record[k]!r} now"
         for k in _COMPARED_FIELDS
         if old.get(k) != record[k]
     ]
@@ -89,16 +90,6 @@ def check_or_create_record(out_dpath: Path, record: dict) -> None:
             f"--out {out_dpath} was extracted with other settings ({'; '.join(differ)}); "
             "rerun with the same settings and images, or use another --out"
         )
-
-
-def _read_record(out_dpath: Path) -> dict:
-    fpath = location(out_dpath) / EXTRACTION_FNAME
-    if not fpath.is_file():
-        raise ValueError(f"{fpath} not found: --out must be a directory written by `python -m feature_extraction`")
-    try:
-        return json.loads(fpath.read_text(encoding="utf-8"))
-    except ValueError as exn:
-        raise ValueError(f"{fpath} is not valid JSON ({exn}); rerun one extraction task to rewrite it") from None
 
 
 def _manifest_is_current(out_dpath: Path, n_shards: int) -> bool:
@@ -115,9 +106,11 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
     """Check every complete shard's bytes against its sidecar; add per-sample checksums to old sidecars.
 
     Raises a one-line ShardFormatError naming the corrupt shards and the extraction command
-    that redoes them (a rerun verifies the shards it owns and writes corrupt ones again).
+    that redoes them (a rerun verifies the shards it owns and writes corrupt ones again), or the
+    first shard holding a member that every reader refuses (a link, a device, a name with ``..``
+    or an absolute one: ``tar_scan``), even when its sidecar matches it.
     """
-    corrupt = []
+    corrupt, refused = [], []
     if isinstance(out_dpath, RemotePath):  # the next shards download while this one is hashed
         fetch.plan([out_dpath / shard_fname(i) for i in range(n_shards) if shard_is_complete(out_dpath, i)])
     for index in range(n_shards):
@@ -125,8 +118,11 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
             continue  # write_manifest lists the missing ones
         sidecar, tar_fpath = read_sidecar(out_dpath, index), out_dpath / shard_fname(index)
         if "sample_checksums" in sidecar:
-            if not integrity.shard_is_intact(sidecar, tar_fpath):
+            problem = integrity.shard_problem(sidecar, tar_fpath)  # also a member every reader refuses
+            if problem == integrity.MISMATCH:
                 corrupt.append(index)
+            elif problem is not None:
+                refused.append(problem)
         elif (upgraded := integrity.add_sample_checksums(sidecar, tar_fpath)) is None:
             corrupt.append(index)
         else:
@@ -134,11 +130,13 @@ def verify_shards(out_dpath: Path, n_shards: int) -> None:
             logger.info("shard %d: per-sample checksums added to its sidecar", index)
     if corrupt:
         what = (
-            f"shard {corrupt[0]} no longer matches its sidecar"
+            f"shard {corrupt[0]} no longer matches its sidecar {sidecar_fname(corrupt[0])}"
             if len(corrupt) == 1
-            else f"shards {format_indices(corrupt)} no longer match their sidecars"
+            else f"shards {format_indices(corrupt)} no longer match their sidecars ({sidecar_fname(corrupt[0])}, ...)"
         )
         raise ShardFormatError(f"{out_dpath}: {what} (corrupt on disk); {integrity.repair_command(out_dpath)}")
+    if refused:  # its sidecar vouches for it, yet no reader would read it: the manifest must not list it
+        raise ShardFormatError(f"{refused[0]}; or {integrity.repair_command(out_dpath)}")
 
 
 def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
@@ -159,7 +157,8 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
     out_dpath = location(out, "--out")
     if isinstance(out_dpath, Path):
         out_dpath = out_dpath.expanduser()
-    record = _read_record(out_dpath)
+    record = read_record(out_dpath)
+    check_sealed(record, out_dpath / EXTRACTION_FNAME)
     n_shards = record["n_shards"]
     lock_fpath = _lock(out_dpath / LOCK_FNAME, force)
     try:
@@ -192,31 +191,21 @@ def finalize(out: str, force: bool = False, verify: bool = True) -> dict:
         lock_fpath.unlink(missing_ok=True)
 
 
-def read_skipped(fpath: Path | RemotePath, out_dpath: Path | RemotePath, index: int) -> list[dict]:
-    """Shard ``index``'s list of undecodable images, as its writer wrote it: a JSON list of objects. Anything
-    else (a truncated upload, someone else's file) is a one-line ShardFormatError naming the file and the fix:
-    without its sidecar the shard is not whole, so the extraction's rerun writes both again."""
-    try:
-        skipped = json.loads(fpath.read_text(encoding="utf-8"))
-        listed = isinstance(skipped, list) and all(isinstance(entry, dict) for entry in skipped)
-        what = None if listed else "not a JSON list of objects"
-    except (UnicodeDecodeError, json.JSONDecodeError) as exn:
-        what = f"not JSON ({exn})"
-    if what is not None:
-        sidecar = out_dpath / sidecar_fname(index)
-        raise ShardFormatError(f"{fpath}: {what}; delete it and {sidecar}, then {integrity.repair_command(out_dpath)}")
-    return skipped
+class FinalizeBusy(RuntimeError):
+    """Another process holds the finalize lock (exit 1); not a failure of the store, which must not pass for it."""
 
 
 def _lock(lock_fpath: Path | RemotePath, force: bool) -> Path | RemotePath:
-    """Create the finalize lock, or take over a stale one (or any, with `force`); RuntimeError if it is held."""
+    """Create the finalize lock, or take over a stale one (or any, with `force`); `FinalizeBusy` if it is held."""
     if isinstance(lock_fpath, RemotePath):
         stamp = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode()
         if lock_fpath.write_bytes(stamp, exclusive=True):
             return lock_fpath
         try:
-            age = time.time() - float(json.loads(lock_fpath.read_text())["time"])
-        except (StoreError, ValueError, KeyError, TypeError):  # released meanwhile, or not ours to read
+            held = parse_json(lock_fpath.read_bytes(), source=lock_fpath, what="lock", fix="", kind=dict, max_depth=2)
+            check_fields(held, {"time": NUMBER}, source=lock_fpath, what="lock", fix="")
+            age = time.time() - held["time"]
+        except ValueError:  # released meanwhile (StoreError), or not a lock a finalize wrote
             age = math.inf
     else:
         try:
@@ -228,7 +217,7 @@ def _lock(lock_fpath: Path | RemotePath, force: bool) -> Path | RemotePath:
             except FileNotFoundError:  # released meanwhile
                 age = math.inf
     if not force and age < STALE_LOCK_SECONDS:
-        raise RuntimeError(
+        raise FinalizeBusy(
             f"{lock_fpath}: another process is finalizing (lock {age:.0f} s old); wait, or pass --force true if it died"
         ) from None
     if isinstance(lock_fpath, RemotePath):
@@ -256,7 +245,7 @@ def finalize_if_last(out_dpath: Path | RemotePath, n_shards: int) -> bool:
         return True
     try:
         finalize(str(out_dpath), verify=False)  # each task verified the complete shards it owns at its start
-    except RuntimeError:  # another task holds the lock and is writing the same manifest
+    except FinalizeBusy:  # another task holds the lock and is writing the same manifest (a store's failure is not)
         logger.info("another task is finalizing %s", out_dpath)
         return False
     return True

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import shlex
+import tarfile
 from pathlib import Path
 from typing import NamedTuple
 
 import xxhash
 
-from feature_extraction.file_hashes import file_digests, file_xxh3
+from feature_extraction.file_checks import load_json
+from feature_extraction.file_hashes import file_digests
 from feature_extraction.shards.layout import (
     EXTRACTION_FNAME,
     POSITIONS_SUFFIX,
@@ -47,23 +48,26 @@ from feature_extraction.shards.layout import (
     ShardFormatError,
     member_key,
 )
-from feature_extraction.shards.tar_scan import iter_members
-from feature_extraction.store import location
+from feature_extraction.shards.tar_scan import check_members, check_tar_end, iter_members
+from feature_extraction.store import RemotePath, location
 
 __all__ = [
     "ALGORITHM",
+    "MISMATCH",
     "SampleChecksums",
     "add_sample_checksums",
     "digest",
     "load_sample_checksums",
     "repair_command",
     "shard_is_intact",
+    "shard_problem",
     "verify_sha256_once",
 ]
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_64"
+_CHUNK_BYTES = 8 << 20
 _SHA256_VERIFIED: set[tuple] = set()  # (shard path, sha256, size, mtime) checked in this process
 
 
@@ -80,29 +84,64 @@ class SampleChecksums(NamedTuple):
 
 
 def shard_is_intact(sidecar: dict, tar_fpath: Path) -> bool:
-    """True when the tar's bytes match its sidecar (size, then xxh3-64, or sha256 for old sidecars).
+    """True when the tar's bytes match its sidecar and every reader accepts its members (``shard_problem``)."""
+    return shard_problem(sidecar, tar_fpath) is None
 
-    An object in a store is fetched whole (parallel ranged GETs, or the read-ahead when planned).
+
+MISMATCH = "no longer matches its sidecar"
+
+
+def shard_problem(sidecar: dict, tar_fpath: Path) -> str | None:
+    """Why shard ``tar_fpath`` cannot be used as ``sidecar`` describes it; None when it can.
+
+    :data:`MISMATCH` when its bytes differ from the sidecar's record (size, then xxh3-64, or sha256
+    for old sidecars) or cannot be read; otherwise the reader's one line when a member is one that
+    every reader refuses (a link, a device, a name that is absolute or holds ``..``: ``tar_scan``),
+    so that ``finalize`` and an extraction's rerun refuse what the readers refuse, even in a shard
+    whose sidecar was forged to match it. One read: an object in a store is fetched once.
     """
     try:
         if tar_fpath.stat().st_size != sidecar["bytes"]:
-            return False
-        if ALGORITHM in sidecar:
-            return file_xxh3(tar_fpath) == sidecar[ALGORITHM]
-        return file_digests(tar_fpath)[0] == sidecar["sha256"]
+            return MISMATCH
+        hasher, expected = (
+            (xxhash.xxh3_64(), sidecar[ALGORITHM]) if ALGORITHM in sidecar else (hashlib.sha256(), sidecar["sha256"])
+        )
+        with tar_fpath.open("rb") as stream:
+            while chunk := stream.read(_CHUNK_BYTES):
+                hasher.update(chunk)
+            if hasher.hexdigest() != expected:
+                return MISMATCH
+            check_tar_end(tar_fpath, stream)
+            check_members(tar_fpath, stream)
     except OSError:
-        return False
+        return MISMATCH
+    except (ShardFormatError, tarfile.TarError) as exn:
+        return str(exn) if isinstance(exn, ShardFormatError) else f"{tar_fpath}: corrupt tar ({exn}); re-extract it"
+    return None
 
 
 def repair_command(shards_dpath: Path) -> str:
     """The extraction command that redoes corrupt shards of ``shards_dpath``, from its ``extraction.json``.
 
     A rerun with the same settings verifies every shard it owns and rewrites those whose bytes no
-    longer match their sidecar, then writes the manifest again.
+    longer match their sidecar or that no reader accepts (a tar cut short: ``shard_problem``), then
+    writes the manifest again. In a bucket a rerun trusts the shards there (it compares sizes, it
+    does not download them), so the advice starts with deleting the damaged shard's sidecar: a
+    shard without one is extracted again.
     """
     shards_dpath = location(shards_dpath)
+    first = (
+        f"delete the damaged shard's sidecar (shard-NNNNNN.json) from {shards_dpath}, then "
+        if isinstance(shards_dpath, RemotePath)
+        else ""
+    )
+    redoes = (
+        "it extracts again each shard without its sidecar"
+        if first
+        else "it redoes shards that are cut short or whose bytes no longer match their sidecar"
+    )
     try:
-        record = json.loads((shards_dpath / EXTRACTION_FNAME).read_text(encoding="utf-8"))
+        record = load_json(shards_dpath / EXTRACTION_FNAME, what="record", fix="", max_bytes=1 << 20, kind=dict)
         weights = record.get("weights") or {}
         selection = record.get("token_selection")
         flags = [
@@ -133,13 +172,12 @@ def repair_command(shards_dpath: Path) -> str:
             ]
     except (OSError, ValueError, KeyError, TypeError):
         return (
-            f"rerun the extraction that wrote {shards_dpath} with its settings (it redoes shards whose bytes no "
-            "longer match their sidecar), then `python -m feature_extraction finalize --out "
-            f"{shlex.quote(str(shards_dpath))}`"
+            f"{first}rerun the extraction that wrote {shards_dpath} with its settings ({redoes}), then "
+            f"`python -m feature_extraction finalize --out {shlex.quote(str(shards_dpath))}`"
         )
     return (
-        "rerun `python -m feature_extraction " + shlex.join(flags) + "` (or the array job that wrote it; "
-        "it redoes shards whose bytes no longer match their sidecar and rewrites the manifest)"
+        f"{first}rerun `python -m feature_extraction " + shlex.join(flags) + "` (or the array job that wrote it; "
+        f"{redoes}, and rewrites the manifest)"
     )
 
 

@@ -19,7 +19,6 @@ memory is taken by it (``tar_scan.py``, ``npy.py``): a shard is someone else's d
 
 from __future__ import annotations
 
-import json
 import tarfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -30,13 +29,12 @@ import xxhash
 
 from feature_extraction.shards import integrity
 from feature_extraction.shards.layout import META_SUFFIX, POSITIONS_SUFFIX, TOKENS_SUFFIX, ShardFormatError, member_key
+from feature_extraction.shards.meta import MAX_META_BYTES, parse_meta
 from feature_extraction.shards.npy import MAX_HEADER_BYTES, check_data_bytes, decode_npy, read_npy_header
 from feature_extraction.shards.tar_scan import check_members, check_tar_end, iter_members
 from feature_extraction.store import Location, location
 
 __all__ = ["decode_positions", "decode_sample", "iter_shard_samples", "iter_shard_tokens", "read_shard_samples"]
-
-MAX_META_BYTES = 1 << 20  # a meta.json holds an id, a label and a source: a few hundred bytes
 
 
 def _read_tokens(
@@ -71,7 +69,8 @@ def _read_tokens(
     tokens = np.empty(found, np.float16)
     data = memoryview(tokens).cast("B")
     if stream.readinto(data) != tokens.nbytes:
-        raise ShardFormatError(f"{where} is cut short; re-extract the shard")
+        shards_dpath = location(where.split(": member ", 1)[0]).parent
+        raise ShardFormatError(f"{where} is cut short; re-extract the shard: {integrity.repair_command(shards_dpath)}")
     if checksum is not None:
         hasher = xxhash.xxh3_64(header)
         hasher.update(data)
@@ -191,24 +190,27 @@ def iter_shard_tokens(
 
 @contextmanager
 def open_shard(fpath: Location, buffering: int = -1) -> Iterator:
-    """A shard open for reading, its tail checked (``check_tar_end``); a shard in a store is fetched whole, once."""
+    """A shard open for reading, its tail checked (``check_tar_end``); a shard in a store is fetched whole, once.
+
+    A cut tar is named with the command that redoes it: its sidecar may match it (hashed over what was
+    written), and the extraction's rerun redoes it because it reads the tail too (``integrity.shard_problem``).
+    """
     if not fpath.is_file():
         raise ShardFormatError(f"{fpath}: shard file not found; check the path or re-extract it")
     with fpath.open("rb", buffering=buffering) as stream:
-        check_tar_end(fpath, stream)
+        try:
+            check_tar_end(fpath, stream)
+        except ShardFormatError as exn:
+            raise ShardFormatError(f"{exn}: {integrity.repair_command(location(fpath).parent)}") from None
         stream.seek(0)
         yield stream
 
 
 def _read_meta(stream, fpath: Path, member: tuple[str, int, int]) -> dict:  # noqa: ANN001 (binary file)
-    """A sample's ``meta.json`` as a dict (not covered by the sidecar's checksums; a non-object reads as ``{}``)."""
-    where = f"{fpath}: member {member[0] + '.' + META_SUFFIX!r}"
-    data = _read_member(stream, where, *member[1:], MAX_META_BYTES)
-    try:
-        meta = json.loads(data)
-    except ValueError as exn:
-        raise ShardFormatError(f"{where} is not valid JSON ({exn}); re-extract the shard") from None
-    return meta if isinstance(meta, dict) else {}
+    """A sample's ``meta.json`` as a dict, checked (``meta.parse_meta``: it is not covered by the sidecar's
+    checksums)."""
+    name = f"member {member[0] + '.' + META_SUFFIX!r}"
+    return parse_meta(_read_member(stream, f"{fpath}: {name}", *member[1:], MAX_META_BYTES), fpath, name)
 
 
 # --- webdataset's reader, for everything but the training stream (it needs meta.json too) ---
@@ -228,13 +230,7 @@ def decode_sample(sample: dict) -> tuple[str, np.ndarray, dict]:
             f"{where}: 'tokens.npy' is {tokens.dtype} {list(tokens.shape)}, expected float16 [n_tokens, d]; "
             "re-extract the shard"
         )
-    try:
-        meta = json.loads(sample[META_SUFFIX])
-    except (ValueError, UnicodeDecodeError) as exn:
-        raise ShardFormatError(f"{where}: 'meta.json' is not valid JSON ({exn}); re-extract the shard") from None
-    if not isinstance(meta, dict):
-        raise ShardFormatError(f"{where}: 'meta.json' must be a JSON object; re-extract the shard")
-    return key, tokens, meta
+    return key, tokens, parse_meta(sample[META_SUFFIX], where, "'meta.json'")
 
 
 def iter_shard_samples(shard_fpaths: Sequence[Path | str], with_positions: bool = False) -> Iterator[tuple]:

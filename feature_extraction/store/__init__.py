@@ -1,6 +1,7 @@
 """Where shards live: a local directory or an object store (`s3://bucket/prefix`, any fsspec URL).
 
-- `urls.py`: which strings are URLs, the form of one that may be shown (no credentials), `StoreError`.
+- `urls.py`: which strings are URLs, the form of one that may be shown (no credentials), `StoreError`
+  (refused: exit 2) and `StoreUnavailable` (no answer for the retry window: exit 1).
 - `client.py`: one fsspec filesystem per process, every call retried with backoff, refusals as one line.
 - `remote.py`: `RemotePath`, an object named like a `pathlib.Path`, so the shard format's code reads
   a bucket as it reads a folder.
@@ -15,9 +16,19 @@ from pathlib import Path
 
 from feature_extraction.store import client, remote
 from feature_extraction.store.remote import RemotePath
-from feature_extraction.store.urls import TESTED_SCHEMES, StoreError, display, is_url
+from feature_extraction.store.urls import TESTED_SCHEMES, StoreError, StoreUnavailable, display, is_url
 
-__all__ = ["TESTED_SCHEMES", "Location", "RemotePath", "StoreError", "display", "is_url", "location", "reset"]
+__all__ = [
+    "TESTED_SCHEMES",
+    "Location",
+    "RemotePath",
+    "StoreError",
+    "StoreUnavailable",
+    "display",
+    "is_url",
+    "location",
+    "reset",
+]
 
 Location = Path | RemotePath
 

@@ -7,7 +7,13 @@ connection, a timeout, a 5xx or a throttling reply is retried with exponential b
 doubling to 10 s) for `SAE_PIPELINE_STORE_RETRY_SECONDS` (default 120 s) in all, and the first
 retry of each kind is logged once per process, without the exception's text (it may carry a
 signed URL). What cannot get better by waiting is one `StoreError` line at once: a missing object
-or bucket, refused credentials; so are the retries once spent.
+or bucket, refused credentials, no credentials at all (naming the variables to set). Retries spent
+are one `StoreUnavailable` line: a runtime failure (exit 1), not bad input, since the same command
+succeeds once the store is back. The waits are `stop_flag` waits, in whichever thread or DataLoader
+worker they run: SIGTERM or Ctrl-C ends the backoff at once (`Stopped`) and a stop does not retry;
+a request under way gets `STOP_GRACE_S` to answer, then is abandoned (a daemon thread makes it, so
+a store that never answers holds nothing up); the store is then noted as not answering, for the
+stop line.
 
 Credentials, region and endpoint come from where the AWS SDK looks (`AWS_ACCESS_KEY_ID`,
 `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE`, `~/.aws/config` and `~/.aws/credentials`,
@@ -26,14 +32,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from feature_extraction.store.urls import StoreError, display
+from feature_extraction import stop_flag
+from feature_extraction.store.urls import StoreError, StoreUnavailable, display
 
 __all__ = ["RETRY_ENV", "call", "filesystem", "retry_seconds"]
 
 RETRY_ENV = "SAE_PIPELINE_STORE_RETRY_SECONDS"
 DEFAULT_RETRY_SECONDS = 120.0
+STOP_GRACE_S = 1.5  # after a stop, how long a request under way may still answer (a stop ends within 5 s)
 _log = logging.getLogger("feature_extraction.store")
 _lock = threading.Lock()
 _filesystems: dict[tuple[int, str], Any] = {}
@@ -51,6 +60,15 @@ _TRANSIENT_PHRASES = (
     "InternalError",
     "Bad Gateway",
     "Gateway Timeout",
+)
+_NO_CREDENTIALS = {  # botocore's exceptions, by name (botocore is imported only with s3fs)
+    "NoCredentialsError": "no AWS credentials found",
+    "PartialCredentialsError": "incomplete AWS credentials (a key id without its secret, or the reverse)",
+    "ProfileNotFound": "AWS_PROFILE names a profile that is in neither ~/.aws/config nor ~/.aws/credentials",
+}
+_SET_CREDENTIALS = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE naming a profile in ~/.aws/credentials "
+    "(AWS_SHARED_CREDENTIALS_FILE and AWS_CONFIG_FILE move those files), then rerun"
 )
 _INSTALL = {"s3": "pip install 'sae-pipeline[s3]' (s3fs)", "gs": "pip install gcsfs", "gcs": "pip install gcsfs"}
 
@@ -80,10 +98,20 @@ def filesystem(scheme: str) -> Any:  # noqa: ANN401 (an fsspec filesystem)
             # botocore's own retries off: `call` retries everything with one schedule
             fs = cls(skip_instance_cache=True, config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 10})
             fs.retries = 1
+            fs.loop.set_exception_handler(_quiet_transient)
         else:
             fs = cls(skip_instance_cache=True)
         _filesystems[key] = fs
         return fs
+
+
+def _quiet_transient(loop: Any, context: dict) -> None:  # noqa: ANN401 (an asyncio loop)
+    """The client's event loop, for a task nobody awaited: aiohttp's request body writer fails too when the store
+    drops the connection, and asyncio would print that failure's traceback ("Task exception was never retrieved")
+    for every retry of an upload. `call` retries it and logs it once; anything else is printed as before."""
+    exn = context.get("exception")
+    if exn is None or not _is_transient(exn):
+        loop.default_exception_handler(context)
 
 
 def _is_transient(exn: BaseException) -> bool:
@@ -111,6 +139,8 @@ def _refusal(exn: BaseException, url: str, action: str) -> StoreError:
         ):
             return StoreError(f"{shown}: the bucket does not exist; check the URL's bucket name (and AWS_ENDPOINT_URL)")
         return StoreError(f"{shown}: not found in the store ({action}); check the URL, or re-run what writes it")
+    if type(exn).__name__ in _NO_CREDENTIALS:  # botocore found none where it looks: waiting will not make some
+        return StoreError(f"{shown}: {_NO_CREDENTIALS[type(exn).__name__]} ({action}); {_SET_CREDENTIALS}")
     if isinstance(exn, PermissionError):
         return StoreError(
             f"{shown}: the store refused the credentials ({action}); check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
@@ -119,20 +149,39 @@ def _refusal(exn: BaseException, url: str, action: str) -> StoreError:
     return StoreError(f"{shown}: {action} failed ({type(exn).__name__}); check the URL and the store")
 
 
+def _attempt(fn: Callable[[], T], url: str) -> T:
+    """`fn()` in a daemon thread, waited for as a `stop_flag.result` (module docstring)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except BaseException as exn:  # noqa: BLE001 (raised in the caller's thread)
+                future.set_exception(exn)
+
+    threading.Thread(target=run, name="store-call", daemon=True).start()
+    try:
+        return stop_flag.result(future, STOP_GRACE_S, display(url))
+    except stop_flag.Stopped:  # abandoned: the store did not answer within the grace
+        stop_flag.note_unanswered(display(url))
+        raise
+
+
 def call(url: str, action: str, fn: Callable[[], T]) -> T:
     """`fn()`, retried on transient failures (module docstring); other failures become one `StoreError`."""
     deadline = time.monotonic() + retry_seconds()
     wait = 0.5
     while True:
         try:
-            return fn()
+            return _attempt(fn, url)
         except Exception as exn:  # noqa: BLE001 (classified below: every failure ends as a retry or one line)
-            if isinstance(exn, StoreError):
+            if isinstance(exn, (StoreError, StoreUnavailable, stop_flag.Stopped)):
                 raise
             if not _is_transient(exn):
                 raise _refusal(exn, url, action) from None
             if time.monotonic() + wait > deadline:
-                raise StoreError(
+                raise StoreUnavailable(
                     f"{display(url)}: the store did not answer for {retry_seconds():.0f} s ({type(exn).__name__}) "
                     f"{action}; check the endpoint and the network, then rerun (raise {RETRY_ENV} to wait longer)"
                 ) from None
@@ -146,5 +195,9 @@ def call(url: str, action: str, fn: Callable[[], T]) -> T:
                     action,
                     retry_seconds(),
                 )
-            time.sleep(wait)
+            try:
+                stop_flag.sleep(wait, display(url))  # a stop (here, or the signal's own exception) ends the retries
+            except BaseException:
+                stop_flag.note_unanswered(display(url))
+                raise
             wait = min(wait * 2, 10.0)

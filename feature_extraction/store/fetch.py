@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from feature_extraction import stop_flag
 from feature_extraction.store import client
 
 RemotePath = Any  # remote.py's RemotePath, which imports this module (named here without an import cycle)
@@ -95,7 +96,7 @@ class _ReadAhead:
                     self.queue.remove(path)
                 return None
             self._fill()
-        return future.result()
+        return stop_flag.result(future, client.STOP_GRACE_S, str(path))  # its fetch ends on a stop too
 
 
 def _start(path: RemotePath) -> Future:

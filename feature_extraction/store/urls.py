@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["TESTED_SCHEMES", "StoreError", "check_url", "display", "is_url", "join", "split"]
+__all__ = ["TESTED_SCHEMES", "StoreError", "StoreUnavailable", "check_url", "display", "is_url", "join", "split"]
 
 TESTED_SCHEMES = ("s3", "file", "memory")  # what the suite runs; any other fsspec scheme is untested
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]+)://")
@@ -21,6 +21,13 @@ class StoreError(ValueError):
     """An object store said no, or the URL cannot be used: one line, naming the object and the fix, no secret.
 
     A ValueError, so every command's error wrapper prints it as `error: ...` and exits 2.
+    """
+
+
+class StoreUnavailable(RuntimeError):
+    """The store did not answer for the whole retry window: one line naming the object, exit 1.
+
+    A runtime failure, not bad input: the same command succeeds once the store is back.
     """
 
 

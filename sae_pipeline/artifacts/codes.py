@@ -18,15 +18,16 @@ resizable datasets ``image_ids``, ``token_positions``, ``indices``, ``values``. 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
-from feature_extraction.atomic_files import atomic_path, check_free_space
+from feature_extraction.atomic_files import atomic_path, check_free_space, out_of_space
+from feature_extraction.file_checks import terminal_text
 from feature_extraction.h5cache import (
     FORMAT_ATTR,
     H5_RESERVE_BYTES,
@@ -161,7 +162,30 @@ def check_layout(fpath: Path, h5: h5py.File) -> int:
                 f"{d.name.lstrip('/')} {list(d.shape)} {d.dtype}" for d in (ids, positions, indices, values)
             )
             raise CacheFormatError(f"{fpath}: {what} ({shapes}); run predict again")
+    check_stored(fpath, n, indices, (ids, positions, indices, values))
     return n
+
+
+def check_stored(fpath: Path, n: int, indices: h5py.Dataset, datasets: Sequence[h5py.Dataset]) -> None:
+    """Refuse a codes file whose declared size its stored data cannot back, before its arrays are allocated.
+
+    HDF5 reads a chunk never written as its fill value, so a file of a few kB can declare 10^12 tokens, and
+    `read_codes` would allocate them all. ``CodesWriter`` writes every row of the 1-D datasets and, in the
+    widest block, every column of ``indices`` / ``values``: a file declaring more than its chunks hold was cut
+    short or forged."""
+    width = indices.shape[1]
+    for dataset in datasets:
+        if dataset.chunks is None:  # contiguous (no writer of ours): every element declared takes a stored byte
+            short = dataset.id.get_storage_size() < dataset.size
+        elif dataset.ndim == 1:
+            short = dataset.id.get_num_chunks() < -(-n // dataset.chunks[0])
+        else:
+            short = n > 0 and dataset.id.get_num_chunks() < -(-width // dataset.chunks[1])
+        if short:
+            raise CacheFormatError(
+                f"{fpath}: {dataset.name.lstrip('/')} declares {list(dataset.shape)} but stores less (cut short or "
+                "not written by predict); run predict again"
+            )
 
 
 def _dataset(h5: h5py.File, name: str) -> bool:
@@ -174,8 +198,9 @@ def _dataset(h5: h5py.File, name: str) -> bool:
 def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
     """Read a codes file: ``image_ids`` (str), ``token_positions``, ``indices`` (-1 pads), ``values``."""
     fpath = Path(fpath)
-    with open_checked(fpath, CODES_FORMAT, WRITER) as h5:
-        check_layout(fpath, h5)
+    with _damaged(fpath), open_checked(fpath, CODES_FORMAT, WRITER) as h5:
+        n = check_layout(fpath, h5)
+        check_fits_memory(fpath, n, [h5[name] for name in DATASETS])
         return {
             "image_ids": np.asarray(h5["image_ids"].asstr()[()], dtype=str),
             "token_positions": h5["token_positions"][()],
@@ -184,9 +209,38 @@ def read_codes(fpath: Path | str) -> dict[str, np.ndarray]:
         }
 
 
+@contextmanager
+def _damaged(fpath: Path) -> Iterator[None]:
+    """HDF5's own errors on a file whose structure opened but whose data does not read (cut short, bytes changed)
+    as the one CacheFormatError line of every other damage."""
+    try:
+        yield
+    except (OSError, KeyError, RuntimeError, UnicodeDecodeError) as exn:
+        if out_of_space(exn):
+            raise
+        raise CacheFormatError(
+            f"{fpath}: its data does not read ({type(exn).__name__}: {terminal_text(exn, 160)}); damaged: run "
+            "predict again"
+        ) from None
+
+
+def check_fits_memory(fpath: Path, n: int, datasets: Sequence[h5py.Dataset]) -> None:
+    """`read_codes` reads the file whole: what it declares must fit in the memory available now (one line, with the
+    way to read a larger file, instead of the kernel's OOM kill)."""
+    from sae_pipeline.data.cache import mem_available, size_text  # only here: the data layer is heavier
+
+    declared = sum(dataset.size * (dataset.dtype.itemsize if dataset.dtype.kind != "O" else 64) for dataset in datasets)
+    available = mem_available()
+    if declared > available:
+        raise CacheFormatError(
+            f"{fpath}: holds {n} tokens ({size_text(declared)} to read whole), more than the {size_text(available)} "
+            "of memory available; read it in row blocks with h5py (docs/formats.md) or free memory"
+        )
+
+
 def count_codes(fpath: Path | str) -> int:
     """How many tokens a codes file holds (reads no codes)."""
-    with open_checked(Path(fpath), CODES_FORMAT, WRITER) as h5:
+    with _damaged(Path(fpath)), open_checked(Path(fpath), CODES_FORMAT, WRITER) as h5:
         return check_layout(Path(fpath), h5)
 
 

@@ -15,7 +15,8 @@ The SAE's config (``{"class_path", "init_args"}``) is read and built by
 Command line: ``python -m sae_pipeline export --ckpt_path FILE --out DIR [--format saelens] [--name NAME]``
 (``--name``: one member of a group's checkpoint; without it a group exports every member into ``DIR/NAME``)
 (SAELens's format: :mod:`sae_pipeline.artifacts.saelens_export`). Both files are replaced together or not at all
-(:mod:`sae_pipeline.artifacts.export_files`, which also keeps one SAE per export folder): a full disk
+(:mod:`sae_pipeline.artifacts.export_files`, which also keeps one SAE per export folder and refuses an
+``--out`` holding any file it did not write): a full disk
 ends with one ``no space left on device`` line (exit 1) and leaves a previous export in ``--out``
 whole. The files get the user's umask (e.g. 0644 under umask 022).
 
@@ -28,7 +29,6 @@ a name of the format, not of this module (exports written between the layout mov
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 
 import sae_pipeline
 from feature_extraction.exit_status import run_cli
+from feature_extraction.file_checks import terminal_text
 from feature_extraction.file_hashes import file_sha256
 from feature_extraction.output_lock import output_lock
 from sae_pipeline.artifacts.checkpoint import (
@@ -53,12 +54,15 @@ from sae_pipeline.artifacts.export_files import (
     SAELENS_WEIGHTS_FNAME,
     WEIGHTS_FNAME,
     check_export_out,
+    check_group_out,
     export_data,
+    read_config_file,
+    weight_shapes,
     write_export_files,
 )
 from sae_pipeline.artifacts.saelens_export import export_checkpoint_saelens
 from sae_pipeline.sae import SparseAutoencoder, variant_key
-from sae_pipeline.sae.config import ExportError, build_sae, sae_config
+from sae_pipeline.sae.config import ExportError, build_sae, check_sae_config, check_sae_size, sae_config
 
 __all__ = ["EXPORT_FORMAT", "ExportError", "build_parser", "check_export", "export_checkpoint", "load_native", "main"]
 
@@ -74,7 +78,7 @@ def export_checkpoint(ckpt_fpath: Path | str, out_dpath: Path | str, name: str |
     ckpt_fpath, out_dpath = Path(ckpt_fpath), Path(out_dpath)
     check_export_out(out_dpath, (WEIGHTS_FNAME, CONFIG_FNAME))
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
-    sae = sae_from_checkpoint(checkpoint)
+    sae = sae_from_checkpoint(checkpoint, f"--ckpt_path {ckpt_fpath}")
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
     hyper_parameters = {
@@ -116,12 +120,7 @@ def check_export(dpath: Path | str) -> None:
     dpath = Path(dpath)
     config_fpath, weights_fpath = dpath / CONFIG_FNAME, dpath / WEIGHTS_FNAME
     fix = f"re-export it, or delete {dpath} and rerun what wrote it"
-    try:
-        config = json.loads(config_fpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exn:
-        raise ExportError(f"{config_fpath}: unreadable ({type(exn).__name__}); {fix}") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_fpath}: not a JSON object; {fix}")
+    config = read_config_file(config_fpath, fix)
     if "weights_sha256" in config:
         if not weights_fpath.is_file() or file_sha256(weights_fpath) != config["weights_sha256"]:
             raise ExportError(
@@ -147,22 +146,22 @@ def load_native(dpath: Path | str, map_location: str | torch.device = "cpu") -> 
                 f"{fpath}: not found; export a checkpoint first "
                 "(python -m sae_pipeline export --ckpt_path FILE --out DIR)"
             )
-    try:
-        config = json.loads(config_fpath.read_text())
-    except json.JSONDecodeError as exn:
-        raise ExportError(f"{config_fpath}: invalid JSON ({exn}); re-export the checkpoint") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_fpath}: not a JSON object; re-export the checkpoint")
-    fix = f"re-export it (python -m sae_pipeline export --ckpt_path {config.get('checkpoint') or 'FILE'} --out {dpath})"
+    config = read_config_file(config_fpath, "re-export the checkpoint")
+    checkpoint = config.get("checkpoint")
+    shown_ckpt = terminal_text(checkpoint, 200) if isinstance(checkpoint, str) and checkpoint else "FILE"
+    fix = f"re-export it (python -m sae_pipeline export --ckpt_path {shown_ckpt} --out {dpath})"
     if "weights_sha256" in config and file_sha256(weights_fpath) != config["weights_sha256"]:
         raise ExportError(
             f"{weights_fpath}: sha256 differs from {CONFIG_FNAME}'s 'weights_sha256' (a damaged or mixed export); {fix}"
         )
+    check_sae_config(config, str(config_fpath))
+    # sized from the weights' header first: the SAE built is never larger than the file's W_dec
+    check_sae_size(config.get("init_args") or {}, weight_shapes(weights_fpath, fix).get("W_dec"), str(config_fpath))
     try:
         sae = build_sae(config)
     except ExportError as exn:
         raise ExportError(f"{config_fpath}: {exn}") from None
-    except TypeError as exn:
+    except (TypeError, ValueError) as exn:  # a constructor's own check of an argument (check_int, ...)
         raise ExportError(f"{config_fpath}: does not describe an SAE ({exn}); {fix}") from None
     try:
         state = load_file(str(weights_fpath), device=str(map_location))
@@ -231,6 +230,8 @@ def run(args: Any) -> None:
     }
     files = (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME) if args.format == "saelens" else (WEIGHTS_FNAME, CONFIG_FNAME)
     with output_lock(args.out, "export"):
+        if Path(args.out) not in outs.values():  # a group's members, each in its folder: nothing else beside them
+            check_group_out(args.out)
         for out in outs.values():  # every member's folder before the first is written
             check_export_out(out, files)
         for name, out in outs.items():

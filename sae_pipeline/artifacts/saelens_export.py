@@ -159,7 +159,8 @@ def write_saelens(sae: SparseAutoencoder, out_dpath: Path | str, metadata: dict[
     """Write ``sae`` (raw-activation units) as SAELens's ``cfg.json`` + ``sae_weights.safetensors``."""
     config = saelens_config(sae, metadata)
     tensors = saelens_tensors(sae)
-    return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, None, SAELENS_CFG_FNAME, config)
+    weights_metadata = {"training_library": TRAINING_LIBRARY}  # how a later export knows the file is ours
+    return write_export_files(out_dpath, SAELENS_WEIGHTS_FNAME, tensors, weights_metadata, SAELENS_CFG_FNAME, config)
 
 
 def export_checkpoint_saelens(
@@ -175,7 +176,7 @@ def export_checkpoint_saelens(
     """
     check_export_out(out_dpath, (SAELENS_WEIGHTS_FNAME, SAELENS_CFG_FNAME))  # before the (slow) probe
     checkpoint = read_checkpoint(ckpt_fpath, need=("input_scale",), name=name)
-    sae = sae_from_checkpoint(checkpoint).eval()
+    sae = sae_from_checkpoint(checkpoint, f"--ckpt_path {ckpt_fpath}").eval()
     input_scale = checkpoint_input_scale(checkpoint, f"--ckpt_path {ckpt_fpath}")
     sae.fold_input_scale(input_scale)
     saelens_architecture(sae)

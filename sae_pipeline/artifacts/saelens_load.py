@@ -17,7 +17,6 @@ normalises them itself).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,8 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from sae_pipeline.artifacts.export_files import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME
+from feature_extraction.file_checks import shown, terminal_text
+from sae_pipeline.artifacts.export_files import SAELENS_CFG_FNAME, SAELENS_WEIGHTS_FNAME, read_config_file
 from sae_pipeline.sae import (
     BatchTopKSAE,
     JumpReLUSAE,
@@ -46,15 +46,23 @@ def _require(config: dict[str, Any], name: str, allowed: tuple, fix: str, where:
     value = config.get(name, allowed[0])
     if value not in allowed:
         raise ExportError(
-            f"{where}: {name} = {value!r} is not supported (our SAEs compute it only with "
+            f"{where}: {name} = {shown(value)} is not supported (our SAEs compute it only with "
             f"{' or '.join(map(repr, allowed))}); {fix}"
         )
+
+
+def _mapping(config: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    """``config[name]`` when it is an object ({} when absent or null); one ExportError naming it otherwise."""
+    value = config.get(name) or {}
+    if not isinstance(value, dict):
+        raise ExportError(f"{where}: {SAELENS_CFG_FNAME}'s {name} must be an object, not {shown(value)}")
+    return value
 
 
 def _tensor(tensors: dict[str, Tensor], name: str, shape: tuple[int, ...], where: str) -> Tensor:
     if name not in tensors:
         raise ExportError(
-            f"{where}: {SAELENS_WEIGHTS_FNAME} has no {name!r} (has {', '.join(sorted(tensors))}); "
+            f"{where}: {SAELENS_WEIGHTS_FNAME} has no {name!r} (has {terminal_text(', '.join(sorted(tensors)), 200)}); "
             "save the SAE with SAELens's save_model"
         )
     tensor = tensors[name].float()
@@ -70,7 +78,7 @@ def sae_from_saelens(
     architecture = config.get("architecture", "standard")
     if architecture not in ARCHITECTURES:
         raise ExportError(
-            f"{where}: architecture {architecture!r} has no equivalent here; supported: {', '.join(ARCHITECTURES)}"
+            f"{where}: architecture {shown(architecture)} has no equivalent here; supported: {', '.join(ARCHITECTURES)}"
         )
     _require(
         config,
@@ -79,14 +87,16 @@ def sae_from_saelens(
         "fold the normalisation into the weights before saving",
         where,
     )
-    try:
-        d_in, d_sae = int(config["d_in"]), int(config["d_sae"])
-    except (KeyError, TypeError, ValueError):
-        raise ExportError(f"{where}: cfg.json needs integer d_in and d_sae") from None
+    d_in, d_sae = config.get("d_in"), config.get("d_sae")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in (d_in, d_sae)):
+        raise ExportError(
+            f"{where}: cfg.json needs integers d_in and d_sae >= 1, has {shown(d_in)} and {shown(d_sae)}; "
+            "save the SAE again with SAELens"
+        )
     W_dec = _tensor(tensors, "W_dec", (d_sae, d_in), where)
     b_dec = _tensor(tensors, "b_dec", (d_in,), where)
     subtract_b_dec = bool(config.get("apply_b_dec_to_input", True))
-    metadata = dict(config.get("metadata") or {})
+    metadata = _mapping(config, "metadata", where)
     if architecture == "matching_pursuit":
         return _mp_from_saelens(config, W_dec, b_dec, subtract_b_dec, where)
     W_enc = _tensor(tensors, "W_enc", (d_in, d_sae), where)
@@ -99,7 +109,7 @@ def sae_from_saelens(
     elif architecture == "topk":
         k = config.get("k")
         if not isinstance(k, int) or not 1 <= k <= d_sae:
-            raise ExportError(f"{where}: topk needs an integer k in [1, d_sae={d_sae}], got {k!r}")
+            raise ExportError(f"{where}: topk needs an integer k in [1, d_sae={d_sae}], got {shown(k)}")
         norms = W_dec.norm(dim=1)
         if config.get("rescale_acts_by_decoder_norm") and not torch.allclose(norms, torch.ones_like(norms), atol=1e-5):
             raise ExportError(
@@ -110,7 +120,7 @@ def sae_from_saelens(
         sae = TopKSAE(d_in, d_sae, k=k)
     else:
         threshold = _tensor(tensors, "threshold", (d_sae,), where).clamp_min(0.0)  # SAELens: relu(pre)·(pre > θ)
-        details = dict(metadata.get("training_architecture_details") or {})
+        details = _mapping(metadata, "training_architecture_details", where)
         k = details.get("k")
         if (
             metadata.get("training_architecture") == "batchtopk"
@@ -142,7 +152,7 @@ def _mp_from_saelens(
     threshold = config.get("residual_threshold", 1e-2)
     if not isinstance(threshold, (int, float)) or threshold > 0:
         raise ExportError(
-            f"{where}: residual_threshold = {threshold!r} stops each token early, which our MP-SAE "
+            f"{where}: residual_threshold = {shown(threshold)} stops each token early, which our MP-SAE "
             f"(a fixed number of steps) does not; {fix}"
         )
     if config.get("stop_on_duplicate_support", True):
@@ -154,7 +164,8 @@ def _mp_from_saelens(
     d_sae, d_in = W_dec.shape
     if not isinstance(steps, int) or not 1 <= steps <= d_sae:
         raise ExportError(
-            f"{where}: max_iterations = {steps!r}; ours needs an integer number of steps in [1, d_sae={d_sae}]; {fix}"
+            f"{where}: max_iterations = {shown(steps)}; ours needs an integer number of steps in "
+            f"[1, d_sae={d_sae}]; {fix}"
         )
     sae = MatchingPursuitSAE(d_in, d_sae, k=steps)
     with torch.no_grad():
@@ -167,12 +178,7 @@ def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") ->
     """Our equivalent of the SAELens SAE saved in ``dpath`` (``cfg.json``, ``sae_weights.safetensors``), eval mode."""
     dpath = Path(dpath)
     cfg_fpath = dpath / SAELENS_CFG_FNAME
-    try:
-        config = json.loads(cfg_fpath.read_text())
-    except (OSError, json.JSONDecodeError) as exn:
-        raise ExportError(f"{cfg_fpath}: not readable JSON ({exn}); save the SAE again with SAELens") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{cfg_fpath}: expected a JSON object, got {type(config).__name__}")
+    config = read_config_file(cfg_fpath, "save the SAE again with SAELens")
     if not (dpath / SAELENS_WEIGHTS_FNAME).is_file():
         raise ExportError(
             f"{dpath / SAELENS_WEIGHTS_FNAME}: not found beside {SAELENS_CFG_FNAME}; a SAELens directory "
@@ -188,4 +194,10 @@ def load_saelens(dpath: Path | str, map_location: str | torch.device = "cpu") ->
     damaged = sorted(name for name, tensor in tensors.items() if not bool(torch.isfinite(tensor.float()).all()))
     if damaged:
         raise ExportError(f"{dpath}: {', '.join(damaged)} hold NaN or inf; the saved SAE is damaged")
-    return sae_from_saelens(config, tensors, where=str(dpath)).to(map_location)
+    try:
+        sae = sae_from_saelens(config, tensors, where=str(cfg_fpath))
+    except ExportError:
+        raise
+    except (TypeError, ValueError) as exn:  # a constructor's own check of a setting (check_int, ...)
+        raise ExportError(f"{cfg_fpath}: {exn}; save the SAE again with SAELens") from None
+    return sae.to(map_location)

@@ -13,7 +13,8 @@ Design choices:
 - Filling: before the first epoch the whole training split is read once, unit after unit in source
   order, in the main process (a progress bar on stderr on rank 0 when it takes more than a second).
   Every rank caches the *whole* split, not its share: a rank's span moves every epoch with the
-  seeded unit order, so any token may be its next epoch's.
+  seeded unit order, so any token may be its next epoch's. SIGTERM or Ctrl-C ends the fill at the
+  next chunk (``stop_flag``): ``fit`` stops with its usual line instead of reading the split first.
 - ``ram``: one host tensor. With DataLoader workers it lives in shared memory (``/dev/shm``), which
   the workers map rather than copy; without workers in private memory on 2 MB pages where the
   kernel allows (``host_tensor``). The workers gather their batches straight into their
@@ -27,11 +28,14 @@ Design choices:
   under either setting.
 - The fit check (``check_fits``), before anything is read: ``ram`` needs the split's bytes times the
   ranks on this node (``LOCAL_WORLD_SIZE``, else the trainer's devices per node, else 1) to be at
-  most half of ``MemAvailable`` (``/proc/meminfo``; ``os.sysconf`` elsewhere), and, with workers,
-  to fit in ``/dev/shm``'s free space (Docker's default is 64 MB: ``--shm-size``); ``gpu`` needs
-  CUDA and the split's bytes at most half of the device's free memory. Otherwise one line names the
-  bytes needed and available and the fix. The halves leave room for the model, the optimiser and the
-  rest of the run.
+  most half of ``MemAvailable`` (``/proc/meminfo``; ``os.sysconf`` elsewhere), the split's bytes at
+  most half of the address space ``ulimit -v`` (RLIMIT_AS) leaves this process (a limit per process:
+  ``feature_extraction.allocation.address_space_left``), and, with workers, to fit in ``/dev/shm``'s
+  free space (Docker's default is 64 MB: ``--shm-size``); ``gpu`` needs CUDA and the split's bytes at
+  most half of the device's free memory. Otherwise one line names the bytes needed and available and
+  the fix. The halves leave room for the model, the optimiser and the rest of the run. An allocation
+  that fails all the same (another process took the memory meanwhile) is one line too
+  (``feature_extraction.allocation``).
 - Validation, test and predict read the shards as before: they run once per validation, not every
   step, and their split is held out of the cache.
 """
@@ -46,6 +50,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from feature_extraction import stop_flag
+from feature_extraction.allocation import address_space_left, allocating, size_text
 from sae_pipeline.data.host_memory import host_tensor
 from sae_pipeline.data.sources import Unit
 from sae_pipeline.data.streams import ShuffleBuffer, ShuffledTokenStream
@@ -62,14 +68,6 @@ def cache_kind(cache: str | None) -> str | None:
     if cache in CACHE_KINDS:
         return cache
     raise ValueError(f"--data.cache={cache!r}: accepted values are {', '.join(CACHE_KINDS)}")
-
-
-def size_text(n_bytes: float) -> str:
-    """Bytes for an error line: from a digits split (kB) to an ImageNet one (hundreds of GB)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.2f} {unit}"
-    return f"{int(n_bytes)} B"
 
 
 def mem_available() -> int:
@@ -105,6 +103,13 @@ def check_fits(kind: str, n_bytes: int, device: torch.device, local_ranks: int =
                 f"--data.cache {kind}: the training split needs {size_text(n_bytes)}{ranks}, more than half of the "
                 f"{size_text(available)} of available memory; {fix} or a machine with more memory"
             )
+        left = address_space_left()
+        if left is not None and n_bytes > left // 2:
+            raise ValueError(
+                f"--data.cache {kind}: the training split needs {size_text(n_bytes)}, more than half of the "
+                f"{size_text(left)} of address space that ulimit -v (RLIMIT_AS) leaves this process; {fix}, "
+                "or raise ulimit -v"
+            )
         free = shm_free() if shared else None
         if free is not None and needed > free:
             raise ValueError(
@@ -133,12 +138,22 @@ def fill(
     row_bytes = d * np.dtype(dtype).itemsize
     torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
     on_host = device.type == "cpu"
-    if on_host:
-        cache = host_tensor(n_tokens, d, torch_dtype, shared)
-    else:
-        cache = torch.empty((n_tokens, d), dtype=torch_dtype, device=device)
+    where = f"{'shared' if shared else 'host'} memory" if on_host else str(device)
+    fix = (
+        "use --data.cache none (read the shards every epoch), or free memory"
+        + (" (raise ulimit -v)" if address_space_left() is not None else "")
+        if on_host
+        else "use --data.cache ram, --data.cache none, or free memory on the GPU (another process may hold it)"
+    )
+    with allocating(
+        f"--data.cache {'ram' if on_host else 'gpu'}: the training split in {where}", n_tokens * row_bytes, fix
+    ):
+        if on_host:
+            cache = host_tensor(n_tokens, d, torch_dtype, shared)
+        else:
+            cache = torch.empty((n_tokens, d), dtype=torch_dtype, device=device)
+        stage = None if on_host else np.empty((min(n_tokens, max(1, STAGE_BYTES // row_bytes)), d), dtype)
     host = cache.numpy() if on_host else None
-    stage = None if on_host else np.empty((min(n_tokens, max(1, STAGE_BYTES // row_bytes)), d), dtype)
     done = staged = 0  # rows in the cache; rows waiting in the stage (device only)
     bar = tqdm(
         total=n_tokens * row_bytes,
@@ -155,6 +170,7 @@ def fill(
         for unit in units:
             n_read = 0
             for chunk in unit.read(0, unit.n_tokens):
+                stop_flag.check("the --data.cache fill")  # a stop ends the fill now, not after an epoch's read
                 tokens = chunk.tokens[: unit.n_tokens - n_read]  # a unit never yields more; the cache is guarded
                 n_read += len(tokens)
                 bar.update(len(tokens) * row_bytes)

@@ -2,8 +2,8 @@
 
 Why a DataLoader subclass: the streams yield whole batches (no collation); batches from
 worker processes come through a ``BatchRing`` of reused shared-memory slots; a worker's
-one-line error (``ShardFormatError``, ``CacheFormatError``) reaches the user as that one
-line, not wrapped in the DataLoader's traceback; and the training loader is stateful
+one-line error (``ShardFormatError``, ``CacheFormatError``, ``StoreUnavailable``, ``Stopped``) reaches
+the user as that one line, not wrapped in the DataLoader's traceback; and the training loader is stateful
 (Lightning stores its ``state_dict`` in the checkpoint), which is how a run resumes
 mid-epoch without losing or repeating tokens (see ``datamodule.py``).
 """
@@ -15,11 +15,14 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from feature_extraction.allocation import allocating
+from feature_extraction.stop_flag import Stopped
+from feature_extraction.store import StoreUnavailable
 from sae_pipeline.data.batch_ring import BatchRing
 from sae_pipeline.data.streams import ShuffledTokenStream, TokenStream
 
 
-def _one_line(exn: ValueError) -> ValueError:
+def _one_line(exn: Exception) -> Exception:
     """Recover the original one-line message of an error raised in a DataLoader worker.
 
     The DataLoader re-raises a worker's exception as ``type(exn)("Caught ... Original
@@ -53,13 +56,14 @@ class TokenLoader(DataLoader):
 
     def _clean_errors(self, batches: Iterator[dict], ring: BatchRing | None) -> Iterator[dict]:
         try:
-            for batch in batches:
-                if "ring" in batch:
-                    batch["x"] = ring.take(*batch.pop("ring"), pin_memory=self.pin_x)
-                self._on_batch()
-                yield batch
-        except ValueError as exn:  # ShardFormatError, CacheFormatError: one-line errors from a worker
-            clean = _one_line(exn)
+            with self._allocating():
+                for batch in batches:
+                    if "ring" in batch:
+                        batch["x"] = ring.take(*batch.pop("ring"), pin_memory=self.pin_x)
+                    self._on_batch()
+                    yield batch
+        except (ValueError, StoreUnavailable, Stopped) as exn:  # one-line errors from a worker: ShardFormatError,
+            clean = _one_line(exn)  # CacheFormatError, a store that did not answer, a backoff cut short by a stop
             if clean is exn:
                 raise
             raise clean from None
@@ -71,6 +75,20 @@ class TokenLoader(DataLoader):
             shutdown = getattr(batches, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
+
+    def _allocating(self) -> Any:
+        """A batch that cannot be allocated (pinned for a GPU, or not) is one line (`feature_extraction.allocation`)."""
+        data = self.dataset
+        n_bytes = data.batch_size * data.d * data.dtype.itemsize
+        cache = getattr(data, "cache", None)
+        if cache is not None and cache.is_cuda:  # gathered from --data.cache gpu on the device
+            where, fix = f"{cache.device}'s memory", "lower --data.batch_size, or use --data.cache ram"
+        elif self.pin_x or self.pin_memory:
+            where = "pinned host memory, for the copy to the GPU"
+            fix = "lower --data.batch_size or --data.num_workers, or free host memory (pinned pages stay in RAM)"
+        else:
+            where, fix = "host memory", "lower --data.batch_size or --data.num_workers, or free host memory"
+        return allocating(f"the data loader: a batch in {where}", n_bytes, fix)
 
     def _on_batch(self) -> None:
         pass

@@ -141,7 +141,7 @@ class ShardUnit:
                     return
         raise ShardFormatError(
             f"{self.fpath}: ends before sample {last + 1} of the {self.n_images} the manifest "
-            "lists; re-extract the shard"
+            f"lists; re-extract the shard: {repair_command(self.fpath.parent)}"
         )
 
     def _sample_checksums(self) -> SampleChecksums | None:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from feature_extraction.allocation import allocating
 from sae_pipeline.data.batch_ring import BatchRing
 from sae_pipeline.data.host_memory import host_tensor
 from sae_pipeline.data.sources import Chunk, Unit, plan_reads
@@ -95,10 +96,14 @@ def span_pieces(counts: Sequence[int], start: int, stop: int) -> list[tuple[int,
 
 def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """The shuffle buffer's array: token rows on 2 MB pages where the kernel allows (`host_memory.py`: every
-    batch fills and gathers random rows of it), cache indices (1-D, small) plainly."""
-    if len(shape) != 2:
-        return np.empty(shape, dtype)
-    return host_tensor(shape[0], shape[1], torch.from_numpy(np.empty(0, dtype)).dtype, shared=False).numpy()
+    batch fills and gathers random rows of it), cache indices (1-D, small) plainly. A refused allocation is one
+    line naming the flag that sizes it (`feature_extraction.allocation`)."""
+    n_bytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    fix = "lower --data.shuffle_buffer_tokens (each loader worker holds a buffer), or free memory"
+    with allocating(f"the shuffle buffer ({shape[0]} tokens)", n_bytes, fix):
+        if len(shape) != 2:
+            return np.empty(shape, dtype)
+        return host_tensor(shape[0], shape[1], torch.from_numpy(np.empty(0, dtype)).dtype, shared=False).numpy()
 
 
 class ShuffleBuffer:

@@ -67,6 +67,26 @@ def run_sae(args: Any) -> Path:
     return write_results(results, out_dpath)
 
 
+def interrupted_line(args: Any) -> str:
+    """What a stop leaves, after ``interrupted (Ctrl-C):``: the studies train runs; ``causal`` trains nothing and
+    writes its two files only at its end."""
+    if args.command == "causal":
+        return (
+            f"the causal test stopped; {Path(args.out) / 'causal.json'} and causal.md are written only once every "
+            "atom is measured, each whole (earlier ones stay until then); rerun the same command to measure again"
+        )
+    if args.command == "intervene":
+        return (
+            f"the intervention stopped; {Path(args.out) / 'intervene.json'} and intervene.md are written only once "
+            "every image is measured, each whole (earlier ones stay until then); rerun the same command to "
+            "measure again"
+        )
+    return (
+        f"finished runs in {args.out} are kept; rerun the same command: it reuses them and continues the "
+        "interrupted run from its last checkpoint"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (``feature_extraction.exit_status``: 2 bad input, 1 runtime failure,
     130 / 143 interrupted)."""
@@ -101,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                 from sae_pipeline.evaluate.causal_report import run_causal
 
                 return run_causal(args)
+            if args.command == "intervene":
+                from sae_pipeline.evaluate.intervene_report import run_intervene
+
+                return run_intervene(args)
             if args.command == "dictionary":
                 return run_dictionary(args) / "report.md"
             return run_studies(args) / "report.md"
@@ -109,12 +133,12 @@ def main(argv: list[str] | None = None) -> int:
         build_parser(),
         argv,
         run,
-        interrupted=lambda config: (
-            f"finished runs in {flags(config).out} are kept; rerun the "
-            "same command: it reuses them and continues the "
-            "interrupted run from its last checkpoint"
+        interrupted=lambda config: interrupted_line(flags(config)),
+        kept=lambda config: (
+            f"{flags(config).out} as it was"
+            if flags(config).command in ("causal", "intervene")
+            else f"the finished runs in {flags(config).out}"
         ),
-        kept=lambda config: f"the finished runs in {flags(config).out}",
     )
     if status == 0:
         print(f"wrote {out_fpath}")

@@ -25,17 +25,15 @@ def run_causal(args: Any) -> Path:
     sae = load_sae(args.sae)
     check_atoms(args.atoms, sae.d_sae, args.sae)
     source = open_source(args.data, args.data_dpath, flags=EVALUATE_FLAGS)
-    result = {"sae": str(args.sae), **causal_effects(sae, source, args.data, args.val_fraction, args.atoms)}
+    result = {
+        "sae": str(args.sae),
+        **causal_effects(sae, source, args.data, args.val_fraction, args.atoms, args.set_size),
+    }
     result["seconds_per_atom"] = result["seconds"] / len(result["atoms"]["atom"])
     out_dpath = prepare_output_dir(args.out, "--out")
     write_text_atomic(out_dpath / JSON_FNAME, json.dumps(result, indent=1, allow_nan=False) + "\n")
     write_text_atomic(out_dpath / MD_FNAME, causal_markdown(result))
-    print(
-        f"{result['atoms_beating_random']} of {result['atoms_firing']} firing atoms drop the probe's accuracy more "
-        f"than {result['random_atoms']} random atoms on the same images (chance: about "
-        f"{result['atoms_beating_random_by_chance']:.0f}); {len(result['atoms']['atom'])} atoms in "
-        f"{result['seconds']:.1f} s"
-    )
+    print(f"{verdict(result)}; {len(result['atoms']['atom'])} atoms in {result['seconds']:.1f} s")
     return out_dpath / MD_FNAME
 
 
@@ -65,16 +63,45 @@ def check_inputs(sae_dpath: Path | str, data: str, data_dpath: str, val_fraction
     check_mnist(data, data_dpath)
 
 
+def verdict(result: dict[str, Any]) -> str:
+    """The finding in words that cannot be read as "fewer than chance": a count of discoveries, not a comparison."""
+    return (
+        f"{result['atoms_beating_matched']} of {result['atoms_tested']} tested atoms lower the true class's "
+        f"log-probability more than removing a matched other atom of the same image does (Benjamini-Hochberg "
+        f"q < {result['fdr']:g}; tested: firing on 2 or more validation images that have another active atom)"
+    )
+
+
 def _number(value: float | None, digits: int = 4) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _interval(atoms: dict, key: str, r: int) -> str:
+    mean, low, high = atoms[key][r], atoms[f"{key}_low"][r], atoms[f"{key}_high"][r]
+    if mean is None:
+        return "—"
+    return f"{mean:.4f}" if low is None else f"{mean:.4f} [{low:.4f}, {high:.4f}]"
+
+
+def changed_images(images: list[dict[str, Any]]) -> str:
+    """The "images changed most" cell: only the images whose prediction the ablation changed (the list behind it
+    fills up with unchanged ones, by log p drop, when fewer changed)."""
+    return ", ".join(
+        f"{i['id']} ({i['label']}: {i['before']} → {i['after']})" for i in images if i["before"] != i["after"]
+    )
+
+
 def causal_markdown(result: dict[str, Any]) -> str:
-    """The top atoms by accuracy drop (then error rise), with what each column means."""
+    """The top atoms by the paired excess over the matched baseline (then the log-probability drop), with what
+    each column means, and the set ablations."""
     atoms = result["atoms"]
-    order = sorted(range(len(atoms["atom"])), key=lambda r: (-atoms["accuracy_drop"][r], -atoms["error_rise"][r], r))[
-        :TABLE_ATOMS
-    ]
+
+    def key(r: int) -> tuple:
+        excess, drop = atoms["excess"][r], atoms["logp_drop"][r]
+        return (excess is None, -(excess or 0.0), -(drop or 0.0), r)
+
+    order = sorted(range(len(atoms["atom"])), key=key)[:TABLE_ATOMS]
+    level = f"{100 * result['confidence']:g} %"
     lines = [
         "# Causal effects of single atoms",
         "",
@@ -83,29 +110,54 @@ def causal_markdown(result: dict[str, Any]) -> str:
         f"reconstructions of {result['n_val_images']} validation images at accuracy {result['probe_accuracy']:.4f}; "
         f"mean ‖x − x̂‖² per token {result['baseline_error']:.6g}.",
         "",
-        f"{result['atoms_beating_random']} of {result['atoms_firing']} atoms that fire on validation images drop the "
-        f"accuracy more than every one of {result['random_atoms']} random atoms removed from the same images with the "
-        f"same coefficients (by chance: at most about {result['atoms_beating_random_by_chance']:.1f}, 5 %).",
+        verdict(result) + f"; {result['atoms_firing']} atoms fire on validation images. An atom not counted here is "
+        "not shown to matter less than any other: on few images the test cannot tell.",
         "",
-        "Accuracy drop: acc(x̂) − acc(x̂ − z_j d_j) over the validation images (± its standard error as a paired mean); "
-        "top-label drop: the same over the images of the atom's top label; random max: the largest drop of the random "
-        "atoms; error rise: mean ‖x − x̂ + z_j d_j‖² − ‖x − x̂‖² per token (relative: over the mean ‖x − x̂‖²); "
-        'changed: images whose predicted label changes. docs/evaluation.md, "Causal effects", gives the formulas.',
+        "log p drop: the mean over the images the atom fires on of log p(true) before − after "
+        f"removing it (x̂ − z_j d_j), with its {level} t interval; matched: the same when, on each of "
+        "those images, the other active atom with the closest |code| is removed instead; excess: the "
+        "paired difference atom − matched, its interval, and the Benjamini-Hochberg q of a one-sided "
+        "t test (* below the FDR). Accuracy drop: acc(x̂) − acc(x̂ − z_j d_j) over all validation images "
+        "(± its standard error); error rise: mean ‖x − x̂ + z_j d_j‖² − ‖x − x̂‖² per token; top label: "
+        "the feature browser's (largest prior-corrected share q over every image of the data, "
+        f"{result['top_label_images']} splits: the browser's when it ran on the same data). "
+        'docs/evaluation.md, "Causal effects", gives the formulas.',
         "",
-        "| atom | images | top label | accuracy drop | top-label drop | random max | error rise (relative) | changed "
+        "| atom | images | top label | log p drop | matched | excess | q | accuracy drop | error rise | changed "
         "| images changed most (label: before → after) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in order:
         label = atoms["top_label"][r]
         label = "—" if label is None else f"{label}{' (tie)' if atoms['top_label_tied'][r] else ''}"
-        images = ", ".join(f"{i['id']} ({i['label']}: {i['before']} → {i['after']})" for i in atoms["images"][r])
+        images = changed_images(atoms["images"][r])
         lines.append(
-            f"| {atoms['atom'][r]} | {atoms['n_images'][r]} | {label} | {atoms['accuracy_drop'][r]:.4f} ± "
-            f"{atoms['accuracy_drop_se'][r]:.4f}{' *' if atoms['beats_random'][r] else ''} | "
-            f"{_number(atoms['top_label_drop'][r])} | {_number(atoms['random_drop_max'][r])} | "
+            f"| {atoms['atom'][r]} | {atoms['n_images'][r]} | {label} | {_interval(atoms, 'logp_drop', r)} | "
+            f"{_number(atoms['matched_logp_drop'][r])} | {_interval(atoms, 'excess', r)} | "
+            f"{_number(atoms['q'][r], 3)}{' *' if atoms['beats_matched'][r] else ''} | "
+            f"{atoms['accuracy_drop'][r]:.4f} ± {atoms['accuracy_drop_se'][r]:.4f} | "
             f"{atoms['error_rise'][r]:.4g} ({_number(atoms['error_rise_relative'][r], 3)}) | {atoms['changed'][r]} | "
             f"{images or '—'} |"
         )
-    lines += ["", "\\* beats every random atom.", ""]
-    return "\n".join(lines)
+    lines += [
+        "",
+        f"\\* q < {result['fdr']:g}.",
+        "",
+        "## Set ablations",
+        "",
+        f"Per class, the {result['set_size']} atoms whose mean code on its training images most exceeds their mean on "
+        "the other classes' images, removed together (SAEBench's TPP; the probe's accuracy on each class's images "
+        "stands in for its per-class probes): targeted, the class's own accuracy drop; untargeted, the mean drop of "
+        "the other classes'; TPP = targeted − untargeted"
+        + (f", mean {result['tpp_mean']:.4f}." if result["tpp_mean"] is not None else "."),
+        "",
+        "| class | images | atoms | targeted | untargeted | TPP | log p drop, its images | log p drop, the others |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, row in result["set_ablations"].items():
+        lines.append(
+            f"| {label} | {row['images']} | {' '.join(map(str, row['atoms'])) or '—'} | "
+            f"{_number(row['targeted_accuracy_drop'])} | {_number(row['untargeted_accuracy_drop'])} | "
+            f"{_number(row['tpp'])} | {_number(row['targeted_logp_drop'])} | {_number(row['untargeted_logp_drop'])} |"
+        )
+    return "\n".join([*lines, ""])

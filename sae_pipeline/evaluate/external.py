@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from feature_extraction.file_checks import terminal_text
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 from sae_pipeline.figures import atom_grid_figure, babel_curve_figure, compare, r2_vs_k_figure
@@ -43,6 +44,37 @@ REFERENCE_NPZ_FPATH = Path(__file__).resolve().parent / "reference" / "mpsae_mni
 REFERENCE_NPZ_NAME = "authors"  # --npz authors
 
 
+DEFLATE_RATIO = 1032  # the most deflate (the .npz members' compression) can expand its input
+READ_HEADER_2 = np.lib.format.read_array_header_2_0  # formats 2.0 and 3.0 share the header's layout
+
+
+def read_npz(fpath: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz``, read as data: no pickled objects, and each member's array allocated only once its
+    header's size is what the member can hold (a forged header declaring 10^12 values is refused, not allocated).
+    Anything unreadable (cut short, not a zip, a damaged member) is one ValueError naming the file."""
+    import zipfile
+
+    fix = "pass an .npz holding W_dec [p, d] and b_pre [d] (numpy.savez)"
+    try:
+        with zipfile.ZipFile(fpath) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as member:
+                    version = np.lib.format.read_magic(member)
+                    header = np.lib.format.read_array_header_1_0 if version == (1, 0) else READ_HEADER_2
+                    shape, _, dtype = header(member)
+                stored = info.compress_type == zipfile.ZIP_STORED
+                held = min(info.file_size, info.file_size if stored else DEFLATE_RATIO * info.compress_size)
+                if int(np.prod(shape, dtype=object)) * dtype.itemsize > held:
+                    raise ValueError(f"member {info.filename!r} declares {list(shape)} {dtype}, more than it holds")
+        with np.load(fpath, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except Exception as exn:  # noqa: BLE001 -- zipfile, zlib and numpy each raise their own types for a damaged file
+        raise ValueError(
+            f"--npz {fpath}: not a readable .npz without pickled objects ({type(exn).__name__}: "
+            f"{terminal_text(exn, 200)}); {fix}"
+        ) from None
+
+
 def load_npz_dictionary(npz_fpath: str | Path, k: int = 10) -> MatchingPursuitSAE:
     """A :class:`MatchingPursuitSAE` with the atoms ``W_dec [p, d]`` and pre-bias ``b_pre [d]`` of an ``.npz``.
 
@@ -55,17 +87,16 @@ def load_npz_dictionary(npz_fpath: str | Path, k: int = 10) -> MatchingPursuitSA
     fpath = REFERENCE_NPZ_FPATH if str(npz_fpath) == REFERENCE_NPZ_NAME else Path(npz_fpath)
     if not fpath.is_file():
         raise ValueError(f"--npz {fpath}: file not found; pass an .npz holding W_dec [p, d] and b_pre [d]")
-    try:
-        with np.load(fpath, allow_pickle=False) as archive:
-            arrays = {key: archive[key] for key in archive.files}
-    except (ValueError, OSError) as exn:
-        raise ValueError(f"--npz {fpath}: not a readable .npz without pickled objects ({exn})") from None
+    arrays = read_npz(fpath)
     missing = [key for key in ("W_dec", "b_pre") if key not in arrays]
     if missing:
         raise ValueError(
             f"--npz {fpath}: missing {', '.join(missing)} (has {', '.join(arrays) or 'nothing'}); "
             "save the atoms as W_dec [p, d] and the pre-bias as b_pre [d]"
         )
+    for key in ("W_dec", "b_pre"):
+        if arrays[key].dtype.kind not in "fiu":
+            raise ValueError(f"--npz {fpath}: {key} holds {arrays[key].dtype} values, not real numbers; save floats")
     W_dec, b_pre = np.asarray(arrays["W_dec"], np.float32), np.asarray(arrays["b_pre"], np.float32).reshape(-1)
     if W_dec.ndim == 2 and W_dec.shape[1] != b_pre.size and W_dec.shape[0] == b_pre.size:
         W_dec = W_dec.T
@@ -80,7 +111,10 @@ def load_npz_dictionary(npz_fpath: str | Path, k: int = 10) -> MatchingPursuitSA
             f"--npz {fpath}: atom norms range over [{norms.min():.4f}, {norms.max():.4f}], MP-SAE "
             "needs unit-norm atoms; normalise the rows of W_dec"
         )
-    sae = MatchingPursuitSAE(d_in=b_pre.size, d_sae=W_dec.shape[0], k=k)
+    try:
+        sae = MatchingPursuitSAE(d_in=b_pre.size, d_sae=W_dec.shape[0], k=k)
+    except ValueError as exn:  # k above its p atoms, an empty dictionary
+        raise ValueError(f"--npz {fpath}: {exn}") from None
     with torch.no_grad():
         sae.W_dec.copy_(torch.from_numpy(W_dec))
         sae.normalize_atoms()

@@ -98,6 +98,13 @@ def build_parser() -> Any:
             help="train the runs that share data and steps as one group (one pass over the data for all; "
             "each run as it would train alone); false: one fit per run",
         )
+        sub.add_argument(
+            "--sae_seeds",
+            type=PositiveInt,
+            default=3,
+            help="SAEs trained per variant and setting, seeds 0..N-1 (in a group fit they train in the same pass); "
+            "variants are compared over these seeds (Welch), never over probing draws (1: no comparison)",
+        )
         sub.add_argument("--config_dir", default=None, help="folder of <variant>_<suffix>.yaml (default: configs/)")
         sub.add_argument(
             "--config_suffix",
@@ -129,8 +136,9 @@ def build_parser() -> Any:
                 "--seeds",
                 type=PositiveInt,
                 default=5,
-                help="draws of the balanced probing tasks: each figure is their mean with a 95%% interval, and "
-                "the models are compared pairwise over them (1: one draw, no interval)",
+                help="draws of the balanced probing tasks per SAE (re-balancing draws, not SAE seeds): each "
+                "SAE's figure is their mean, their spread reported as Monte-Carlo error, never as a difference "
+                "between variants (those are over --sae_seeds)",
             )
     report = add("report", "rebuild OUT/report.md from OUT/results.json")
     report.add_argument("--out", required=True, help="a study's output folder")
@@ -200,4 +208,27 @@ def build_parser() -> Any:
     causal.add_argument("--atoms", nargs="+", type=int, default=None, help="atoms to report (default: all)")
     causal.add_argument("--val_fraction", type=float, default=0.1, help="held-out share, as in training's")
     causal.add_argument("--data_dpath", default="data", help="folder holding MNIST/raw for --data mnist")
+    causal.add_argument(
+        "--set_size",
+        type=PositiveInt,
+        default=10,
+        help="atoms per class removed together in the set ablations (SAEBench's TPP)",
+    )
+    intervene = add(
+        "intervene",
+        "atoms removed or scaled in the backbone's own layer (error term kept), the rest of the vision model run, "
+        "its output's change per image",
+    )
+    intervene.add_argument(
+        "--sae", required=True, help="export or SAELens directory of an SAE trained on shards of a backbone"
+    )
+    intervene.add_argument("--images", nargs="+", required=True, help="image files, folders of images, or samples")
+    intervene.add_argument("--atoms", nargs="+", type=int, required=True, help="atoms to remove or scale")
+    intervene.add_argument("--scale", type=float, default=0.0, help="factor on the atoms' codes (0: removed)")
+    intervene.add_argument("--out", required=True, help="output folder: intervene.json, intervene.md")
+    intervene.add_argument(
+        "--checkpoint_path", default=None, help="the backbone's weights file, when the recorded one has moved"
+    )
+    intervene.add_argument("--batch_size", type=PositiveInt, default=8, help="images per forward pass")
+    intervene.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1")
     return parser

@@ -1,21 +1,22 @@
-"""How much a probing accuracy moves between draws, and which differences between models it can tell.
+"""What a probing figure's spread means, and which differences between variants it can tell.
 
-A probing figure is one draw: which rows of the other classes balance each task, in both splits. Each
-seed redraws them (`evaluate probing --seeds N`); the SAE's own training / validation split stays, so
-the held-out rows are never ones the SAE trained on. Per model and key (k, or all columns):
+Two kinds of repetition, kept apart:
 
-- the mean over seeds of the class-mean accuracy, and its 95 % interval: Student's t over the seeds'
-  class means (`n − 1` degrees of freedom). It says how far the figure moves when the balancing is
-  redrawn, not how it would move on other classes or other images.
-- a paired comparison of two models at the same key: the seeds share their draws (the same rows in
-  every task for every model), so each seed gives one difference of class means, `d_s`; the mean
-  difference, its 95 % t-interval and a two-sided one-sample t-test of `d_s` against 0. The seeds are
-  the independent units (the classes of one seed share its draw); the count of classes where the
-  first model's accuracy, averaged over seeds, is higher says whether the difference is broad or
-  carried by a few classes. The p-values of one study are corrected together (Holm), and a difference
-  is called significant when its corrected p-value is below 0.05.
+- **draws** (`evaluate probing --seeds N`): which rows of the other classes balance each task, in both
+  splits, with the trained SAE and the images fixed (the SAE's own training / validation split stays, so
+  the held-out rows are never ones it trained on). Their spread is **Monte-Carlo error** of the figure,
+  `mc_error` (the standard error of the mean over draws): how far it moves when the balancing is redrawn.
+  It says nothing about the variant: two SAEs of one config trained from different seeds differ by more.
+- **SAE seeds** (`--sae_seeds N`): the variant's SAEs trained again from other seeds. A variant's figure is
+  the mean over its seeds of each seed's mean over draws, with a 95 % t-interval over the seeds
+  (`interval`, `n − 1` degrees of freedom); two variants are compared by Welch's t-test over the
+  per-seed figures (`.seed_stats.welch`), the p-values of one study corrected together (Holm), and a
+  difference is called significant when its corrected p-value is below 0.05. The count of classes where
+  the first variant's accuracy, averaged over seeds and draws, is higher says whether a difference is broad
+  or carried by a few classes.
 
-With one seed there is no spread to measure: intervals and tests are absent (None), not zero.
+With one SAE seed there is no spread between SAEs: intervals and tests are absent (None), not zero; with one
+draw, no Monte-Carlo error.
 """
 
 from __future__ import annotations
@@ -25,77 +26,64 @@ import math
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
-LEVEL = 0.95
-ALPHA = 0.05
+from sae_pipeline.evaluate.seed_stats import ALPHA, holm, t_interval, welch
 
-
-def t_interval(values: list[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float | None, list | None]:
-    """``(mean, sd, [low, high])`` of ``values`` over draws; sd and interval None for a single draw."""
-    values = np.asarray(values, dtype=np.float64)
-    mean = float(values.mean())
-    if len(values) < 2:
-        return mean, None, None
-    sd = float(values.std(ddof=1))
-    half = float(stats.t.ppf(0.5 + level / 2, len(values) - 1)) * sd / math.sqrt(len(values))
-    return mean, sd, [mean - half, mean + half]
+__all__ = ["compare_models", "holm", "seed_comparison", "summarise_draws", "summarise_replicas", "t_interval"]
 
 
-def summarise_seeds(entry: dict[str, Any]) -> None:
-    """Fill ``mean``, ``sd``, ``interval`` and the seed-averaged ``by_label`` of ``entry`` from its
-    ``by_seed`` list (each ``{"mean": {key: acc}, "by_label": {label: {key: acc}}}``)."""
-    seeds = entry["by_seed"]
-    keys = list(seeds[0]["mean"])
-    entry["mean"], entry["sd"], entry["interval"] = {}, {}, {}
+def summarise_draws(by_draw: list[dict[str, Any]]) -> dict[str, Any]:
+    """One SAE's (or the raw inputs') figures over the draws, each ``{"mean": {key: acc}, "by_label": {label:
+    {key: acc}}}``: ``{"mean", "mc_error", "by_label"}``, ``mc_error`` the standard error over draws (None for one)."""
+    keys, labels = list(by_draw[0]["mean"]), list(by_draw[0]["by_label"])
+    mean, mc_error = {}, {}
     for key in keys:
-        entry["mean"][key], entry["sd"][key], entry["interval"][key] = t_interval([s["mean"][key] for s in seeds])
-    labels = list(seeds[0]["by_label"])
+        values = np.asarray([d["mean"][key] for d in by_draw], np.float64)
+        mean[key] = float(values.mean())
+        mc_error[key] = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+    by_label = {
+        label: {key: float(np.mean([d["by_label"][label][key] for d in by_draw])) for key in keys} for label in labels
+    }
+    return {"mean": mean, "mc_error": mc_error, "by_label": by_label}
+
+
+def summarise_replicas(entry: dict[str, Any], replicas: list[dict[str, Any]]) -> None:
+    """Fill ``mean``, ``sd``, ``interval`` (over SAE seeds), ``mc_error`` (of that mean, from the draws) and the
+    averaged ``by_label`` of ``entry`` from its replicas' :func:`summarise_draws` results (seed 0 first)."""
+    keys, labels = list(replicas[0]["mean"]), list(replicas[0]["by_label"])
+    entry["mean"], entry["sd"], entry["interval"], entry["mc_error"] = {}, {}, {}, {}
+    for key in keys:
+        entry["mean"][key], entry["sd"][key], entry["interval"][key] = t_interval([r["mean"][key] for r in replicas])
+        errors = [r["mc_error"][key] for r in replicas]
+        entry["mc_error"][key] = (
+            None if None in errors else float(math.sqrt(sum(e * e for e in errors)) / len(replicas))
+        )
     entry["by_label"] = {
-        label: {key: float(np.mean([s["by_label"][label][key] for s in seeds])) for key in keys} for label in labels
+        label: {key: float(np.mean([r["by_label"][label][key] for r in replicas])) for key in keys} for label in labels
     }
 
 
-def paired_comparison(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, Any]:
-    """Model ``a`` against ``b`` at ``key`` over the seeds they share (see the module docstring)."""
-    differences = [sa["mean"][key] - sb["mean"][key] for sa, sb in zip(a["by_seed"], b["by_seed"], strict=True)]
-    mean, _, interval = t_interval(differences)
-    p_value = None
-    if len(differences) > 1:
-        spread = float(np.std(differences, ddof=1))
-        if spread > 0:
-            p_value = float(stats.ttest_1samp(differences, 0.0).pvalue)
-        else:  # every seed gave the same difference: no spread to test against
-            p_value = 1.0 if mean == 0 else 0.0
+def seed_comparison(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, Any]:
+    """Variant ``a`` against ``b`` at ``key``: Welch over their SAE seeds' figures (see the module docstring)."""
+    found = welch([r["mean"][key] for r in a["sae_seeds"]], [r["mean"][key] for r in b["sae_seeds"]])
     labels = list(a["by_label"])
     higher = sum(a["by_label"][label][key] > b["by_label"][label][key] for label in labels)
     lower = sum(a["by_label"][label][key] < b["by_label"][label][key] for label in labels)
     return {
         "key": key,
-        "difference": mean,
-        "interval": interval,
-        "p": p_value,
+        "test": "welch over SAE seeds",
+        "n_seeds": [len(a["sae_seeds"]), len(b["sae_seeds"])],
+        **found,
         "classes_higher": higher,
         "classes_lower": lower,
         "n_classes": len(labels),
     }
 
 
-def holm(p_values: list[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment of the p-values (None stays None and does not count)."""
-    present = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
-    adjusted: list[float | None] = [None] * len(p_values)
-    running = 0.0
-    for rank, (p, i) in enumerate(present):
-        running = max(running, min(1.0, (len(present) - rank) * p))
-        adjusted[i] = running
-    return adjusted
-
-
 def compare_models(models: dict[str, dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
-    """Every pair of models at every key, with Holm-corrected p-values and the significance call."""
+    """Every pair of variants at every key (Welch over SAE seeds), with Holm-corrected p-values and the call."""
     comparisons = [
-        {"a": name_a, "b": name_b, **paired_comparison(models[name_a], models[name_b], key)}
+        {"a": name_a, "b": name_b, **seed_comparison(models[name_a], models[name_b], key)}
         for key in keys
         for name_a, name_b in itertools.combinations(models, 2)
     ]

@@ -7,8 +7,9 @@ training set; scikit-learn's ``LogisticRegression`` (L2, C = 1, ``max_iter`` 100
 those k latents; its accuracy on the balanced validation set. The same probe on the raw inputs gives the
 references: all dimensions, and the k best single dimensions by the same mean difference. Every model and the
 raw inputs also get the probes on all their columns (evaluate/linear_probe.py: scikit-learn's, and SAEBench's
-own all-dimensions probe), and every figure is the mean over ``--seeds`` draws of the balanced tasks, with its
-interval and the paired comparisons between models (evaluate/probe_stats.py).
+own all-dimensions probe). Each SAE's figure is the mean over ``--seeds`` draws of the balanced tasks (their
+spread its Monte-Carlo error), a variant's the mean over its ``--sae_seeds`` SAEs with a 95 % interval over them,
+and variants are compared over those seeds, never over draws (evaluate/probe_stats.py).
 
 What matches SAEBench (``evals/sparse_probing``): the balancing, the |mean difference| selection on the
 training set, the classifier and its settings, accuracy on a balanced held-out set, k = 1, 2, 5 (20 added),
@@ -37,7 +38,7 @@ from sae_pipeline.artifacts import load_sae
 from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.evaluate.data_flags import EVALUATE_FLAGS
 from sae_pipeline.evaluate.linear_probe import probe_accuracy, saebench_all_probe_accuracy
-from sae_pipeline.evaluate.probe_stats import compare_models, summarise_seeds
+from sae_pipeline.evaluate.probe_stats import compare_models, summarise_draws, summarise_replicas
 from sae_pipeline.evaluate.runs import RunSpec
 from sae_pipeline.evaluate.studies import datamodule_for, load_tokens, reconstruction_r2
 
@@ -231,50 +232,73 @@ def pooled(values: np.ndarray, per_image: int) -> np.ndarray:
 def probing_study(
     specs: list[RunSpec], out_dpath: Path, ks: list[int], with_reference: bool = True, seeds: int = PROBE_SEEDS
 ) -> dict[str, Any]:
-    """Sparse probing of every run in ``specs`` (one per variant, same data), of the raw inputs and (on
-    MNIST) of the paper authors' dictionary, over ``seeds`` draws of the balanced tasks, with each
-    figure's spread and the paired comparisons between the models (evaluate/probe_stats.py)."""
+    """Sparse probing of every run in ``specs`` (each variant's SAE seeds, same data), of the raw inputs and (on
+    MNIST) of the paper authors' dictionary, over ``seeds`` draws of the balanced tasks per SAE: each SAE's
+    figure is its mean over the draws (their spread its Monte-Carlo error), a variant's the mean over its SAE
+    seeds, and variants are compared over those seeds (evaluate/probe_stats.py)."""
     data = split_data(specs[0])
     (train_x, train_labels, per_image), (val_x, val_labels, _) = data["train"], data["val"]
     draws = [probe_tasks(train_labels, val_labels, specs[0].source, PROBE_SEED + s) for s in range(seeds)]
     train_tasks, val_tasks = draws[0]
-
-    features: dict[str, tuple[np.ndarray, np.ndarray]] = {
-        "raw": (pooled(train_x.numpy(), per_image), pooled(val_x.numpy(), per_image))
-    }
-    entries: dict[str, dict[str, Any]] = {}
+    replicas: dict[str, list[RunSpec]] = {}
     for spec in specs:
-        sae = load_sae(Path(out_dpath) / "models" / spec.name)
-        features[spec.variant] = (encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
-        entries[spec.variant] = {"run": spec.name, "k": spec.k, "p": spec.p}
-        entries[spec.variant].update(r2_train=reconstruction_r2(sae, train_x), r2_val=reconstruction_r2(sae, val_x))
+        replicas.setdefault(spec.variant, []).append(spec)
+
+    # (model, SAE seed or None, train features, validation features)
+    features: list[tuple[str, RunSpec | None, np.ndarray, np.ndarray]] = [
+        ("raw", None, pooled(train_x.numpy(), per_image), pooled(val_x.numpy(), per_image))
+    ]
+    entries: dict[str, dict[str, Any]] = {"raw": {}}
+    for variant, runs in replicas.items():
+        entries[variant] = {"run": runs[0].name, "k": runs[0].k, "p": runs[0].p, "sae_seeds": []}
+        for spec in runs:
+            sae = load_sae(Path(out_dpath) / "models" / spec.name)
+            features.append(
+                (variant, spec, encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
+            )
+            r2 = {"r2_train": reconstruction_r2(sae, train_x), "r2_val": reconstruction_r2(sae, val_x)}
+            entries[variant]["sae_seeds"].append({"seed": spec.seed, "run": spec.name, **r2})
+        for key in ("r2_train", "r2_val"):
+            entries[variant][key] = float(np.mean([r[key] for r in entries[variant]["sae_seeds"]]))
     if with_reference and train_x.shape[1] == 784:
         from sae_pipeline.evaluate.external import REFERENCE_NPZ_FPATH, load_npz_dictionary
 
         sae = load_npz_dictionary(REFERENCE_NPZ_FPATH, k=10)
-        features["reference"] = (encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
+        features.append(
+            ("reference", None, encode_images(sae, train_x, per_image), encode_images(sae, val_x, per_image))
+        )
         entries["reference"] = {"npz": REFERENCE_NPZ_FPATH.name, "k": 10, "p": sae.d_sae}
         entries["reference"].update(r2_train=reconstruction_r2(sae, train_x), r2_val=reconstruction_r2(sae, val_x))
-    entries["raw"] = {}
 
+    summaries: dict[str, list[dict[str, Any]]] = {}
     with tqdm(total=seeds * len(features), desc="probing", unit="model", dynamic_ncols=True, leave=False) as bar:
-        for name, (train, val) in features.items():
-            by_seed = []
+        for name, spec, train, val in features:
+            by_draw = []
             for s, (train_tasks_s, val_tasks_s) in enumerate(draws):
-                by_seed.append(sparse_probing(train, train_tasks_s, val, val_tasks_s, ks, True, PROBE_SEED + s))
+                by_draw.append(sparse_probing(train, train_tasks_s, val, val_tasks_s, ks, True, PROBE_SEED + s))
                 bar.update()
-            entries[name].update(
-                ks=list(ks),
-                n_columns=by_seed[0]["n_columns"],
-                by_seed=[{"mean": found["mean"], "by_label": found["by_label"]} for found in by_seed],
-            )
-            summarise_seeds(entries[name])
+            summary = summarise_draws([{"mean": d["mean"], "by_label": d["by_label"]} for d in by_draw])
+            summaries.setdefault(name, []).append(summary)
+            if spec is None or spec.seed == replicas[name][0].seed:  # the first SAE's draws, kept whole
+                entries[name].update(
+                    ks=list(ks),
+                    n_columns=by_draw[0]["n_columns"],
+                    by_draw=[{"mean": d["mean"], "by_label": d["by_label"]} for d in by_draw],
+                )
+            if spec is not None:
+                seed_entry = next(r for r in entries[name]["sae_seeds"] if r["seed"] == spec.seed)
+                seed_entry.update(mean=summary["mean"], mc_error=summary["mc_error"])
+    for name, found in summaries.items():
+        summarise_replicas(entries[name], found)
 
-    models = {name: entry for name, entry in entries.items() if name != "raw"}
+    variants = {variant: entries[variant] for variant in replicas}
     keys = [str(k) for k in ks] + ["all", "all_saebench"]
+    n_sae_seeds = min(len(runs) for runs in replicas.values())
     result: dict[str, Any] = {
         "ks": list(ks),
         "seeds": seeds,
+        "draws": seeds,
+        "sae_seeds": n_sae_seeds,
         "labels": sorted(set(train_tasks) & set(val_tasks)),
         "n_train_rows": len(train_labels),
         "n_val_rows": len(val_labels),
@@ -284,8 +308,8 @@ def probing_study(
             "val": {str(c): len(rows) for c, (rows, _) in val_tasks.items() if c in train_tasks},
         },
         "raw": entries["raw"],
-        "variants": {spec.variant: entries[spec.variant] for spec in specs},
-        "comparisons": compare_models(models, keys) if seeds > 1 else [],
+        "variants": variants,
+        "comparisons": compare_models(variants, keys) if n_sae_seeds > 1 else [],
     }
     if "reference" in entries:
         result["reference"] = entries["reference"]

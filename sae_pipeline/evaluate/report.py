@@ -12,24 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from feature_extraction.atomic_files import write_text_atomic
+from feature_extraction.file_checks import load_json
 from sae_pipeline.evaluate.claims import check_claims, count_claims
 from sae_pipeline.evaluate.coherence import common_r
 from sae_pipeline.evaluate.report_figures import AUTHORS_LABEL
+from sae_pipeline.evaluate.results_schema import RESULTS_FNAME, check_results, section_guard
+from sae_pipeline.evaluate.seed_report import seeds_section
 from sae_pipeline.sae import display_label
 
-RESULTS_FNAME = "results.json"
 REPORT_FNAME = "report.md"
 
 
 def read_results(out_dpath: Path) -> dict[str, Any]:
-    """``OUT/results.json``, or ``{}`` when absent (a first study)."""
+    """``OUT/results.json``, or ``{}`` when absent (a first study); bounded in size and nesting, and holding
+    what the report and figures read (`results_schema`), or one ValueError naming the file and the field."""
     fpath = Path(out_dpath) / RESULTS_FNAME
     if not fpath.is_file():
         return {}
-    try:
-        return json.loads(fpath.read_text())
-    except json.JSONDecodeError as exn:
-        raise ValueError(f"{fpath}: invalid JSON ({exn.msg}); delete it and rerun the study") from None
+    fix = "delete it and rerun the study"
+    return check_results(load_json(fpath, what="study results", fix=fix, kind=dict), fpath)
 
 
 def write_results(results: dict[str, Any], out_dpath: Path) -> Path:
@@ -44,111 +45,17 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
-    """One page: settings, the numbers per study, the claims table and the figures."""
+    """One page: settings, the numbers per study, the claims table and the figures.
+
+    Each section is read under `section_guard`: what `results_schema` cannot state about a section read
+    from a file is then one line naming it."""
     figures_dpath = Path(out_dpath) / "figures"
+    fpath = Path(out_dpath) / RESULTS_FNAME
     lines = ["# SAE evaluation report", ""]
-    meta = results.get("meta", {})
-    if meta:
-        lines += [
-            f"Data: `{meta.get('data')}`; variants: {', '.join(meta.get('variants', []))}; "
-            f"max_steps: {meta.get('max_steps')}; wall time of the last invocation: "
-            f"{meta.get('wall_time_s', 0):.0f} s.",
-            "",
-            f"Command: `{meta.get('command', '')}`",
-            "",
-        ]
-    if "expressivity" in results:
-        study = results["expressivity"]
-        vs_k = study["vs_k"]
-        ks = [row["k"] for row in next(iter(vs_k.values()))]
-        lines += [f"## Expressivity (validation R², measured L0 in brackets; p = {study['p_main']})", ""]
-        lines += _table(
-            ["variant", *[f"k = {k}" for k in ks]],
-            [[display_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]] for v, rows in vs_k.items()],
-        )
-        vs_p = study["vs_p"]
-        ps = [row["p"] for row in next(iter(vs_p.values()))]
-        lines += ["", f"R² against p at k = {study['k_main']}:", ""]
-        lines += _table(
-            ["variant", *[f"p = {p}" for p in ps]],
-            [[display_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()],
-        )
-        lines += [""]
-    if "inference" in results:
-        study = results["inference"]
-        sweep_ks = sorted({k for sweep in study["main"].values() for k in sweep["ks"]})
-        lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
-        lines += _table(
-            ["variant", *[f"k = {k}" for k in sweep_ks]],
-            [
-                [display_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–" for k in sweep_ks]]
-                for v, s in study["main"].items()
-            ],
-        )
-        lines += [""]
-    if "coherence" in results:
-        study = results["coherence"]
-        k = study["k"]
-        lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
-        support = study.get("support") or {}
-        r_c = common_r(support, k) if support else None
-        rows = [
-            [
-                display_label(v),
-                f"{c[0]:.3f}",
-                f"{c[min(k, len(c)) - 1]:.3f}",
-                f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
-                *(
-                    [
-                        _fmt(support[v]["restricted_babel"][r_c - 1], ".3f"),
-                        f"{support[v]['mean_support']:.2f}",
-                        _fmt(support[v]["mean_pairwise"], ".3f"),
-                    ]
-                    if r_c
-                    else []
-                ),
-            ]
-            for v, c in study["dictionary"].items()
-        ]
-        extra = [f"co-active μ₁^S({r_c}) on tokens with \\|S\\| ≥ {r_c + 1}", "mean \\|S\\|", "mean pairwise \\|cos\\|"]
-        lines += _table(
-            ["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})", *(extra if r_c else [])], rows
-        )
-        lines += [""]
-    if "concepts" in results:
-        lines += ["## Concepts (whole dataset)", ""]
-        rows = [
-            [
-                display_label(v),
-                str(s["n_fired"]),
-                f"{s['frequency_cv']:.2f}",
-                f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
-                f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
-                f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / {_fmt(s['spearman_frequency_vs_mean'])}",
-                f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})",
-            ]
-            for v, s in results["concepts"]["variants"].items()
-        ]
-        lines += ["Value statistics in two forms: value when active E[z_j | z_j ≠ 0] / E[z_j] with zeros counted.", ""]
-        lines += _table(
-            [
-                "variant",
-                "atoms fired",
-                "CV frequency",
-                "CV value",
-                "ρ(value, step)",
-                "ρ(freq, value)",
-                "cos(atom, −b_pre) (freq. rank)",
-            ],
-            rows,
-        )
-        lines += [""]
-    if "dictionary" in results:
-        lines += _dictionary_section(results["dictionary"])
-    if "reference" in results:
-        lines += _reference_section(results)
-    if "probing" in results:
-        lines += probing_section(results["probing"])
+    for section, render in SECTIONS.items():
+        if section in results:
+            with section_guard(fpath, section):
+                lines += render(results)
     claims = check_claims(results)  # recomputed, so a rebuilt report follows the current checks
     if any(c["holds"] is not None for c in claims):
         counts = count_claims(claims)
@@ -180,6 +87,127 @@ def report_markdown(results: dict[str, Any], out_dpath: Path) -> str:
         lines += [f"![{p.stem}](figures/{p.name})" for p in pngs]
         lines += [""]
     return "\n".join(lines)
+
+
+def _meta_section(results: dict[str, Any]) -> list[str]:
+    """The settings of the last invocation."""
+    meta = results["meta"]
+    if not meta:
+        return []
+    return [
+        f"Data: `{meta.get('data')}`; variants: {', '.join(meta.get('variants', []))}; "
+        f"max_steps: {meta.get('max_steps')}; wall time of the last invocation: "
+        f"{meta.get('wall_time_s', 0):.0f} s.",
+        "",
+        f"Command: `{meta.get('command', '')}`",
+        "",
+    ]
+
+
+def _expressivity_section(results: dict[str, Any]) -> list[str]:
+    """R² against k (p fixed), then against p (k fixed)."""
+    lines: list[str] = []
+    study = results["expressivity"]
+    vs_k = study["vs_k"]
+    ks = [row["k"] for row in next(iter(vs_k.values()))]
+    lines += [f"## Expressivity (validation R², measured L0 in brackets; p = {study['p_main']})", ""]
+    lines += _table(
+        ["variant", *[f"k = {k}" for k in ks]],
+        [[display_label(v), *[f"{r['r2']:.3f} ({r['l0']:.1f})" for r in rows]] for v, rows in vs_k.items()],
+    )
+    vs_p = study["vs_p"]
+    ps = [row["p"] for row in next(iter(vs_p.values()))]
+    lines += ["", f"R² against p at k = {study['k_main']}:", ""]
+    lines += _table(
+        ["variant", *[f"p = {p}" for p in ps]],
+        [[display_label(v), *[f"{r['r2']:.3f}" for r in rows]] for v, rows in vs_p.items()],
+    )
+    lines += [""]
+    return lines
+
+
+def _inference_section(results: dict[str, Any]) -> list[str]:
+    """R² against the inference k, for SAEs trained at one k."""
+    lines: list[str] = []
+    study = results["inference"]
+    sweep_ks = sorted({k for sweep in study["main"].values() for k in sweep["ks"]})
+    lines += [f"## Inference-time k (trained at k = {study['k_train']}, p = {study['p']})", ""]
+    lines += _table(
+        ["variant", *[f"k = {k}" for k in sweep_ks]],
+        [
+            [display_label(v), *[f"{s['r2'][s['ks'].index(k)]:.3f}" if k in s["ks"] else "–" for k in sweep_ks]]
+            for v, s in study["main"].items()
+        ],
+    )
+    lines += [""]
+    return lines
+
+
+def _coherence_section(results: dict[str, Any]) -> list[str]:
+    """Dictionary and co-active Babel, and the support-controlled figures where measured."""
+    lines: list[str] = []
+    study = results["coherence"]
+    k = study["k"]
+    lines += [f"## Coherence (Babel μ₁(r), k = {k}, p = {study['p']})", ""]
+    support = study.get("support") or {}
+    r_c = common_r(support, k) if support else None
+    rows = [
+        [
+            display_label(v),
+            f"{c[0]:.3f}",
+            f"{c[min(k, len(c)) - 1]:.3f}",
+            f"{study['coactive'][v][min(k, len(c)) - 1]:.3f}",
+            *(
+                [
+                    _fmt(support[v]["restricted_babel"][r_c - 1], ".3f"),
+                    f"{support[v]['mean_support']:.2f}",
+                    _fmt(support[v]["mean_pairwise"], ".3f"),
+                ]
+                if r_c
+                else []
+            ),
+        ]
+        for v, c in study["dictionary"].items()
+    ]
+    extra = [f"co-active μ₁^S({r_c}) on tokens with \\|S\\| ≥ {r_c + 1}", "mean \\|S\\|", "mean pairwise \\|cos\\|"]
+    lines += _table(
+        ["variant", "dictionary μ₁(1)", f"dictionary μ₁({k})", f"co-active μ₁({k})", *(extra if r_c else [])], rows
+    )
+    lines += [""]
+    return lines
+
+
+def _concepts_section(results: dict[str, Any]) -> list[str]:
+    """Frequency and value statistics of the atoms, per variant."""
+    lines: list[str] = []
+    lines += ["## Concepts (whole dataset)", ""]
+    rows = [
+        [
+            display_label(v),
+            str(s["n_fired"]),
+            f"{s['frequency_cv']:.2f}",
+            f"{_fmt(s.get('value_when_active_cv'), '.2f')} / {s['mean_value_cv']:.2f}",
+            f"{_fmt(s.get('spearman_value_when_active_vs_step'))} / {_fmt(s['spearman_mean_vs_step'])}",
+            f"{_fmt(s.get('spearman_frequency_vs_value_when_active'))} / {_fmt(s['spearman_frequency_vs_mean'])}",
+            f"{s['negative_atom']['cosine_with_minus_b_pre']:.2f} (#{s['negative_atom']['frequency_rank']})",
+        ]
+        for v, s in results["concepts"]["variants"].items()
+    ]
+    lines += ["Value statistics in two forms: value when active E[z_j | z_j ≠ 0] / E[z_j] with zeros counted.", ""]
+    lines += _table(
+        [
+            "variant",
+            "atoms fired",
+            "CV frequency",
+            "CV value",
+            "ρ(value, step)",
+            "ρ(freq, value)",
+            "cos(atom, −b_pre) (freq. rank)",
+        ],
+        rows,
+    )
+    lines += [""]
+    return lines
 
 
 def _reference_section(results: dict[str, Any]) -> list[str]:
@@ -260,7 +288,8 @@ ABOVE_COLUMNS_NOTE = (
 
 def probing_section(study: dict[str, Any]) -> list[str]:
     """Sparse probing: mean held-out accuracy over the one-vs-rest tasks, per k, for each model and the raw
-    inputs, with its spread over the draws and the pairwise comparisons (evaluate/probe_stats.py)."""
+    inputs: a variant's figure over its SAE seeds, the draws' spread as Monte-Carlo error, and the comparisons
+    between variants over seeds (evaluate/probe_stats.py)."""
     ks = study["ks"]
     raw = study["raw"]
     models = [(display_label(v), e) for v, e in study["variants"].items()]
@@ -282,13 +311,7 @@ def probing_section(study: dict[str, Any]) -> list[str]:
     above = any("(all " in cell for row in rows for cell in row[2 : 2 + len(ks)])
     n_train = sum(study["task_rows"]["train"].values()) / len(study["labels"])
     n_val = sum(study["task_rows"]["val"].values()) / len(study["labels"])
-    seeds = study.get("seeds", 1)
-    spread = (
-        f"Each cell is the mean over {seeds} draws of the balanced tasks ± the half-width of its 95 % interval "
-        "(Student's t over the draws): how far the figure moves when the rows that balance each task are redrawn."
-        if seeds > 1
-        else "One draw of the balanced tasks: no spread is known (pass `--seeds N` for intervals)."
-    )
+    spread = _probing_spread(study)
     headers = {"all": "all dimensions", "all_saebench": "all, SAEBench's probe"}
     return [
         "## Sparse probing (SAEBench's k-sparse probing)",
@@ -315,12 +338,46 @@ def probing_section(study: dict[str, Any]) -> list[str]:
     ]
 
 
+def _probing_spread(study: dict[str, Any]) -> str:
+    """What a cell's ± is: the 95 % interval over SAE seeds, and the draws' Monte-Carlo error beside it."""
+    draws, sae_seeds = study.get("draws", study.get("seeds", 1)), study.get("sae_seeds", 1)
+    if "sae_seeds" not in study and draws > 1:  # written before SAE seeds: its ± is over draws
+        return (
+            f"Each cell is the mean over {draws} draws of the balanced tasks ± the half-width of its 95 % interval "
+            "over the draws (a study written before SAE seeds, one SAE per variant): Monte-Carlo error of that SAE's "
+            "figure, not a difference between variants; rerun the study for intervals over SAE seeds."
+        )
+    text = (
+        f"Each SAE's figure is the mean over {draws} draws of the rows that balance each task (the SAE and the "
+        "images fixed); "
+    )
+    if sae_seeds > 1:
+        text += (
+            f"a variant's cell is the mean over its {sae_seeds} SAE seeds ± the half-width of the 95 % interval "
+            "over those seeds (Student's t). "
+        )
+    else:
+        text += "one SAE seed per variant: no interval between SAEs is known (pass `--sae_seeds 3`). "
+    mc = [
+        e["mc_error"][key]
+        for e in [*study["variants"].values(), study["raw"]]
+        for key in (e.get("mc_error") or {})
+        if e["mc_error"][key] is not None
+    ]
+    if mc:
+        text += (
+            f"The draws' own spread is Monte-Carlo error (at most {max(mc):.3f} here, the standard error of a "
+            "cell's mean over draws): it says how precisely the cell is computed, not that variants differ."
+        )
+    return text
+
+
 def _comparison_lines(study: dict[str, Any], models: list[tuple[str, dict]]) -> list[str]:
-    """Pairwise differences between models, per key: the mean difference over draws and whether it is
-    significant after Holm's correction over every comparison of the study."""
+    """Pairwise differences between variants, per key: the difference of their means over SAE seeds and whether
+    Welch's test over the seeds calls it significant after Holm's correction over the study."""
     comparisons = study.get("comparisons") or []
-    if not comparisons:
-        return []
+    if not comparisons or study.get("sae_seeds", 1) < 2:
+        return []  # a study written before SAE seeds compared draws: not a comparison of variants
     names = {v: display_label(v) for v in study["variants"]} | {"reference": AUTHORS_LABEL}
     keys = list(dict.fromkeys(c["key"] for c in comparisons))
     pairs = list(dict.fromkeys((c["a"], c["b"]) for c in comparisons))
@@ -334,10 +391,10 @@ def _comparison_lines(study: dict[str, Any], models: list[tuple[str, dict]]) -> 
     rows = [[f"{names[a]} − {names[b]}", *[cell(by[(a, b, key)]) for key in keys]] for a, b in pairs]
     n_significant = sum(c["significant"] for c in comparisons)
     return [
-        f"Paired differences between the models (first minus second, mean over the {study['seeds']} draws, which "
-        "share their rows); `*`: significant at 0.05 after Holm's correction over all "
-        f"{len(comparisons)} comparisons (t-test over the draws; {n_significant} are); in brackets, the classes "
-        "where the first is higher. `results.json` holds each interval and p-value.",
+        f"Differences between the variants (first minus second, of their means over {study['sae_seeds']} SAE "
+        "seeds); `*`: significant at 0.05 after Holm's correction over all "
+        f"{len(comparisons)} comparisons (Welch's t-test over the SAE seeds, not over draws; {n_significant} "
+        "are); in brackets, the classes where the first is higher. `results.json` holds each interval and p-value.",
         "",
         *_table(["models", *[f"k = {key}" if key.isdigit() else label[key] for key in keys]], rows),
         "",
@@ -376,6 +433,20 @@ def _dictionary_section(study: dict[str, Any]) -> list[str]:
             f"ρ(frequency, mean value) = {_fmt(stats['spearman_frequency_vs_mean'])}.",
         ]
     return lines + [""]
+
+
+#: The report's sections in order: results.json's key, and what renders it from the whole results.
+SECTIONS = {
+    "meta": _meta_section,
+    "expressivity": _expressivity_section,
+    "inference": _inference_section,
+    "coherence": _coherence_section,
+    "concepts": _concepts_section,
+    "dictionary": lambda results: _dictionary_section(results["dictionary"]),
+    "reference": _reference_section,
+    "probing": lambda results: probing_section(results["probing"]),
+    "seeds": seeds_section,
+}
 
 
 def _fmt(value: float | None, spec: str = "+.2f") -> str:

@@ -13,6 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from feature_extraction.atomic_files import writing
 from sae_pipeline.artifacts import load_sae
+from sae_pipeline.evaluate.results_schema import RESULTS_FNAME, section_guard
 from sae_pipeline.figures import atom_grid_figure, compare, r2_vs_k_figure
 from sae_pipeline.sae import display_label
 
@@ -21,26 +22,34 @@ AUTHORS_LABEL = "MP-SAE (paper authors)"  # the paper authors' dictionary beside
 
 
 def study_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
-    """Every figure the results support, by file stem."""
+    """Every figure the results support, by file stem; each section drawn under `section_guard` (a section
+    kept from an earlier study's results.json that does not hold what its figures read is one line naming it)."""
     figures: dict[str, Figure] = {}
-    if "expressivity" in results:
-        study = results["expressivity"]
-        figures["expressivity_vs_k"] = compare.expressivity_vs_k_figure(study["vs_k"], study["p_main"])
-        figures["expressivity_vs_p"] = compare.expressivity_vs_p_figure(study["vs_p"], study["k_main"])
-    if "inference" in results:
-        figures["inference_r2_vs_k"] = compare.inference_by_train_k_figure(results["inference"]["by_train_k"])
-    if "coherence" in results:
-        study = results["coherence"]
-        figures["babel"] = compare.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])
-    if "concepts" in results:
-        figures.update(concept_figures(results["concepts"], out_dpath))
-    if "reference" in results and "runs" in results:
-        figures.update(reference_figures(results))
-    if "probing" in results:
-        study = results["probing"]
-        reference = (AUTHORS_LABEL, study["reference"]) if "reference" in study else None
-        figures["probing_accuracy_vs_k"] = compare.probing_accuracy_figure(study["variants"], study["raw"], reference)
+    fpath = Path(out_dpath) / RESULTS_FNAME
+    for section, draw in FIGURES.items():
+        if section in results and (section != "reference" or "runs" in results):
+            with section_guard(fpath, section):
+                figures.update(draw(results, out_dpath))
     return figures
+
+
+def _expressivity_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
+    study = results["expressivity"]
+    return {
+        "expressivity_vs_k": compare.expressivity_vs_k_figure(study["vs_k"], study["p_main"]),
+        "expressivity_vs_p": compare.expressivity_vs_p_figure(study["vs_p"], study["k_main"]),
+    }
+
+
+def _coherence_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
+    study = results["coherence"]
+    return {"babel": compare.babel_panels_figure(study["dictionary"], study["coactive"], study["k"])}
+
+
+def _probing_figures(results: dict[str, Any], out_dpath: Path) -> dict[str, Figure]:
+    study = results["probing"]
+    reference = (AUTHORS_LABEL, study["reference"]) if "reference" in study else None
+    return {"probing_accuracy_vs_k": compare.probing_accuracy_figure(study["variants"], study["raw"], reference)}
 
 
 def reference_figures(results: dict[str, Any]) -> dict[str, Figure]:
@@ -112,6 +121,19 @@ def concept_figures(study: dict[str, Any], out_dpath: Path) -> dict[str, Figure]
                 title=f"{display_label(variant)}: top {len(order)} atoms by {what}",
             )
     return figures
+
+
+#: results.json's sections that have figures, in order, and what draws them from the whole results.
+FIGURES = {
+    "expressivity": _expressivity_figures,
+    "inference": lambda results, out_dpath: {
+        "inference_r2_vs_k": compare.inference_by_train_k_figure(results["inference"]["by_train_k"])
+    },
+    "coherence": _coherence_figures,
+    "concepts": lambda results, out_dpath: concept_figures(results["concepts"], out_dpath),
+    "reference": lambda results, out_dpath: reference_figures(results),
+    "probing": _probing_figures,
+}
 
 
 def save_figures(figures: dict[str, Figure], out_dpath: Path, tag_prefix: str = "evaluate") -> list[Path]:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from feature_extraction.atomic_files import write_text_atomic
+from feature_extraction.file_checks import load_json
 from sae_pipeline.evaluate.runs import PLAN_FNAME, RUN_FNAME, RunSpec, is_finished, log_dpath, tensorboard_versions
 
 
@@ -200,11 +201,11 @@ def check_stored_config(config_fpath: Path, config: dict) -> None:
     (a callback's ``class_path``, from the folder the user runs in). The file is a function of the
     study's plan, so the one this run would write is the check: any edit is refused, nothing imported.
     """
-    import yaml
+    from sae_pipeline.config_files import read_yaml
 
     try:
-        stored = yaml.safe_load(config_fpath.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        stored = read_yaml(config_fpath)
+    except (OSError, ValueError):
         stored = None
     if stored != config:
         raise ValueError(
@@ -237,16 +238,16 @@ def _fit(
 
 def _interrupted(run_dpath: Path, plan: object) -> tuple[Path, str] | None:
     """``(last.ckpt, its version folder)`` of an interrupted run (or group) planned as ``plan``, else None."""
-    from sae_pipeline.artifacts.checkpoint import CheckpointError, read_checkpoint
+    from sae_pipeline.artifacts.checkpoint import read_checkpoint
 
     ckpt_fpath, plan_fpath = run_dpath / "checkpoints" / "last.ckpt", run_dpath / PLAN_FNAME
     if not (ckpt_fpath.is_file() and plan_fpath.is_file()):
         return None
-    try:
-        if json.loads(plan_fpath.read_text()) != plan:
+    try:  # a plan that is not this one (or not readable) starts the run afresh
+        if load_json(plan_fpath, what="run plan", fix="the run starts afresh", max_bytes=1 << 20) != plan:
             return None
         read_checkpoint(ckpt_fpath, need=("global_step",), for_fit=True, mmap=True)
-    except (json.JSONDecodeError, UnicodeDecodeError, CheckpointError, OSError):
+    except (ValueError, OSError):  # CheckpointError is a ValueError
         return None
     versions = tensorboard_versions(run_dpath)
     return (ckpt_fpath, versions[0]) if len(versions) == 1 else None

@@ -7,7 +7,10 @@ so the study measures exactly what a user's ``fit`` would train. Runs that share
 (every config section but the model, the source, the run length) train as one group (``fit`` of
 ``model.members``: one pass over the data for all of them; each member equals the run trained alone,
 :mod:`sae_pipeline.training.group`) under ``runs/group_<hash>/``, and each is exported and recorded as
-its own run; ``--group_runs false`` trains one ``fit`` per run. One job runs the CLI in-process
+its own run; ``--group_runs false`` trains one ``fit`` per run. Each setting is trained from
+``--sae_seeds`` seeds (:attr:`RunSpec.seed`): seed 0 is the run a study without seeds trained (same name and
+settings, so older study folders are reused), seed s > 0 the run ``<name>_s<s>`` (in a group, a member with its
+own ``seed``; alone, ``--seed_everything``). One job runs the CLI in-process
 (:func:`sae_pipeline.cli.cli_main`, no interpreter start-up per run); ``jobs > 1`` runs that many
 ``python -m sae_pipeline fit`` subprocesses side by side. The training itself is
 :mod:`sae_pipeline.evaluate.run_training`; this module plans the runs and finds what they left.
@@ -39,6 +42,7 @@ import json
 import logging
 from pathlib import Path
 
+from feature_extraction.file_checks import load_json
 from feature_extraction.shards import MANIFEST_FNAME, backbone_name, peek_manifest  # torch-free
 from feature_extraction.store import location
 from sae_pipeline.config_files import config_sha256, load_config  # torch-free
@@ -62,13 +66,30 @@ class RunSpec:
     config_fpath: str
     config_sha256: str
     data_dpath: str | None = None
+    seed: int = 0  # the SAE seed replica (``--sae_seeds``): 0 is the run a study without replicas trains
 
     @property
     def name(self) -> str:
+        """``<variant>_p<p>_k<k>``, and ``_s<seed>`` for a replica other than seed 0 (so a study written before
+        replicas existed, whose runs are all seed 0, is reused as it is)."""
+        return f"{self.variant}_p{self.p}_k{self.k}" + (f"_s{self.seed}" if self.seed else "")
+
+    @property
+    def base_name(self) -> str:
+        """The name of the setting the replicas share (seed 0's run name)."""
         return f"{self.variant}_p{self.p}_k{self.k}"
 
     def settings(self) -> dict:
-        return dataclasses.asdict(self)
+        """What a finished run must match; seed 0 leaves ``seed`` out, as runs written before replicas did."""
+        settings = dataclasses.asdict(self)
+        if not self.seed:
+            del settings["seed"]
+        return settings
+
+    def training_seed(self) -> int:
+        """The seed the replica trains with: the config's ``seed_everything`` (0 when it sets none) plus ``seed``."""
+        base = self.config().get("seed_everything")
+        return (base if isinstance(base, int) and not isinstance(base, bool) else 0) + self.seed
 
     def config(self) -> dict:
         return load_config(self.config_fpath)
@@ -77,6 +98,8 @@ class RunSpec:
         """The ``fit`` command line (without ``python -m sae_pipeline``)."""
         args = ["fit", "--config", self.config_fpath, "--data.source", self.source]
         args += ["--model.sae.init_args.d_sae", str(self.p), *sparsity_args(self.variant, self.k, self.source)]
+        if self.seed:  # alone, a replica's seed also redraws the batch order (in a group it shares the stream)
+            args += ["--seed_everything", str(self.training_seed())]
         return args + self.run_args(out_dpath, self.name)
 
     def member(self) -> dict:
@@ -88,7 +111,10 @@ class RunSpec:
         sae = dict(model.pop("sae"))
         init_args = {**(sae.get("init_args") or {}), "d_sae": self.p}
         init_args.update(SAE_REGISTRY[self.variant].sparsity_init_args(self.k, self.source))
-        return {"sae": {"class_path": sae["class_path"], "init_args": init_args}, **model}
+        member = {"sae": {"class_path": sae["class_path"], "init_args": init_args}, **model}
+        if self.seed:  # its initial weights drawn from its own seed; the batches are the group's
+            member["seed"] = self.training_seed()
+        return member
 
     def shared(self) -> str:
         """What runs must share to train as one group: data, steps and every config section but the model."""
@@ -200,8 +226,10 @@ def plan_runs(
     config_dpath: Path,
     suffix: str,
     data_dpath: str | None = None,
+    sae_seeds: int = 1,
 ) -> list[RunSpec]:
-    """One :class:`RunSpec` per variant and (k, p) point, in a stable order, without duplicates."""
+    """One :class:`RunSpec` per variant, (k, p) point and SAE seed (``sae_seeds`` replicas, seed 0 first), in a
+    stable order, without duplicates."""
     from sae_pipeline.sae import SAE_REGISTRY
 
     specs: dict[str, RunSpec] = {}
@@ -218,8 +246,9 @@ def plan_runs(
         for k, p in points:
             if k > p:
                 raise ValueError(f"--k {k} exceeds the dictionary size p = {p}; choose k <= p")
-            spec = RunSpec(variant, k, p, max_steps, source, str(config_fpath), sha, data_dpath)
-            specs.setdefault(spec.name, spec)
+            for seed in range(sae_seeds):
+                spec = RunSpec(variant, k, p, max_steps, source, str(config_fpath), sha, data_dpath, seed)
+                specs.setdefault(spec.name, spec)
     return list(specs.values())
 
 
@@ -235,10 +264,8 @@ def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
     marker = model_dpath / RUN_FNAME
     if not (marker.is_file() and (model_dpath / "sae.safetensors").is_file()):
         return False
-    try:
-        if json.loads(marker.read_text()).get("settings") != spec.settings():
-            return False
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    record = read_run_record(model_dpath)
+    if record is None or record["settings"] != spec.settings():
         return False
     try:
         check_export(model_dpath)
@@ -248,15 +275,40 @@ def is_finished(spec: RunSpec, out_dpath: Path) -> bool:
     return True
 
 
+def read_run_record(model_dpath: Path) -> dict | None:
+    """``models/<name>/study_run.json``: ``{settings, command, log_dpath[, group]}`` (``settings`` required, the
+    others strings where present, ``log_dpath`` with ``group``), or None when it is missing or not that (cut short,
+    edited, another program's): such a run is not finished and is trained again.
+
+    Read bounded (`feature_extraction.file_checks`); ``group`` names a folder under ``runs/``, so it must be one
+    plain folder name."""
+    try:
+        record = load_json(
+            Path(model_dpath) / RUN_FNAME,
+            what="run record",
+            fix="the run is trained again",
+            kind=dict,
+            max_bytes=1 << 20,
+        )
+    except (OSError, ValueError):
+        return None
+    group = record.get("group")
+    if not (
+        isinstance(record.get("settings"), dict)
+        and all(isinstance(record.get(key, ""), str) for key in ("command", "log_dpath"))
+        and (group is None or isinstance(group, str) and Path(group).name == group and group not in ("", ".", ".."))
+        and (group is None or "log_dpath" in record)
+    ):
+        return None
+    return record
+
+
 def log_dpath(spec: RunSpec, out_dpath: Path) -> Path:
     """The run's TensorBoard folder: the one version folder of a fresh run (``version_0``, or
     ``slurm-<job id>`` when trained inside a SLURM job, see :mod:`sae_pipeline.cli`); for a run trained
     in a group, its member folder ``runs/<group>/<version>/<name>``."""
-    try:
-        record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
-    except (OSError, ValueError):
-        record = {}
-    if isinstance(record, dict) and record.get("group"):
+    record = read_run_record(Path(out_dpath) / "models" / spec.name) or {}
+    if record.get("group"):
         member_dpath = Path(out_dpath) / "runs" / str(record["group"]) / Path(str(record["log_dpath"])).parent.name
         return member_dpath / spec.name
     run_dpath = Path(out_dpath) / "runs" / spec.name

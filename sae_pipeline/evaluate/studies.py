@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -30,7 +31,7 @@ from sae_pipeline.data import ActivationDataModule
 from sae_pipeline.data.sample import read_sample
 from sae_pipeline.evaluate import concepts
 from sae_pipeline.evaluate.coherence import support_coherence
-from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath
+from sae_pipeline.evaluate.runs import RUN_FNAME, STUDIES, RunSpec, log_dpath, read_run_record
 from sae_pipeline.metrics import ReconstructionR2, evaluate_sae
 from sae_pipeline.sae import SparseAutoencoder
 
@@ -81,15 +82,46 @@ def logged_metrics(spec: RunSpec, out_dpath: Path) -> dict[str, Any]:
     return found
 
 
+@torch.no_grad()
+def row_errors(sae: SparseAutoencoder, x: torch.Tensor) -> np.ndarray:
+    """Σ_d (x − x̂)² of each row, float64: what the bootstrap over validation rows resamples (`.seed_stats`)."""
+    return np.concatenate(
+        [(chunk.double() - sae(chunk).x_hat.double()).square().sum(dim=1).numpy() for chunk in x.split(_CHUNK)]
+    )
+
+
+def data_key(spec: RunSpec, eval_tokens: int | None) -> str:
+    """Which validation rows a run is evaluated on: runs with the same key share them."""
+    data = spec.config().get("data") or {}
+    return json.dumps([spec.source, spec.data_dpath, data, eval_tokens], sort_keys=True, default=str)
+
+
 def evaluate_run(
-    spec: RunSpec, out_dpath: Path, k_infer: list[int], r_max: int, eval_tokens: int | None = None
+    spec: RunSpec,
+    out_dpath: Path,
+    k_infer: list[int],
+    r_max: int,
+    eval_tokens: int | None = None,
+    residuals: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split)."""
+    """Every per-run number: R², L0, inference sweep, Babel curves (on the validation split).
+
+    ``residuals``, when given, receives ``{run name: (data key, each row's squared error)}`` and
+    ``{("tokens", data key): the rows}`` for the bootstrap over validation rows (not written anywhere)."""
     sae = load_sae(Path(out_dpath) / "models" / spec.name)
     x = load_tokens(datamodule_for(spec), "val", eval_tokens)
+    if residuals is not None:
+        key = data_key(spec, eval_tokens)
+        residuals[spec.name] = (key, row_errors(sae, x))
+        residuals.setdefault(("tokens", key), x.double().numpy())
     any_k = sae.k_above_d_sae  # MP may pick atoms again: any inference k, also above p
     report = evaluate_sae(sae, x, r_max, ks=sorted({spec.k, *(k for k in k_infer if any_k or k <= sae.d_sae)}))
-    record = json.loads((Path(out_dpath) / "models" / spec.name / RUN_FNAME).read_text())
+    record = read_run_record(Path(out_dpath) / "models" / spec.name)
+    if record is None:
+        raise ValueError(
+            f"{Path(out_dpath) / 'models' / spec.name / RUN_FNAME}: missing or damaged while the study read it; "
+            "rerun the same command (the run is trained again)"
+        )
     support = coherence_stats(sae, x, len(report["babel_coactive"]))
     return {
         "name": spec.name,
@@ -105,7 +137,7 @@ def evaluate_run(
         "babel_dict": report["babel_dict"].tolist(),
         "babel_coactive": report["babel_coactive"].tolist(),
         "support_coherence": support,
-        "command": record["command"],
+        "command": record.get("command"),
     }
 
 

@@ -4,7 +4,9 @@ does.
 Checks the flags against the registry and the data before anything is written, plans the grid of runs the chosen
 studies need (`.runs`), trains or reuses them (`.run_training`), evaluates each (`.studies`), then writes
 `results.json`, the figures and `report.md` (`.report`, `.report_figures`) with the paper's claims checked
-(`.claims`). Kept apart from the flags (`.parser`) and from the other subcommands (`sae_pipeline.evaluate.__main__`).
+(`.claims`). Every setting is trained from `--sae_seeds` seeds; the per-study tables are seed 0's, and
+the comparisons between variants are over the seeds (`seed_section`: `.seed_stats`, `.stability`). Kept
+apart from the flags (`.parser`) and from the other subcommands (`sae_pipeline.evaluate.__main__`).
 """
 
 from __future__ import annotations
@@ -58,8 +60,13 @@ def run_studies(args: Any) -> Path:
     config_dpath = runs.find_config_dpath(args.config_dir)
     suffix = runs.config_suffix_for(args.data, args.config_suffix)
     points = [point for study in chosen for point in study_points(study, ks, ps, args.k_main, args.p_main)]
-    specs = runs.plan_runs(variants, points, args.data, args.max_steps, config_dpath, suffix, args.data_dpath)
-    by_point = {(s.variant, s.k, s.p): s for s in specs}
+    specs = runs.plan_runs(
+        variants, points, args.data, args.max_steps, config_dpath, suffix, args.data_dpath, args.sae_seeds
+    )
+    by_point = {(s.variant, s.k, s.p): s for s in specs if s.seed == 0}
+    replicas: dict[tuple[str, int, int], list[runs.RunSpec]] = {}
+    for spec in specs:
+        replicas.setdefault((spec.variant, spec.k, spec.p), []).append(spec)
     main_specs = [
         by_point[(v, args.k_main, args.p_main)]
         for v in variants
@@ -82,11 +89,20 @@ def run_studies(args: Any) -> Path:
 
         run_training.ensure_runs(specs, out_dpath, jobs=args.jobs, on_done=done, group=args.group_runs)
         entries = dict(results.get("runs", {}))
+        residuals: dict = {}
         for spec in specs:
             bar.set_postfix_str(f"evaluating {spec.name}")
-            entries[spec.name] = studies.evaluate_run(spec, out_dpath, args.k_infer, args.r_max, args.eval_tokens)
+            entries[spec.name] = studies.evaluate_run(
+                spec, out_dpath, args.k_infer, args.r_max, args.eval_tokens, residuals
+            )
+            entries[spec.name]["seed"] = spec.seed
             bar.update()
         results["runs"] = entries
+        previous = results.get("seeds")
+        if not (chosen == ["probing"] and isinstance(previous, dict) and previous.get("n") == args.sae_seeds):
+            # (probing alone plans only the main setting: an earlier study's section over its whole grid stays)
+            bar.set_postfix_str("comparisons over SAE seeds")
+            results["seeds"] = seed_section(replicas, entries, residuals, out_dpath, args, variants)
         if "expressivity" in chosen:
             results["expressivity"] = studies.expressivity(entries, variants, ks, ps, args.k_main, args.p_main)
         if "inference" in chosen:
@@ -108,7 +124,8 @@ def run_studies(args: Any) -> Path:
             from sae_pipeline.evaluate.probing import probing_study
 
             bar.set_postfix_str("sparse probing")
-            results["probing"] = probing_study(main_specs, out_dpath, sorted(set(args.probe_k)), seeds=args.seeds)
+            probed = [r for spec in main_specs for r in replicas[(spec.variant, spec.k, spec.p)]]
+            results["probing"] = probing_study(probed, out_dpath, sorted(set(args.probe_k)), seeds=args.seeds)
             bar.update()
         if "mpsae" in variants and any(study in ("coherence", "concepts") for study in chosen):
             bar.set_postfix_str("the authors' MNIST dictionary")
@@ -125,6 +142,7 @@ def run_studies(args: Any) -> Path:
             "data": args.data,
             "variants": variants,
             "max_steps": args.max_steps,
+            "sae_seeds": args.sae_seeds,
             "studies": sorted(set(results.get("meta", {}).get("studies", [])) | set(chosen)),
             "wall_time_s": time.perf_counter() - start,
             "cpu_count": os.cpu_count(),
@@ -135,3 +153,52 @@ def run_studies(args: Any) -> Path:
         write_report(results, out_dpath)
         bar.update()
     return out_dpath
+
+
+def seed_section(
+    replicas: dict[tuple[str, int, int], list[runs.RunSpec]],
+    entries: dict[str, dict],
+    residuals: dict,
+    out_dpath: Path,
+    args: Any,
+    variants: list[str],
+) -> dict[str, Any]:
+    """``results["seeds"]``: R² per setting and Babel at the main setting over SAE seeds (Welch between variants,
+    a bootstrap over validation rows), the paper's claims of R² at equal k and of Babel re-judged over seeds,
+    and the stability of each variant's dictionary across its seeds (`.seed_stats`, `.stability`)."""
+    from sae_pipeline.artifacts import load_sae
+    from sae_pipeline.evaluate.claims import SHALLOW
+    from sae_pipeline.evaluate.seed_stats import babel_over_seeds, claim_over_seeds, r2_over_seeds
+    from sae_pipeline.evaluate.stability import stability_study
+
+    settings = {key: [spec.name for spec in specs] for key, specs in replicas.items()}
+    tokens = {key[1]: x for key, x in residuals.items() if isinstance(key, tuple)}
+    section: dict[str, Any] = {"n": args.sae_seeds, "r2": r2_over_seeds(settings, entries, residuals, tokens)}
+    main = {v: settings[(v, args.k_main, args.p_main)] for v in variants if (v, args.k_main, args.p_main) in settings}
+    if main:
+        section["babel"] = babel_over_seeds(main, entries, args.k_main)
+        decoders = {
+            v: [load_sae(out_dpath / "models" / name).W_dec.detach().double().numpy() for name in names]
+            for v, names in main.items()
+        }
+        section["stability"] = stability_study(decoders, args.k_main, args.p_main)
+    equal_k = [
+        c
+        for c in section["r2"]["comparisons"]
+        if c["a"] == "mpsae" and c["b"] in SHALLOW and c["at"]["p"] == args.p_main
+    ]
+    section["claims"] = {
+        "r2_equal_k": {
+            "holds": claim_over_seeds(equal_k),
+            "comparisons": len(equal_k),
+            "significant": sum(c["significant"] for c in equal_k),
+        },
+    }
+    if "babel" in section:
+        babel = [c for c in section["babel"]["comparisons"] if c["a"] == "mpsae" and c["b"] in SHALLOW]
+        section["claims"]["babel_dictionary"] = {
+            "holds": claim_over_seeds(babel),
+            "comparisons": len(babel),
+            "significant": sum(c["significant"] for c in babel),
+        }
+    return section

@@ -174,7 +174,7 @@ def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
             )
         args.ckpt_path = str(found)
     checkpoint = read_checkpoint(args.ckpt_path, need=("input_scale",), last=True, name=args.get("name"))
-    sae = sae_from_checkpoint(checkpoint)
+    sae = sae_from_checkpoint(checkpoint, f"--ckpt_path {args.ckpt_path}")
     sae.fold_input_scale(checkpoint_input_scale(checkpoint, f"--ckpt_path {args.ckpt_path}"))
     return sae.eval()
 
@@ -354,15 +354,19 @@ class StopsQuietly:
 
 
 def report_image_checks(out: Path) -> None:
-    """On stderr: the images not drawn because they changed since extraction, and how many went unchecked."""
+    """On stderr: the images not drawn because they changed since extraction, how many went unchecked, and an
+    ``--fdr`` that no atom can reach with these labelled images."""
     import json
 
+    from feature_extraction.file_checks import terminal_text
     from sae_pipeline.features.site_dir import MARKER_FNAME
 
-    summary = json.loads((out / MARKER_FNAME).read_text())
+    summary = json.loads((out / MARKER_FNAME).read_text())  # the site this run just wrote
     changed = summary.get("images_changed") or []
     if changed:
-        names = "; ".join(f"{c['image_id']} ({c['where']})" for c in changed[:10])
+        # image ids and places come from the shards (another program's files): escaped for the terminal
+        shown = [f"{terminal_text(c['image_id'], 120)} ({terminal_text(c['where'], 120)})" for c in changed[:10]]
+        names = "; ".join(shown)
         more = f"; and {len(changed) - 10} more" if len(changed) > 10 else ""
         print(
             f"warning: {len(changed)} images changed since extraction, not drawn (listed on the index page): "
@@ -377,6 +381,9 @@ def report_image_checks(out: Path) -> None:
             file=sys.stderr,
             flush=True,
         )
+    unreachable = ((summary.get("labels") or {}).get("chance") or {}).get("unreachable")
+    if unreachable:
+        print(f"warning: {unreachable}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -32,14 +32,46 @@ from typing import Any
 
 import torch
 
+from feature_extraction.file_checks import load_json, shown
+
 
 def read_json(fpath: Path) -> dict:
-    """A JSON object from ``fpath``; {} when it is missing or not one."""
+    """A JSON object from ``fpath`` (read bounded: `feature_extraction.file_checks`); {} when it is missing or not
+    one (`load_sae` then names what is wrong with the export)."""
     try:
-        value = json.loads(fpath.read_text(encoding="utf-8"))
+        return load_json(fpath, what="export config", fix="export it again", max_bytes=16 << 20, kind=dict)
     except (OSError, ValueError):
         return {}
-    return value if isinstance(value, dict) else {}
+
+
+def _optional(kind: type | tuple[type, ...]) -> Any:
+    return lambda value: value is None or isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+#: The fields of an extraction record (`feature_extraction.shards.extraction_record`) that explain reads, and
+#: what each must be; checked before any is used, so a record edited in an export is one line, not a TypeError.
+RECORD_FIELDS = {
+    "backbone": lambda v: isinstance(v, dict) and isinstance(v.get("name"), str),
+    "layer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "d": _optional(int),
+    "weights": _optional(dict),
+    "token_selection": _optional(dict),
+}
+WEIGHTS_FIELDS = {"pretrained": _optional(bool), "checkpoint_path": _optional(str), "seed": _optional(int)}
+
+
+def check_record(record: dict, sae_dpath: Path) -> dict:
+    """``record`` when every field explain reads has its kind; else one ValueError naming the field and the fix."""
+    weights = record.get("weights") if isinstance(record.get("weights"), dict) else {}
+    fields = [(name, record.get(name), test) for name, test in RECORD_FIELDS.items()]
+    fields += [(f"weights.{name}", weights.get(name), test) for name, test in WEIGHTS_FIELDS.items()]
+    for name, value, test in fields:
+        if not test(value):
+            raise ValueError(
+                f"--sae {sae_dpath}: its extraction record's {name} is {shown(value)}, not what the extraction "
+                "writes (edited or damaged); export the SAE's checkpoint again"
+            )
+    return record
 
 
 def recorded_extraction(sae_dpath: Path) -> dict:
@@ -54,8 +86,9 @@ def recorded_extraction(sae_dpath: Path) -> dict:
         data = {key: metadata.get(key) for key in ("extraction", "manifest_sha256")}
         data["source"] = metadata.get("dataset_path")
     if isinstance(data.get("extraction"), dict):
-        return data["extraction"]
+        return check_record(data["extraction"], sae_dpath)
     source, sha = data.get("source"), data.get("manifest_sha256") or config.get("manifest_sha256")
+    source = source if isinstance(source, str) else None
     why = "records no backbone (trained on digits, MNIST, an .h5 cache or shards without one)"
     if source and sha:
         manifest = peek_manifest(source)
@@ -65,7 +98,7 @@ def recorded_extraction(sae_dpath: Path) -> dict:
         elif manifest_sha256(manifest) != sha:
             why = f"records no backbone and the manifest at {source} is not the one it was trained on (sha256 differs)"
         elif (record := extraction_record(manifest)) is not None:
-            return record
+            return check_record(record, sae_dpath)
     raise ValueError(
         f"--sae {sae_dpath}: {why}; explain needs an SAE trained on shards of python -m feature_extraction "
         "(an export from before this version: export its checkpoint again, which stores the backbone in the export)"

@@ -27,30 +27,31 @@ FORMAT = "sae_pipeline.features.explain/1"
 
 def check_site(site: Path, sae: Any) -> bool:
     """Refuse the site of another SAE; False when the site predates ``sae_sha256`` (cannot tell)."""
+    from feature_extraction.file_checks import load_json, shown, terminal_text
     from feature_extraction.file_hashes import short_digest
     from sae_pipeline.features.site_dir import MARKER_FNAME
 
+    fix = "build one with python -m sae_pipeline features, or leave --site out"
     try:
-        summary = json.loads((site / MARKER_FNAME).read_text())
-    except (OSError, ValueError):
-        summary = None
-    if not isinstance(summary, dict):
-        raise ValueError(
-            f"--site {site}: not a feature browser site (no readable {MARKER_FNAME}); build one with "
-            "python -m sae_pipeline features, or leave --site out"
-        )
+        summary = load_json(site / MARKER_FNAME, what="feature browser site record", fix=fix, kind=dict)
+    except OSError:
+        raise ValueError(f"--site {site}: not a feature browser site (no readable {MARKER_FNAME}); {fix}") from None
     if (summary.get("d_in"), summary.get("d_sae")) != (sae.d_in, sae.d_sae):
         raise ValueError(
-            f"--site {site}: is the site of an SAE with d_in {summary.get('d_in')}, d_sae {summary.get('d_sae')}, "
-            f"not this one (d_in {sae.d_in}, d_sae {sae.d_sae}); pass the site built from --sae"
+            f"--site {site}: is the site of an SAE with d_in {shown(summary.get('d_in'))}, d_sae "
+            f"{shown(summary.get('d_sae'))} (its {MARKER_FNAME}), not this one (d_in {sae.d_in}, d_sae "
+            f"{sae.d_sae}); pass the site built from --sae"
         )
     recorded = summary.get("sae_sha256")
     if not recorded:
         return False
+    if not isinstance(recorded, str):
+        raise ValueError(f"--site {site}: its {MARKER_FNAME} sae_sha256 is {shown(recorded)}, not a digest; {fix}")
     if recorded != (ours := sae.content_sha256()):
         raise ValueError(
-            f"--site {site}: is the site of another SAE (sae_sha256 {short_digest(str(recorded))}, --sae has "
-            f"{short_digest(ours)}): its atom pages are another dictionary's; pass the site built from --sae, or "
+            f"--site {site}: is the site of another SAE ({MARKER_FNAME}: sae_sha256 "
+            f"{short_digest(terminal_text(recorded))}, --sae has {short_digest(ours)}): its atom pages are another "
+            "dictionary's; pass the site built from --sae, or "
             f"rebuild it: python -m sae_pipeline features --sae SAE_DIR --data.source DATA --out {site}"
         )
     return True

@@ -2,7 +2,8 @@
 
 The script plugs into the index table of ``assets/site.js`` through ``window.siteIndexHooks``
 (four cells per row, a row class for the verdict against chance, the top-label filter) and draws
-the selectivity-vs-frequency scatter on a ``<canvas>`` from the index's JSON block, so the figure
+the scatter of selectivity against the labelled images an atom fires on, with the curve
+``E[S | n]``, on a ``<canvas>`` from the index's JSON block, so the figure
 costs no file per atom and opens offline.
 """
 
@@ -38,22 +39,28 @@ LABELS_JS = r"""
   const select = () => document.getElementById("label-filter");
   const ESC = {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"};
   function esc(s) { return String(s).replace(/[&<>"]/g, c => ESC[c]); }
+  // one notation for every p-value, as the atom pages write them: 1.1e-4, 1.0e0
+  function pValue(p) { return p === null ? "–" : p.toExponential(1).replace("e+", "e"); }
+  window.labelsPValue = pValue;
   window.siteIndexHooks = {
     cells(r, cols) {
       if (!data || !data.labels) return [];
       const s = r[cols.indexOf("selectivity")], label = r[cols.indexOf("top_label")], q = r[cols.indexOf("top_share")];
       const excess = r[cols.indexOf("excess")], p = r[cols.indexOf("p_adjusted")], verdict = r[cols.indexOf("verdict")];
       const tied = r[cols.indexOf("top_ties")];
+      const range = (lo, hi) => lo === null ? "" : ' <span class="muted">[' + lo.toFixed(2) + ", " + hi.toFixed(2)
+        + "]</span>";
       const name = label === null ? "–" : esc(data.labels[label])  // the label pages are linked above the table
         + (tied ? ' <span class="tag tie" title="other labels share the top q; the lowest id is shown">+' + tied
                   + " tied</span>" : "");
       const tag = verdict === 1 ? '<span class="tag chance" title="does not beat chance at the FDR">chance</span>'
         : verdict === 0 ? '<span class="tag few" title="too few images to say">few</span>' : "";
-      return ["<td>" + (s === null ? "–" : s.toFixed(3)) + "</td>",
+      return ["<td>" + (s === null ? "–" : s.toFixed(3)) + range(r[cols.indexOf("selectivity_low")],
+                                                            r[cols.indexOf("selectivity_high")]) + "</td>",
               "<td>" + (excess === null ? "–" : excess.toFixed(3)) + "</td>",
-              "<td>" + (p === null ? "–" : p.toPrecision(2)) + tag + "</td>",
-              '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>")
-              + "</td>"];
+              "<td>" + pValue(p) + tag + "</td>",
+              '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>"
+              + range(r[cols.indexOf("top_share_low")], r[cols.indexOf("top_share_high")])) + "</td>"];
     },
     rowClass(r, cols) {
       const verdict = r[cols.indexOf("verdict")];
@@ -68,20 +75,33 @@ LABELS_JS = r"""
   function scatter() {
     const canvas = document.getElementById("scatter");
     if (!canvas || !data || !data.labels) return;
-    const cols = data.columns, fi = cols.indexOf("frequency"), si = cols.indexOf("selectivity");
+    const cols = data.columns, fi = cols.indexOf("n_labelled"), si = cols.indexOf("selectivity");
     const li = cols.indexOf("top_label"), pi = cols.indexOf("page");
     const points = data.rows.filter(r => r[fi] > 0 && r[si] !== null);
     const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height, m = {l: 60, r: 12, t: 10, b: 34};
     ctx.clearRect(0, 0, W, H);
     const xs = points.map(r => Math.log10(r[fi]));
-    const x0 = Math.floor(Math.min(...xs, -1)), x1 = Math.ceil(Math.max(...xs, 0));
+    const x0 = 0, x1 = Math.max(Math.ceil(Math.max(...xs, 0)), 1);
     const X = v => m.l + (v - x0) / Math.max(x1 - x0, 1e-9) * (W - m.l - m.r);
     const Y = v => H - m.b - v * (H - m.t - m.b);
     ctx.strokeStyle = "#999"; ctx.fillStyle = "#333"; ctx.font = "11px sans-serif"; ctx.lineWidth = 1;
     ctx.beginPath(); ctx.moveTo(m.l, m.t); ctx.lineTo(m.l, H - m.b); ctx.lineTo(W - m.r, H - m.b); ctx.stroke();
-    for (let d = x0; d <= x1; d++) ctx.fillText("1e" + d, X(d) - 10, H - m.b + 14);
+    for (let d = x0; d <= x1; d++) {
+      const t = String(10 ** d);
+      ctx.fillText(t, Math.min(X(d) - 3 * t.length, W - m.r - 6 * t.length), H - m.b + 14);
+    }
     [0, 0.5, 1].forEach(v => ctx.fillText(v.toFixed(1), m.l - 24, Y(v) + 4));
-    ctx.fillText("frequency (fraction of tokens)", W / 2 - 80, H - 4);
+    ctx.fillText("labelled images it fires on, n (log scale)", W / 2 - 110, H - 4);
+    const curve = (data.chance_curve || []).filter(c => c[0] >= 1);
+    if (curve.length) {  // E[S | n]: what n random images score
+      ctx.strokeStyle = "#555"; ctx.lineWidth = 1.5; ctx.beginPath();
+      curve.forEach((c, i) => {
+        const px = X(Math.log10(c[0])), py = Y(c[1]);
+        if (i) ctx.lineTo(px, py); else ctx.moveTo(px, py);
+      });
+      ctx.stroke(); ctx.lineWidth = 1; ctx.fillStyle = "#555";
+      ctx.fillText("E[S | n]", X(Math.log10(curve[curve.length - 1][0])) - 44, Y(curve[curve.length - 1][1]) - 6);
+    }
     ctx.save(); ctx.translate(14, H / 2 + 30); ctx.rotate(-Math.PI / 2);
     ctx.fillText("selectivity S", 0, 0); ctx.restore();
     const chosen = select() ? select().value : "";

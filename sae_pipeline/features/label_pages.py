@@ -4,11 +4,12 @@
   (:mod:`sae_pipeline.features.selectivity`, formula on the page), and an inline SVG bar of label
   shares for the images it fires on, its top-N images and all images (the prior), side by side;
 - atom page and label pages: the atom against chance (`sae_pipeline.features.chance`): the ``S`` of
-  as many random images, the excess over it, the top label's p-value and whether it beats chance;
+  as many random images, the excess over it, the p-value of ``S`` and whether it beats chance, and
+  95 % posterior intervals for ``S`` and ``q[top]`` (`sae_pipeline.features.label_intervals`);
 - index: selectivity, excess over chance, adjusted p-value and top-label columns (sortable; sorted
   by the excess at first), atoms that do not beat chance marked and those with too few images to say
-  greyed, a top-label filter, links to every label page and a selectivity-vs-frequency scatter drawn
-  by ``assets/labels.js`` on a canvas (no CDN);
+  greyed, a top-label filter, links to every label page and a scatter of ``S`` against the labelled
+  images ``n`` with the curve ``E[S | n]``, drawn by ``assets/labels.js`` on a canvas (no CDN);
 - ``labels/<id>.html``: the atoms that match the label best (by F1 of precision and recall, see
   :mod:`sae_pipeline.features.selectivity`), each with its label bar and top images, the images of
   this label outlined.
@@ -24,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from sae_pipeline.features.chance import METHODS
 from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
 from sae_pipeline.features.label_colours import OTHER, PALETTE, label_colours
+from sae_pipeline.features.label_intervals import POSTERIOR_DRAWS
 from sae_pipeline.features.selectivity import FORMULA, LabelStats
 
 SHOWN = 9  # labels drawn in colour in one bar; the atom's other labels are one grey "other"
@@ -46,7 +49,15 @@ def _number(x: float) -> str:
 
 
 def _p(x: float) -> str:
-    return "–" if not np.isfinite(x) else f"{x:.2g}"
+    """A p-value, always in one notation (as the index's p column writes it): ``1.1e-4``, ``1.0e0``."""
+    if not np.isfinite(x):
+        return "–"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _interval(low: float, high: float) -> str:
+    return "" if not np.isfinite(low) else f" (95 % interval {low:.3f}–{high:.3f})"
 
 
 VERDICT_FEW, VERDICT_CHANCE, VERDICT_BEATS = 0, 1, 2
@@ -68,6 +79,8 @@ def chance_line(stats: LabelStats, atom: int) -> str:
     kind = verdict(stats, atom)
     if kind is None:
         return ""
+    if kind == VERDICT_FEW and chance.n_min is None:
+        return f'<p class="chance few">Too few images to say: {esc(str(chance.unreachable()))}.</p>'
     if kind == VERDICT_FEW:
         return (
             f'<p class="chance few">Too few images to say: it fires on {n} labelled images, fewer than n_min = '
@@ -78,11 +91,14 @@ def chance_line(stats: LabelStats, atom: int) -> str:
         if kind == VERDICT_BEATS
         else f"<b>does not beat chance</b> at FDR {chance.fdr:g}"
     )
+    exact = n in chance.exact_n or n == 1
+    spread = "exact, over every label composition" if exact else f"SD over {chance.draws} draws"
+    method = METHODS[chance.method[atom]] if chance.method[atom] >= 0 else "–"
     return (
         f'<p class="chance {"beats" if kind == VERDICT_BEATS else "null"}">Against chance: {n} random labelled '
-        f"images would score E[S] = {_number(chance.mean[atom])} ± {_number(chance.sd[atom])} (SD over "
-        f"{chance.draws} draws); excess S − E[S] = {_number(chance.excess[atom])}; top-label p = "
-        f"{_p(chance.p[atom])} (hypergeometric, × L), Benjamini–Hochberg {_p(chance.p_adjusted[atom])}: {said}.</p>"
+        f"images would score E[S] = {_number(chance.mean[atom])} ± {_number(chance.sd[atom])} ({spread}); "
+        f"excess S − E[S] = {_number(chance.excess[atom])}; p = P(S_null ≥ S) = {_p(chance.p[atom])} ({method}), "
+        f"Benjamini–Hochberg {_p(chance.p_adjusted[atom])}: {said}.</p>"
     )
 
 
@@ -149,9 +165,11 @@ def atom_bars(stats: LabelStats, atom: int, n_top: int, prefix: str) -> tuple[st
         )
         name += f' <span class="tie">(tied with {names}: equal c / m; the lowest label id is shown)</span>'
     line = (
-        f"top label <b>{name}</b>: prior-corrected share q = {_number(stats.top_share[atom])} "
+        f"top label <b>{name}</b>: prior-corrected share q = {_number(stats.top_share[atom])}"
+        f"{_interval(stats.interval[2][atom], stats.interval[3][atom])} "
         f"(1/L = {1 / len(stats.labels):.3g}); fires on {int(fire[column])} of its {int(stats.images[column])} "
-        f"images; selectivity S = {_number(stats.selectivity[atom])}; "
+        f"images; selectivity S = {_number(stats.selectivity[atom])}"
+        f"{_interval(stats.interval[0][atom], stats.interval[1][atom])}; "
         f"fires on {int(fire.sum())} labelled images (+{int(stats.fire_unlabelled[atom])} unlabelled)"
     )
     return f"<p>{line}</p>{chance_line(stats, atom)}", bars
@@ -165,7 +183,8 @@ def atom_section(stats: LabelStats | None, atom: int, n_top: int) -> str:
     return (
         '<link rel="stylesheet" href="../assets/labels.css">'
         f'<section class="labels"><h2>Labels</h2>{line}{bars}<p class="muted formula">{esc(FORMULA)}</p>'
-        f'<p class="muted formula">{esc(stats.chance.formula())}</p></section>'
+        f'<p class="muted formula">{esc(stats.chance.formula())}</p>'
+        f'<p class="muted formula">{esc(INTERVAL)}</p></section>'
     )
 
 
@@ -187,6 +206,8 @@ def index_columns(stats: LabelStats | None, atom: int) -> list:
         _cell(stats.chance.p_adjusted[atom], 3),
         verdict(stats, atom),
         ties(stats, atom),
+        *(_cell(bound[atom], 3) for bound in stats.interval),
+        int(stats.fire[atom].sum()),
     ]
 
 
@@ -196,17 +217,35 @@ def ties(stats: LabelStats, atom: int) -> int:
     return int((q == q.max()).sum() - 1) if q.max() > 0 else 0
 
 
-INDEX_COLUMNS = ["selectivity", "top_label", "top_share", "excess", "p_adjusted", "verdict", "top_ties"]
+INDEX_COLUMNS = [
+    "selectivity",
+    "top_label",
+    "top_share",
+    "excess",
+    "p_adjusted",
+    "verdict",
+    "top_ties",
+    "selectivity_low",
+    "selectivity_high",
+    "top_share_low",
+    "top_share_high",
+    "n_labelled",
+]
+INTERVAL = (
+    f"95 % intervals: the 2.5th–97.5th percentiles of S and q[top] over {POSTERIOR_DRAWS} draws of the atom's "
+    "label shares from their Dirichlet posterior, Dirichlet(c + p) (a prior worth one image, spread by the label "
+    "prior p)"
+)
 
 
 def index_headers(stats: LabelStats | None) -> list[str]:
     if stats is None:
         return []
     return [
-        '<th data-key="selectivity">selectivity</th>',
+        '<th data-key="selectivity" title="S and its 95 % posterior interval">selectivity</th>',
         '<th data-key="excess" title="S − E[S | n]: above an atom firing on as many random images">excess over '
         "chance</th>",
-        '<th data-key="p_adjusted" title="the top label’s p-value, Benjamini–Hochberg over the atoms">p (BH)</th>',
+        '<th data-key="p_adjusted" title="P(S_null ≥ S), Benjamini–Hochberg over the atoms">p (BH)</th>',
         '<th data-key="top_share">top label (q)</th>',
     ]
 
@@ -229,8 +268,9 @@ def index_section(stats: LabelStats | None) -> str:
         f'<p class="muted formula">{esc(FORMULA)}</p>{chance_summary(stats)}'
         f'<p class="muted formula">{esc(stats.chance.formula())}</p>'
         '<figure class="scatter"><canvas id="scatter" width="720" height="300"></canvas>'
-        '<figcaption class="muted">selectivity S against frequency (log scale), one dot per atom, coloured by '
-        f"top label; click a dot for its page</figcaption>{scatter_legend(stats)}</figure>"
+        '<figcaption class="muted">selectivity S against the labelled images n it fires on (log scale), one dot '
+        "per atom, coloured by top label; the grey curve is E[S | n], what n random images score (the excess is "
+        f"the height above it); click a dot for its page</figcaption>{scatter_legend(stats)}</figure>"
         f'<div class="controls"><label>top label <select id="label-filter"><option value="">any</option>{options}'
         "</select></label></div></section>"
         '<script src="assets/labels.js"></script>'
@@ -254,6 +294,9 @@ def scatter_legend(stats: LabelStats) -> str:
 def chance_summary(stats: LabelStats) -> str:
     """How many atoms beat chance, how many could be tested, how many have too few images."""
     summary = stats.chance.summary()
+    if summary["unreachable"]:
+        greyed = f"; the {summary['too_few']} atoms that fire on them are greyed" if summary["too_few"] else ""
+        return f'<p class="chance-summary">{esc(summary["unreachable"])}{greyed}. Sorted by the excess over chance.</p>'
     return (
         f'<p class="chance-summary">{summary["beat_chance"]} of {summary["tested"]} atoms tested beat chance at '
         f"FDR {summary['fdr']:g} (Benjamini–Hochberg; the others are marked “chance”); {summary['too_few']} fire "
@@ -271,7 +314,18 @@ def index_data(stats: LabelStats | None) -> dict:
         "labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)},
         "colours": {str(int(label)): colour for label, colour in zip(stats.labels, colours)},
         "sort": "excess",
+        "chance_curve": chance_curve(stats),
     }
+
+
+def chance_curve(stats: LabelStats, points: int = 200) -> list[list[float]]:
+    """``[n, E[S | n]]`` at up to ``points`` log-spaced ``n`` (every ``n`` up to the largest atom's), for the
+    scatter's curve."""
+    by_n = stats.chance.by_n_mean
+    if len(by_n) < 2:
+        return []
+    sizes = np.unique(np.geomspace(1, len(by_n) - 1, points).round().astype(np.int64))
+    return [[int(n), round(float(by_n[n]), 4)] for n in sizes if np.isfinite(by_n[n])]
 
 
 def write_label_pages(

@@ -16,8 +16,10 @@ selectivity (NaN). Computed in blocks of atoms, so the float work stays O(block 
 
 ``S`` alone favours atoms that fire on few images (one image: ``S = 1`` whatever it shows), so each
 atom is also set against an atom firing on as many random images (`sae_pipeline.features.chance`:
-the expected ``S`` and its spread, the excess over it, the top label's hypergeometric p-value and
-Benjamini-Hochberg over the atoms).
+the expected ``S`` and its spread, the excess over it, the p-value of ``S`` itself and
+Benjamini-Hochberg over the atoms), and given a 95 % posterior interval for ``S`` and ``q[top]``
+(`sae_pipeline.features.label_intervals`: three images of one label do not show ``S = 1`` as surely
+as 67 do).
 
 A label's page lists the atoms that match it best, by ``F1[j, l] = 2 c[j, l] / (n[j] + m[l])``
 (``n[j]`` the labelled images atom ``j`` fires on): the harmonic mean of the share of its images
@@ -34,6 +36,7 @@ import numpy as np
 from torch import Tensor
 
 from sae_pipeline.features.chance import FDR, Chance, chance
+from sae_pipeline.features.label_intervals import intervals
 
 BLOCK = 2048  # atoms per block
 PER_LABEL = 24  # atoms listed on each label's page
@@ -62,6 +65,7 @@ class LabelStats:
     selectivity: np.ndarray  # float64 [d_sae]
     per_label: dict[int, list[int]]  # label id -> atoms ranked by F1[j, l] (then q[j, l]), at most PER_LABEL
     chance: Chance  # each atom against as many random images
+    interval: tuple[np.ndarray, ...]  # float64 [d_sae] each: S low, S high, q[top] low, q[top] high (95 %)
 
     @property
     def prior(self) -> np.ndarray:
@@ -98,8 +102,14 @@ class LabelStats:
             "label_chance_selectivity": self.chance.mean,
             "label_chance_selectivity_sd": self.chance.sd,
             "label_selectivity_excess": self.chance.excess,
-            "label_top_p": self.chance.p,
-            "label_top_p_adjusted": self.chance.p_adjusted,
+            "label_selectivity_p": self.chance.p,
+            "label_selectivity_p_method": self.chance.method,
+            "label_top_p": self.chance.top_p,
+            "label_selectivity_low": self.interval[0],
+            "label_selectivity_high": self.interval[1],
+            "label_top_share_low": self.interval[2],
+            "label_top_share_high": self.interval[3],
+            "label_selectivity_p_adjusted": self.chance.p_adjusted,
             "label_beats_chance": self.chance.beats,
             "label_too_few": self.chance.too_few,
             "label_chance_by_n": self.chance.by_n_mean,
@@ -117,6 +127,12 @@ class LabelStats:
             "selectivity": FORMULA,
             "chance": self.chance.summary(),
         }
+
+
+def prior_corrected_shares(fire: np.ndarray, images: np.ndarray) -> np.ndarray:
+    """``q [d_sae, L]`` from the counts ``c [d_sae, L]`` and ``m [L]``; its argmax is the top label (public: so
+    `evaluate causal` names an atom's top label as the browser does)."""
+    return _q(np.asarray(fire, np.float64), np.asarray(images))
 
 
 def _q(fire: np.ndarray, images: np.ndarray) -> np.ndarray:
@@ -184,6 +200,7 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any], fdr: float
         selectivity,
         per_label,
         chance(fire, images, selectivity, fdr),
+        intervals(fire, images, np.searchsorted(labels, np.maximum(top_label, 0))),
     )
 
 
@@ -196,4 +213,4 @@ def _best_per_label(best: tuple, f1: np.ndarray, q: np.ndarray, start: int) -> t
     return tuple(np.take_along_axis(a, order, 0) for a in (values, atoms, shares))
 
 
-__all__ = ["FORMULA", "LabelStats", "label_stats"]
+__all__ = ["FORMULA", "LabelStats", "label_stats", "prior_corrected_shares"]

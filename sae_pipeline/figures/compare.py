@@ -149,7 +149,8 @@ def probing_accuracy_figure(
     variants: Mapping[str, dict], raw: dict, reference: tuple[str, dict] | None = None
 ) -> Figure:
     """Sparse-probing accuracy (mean over one-vs-rest classes) against the number of latents k, per variant,
-    with its 95 % interval over the draws of the tasks as error bars where there are several; the raw inputs'
+    with its 95 % interval over the SAE seeds as error bars where there are several (the draws of the tasks
+    are Monte-Carlo error, not shown; the raw inputs and a fixed dictionary have no seeds); the raw inputs'
     k best dimensions dashed and all of them as a horizontal line (the references)."""
     fig, ax = single_axes()
     ks = raw["ks"]

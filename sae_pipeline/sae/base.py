@@ -19,6 +19,7 @@ both classes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -125,6 +126,22 @@ def keep_top_k(codes: Tensor, k: int) -> Tensor:
     return torch.zeros_like(codes).scatter(-1, indices, codes.gather(-1, indices))
 
 
+def check_fits_host(d_in: int, d_sae: int) -> None:
+    """Refuse sizes whose decoder alone (float32 ``[d_sae, d_in]``) exceeds this machine's memory: it could never
+    be built, and asking the allocator would at best fail late and at worst take the machine (a config or file
+    saying ``d_sae: 1e12``)."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to compare with
+        return
+    need = 4 * d_in * d_sae
+    if total > 0 and need > total:
+        raise ValueError(
+            f"d_sae {d_sae} x d_in {d_in}: the decoder alone needs {need / 1e9:.3g} GB, more than this machine's "
+            f"{total / 1e9:.3g} GB of memory; choose a smaller d_sae"
+        )
+
+
 class SparseAutoencoder(SparseInference, nn.Module):
     """Base of every variant: unit-norm decoder ``W_dec [d_sae, d_in]``, pre-bias ``b_pre``.
 
@@ -174,6 +191,7 @@ class SparseAutoencoder(SparseInference, nn.Module):
         self.d_in = check_int("d_in", d_in, 1)
         self.d_sae = check_int("d_sae", d_sae, 1)
         self.dead_after_tokens = check_int("dead_after_tokens", dead_after_tokens, 1)
+        check_fits_host(self.d_in, self.d_sae)
         self.k = None
         W_dec = torch.randn(d_sae, d_in)
         W_dec /= W_dec.norm(dim=1, keepdim=True).clamp_min(torch.finfo(W_dec.dtype).tiny)

@@ -27,6 +27,7 @@ import re
 import sys
 from typing import Any
 
+from feature_extraction.file_checks import shown
 from sae_pipeline.sae.base import SparseAutoencoder
 
 #: Comma-separated modules (or packages) an artifact's ``class_path`` may import: the user's own SAE subclasses.
@@ -182,9 +183,47 @@ def resolve_sae_class(class_path: str, variant: object = None) -> type[SparseAut
     return cls
 
 
+def check_sae_config(config: object, where: str = "SAE config") -> dict[str, Any]:
+    """``config`` if it has the shape `build_sae` reads: ``class_path`` a string, ``init_args`` absent, null or a
+    mapping of argument names to JSON scalars (what `sae_config` writes); else one ExportError naming ``where``.
+
+    An artifact's config may be edited or forged: a list, a nested object or a number where a name is expected
+    would otherwise surface as a TypeError from the constructor's call."""
+    if not isinstance(config, dict) or not isinstance(config.get("class_path"), str):
+        raise ExportError(
+            f"{where}: the SAE config must be an object with a class_path string and init_args, not {shown(config)}"
+        )
+    init_args = config.get("init_args")
+    if init_args is not None and not (
+        isinstance(init_args, dict)
+        and all(
+            isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))) for k, v in init_args.items()
+        )
+    ):
+        raise ExportError(
+            f"{where}: init_args must map argument names to plain values (numbers, strings, true/false, null), "
+            f"not {shown(init_args)}"
+        )
+    return config
+
+
+def check_sae_size(init_args: dict[str, Any], w_dec_shape: object, where: str) -> None:
+    """Refuse an SAE config whose ``d_in`` / ``d_sae`` are not the shape ``[d_sae, d_in]`` of the ``W_dec`` the
+    artifact holds: building the SAE allocates what the config says, so a forged ``d_sae`` of 10^12 would take the
+    machine's memory before the weights are compared. Checked first, the SAE is never larger than its weights."""
+    shape = [int(n) for n in w_dec_shape] if isinstance(w_dec_shape, (list, tuple)) else None
+    d_in, d_sae = init_args.get("d_in"), init_args.get("d_sae")
+    sizes_ok = all(isinstance(n, int) and not isinstance(n, bool) for n in (d_in, d_sae))
+    if shape is None or not sizes_ok or shape != [d_sae, d_in]:
+        held = "no W_dec" if shape is None else f"W_dec of shape {shape}"
+        raise ExportError(
+            f"{where}: init_args d_sae = {shown(d_sae)}, d_in = {shown(d_in)} but its weights hold {held} "
+            "([d_sae, d_in]); the artifact is damaged or edited: write it again"
+        )
+
+
 def build_sae(config: dict[str, Any]) -> SparseAutoencoder:
     """Instantiate the SAE described by ``{"class_path", "init_args"}`` (weights freshly initialised)."""
-    if not isinstance(config, dict) or "class_path" not in config:
-        raise ExportError(f"SAE config must be a dict with 'class_path' and 'init_args', got {config!r}")
+    check_sae_config(config)
     cls = resolve_sae_class(config["class_path"], config.get("variant"))
     return cls(**dict(config.get("init_args") or {}))

@@ -47,10 +47,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 import sae_pipeline
-from feature_extraction.validate import check_float
+from feature_extraction.validate import check_float, check_int
 from sae_pipeline.artifacts.checkpoint import MEMBER_NAME, MEMBER_NAME_RULE
 from sae_pipeline.sae.base import SparseAutoencoder
-from sae_pipeline.sae.config import build_sae, sae_config
+from sae_pipeline.sae.config import ExportError, build_sae, check_sae_config, sae_config
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.module import SAEModule
 from sae_pipeline.training.optim import adam_implementation, param_groups, warmup_cosine_factor
@@ -68,14 +68,18 @@ def member_entry(name: str, entry: Any, d_in: int | None) -> tuple[dict[str, Any
         raise ValueError(f"model.members: name {name!r} {MEMBER_NAME_RULE} (it names the member's folders)")
     if not isinstance(entry, dict) or not isinstance(entry.get("sae"), dict):
         raise ValueError(f"{where}: must hold sae: {{class_path: ..., init_args: ...}} as a single run's model does")
-    unknown = sorted(set(entry) - {"sae", "seed", "gradient_clip_val", "gradient_clip_algorithm", *MEMBER_KEYS})
+    known = {"sae", "seed", "gradient_clip_val", "gradient_clip_algorithm", *MEMBER_KEYS}
+    unknown = sorted(map(str, set(entry) - known))
     if unknown:
         raise ValueError(
             f"{where}: unknown setting(s) {', '.join(unknown)}; a member takes sae, seed, gradient_clip_val, "
             f"gradient_clip_algorithm and {', '.join(MEMBER_KEYS)}"
         )
-    sae = dict(entry["sae"])
-    class_path = str(sae.get("class_path", ""))
+    try:
+        sae = dict(check_sae_config(entry["sae"], f"{where}.sae"))
+    except ExportError as exn:
+        raise ValueError(str(exn)) from None
+    class_path = sae["class_path"]
     if class_path and "." not in class_path:
         class_path = f"sae_pipeline.sae.{class_path}"  # bare class names, as jsonargparse takes them
     init_args = dict(sae.get("init_args") or {})
@@ -156,7 +160,8 @@ class SAEGroupModule(L.LightningModule):
                 raise ValueError(f"{where}.gradient_clip_algorithm is {algorithm!r}; use norm or value")
             self.clipping[name] = (clip, algorithm)
             # Each member's weights start from the run's seed (or its own), as when it is trained alone.
-            torch.manual_seed(int(entry["seed"]) if entry.get("seed") is not None else base_seed)
+            seed = entry.get("seed")
+            torch.manual_seed(base_seed if seed is None else check_int(f"{where}.seed", seed, 0, 2**63 - 1))
             try:
                 module = build_member(sae_dict, settings)
             except (TypeError, ValueError) as exn:

@@ -34,6 +34,12 @@ One handler (:data:`HANDLER`) replaces both, installed for the whole of ``python
   the save got: a second Ctrl-C just after the rename, or during Lightning's teardown, still says
   "saved FILE at global step N"; one that abandoned the save names the checkpoint kept and its step.
 
+Both cases also set the stop flag (`feature_extraction.stop_flag`), shared with the DataLoader workers:
+a wait the stop would otherwise sit out (a worker or the main thread retrying a store that has died,
+the ``--data.cache`` fill) ends at once with ``Stopped``, which :func:`interruption` takes for the stop.
+In ``fit`` the save at the step boundary then never comes: the line says which checkpoint is kept
+(`stop_detail`), within seconds rather than after the store's retry window.
+
 DataLoader workers are forked with this handler, so a terminal's Ctrl-C (sent to the whole process
 group) does not end their loop; there the handler does nothing and the main process stops the run.
 SLURM's requeue signal (SIGUSR1) stays with :mod:`sae_pipeline.training.requeue`.
@@ -52,6 +58,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import get_worker_info
 
+from feature_extraction import stop_flag
 from feature_extraction.exit_status import Interrupted
 from sae_pipeline.training import lightning_compat
 from sae_pipeline.training.checkpointing import (
@@ -115,6 +122,7 @@ class _Handler:
         if launcher is not None and hasattr(launcher, "kill"):
             launcher.kill(signum)
         self.pending = self.pending or signum
+        stop_flag.request(signum)
         raise Interrupted(signum, announce=self.rank == 0)
 
     def acquire(self) -> bool:
@@ -123,6 +131,7 @@ class _Handler:
             return False
         if self.users == 0:
             self.pending, self.deferred, self.fit, self.reporting = 0, 0, None, False
+            stop_flag.reset()  # before any DataLoader worker forks: they share it
             self.previous_unraisable_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             for signum in HANDLED:
                 previous = signal.signal(signum, self)
@@ -173,8 +182,9 @@ def interruption(exn: BaseException) -> Interrupted | None:
     """
     if isinstance(exn, Interrupted):
         return exn
-    if HANDLER.pending and HANDLER.users:
-        return Interrupted(HANDLER.pending, announce=HANDLER.rank == 0)
+    signum = HANDLER.pending or (exn.signum if isinstance(exn, stop_flag.Stopped) else stop_flag.requested())
+    if signum and HANDLER.users:  # a wait cut short by the stop (stop_flag), or an error on the way out of one
+        return Interrupted(signum, announce=HANDLER.rank == 0)
     return None
 
 
@@ -280,6 +290,7 @@ class Interrupts(StepBoundaryCallback):
             raise Interrupted(signum, announce=self._rank == 0)  # its line is read from the disk (stop_detail)
         if not self.received:
             self.received = signum
+            stop_flag.request(signum)  # the step boundary saves; a wait that would hold it up ends (stop_flag)
             if self._rank == 0:
                 name = signal.Signals(signum).name
                 again = " (Ctrl-C again stops without saving)" if signum == signal.SIGINT else ""
