@@ -132,30 +132,28 @@ def _stop_early() -> None:
                 signal.signal(signum, _raise_interrupted)
 
 
+def _error_exit(exn: Exception, status: int) -> int:
+    """The error's one line and ``status``; a DDP peer's line comes after rank 0's, the one a user reads first."""
+    if os.environ.get("SAE_PIPELINE_TRACEBACK"):
+        raise exn
+    if _rank() > 0:
+        time.sleep(PEER_ERROR_DELAY_S)
+    print(error_line(exn, error_type=True), file=sys.stderr)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     threading.excepthook = quiet_thread_disk_full  # the main thread prints a full disk's one line
     try:
         return _run(args, argv)
-    except (
-        KeyboardInterrupt
-    ):  # Ctrl-C outside training (fit saves and exits 130 itself: sae_pipeline.training.interrupts)
+    except KeyboardInterrupt:  # Ctrl-C outside training (fit saves and exits 130 itself: training/interrupts.py)
         print("interrupted (Ctrl-C): rerun the same command", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ValueError as exn:  # includes FloatingPointError subclasses of ValueError, ShardFormatError, ...
-        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
-            raise
-        if _rank() > 0:
-            time.sleep(PEER_ERROR_DELAY_S)
-        print(error_line(exn, error_type=True), file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _error_exit(exn, EXIT_BAD_INPUT)
     except StoreUnavailable as exn:  # the store did not answer for its retry window: a runtime failure
-        if os.environ.get("SAE_PIPELINE_TRACEBACK"):
-            raise
-        if _rank() > 0:
-            time.sleep(PEER_ERROR_DELAY_S)
-        print(error_line(exn, error_type=True), file=sys.stderr)
-        return EXIT_RUNTIME
+        return _error_exit(exn, EXIT_RUNTIME)
     except (OSError, RuntimeError) as exn:  # a full disk in fit, predict or features; anything else is a bug
         line = disk_full_line(exn)
         if line is None or os.environ.get("SAE_PIPELINE_TRACEBACK"):

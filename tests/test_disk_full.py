@@ -244,6 +244,8 @@ def _evaluate_study(disk: Path, trained: Path, data: dict) -> tuple[list[str], i
         "5",
         "--max_steps",
         "2",
+        "--sae_seeds",
+        "1",  # one run, trained alone: the line names its checkpoint folder
         "--out",
         str(disk / "eval"),
     ], 150_000  # fits the run's logs, not its checkpoint

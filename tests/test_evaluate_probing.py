@@ -159,7 +159,7 @@ def test_offline_mnist_advice_names_evaluates_own_flags(command, tmp_path, capsy
 
 
 def test_a_probe_k_above_the_columns_is_noted(tmp_path) -> None:
-    from sae_pipeline.evaluate.report import ABOVE_COLUMNS_NOTE, probing_section
+    from sae_pipeline.evaluate.probing_report import ABOVE_COLUMNS_NOTE, probing_section
 
     rng = np.random.default_rng(0)
     x_train, train_labels = planted(rng, 200, 3, 12)

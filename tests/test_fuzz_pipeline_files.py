@@ -20,7 +20,6 @@ import contextlib
 import copy
 import io
 import json
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from fuzz_common import RAW_CONTROL, Raw, fuzzed
+from hypothesis import given
 from hypothesis import strategies as st
 
 from feature_extraction.exit_status import run_command
@@ -52,21 +52,6 @@ RAW = {
     "nan": "NaN",
 }
 WHOLE = [b"", b"null", b"[]", b"7", b'"x"', b"\xff\xfe\x00\x01", RAW["deep list"].encode()]
-RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e]")
-
-
-class Raw(str):
-    """A field to be replaced by raw text after serialising (see `RAW`)."""
-
-
-def fuzzed(examples: int) -> Any:
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-    )
 
 
 # -- the outcome ------------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fuzz_common import RAW_CONTROL, Raw, fuzzed
+from hypothesis import given
 from hypothesis import strategies as st
 from test_hostile_shards import forge, renamed, with_extra
 
@@ -67,22 +68,7 @@ RAW = {
     "lone surrogate": '"\\ud800\\u001b[2J"',
 }
 WHOLE = [b"", b"null", b"[]", b"7", b'"x"', b"\xff\xfe\x00\x01", RAW["deep list"].encode(), CONTROL.encode()]
-RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e]")
 DELETE = object()
-
-
-class Raw(str):
-    """A field replaced by raw text after serialising (see `RAW`)."""
-
-
-def fuzzed(examples: int) -> Any:  # noqa: ANN401 (a decorator)
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
-    )
 
 
 # -- the outcome --------------------------------------------------------------------------------------------------

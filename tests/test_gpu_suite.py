@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import subprocess
 import sys
 import zipfile
@@ -269,6 +270,9 @@ def test_dry_run_runs_the_parts_on_the_cpu(tmp_path: Path, capsys: pytest.Captur
     assert here, "every part's dry run is elsewhere: drop this half"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a suite worker runs: at these sizes a second thread only adds hand-offs
+    # the scripts quiet Lightning's loggers for the rest of their process (their own): this worker's goes on
+    loggers = logging.Logger.manager.loggerDict
+    levels = {name: logger.level for name, logger in loggers.items() if isinstance(logger, logging.Logger)}
     try:
         for part in here:
             assert part.dry_args[0] == "-m", part.dry_args
@@ -278,6 +282,9 @@ def test_dry_run_runs_the_parts_on_the_cpu(tmp_path: Path, capsys: pytest.Captur
             assert part.key(output) and part.failure(output) is None, output  # key raises on output it cannot read
     finally:
         torch.set_num_threads(threads)
+        for name, logger in list(loggers.items()):
+            if isinstance(logger, logging.Logger):
+                logger.setLevel(levels.get(name, logging.NOTSET))
     for test_file in DRY_RUN_ELSEWHERE.values():
         assert (REPO_DPATH / test_file).is_file()
 

@@ -22,7 +22,7 @@ from sae_pipeline.evaluate.probe_stats import (
     summarise_replicas,
     t_interval,
 )
-from sae_pipeline.evaluate.report import probing_section
+from sae_pipeline.evaluate.probing_report import probing_section
 
 
 def test_t_interval_is_scipys() -> None:

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from s3_fixtures import apply_s3_env
 from terminal import Command
+from test_s3 import fit_args
 
 from feature_extraction.__main__ import main as extract_main
 from feature_extraction.store import location, reset
@@ -31,7 +32,6 @@ REPO_DPATH = Path(__file__).resolve().parents[1]
 STOP_WITHIN_S = 5.0  # issue 43: a stop during any wait ends the command within 5 s
 RETRYING = "retrying with backoff"
 HEADS = {signal.SIGTERM: "terminated (SIGTERM): ", signal.SIGINT: "interrupted (Ctrl-C): "}
-QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 
 
 @pytest.fixture
@@ -71,32 +71,6 @@ def stop_line(err: str, signum: int) -> str:
     lines = [line for line in err.splitlines() if line.startswith(HEADS[signum])]
     assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
     return lines[0][len(HEADS[signum]) :]
-
-
-def fit_args(url: str, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        str(REPO_DPATH / "configs" / "batchtopk_digits.yaml"),
-        "--data.source",
-        url,
-        "--data.batch_size",
-        "8",
-        "--data.shuffle_buffer_tokens",
-        "32",
-        "--data.val_fraction",
-        "0.25",
-        "--model.sae.init_args.d_sae",
-        "32",
-        "--model.sae.init_args.k",
-        "4",
-        "--trainer.accelerator",
-        "cpu",
-        "--figures.every_n_val_epochs",
-        "100",
-        *extra,
-        *QUIET,
-    ]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ says when a shard is complete (its sidecar written), so the extraction can uploa
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 from collections.abc import Callable, Iterator
@@ -30,10 +31,11 @@ __all__ = ["ShardWriters"]
 DONE = "done"  # a writer's report of a complete shard (tar and sidecar in place)
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this writer when the extraction process dies (e.g. SIGKILL).
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this writer when the extraction process `parent` dies (e.g. SIGKILL).
 
-    Otherwise an orphan could go on writing a `.tmp` that a rerun is rewriting.
+    Otherwise an orphan could go on writing a `.tmp` that a rerun is rewriting. A parent that died before the
+    request (between the fork and here) sends no signal: the writer then sees it re-parented and exits.
     """
     try:
         import ctypes
@@ -41,9 +43,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:
+        os._exit(1)
 
 
-def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
+def _writer_process(out_dpath: str, tasks: Any, results: Any, parent: int) -> None:
     """Body of a writer process: write the shards the main process streams to `tasks`.
 
     Messages: ("begin", index), ("samples", tokens [b, n, d] shared-memory tensor, keys,
@@ -52,7 +56,7 @@ def _writer_process(out_dpath: str, tasks: Any, results: Any) -> None:
     `(index, kind, errno, reason)`, and the rest of the queue drained, so the producer never
     blocks on a dead consumer.
     """
-    _die_with_parent()
+    _die_with_parent(parent)
     # Ctrl-C, or a SIGTERM sent to the whole group (scancel): the main process aborts the open shards in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -116,7 +120,10 @@ class ShardWriters:
         self.errors: list[tuple] = []
         self.processes = [
             ctx.Process(
-                target=_writer_process, args=(str(out_dpath), q, self.results), daemon=True, name=f"shard-writer-{n}"
+                target=_writer_process,
+                args=(str(out_dpath), q, self.results, os.getpid()),
+                daemon=True,
+                name=f"shard-writer-{n}",
             )
             for n, q in enumerate(self.queues)
         ]

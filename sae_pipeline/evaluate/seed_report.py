@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sae_pipeline.evaluate.report_text import table
 from sae_pipeline.sae import display_label
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def _mean_pm(cell: dict[str, Any], digits: int = 3) -> str:
@@ -66,7 +63,7 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
                     f"{boot[0]:.3f}–{boot[1]:.3f}" if boot else "–",
                 ]
             )
-    lines += _table(["variant", "k, p", "R² over seeds", "images"], rows) + [""]
+    lines += table(["variant", "k, p", "R² over seeds", "images"], rows) + [""]
     comparisons = seeds["r2"]["comparisons"]
     if comparisons and n > 1:
         rows = []
@@ -83,18 +80,18 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
                 ]
             )
         lines += ["R² differences between variants over seeds:", ""]
-        lines += _table(["variants", "k, p", "difference", "95 % (Welch)", "p (Holm)", "images"], rows) + [""]
+        lines += table(["variants", "k, p", "difference", "95 % (Welch)", "p (Holm)", "images"], rows) + [""]
     if "babel" in seeds:
         babel = seeds["babel"]
         lines += [f"Dictionary Babel μ₁({babel['r']}) over seeds:", ""]
         rows = [[display_label(v), _mean_pm(cell)] for v, cell in babel["variants"].items()]
-        lines += _table(["variant", f"μ₁({babel['r']})"], rows) + [""]
+        lines += table(["variant", f"μ₁({babel['r']})"], rows) + [""]
         if n > 1 and babel["comparisons"]:
             rows = [
                 [f"{display_label(c['a'])} − {display_label(c['b'])}", f"{c['difference']:+.3f}", _p(c)]
                 for c in babel["comparisons"]
             ]
-            lines += _table(["variants", "difference", "p (Holm)"], rows) + [""]
+            lines += table(["variants", "difference", "p (Holm)"], rows) + [""]
     claims = seeds.get("claims") or {}
     what = {
         "r2_equal_k": "MP-SAE has a higher R² than every shallow SAE at each trained k (p fixed)",
@@ -106,7 +103,7 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
             [what.get(key, key), VERDICT[c["holds"]], f"{c['significant']} of {c['comparisons']}"]
             for key, c in claims.items()
         ]
-        lines += _table(["claim", "holds over seeds?", "significant comparisons"], rows) + [""]
+        lines += table(["claim", "holds over seeds?", "significant comparisons"], rows) + [""]
     if seeds.get("stability", {}).get("variants"):
         stab = seeds["stability"]
         lines += [
@@ -121,5 +118,5 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
             counts = found["found_in_counts"]
             spread = ", ".join(f"{j} of {found['n_seeds']}: {counts[str(j)]}" for j in range(found["n_seeds"], 0, -1))
             rows.append([display_label(v), f"{found['share_matched']:.2f}", spread])
-        lines += _table(["variant", "share found again", "seed 0's atoms found in"], rows) + [""]
+        lines += table(["variant", "share found again", "seed 0's atoms found in"], rows) + [""]
     return lines
