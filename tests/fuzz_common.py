@@ -4,6 +4,7 @@ of a field written as raw text."""
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -26,3 +27,19 @@ def fuzzed(examples: int) -> Any:  # noqa: ANN401 (a decorator)
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
     )
+
+
+DELETE = object()  # `mutated`'s value for "remove the field"
+
+
+def mutated(doc: Any, path: tuple, value: Any) -> Any:  # noqa: ANN401 (JSON)
+    """A copy of ``doc`` with the field at ``path`` replaced by ``value`` (deleted when ``value`` is `DELETE`)."""
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value is DELETE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return doc

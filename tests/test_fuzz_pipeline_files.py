@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from fuzz_common import RAW_CONTROL, Raw, fuzzed
+from fuzz_common import DELETE, RAW_CONTROL, Raw, fuzzed, mutated
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -117,22 +117,6 @@ def paths(value: Any, prefix: tuple = (), limit: int = 3) -> list[tuple]:
         found.append((*prefix, key))
         found += paths(child, (*prefix, key), limit)
     return found
-
-
-def mutated(doc: Any, path: tuple, value: Any) -> Any:
-    """A copy of ``doc`` with the field at ``path`` replaced by ``value`` (deleted when ``value`` is `DELETE`)."""
-    doc = copy.deepcopy(doc)
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    if value is DELETE:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = value
-    return doc
-
-
-DELETE = object()
 
 
 def json_bytes(doc: Any) -> bytes:

@@ -23,7 +23,6 @@ shard's sidecar was forged to vouch for them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import json
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzz_common import RAW_CONTROL, Raw, fuzzed
+from fuzz_common import DELETE, RAW_CONTROL, Raw, fuzzed, mutated
 from hypothesis import given
 from hypothesis import strategies as st
 from test_hostile_shards import forge, renamed, with_extra
@@ -68,7 +67,6 @@ RAW = {
     "lone surrogate": '"\\ud800\\u001b[2J"',
 }
 WHOLE = [b"", b"null", b"[]", b"7", b'"x"', b"\xff\xfe\x00\x01", RAW["deep list"].encode(), CONTROL.encode()]
-DELETE = object()
 
 
 # -- the outcome --------------------------------------------------------------------------------------------------
@@ -141,19 +139,6 @@ def paths(value: Any, prefix: tuple = (), limit: int = 3) -> list[tuple]:  # noq
     for key, child in items:
         found += [(*prefix, key), *paths(child, (*prefix, key), limit)]
     return found
-
-
-def mutated(doc: Any, path: tuple, value: Any) -> Any:  # noqa: ANN401 (JSON)
-    """A copy of ``doc`` with the field at ``path`` replaced by ``value`` (deleted when ``value`` is `DELETE`)."""
-    doc = copy.deepcopy(doc)
-    node = doc
-    for key in path[:-1]:
-        node = node[key]
-    if value is DELETE:
-        del node[path[-1]]
-    else:
-        node[path[-1]] = value
-    return doc
 
 
 def json_bytes(doc: Any) -> bytes:  # noqa: ANN401 (JSON)
