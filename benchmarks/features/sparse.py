@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.features.data import TPI, make_sae
+from sae_pipeline.features.patch_atoms import PATCH_TOP
 
 
 def former_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: int = 16) -> dict[str, Any]:
@@ -42,6 +43,10 @@ def former_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: i
         levels = np.full((len(atoms), n_full), 255, np.uint8)
         scale = np.maximum(peak[atoms], 1e-12)
         levels[:, positions] = np.round(np.clip(codes[:, atoms].T / scale[:, None], 0, 1) * 250).astype(np.uint8)
+    best = np.argsort(-codes, axis=1, kind="stable")[:, :PATCH_TOP]  # per token, largest first, ties by atom id
+    token_values = np.take_along_axis(codes, best, axis=1)
+    token_atoms = np.where(token_values > 0, best, -1).astype(np.int32)
+    token_values = np.where(token_values > 0, token_values, 0).astype(np.float32)
     return {
         "atoms": atoms,
         "max": peak[atoms].astype(np.float32),
@@ -50,6 +55,9 @@ def former_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: i
         "levels": levels,
         "by_max": by_max.astype(np.int64),
         "by_sum": by_sum.astype(np.int64),
+        "token_atoms": token_atoms,
+        "token_values": token_values,
+        "positions": np.asarray(positions, np.int64),
     }
 
 
@@ -131,7 +139,7 @@ def sparse_vs_dense(args: argparse.Namespace, work: Path) -> None:
             side = "sparse" if sparse else "dense "
             print(f"   round {round_ + 1} {side}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()))
     _check_equal(results[True], results[False])
-    print("   outputs equal (top-N table, label counts, every image's rankings, levels and sums)")
+    print("   outputs equal (top-N table, label counts, every image's rankings, levels, sums and per-token top atoms)")
     for stage in best[False]:
         dense, sparse = best[False][stage], best[True][stage]
         print(f"   {stage:<15} dense {dense:8.3f} s CPU, sparse {sparse:8.3f} s CPU: {dense / max(sparse, 1e-9):5.2f}x")
