@@ -43,8 +43,9 @@ def former_image_top(codes: np.ndarray, positions: np.ndarray, n_full: int, k: i
         levels = np.full((len(atoms), n_full), 255, np.uint8)
         scale = np.maximum(peak[atoms], 1e-12)
         levels[:, positions] = np.round(np.clip(codes[:, atoms].T / scale[:, None], 0, 1) * 250).astype(np.uint8)
-    best = np.argsort(-codes, axis=1, kind="stable")[:, :PATCH_TOP]  # per token, largest first, ties by atom id
-    token_values = np.take_along_axis(codes, best, axis=1)
+    padded = np.pad(codes, ((0, 0), (0, max(PATCH_TOP - codes.shape[1], 0))))  # fewer atoms than PATCH_TOP
+    best = np.argsort(-padded, axis=1, kind="stable")[:, :PATCH_TOP]  # per token, largest first, ties by atom id
+    token_values = np.take_along_axis(padded, best, axis=1)
     token_atoms = np.where(token_values > 0, best, -1).astype(np.int32)
     token_values = np.where(token_values > 0, token_values, 0).astype(np.float32)
     return {
