@@ -58,8 +58,14 @@ def make_template(variant: str, d_in: int, d_sae: int, k: int, x: torch.Tensor) 
         return sae
     with torch.no_grad():
         pre = sae.pre_activations(x)
-        top = pre.flatten().topk(x.shape[0] * k + 1).values  # B·k entries above the cut, none at it
-        cut = (top[-1] + top[-2]) / 2
+        # About B·k entries above the cut, none near it: the cut in the widest gap between sorted pre-activations
+        # within 1 % of position B·k. At B·d_sae in the millions the two values either side of position B·k can be
+        # an ulp apart, and a peer's GEMM (another summation order) then puts a value on the other side of θ.
+        want, window = x.shape[0] * k, max(x.shape[0] * k // 100, 1)
+        top = pre.flatten().topk(want + window + 1).values
+        gaps = top[want - window - 1 : -1] - top[want - window :]
+        at = want - window - 1 + int(gaps.argmax())
+        cut = (top[at] + top[at + 1]) / 2
         if isinstance(sae, ReLUSAE):
             sae.b_enc.sub_(cut)
         elif isinstance(sae, JumpReLUSAE):

@@ -103,3 +103,31 @@ def write_export(sae: torch.nn.Module, dpath: Path) -> Path:
     (dpath / CONFIG_FNAME).write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in sae.state_dict().items()}, str(dpath / WEIGHTS_FNAME))
     return dpath
+
+
+REPLACED = ({3, 7}, {5, 7})  # the atoms each replica lost: 7 is found in 1 of 3 seeds, 3 and 5 in 2, the rest in 3
+
+
+def write_replicas(root: Path) -> list[str]:
+    """Two seeds of the identity SAE: its atoms permuted (and, in the second, signs flipped), those of ``REPLACED``
+    swapped for random rows orthogonal to them; the first an export, the second a checkpoint of `fit`'s form."""
+    rng = np.random.default_rng(7)
+    paths = []
+    for r, lost in enumerate(REPLACED):
+        sae = identity_sae()
+        w = torch.eye(D)
+        for atom in lost:
+            w[atom] = torch.from_numpy(rng.normal(size=D)).float()
+            w[atom, sorted(lost)] = 0.0
+        w = w[torch.from_numpy(rng.permutation(D))] * (
+            torch.from_numpy(rng.choice([-1.0, 1.0], (D, 1))).float() if r else 1
+        )
+        with torch.no_grad():
+            sae.W_dec.copy_(torch.nn.functional.normalize(w, dim=1))
+        if r == 0:
+            paths.append(str(write_export(sae, root / "seed1")))
+            continue
+        state = {f"sae.{key}": value for key, value in sae.state_dict().items()}
+        torch.save({"state_dict": state, "sae_config": sae_config(sae), "input_scale": 1.0}, root / "seed2.ckpt")
+        paths.append(str(root / "seed2.ckpt"))
+    return paths

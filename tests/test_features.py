@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shutil
 from pathlib import Path
@@ -10,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from features_fixtures import GRID, N_PREFIX, identity_sae, write_export, write_shards
+from features_fixtures import GRID, N_PREFIX, REPLACED, identity_sae, write_export, write_replicas, write_shards
 from test_features_labels import check_site_labels
 from test_features_topn import brute_force
 
 from sae_pipeline.__main__ import main
 from sae_pipeline.artifacts import load_sae
-from sae_pipeline.sae import MatchingPursuitSAE
+from sae_pipeline.sae import MatchingPursuitSAE, ReLUSAE
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,7 @@ def data(tmp_path_factory) -> dict:
         "tokens": tokens,
         "positions": positions,
         "sae": write_export(identity_sae(), root / "sae"),
+        "replicas": write_replicas(root),
     }
 
 
@@ -59,6 +61,8 @@ def site(data, tmp_path_factory) -> Path:
                 "0",
                 "--trainer.accelerator",
                 "cpu",
+                "--replicas",
+                *data["replicas"],
             ]
         )
         == 0
@@ -89,7 +93,18 @@ def test_label_statistics_equal_dense_reference(data, site) -> None:
     tokens = data["tokens"]
     check_site_labels(site, np.maximum(tokens, 0), np.arange(14) % 2, len(tokens) // 14)
     page = (site / "atoms" / "03.html").read_text()
-    assert page.count('<svg class="lbar"') == 3 and "selectivity S = 1 − H(q) / log L" in page
+    assert page.count('<svg class="lbar"') == 4 and "selectivity S = 1 − H(q) / log L" in page
+    # weighted by activation, beside the counts: S_w with its interval and its line against chance, the formulas
+    table = np.load(site / "features.npz", allow_pickle=False)
+    low, high = table["label_weighted_selectivity_low"][3], table["label_weighted_selectivity_high"][3]
+    assert f"S_w = {table['label_weighted_selectivity'][3]:.3f} (95 % interval {low:.3f}–{high:.3f})" in page
+    assert f"n_eff = {table['label_weighted_n_eff'][3]:.1f} equal images" in page
+    n = int(np.floor(table["label_weighted_n_eff"][3]))
+    assert f"Weighted against chance (approximate): {n} random images would score" in page
+    assert "S_w = 1 − H(q_w) / log L" in page and "c_eff[l] = w[l] · n_eff / Σ w" in page
+    assert "weighted by activation (Σ a = " in page  # its bar
+    index = (site / "index.html").read_text()
+    assert 'data-key="weighted_selectivity"' in index and '"weighted_selectivity_low"' in index
     assert (site / "labels" / "1.html").is_file() and "Label class1" in (site / "labels" / "1.html").read_text()
 
 
@@ -280,3 +295,74 @@ def test_h5_token_cache_lists_tokens_without_images(data, tmp_path, capsys) -> N
     assert "carry no labels" in page and "carry no labels" in (out / "index.html").read_text()
     assert table["label_fire"].shape == (12, 0) and int(table["label_images_unlabelled"]) == 60
     assert not (out / "labels").exists() and "label_selectivity" not in table.files
+    # no --replicas: no seed counts anywhere
+    assert "found_in" not in table.files and "found in" not in page
+    assert "found_in" not in (out / "index.html").read_text()
+    assert json.loads((out / "features.json").read_text())["replicas"] is None
+
+
+def test_replicas_found_in_j_of_n_seeds(data, site) -> None:
+    """--replicas (an export and a checkpoint): per atom, in how many of the 3 seeds it is found, as the dense
+    matching of the decoders says, on its page, in the index and in features.npz."""
+    from sae_pipeline.artifacts.checkpoint import read_checkpoint, sae_from_checkpoint
+    from sae_pipeline.metrics.dictionary_match import THRESHOLD, match_cosines
+
+    mine = load_sae(data["sae"]).W_dec.detach().double().numpy()
+    others = [
+        load_sae(data["replicas"][0]).W_dec,
+        sae_from_checkpoint(read_checkpoint(data["replicas"][1])).W_dec,
+    ]
+    cosines = np.stack([match_cosines(mine, w.detach().double().numpy()) for w in others], axis=1)
+    table = np.load(site / "features.npz", allow_pickle=False)
+    np.testing.assert_allclose(table["replica_cosine"], cosines, atol=1e-6)
+    expected = [1 + sum(atom not in lost for lost in REPLACED) for atom in range(12)]
+    assert table["found_in"].tolist() == (1 + (cosines >= THRESHOLD).sum(1)).tolist() == expected
+    for atom in (0, 3, 7):
+        page = (site / "atoms" / f"{atom:02d}.html").read_text()
+        assert f"<b>{expected[atom]} of 3 seeds</b>" in page and f"found where ≥ {THRESHOLD}" in page
+        assert ", ".join(f"{c:.3f}" for c in cosines[atom]) in page
+    index = (site / "index.html").read_text()
+    assert 'data-key="found_in"' in index and "found in (of 3 seeds)" in index
+    rows = json.loads(re.search(r'id="atom-data">(.*?)</script>', index).group(1).replace("<\\/", "</"))
+    at = rows["columns"].index("found_in")
+    assert rows["replicas"] == 3 and {row[0]: row[at] for row in rows["rows"]} == dict(enumerate(expected))
+    summary = json.loads((site / "features.json").read_text())["replicas"]
+    assert summary["n_seeds"] == 3 and summary["found_in_counts"] == {"1": 1, "2": 2, "3": 9}
+
+
+def test_bad_replicas_are_one_line_and_exit_2(data, tmp_path, capsys) -> None:
+    from sae_pipeline.sae import TopKSAE
+
+    wider = write_export(ReLUSAE(d_in=12, d_sae=24), tmp_path / "wider")
+    topk = write_export(TopKSAE(d_in=12, d_sae=12, k=2), tmp_path / "topk")
+    torch.save({"state_dict": {}, "x": Path("code")}, tmp_path / "pickled.ckpt")  # a pickled object: refused
+    cases = {
+        "d_sae 24, but the browsed SAE has d_in 12, d_sae 12": [str(wider)],
+        "a TopKSAE, but the browsed SAE is a ReLUSAE": [str(topk)],
+        "the browsed SAE itself": [str(data["sae"])],
+        "given twice": [data["replicas"][0], data["replicas"][0]],
+        "not found; pass the other seeds' SAEs": [str(tmp_path / "nowhere")],
+        f"--replicas {tmp_path / 'pickled.ckpt'}: not a readable checkpoint": [str(tmp_path / "pickled.ckpt")],
+    }
+    for expected, replicas in cases.items():
+        out = tmp_path / "out"
+        code, err = run(
+            [
+                "--sae",
+                str(data["sae"]),
+                "--data.source",
+                str(data["shards"]),
+                "--data.num_workers",
+                "0",
+                "--trainer.accelerator",
+                "cpu",
+                "--out",
+                str(out),
+                "--replicas",
+                *replicas,
+            ],
+            capsys,
+        )
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, err[-2000:])
+        assert "Traceback" not in err and not out.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from features_fixtures import GRID, N_PREFIX, D, identity_sae, write_export, write_shards
+from features_fixtures import GRID, N_PREFIX, REPLACED, D, identity_sae, write_export, write_replicas, write_shards
 from PIL import Image
 from site_walk import chromium, walk_site
 
@@ -48,6 +48,8 @@ def site(tmp_path_factory) -> Path:
                 "5",
                 "--neighbours",
                 "3",
+                "--replicas",  # the identity's seeds: the thresholded SAE has the same dictionary
+                *write_replicas(root),
                 "--data.num_workers",
                 "0",
                 "--trainer.accelerator",
@@ -97,6 +99,16 @@ def test_index_lists_every_atom_sorts_and_searches(site, browser, tmp_path) -> N
     freq = np.load(site / "features.npz")["fire_count"]
     page.locator('th[data-key="frequency"]').click()
     assert page.locator("#atoms tbody tr").first.get_attribute("data-id") == str(int(np.argmax(freq)))
+    # --replicas: the "found in" cell under its header (as many cells as headers), its tooltip the cosines, sortable
+    headers = page.locator("#atoms thead th").all_inner_texts()
+    assert set(page.locator("#atoms tbody tr").evaluate_all("rows => rows.map(r => r.cells.length)")) == {len(headers)}
+    page.locator('th[data-key="found_in"]').click()  # descending first: the atoms found in every seed
+    page.locator('th[data-key="found_in"]').click()
+    row = page.locator("#atoms tbody tr").first
+    cell = row.locator("td").nth(headers.index("found in (of 3 seeds)"))
+    assert [row.get_attribute("data-id")] == [str(a) for a in range(D) if all(a in lost for lost in REPLACED)]
+    assert cell.inner_text() == "1 of 3"  # lost by both replicas
+    assert cell.get_attribute("title") == "partner |cos| per replica: 0.00, 0.00"
     page.locator("#search").fill("1")
     ids = [int(i) for i in page.locator("#atoms tbody tr").evaluate_all("rows => rows.map(r => r.dataset.id)")]
     assert sorted(ids) == [i for i in range(D) if str(i).startswith("1")]
@@ -183,11 +195,16 @@ def test_label_statistics_scatter_filter_and_label_pages(site, browser, tmp_path
     page.locator('th[data-key="selectivity"]').click()  # sortable: descending first
     first = page.locator("#atoms tbody tr").first.get_attribute("data-id")
     assert table["label_selectivity"][int(first)] == np.nanmax(table["label_selectivity"])
+    page.locator('th[data-key="weighted_selectivity"]').click()  # weighted by activation: sortable too
+    first = page.locator("#atoms tbody tr").first
+    weighted = table["label_weighted_selectivity"]
+    assert weighted[int(first.get_attribute("data-id"))] == pytest.approx(np.nanmax(weighted), abs=1e-4)
+    assert first.locator("td").last.inner_text().startswith(f"{np.nanmax(weighted):.3f}")
     assert errors == []  # (the index's screenshot, labels included, is the test above's)
     atom, atom_errors = open_page(browser, (site / "atoms" / "00.html").as_uri())
     bars = atom.locator("svg.lbar")
-    assert bars.count() == 3 and atom.locator("svg.lbar rect").count() >= 3
-    assert min(bars.nth(i).bounding_box()["width"] for i in range(3)) > 100  # visible, not collapsed
+    assert bars.count() == 4 and atom.locator("svg.lbar rect").count() >= 4  # the counts, weighted, top-N, prior
+    assert min(bars.nth(i).bounding_box()["width"] for i in range(4)) > 100  # visible, not collapsed
     assert non_blank(atom.screenshot(full_page=True)) and atom_errors == []
     for label in (1,):
         other, other_errors = open_page(browser, (site / "labels" / f"{label}.html").as_uri())

@@ -2,37 +2,58 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from test_features_label_weights import check_site_weighted
 
+from sae_pipeline.features import labels
 from sae_pipeline.features.labels import LabelCounts
 from sae_pipeline.features.merge import merge_label_states
 
 
 def dense_reference(codes: np.ndarray, image_label: np.ndarray, tpi: int) -> dict[str, np.ndarray]:
-    """Loops over images and atoms: does the atom fire on any token of the image?"""
+    """Loops over images and atoms: does the atom fire on any token of the image, and how strongly (its largest
+    code on the image, 0 if only negative; summed, and squared and summed, in float64)?"""
     n_images, d_sae = len(image_label), codes.shape[1]
     n_labels = max(int(image_label.max()) + 1, 0)
     fire = np.zeros((d_sae, n_labels), np.int64)
     fire_unlabelled = np.zeros(d_sae, np.int64)
+    weight, weight_unlabelled = np.zeros((2, d_sae, n_labels)), np.zeros((2, d_sae))
     images = np.zeros(n_labels, np.int64)
     for i in range(n_images):
         label = image_label[i]
         if label >= 0:
             images[label] += 1
         for j in range(d_sae):
-            if np.any(codes[i * tpi : (i + 1) * tpi, j] != 0):
+            tokens = codes[i * tpi : (i + 1) * tpi, j].astype(np.float64)
+            if np.any(tokens != 0):
+                a = max(float(tokens[tokens != 0].max()), 0.0)
                 if label >= 0:
                     fire[j, label] += 1
+                    weight[:, j, label] += (a, a * a)
                 else:
                     fire_unlabelled[j] += 1
+                    weight_unlabelled[:, j] += (a, a * a)
     return {
         "label_fire": fire,
         "label_fire_unlabelled": fire_unlabelled,
         "label_images": images,
         "label_images_unlabelled": np.int64((image_label < 0).sum()),
+        "label_weight": weight[0],
+        "label_weight_sq": weight[1].sum(-1),
+        "label_weight_unlabelled": weight_unlabelled[0],
+        "label_weight_sq_unlabelled": weight_unlabelled[1],
     }
+
+
+def dyadic_codes(rng: np.random.Generator, shape: tuple[int, int], rate: float) -> np.ndarray:
+    """Sparse codes, a fifth of them negative (MP's signed coefficients), in multiples of 1/64: their float64 sums
+    and squares are exact in any order, so the weighted sums can be compared exactly."""
+    values = np.round(rng.random(shape) * 256) / 64 * np.where(rng.random(shape) < 0.2, -1, 1)
+    return ((rng.random(shape) < rate) * values).astype(np.float32)
 
 
 def run_ranks(codes: np.ndarray, image_label: np.ndarray, tpi: int, cuts: list[int], batch: int, seed: int) -> dict:
@@ -49,9 +70,10 @@ def run_ranks(codes: np.ndarray, image_label: np.ndarray, tpi: int, cuts: list[i
         rng.shuffle(starts)
         for start in starts:
             stop = min(start + batch, hi)
-            rows, atoms = torch.from_numpy(codes[start:stop]).nonzero(as_tuple=True)
+            batch_codes = torch.from_numpy(codes[start:stop])
+            rows, atoms = batch_codes.nonzero(as_tuple=True)
             image = torch.from_numpy(tokens[start:stop] // tpi)
-            counts.update(rows, atoms, image, torch.from_numpy(token_label[start:stop]))
+            counts.update(rows, atoms, batch_codes[rows, atoms], image, torch.from_numpy(token_label[start:stop]))
         ranks.append(counts)
     merged = LabelCounts(d_sae, tpi)
     merged.load_state(merge_label_states([counts.state() for counts in ranks]))
@@ -60,15 +82,29 @@ def run_ranks(codes: np.ndarray, image_label: np.ndarray, tpi: int, cuts: list[i
 
 
 @pytest.mark.parametrize(
-    ("tpi", "cuts", "batch"),
-    [(1, [0, 60], 7), (5, [0, 60], 7), (5, [0, 23, 41, 60], 4), (3, [0, 31, 60], 64), (4, [0, 60], 1)],
+    ("tpi", "cuts", "batch", "dense"),
+    [
+        (1, [0, 60], 7, True),
+        (5, [0, 60], 7, True),
+        (5, [0, 23, 41, 60], 4, True),
+        (5, [0, 23, 41, 60], 4, False),
+        (3, [0, 31, 60], 64, True),
+        (3, [0, 31, 60], 64, False),
+        (4, [0, 60], 1, True),
+    ],
 )
-def test_label_counts_equal_dense_reference(tpi: int, cuts: list[int], batch: int) -> None:
+def test_label_counts_equal_dense_reference(
+    tpi: int, cuts: list[int], batch: int, dense: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counts and activation sums (exactly: dyadic codes), images split across batches, shuffled workers and ranks,
+    by the dense per-image maxima and by the sorted pairs (``dense=False``: what large batches use)."""
+    if not dense:
+        monkeypatch.setattr(labels, "DENSE_LIMIT", 0)
     rng = np.random.default_rng(tpi * 100 + batch)
     n_images = cuts[-1] // tpi if cuts[-1] % tpi == 0 else cuts[-1] // tpi + 1
     n_tokens = n_images * tpi
     cuts = [*cuts[:-1], n_tokens]
-    codes = (rng.random((n_tokens, 9)) < 0.15) * rng.random((n_tokens, 9)).astype(np.float32)
+    codes = dyadic_codes(rng, (n_tokens, 9), 0.15)
     codes[:, 8] = 0  # a dead atom
     image_label = rng.integers(-1, 5, n_images)
     image_label[image_label == 3] = 4  # label 3 absent: a gap in the prior
@@ -119,7 +155,10 @@ def check_site_labels(site, codes: np.ndarray, image_label: np.ndarray, tpi: int
     """``features.npz`` of a site against the dense reference: counts, prior, top labels, selectivity."""
     table = np.load(site / "features.npz", allow_pickle=False)
     for name, value in dense_reference(codes, image_label, tpi).items():
-        assert np.array_equal(table[name], value), name
+        if name in labels.WEIGHT_FIELDS:  # float64 sums, in another order
+            np.testing.assert_allclose(table[name], value, rtol=1e-12, atol=0, err_msg=name)
+        else:
+            assert np.array_equal(table[name], value), name
     top, share, selectivity = selectivity_reference(table["label_fire"], table["label_images"])
     assert table["label_top"].tolist() == top
     for got, want in ((table["label_top_share"], share), (table["label_selectivity"], selectivity)):
@@ -128,6 +167,7 @@ def check_site_labels(site, codes: np.ndarray, image_label: np.ndarray, tpi: int
     assert (table["label_top_images"][filled] == image_label[table["image"][filled]]).all()
     assert (table["label_top_images"][~filled] == -1).all()
     check_site_chance(site, table)
+    check_site_weighted(table, json.loads((site / "features.json").read_text())["labels"])
 
 
 def check_site_chance(site, table) -> None:

@@ -218,8 +218,9 @@ def label_cost(args: argparse.Namespace, work: Path) -> None:
     for codes, token, image, label in batches:
         start = time.process_time()
         rows, atoms = table.update_codes(codes, token, image, token % TPI)
+        values = codes[rows, atoms]  # the pass has them already (the sparse codes' values)
         middle = time.process_time()
-        counts.update(rows, atoms, image, label)
+        counts.update(rows, atoms, values, image, label)
         table_cpu, counts_cpu = table_cpu + middle - start, counts_cpu + time.process_time() - middle
     print(
         f"5. label counts in the pass: {len(tokens):,} tokens ({len(batches)} batches of {args.batch_size}), "

@@ -93,6 +93,11 @@ def site_inputs(args: argparse.Namespace, work: Path) -> tuple:
         "label_images": torch.from_numpy(np.bincount(image_label, minlength=n_labels).astype(np.int64)),
         "label_images_unlabelled": torch.tensor(0),
     }
+    activation = rng.gamma(2.0, 0.5, (d_sae, n_labels))  # each atom's mean activation on a label's images
+    labelled["label_weight"] = torch.from_numpy(fire * activation)
+    labelled["label_weight_sq"] = torch.from_numpy((fire * activation**2 * 1.5).sum(1))  # spread: E[a^2] = 1.5 E[a]^2
+    labelled["label_weight_unlabelled"] = torch.zeros(d_sae, dtype=torch.float64)
+    labelled["label_weight_sq_unlabelled"] = torch.zeros(d_sae, dtype=torch.float64)
     for i, meta in collection["images"].items():
         meta["label"], meta["class_name"] = int(image_label[i]), f"n{image_label[i]:08d}"
     return sae, state, labelled, collection

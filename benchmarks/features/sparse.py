@@ -86,9 +86,11 @@ def _side(sparse: bool, sae: Any, batches: list, d_sae: int, top: int) -> tuple[
             if sparse:
                 args = (codes.rows, codes.indices, codes.values, codes.batch_size)
                 rows, atoms = table.update_entries(*args, token, image, token % TPI)
+                values = codes.values
             else:
                 rows, atoms = table.update_codes(dense, token, image, token % TPI)
-            counts.update(rows, atoms, image, label)
+                values = dense[rows, atoms]
+            counts.update(rows, atoms, values, image, label)
             end = time.process_time()
             if sparse:
                 ranked += [image_top_atoms(part, positions, TPI) for part in split_images(codes, TPI)]

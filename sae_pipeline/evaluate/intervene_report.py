@@ -105,8 +105,8 @@ def intervene_markdown(result: dict[str, Any], line: str) -> str:
         lines += ["", f"Skipped (not decodable): {len(result['skipped'])} images, listed in intervene.json."]
     lines += [
         "",
-        "The atom pages of `features` do not show interventions: this command's output is per image, for the atoms "
-        "you choose.",
+        "This command's output is per image, for the atoms you choose; `features --intervene` shows each atom removed "
+        "on its own top images, against a matched removal, on its page.",
         "",
     ]
     return "\n".join(lines)

@@ -2,9 +2,10 @@
 
 Why: an atom that one seed learns and the others do not is a property of that run, not of the variant or
 the data; a reader of an atom page should know which kind it is. The dictionaries of two seed replicas
-are matched one to one (Hungarian assignment, `scipy.optimize.linear_sum_assignment`, on |cosine| between
-decoder rows: the sign of a row is a convention of some variants, not of the concept), and an atom counts
-as found again when its partner's |cosine| reaches `THRESHOLD`. Reported per variant: the share of atoms
+are matched one to one on |cosine| between decoder rows (`sae_pipeline.metrics.dictionary_match`, which the
+feature browser's atom pages use too: Hungarian assignment on the dense matrix, or on each atom's best
+candidates for large dictionaries), and an atom counts as found again when its partner's |cosine| reaches
+`THRESHOLD`. Reported per variant: the share of atoms
 found again, averaged over every pair of replicas; and for seed 0's atoms (the ones the report and the
 feature pages show) in how many of the N seeds each is found (itself counted).
 """
@@ -15,24 +16,10 @@ import itertools
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
-THRESHOLD = 0.7
+from sae_pipeline.metrics.dictionary_match import THRESHOLD, match_cosines, matched_cosines, unit_rows
 
-
-def unit_rows(w: np.ndarray) -> np.ndarray:
-    w = np.asarray(w, np.float64)
-    return w / np.maximum(np.linalg.norm(w, axis=1, keepdims=True), 1e-12)
-
-
-def match_cosines(w_a: np.ndarray, w_b: np.ndarray) -> np.ndarray:
-    """|cosine| of each row of ``w_a`` with its partner in ``w_b`` under the one-to-one matching that maximises
-    their sum (0 for a row left without a partner when ``w_b`` has fewer rows)."""
-    similarity = np.abs(unit_rows(w_a) @ unit_rows(w_b).T)
-    rows, cols = linear_sum_assignment(similarity, maximize=True)
-    matched = np.zeros(len(w_a))
-    matched[rows] = similarity[rows, cols]
-    return matched
+__all__ = ["THRESHOLD", "match_cosines", "stability", "stability_study", "unit_rows"]
 
 
 def stability(decoders: list[np.ndarray], threshold: float = THRESHOLD) -> dict[str, Any]:
@@ -41,7 +28,7 @@ def stability(decoders: list[np.ndarray], threshold: float = THRESHOLD) -> dict[
     pairs = []
     found_in = np.ones(len(decoders[0]), dtype=np.int64)
     for i, j in itertools.combinations(range(n), 2):
-        cosines = match_cosines(decoders[i], decoders[j])
+        cosines = matched_cosines(decoders[i], decoders[j])
         pairs.append(
             {
                 "a": i,

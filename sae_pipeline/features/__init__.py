@@ -13,5 +13,7 @@ counts in the pass, :mod:`.selectivity`, :mod:`.label_pages`, :mod:`.label_asset
 ``features explain`` (:mod:`.explain`, the command; :mod:`.explain_backbone`, :mod:`.explain_images`,
 :mod:`.explain_pages`) writes those image pages for new images, through the backbone the SAE's
 training data was extracted with.
+``features --intervene`` (:mod:`.interventions`, :mod:`.interventions_html`) removes atoms inside that backbone on
+their top images, against a matched removal.
 :mod:`.tensorboard` logs the top patches of a few atoms during training.
 """

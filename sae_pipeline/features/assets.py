@@ -138,6 +138,10 @@ function indexPage() {
       const near = r[cols.indexOf("nearest")];
       cells.push("<td>" + fmt(r[cols.indexOf("max_cosine")], 3) + (near === null ? "" : ' <span class="muted">#' + near + "</span>") + "</td>");
       if (data.has_steps) cells.push("<td>" + fmt(r[cols.indexOf("mean_step")], 3) + "</td>");
+      if (data.replicas) {  // features --replicas: found in j of N seeds, the partners' |cos| as its tooltip
+        const cos = r[cols.indexOf("replica_cosine")].map(c => fmt(c, 3)).join(", ");
+        cells.push('<td title="partner |cos| per replica: ' + cos + '">' + r[cols.indexOf("found_in")] + " of " + data.replicas + "</td>");
+      }
       if (hooks) cells.push(...hooks.cells(r, cols));
       const cls = hooks && hooks.rowClass ? hooks.rowClass(r, cols) : "";
       html.push('<tr data-id="' + r[0] + '"' + (cls ? ' class="' + cls + '"' : "") + ">" + cells.join("") + "</tr>");

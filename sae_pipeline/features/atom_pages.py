@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -138,6 +139,8 @@ def atom_page(
     changed: dict[int, ImageChangedError],
     image_links: dict[int, str] | None = None,
     label_html: str = "",
+    intervene_html: str = "",
+    extra_stats: Sequence[tuple[str, str, str]] = (),
 ) -> str:
     """An atom's page: its statistics, label section, nearest atoms and top images with their heatmaps."""
     esc = html.escape
@@ -197,6 +200,7 @@ def atom_page(
         )
     if len(near_cos):
         stats.append(("max cosine", f"{near_cos[0]:.3f}", f"with #{int(near_index[0])}"))
+    stats += extra_stats  # features --replicas: found in j of N seeds
     stat_html = "".join(
         f'<div><span class="muted">{esc(a)}</span><b>{esc(b)}</b><span class="muted">{esc(c)}</span></div>'
         for a, b, c in stats
@@ -226,7 +230,7 @@ def atom_page(
 <section class="stats">{stat_html}</section>
 {label_html}<div class="row">{atom_img}<section class="nearest"><h2>Nearest atoms (cosine)</h2><ol>{"".join(links)}</ol></section></div>
 <section class="top"><h2>Top {len(filled)} images</h2>{empty}<div class="grid">{"".join(cards)}</div></section>
-{distribution_html}
+{intervene_html}{distribution_html}
 <script type="application/json" id="layout">{layout_json}</script>
 <script src="../assets/site.js"></script></body></html>
 """

@@ -18,8 +18,10 @@ before content hashes were recorded are drawn unchecked, and the command says so
 
 Bad input (no SAE, ``--top 0``, an atom id outside the dictionary, data whose width is not
 the SAE's ``d_in``, images no longer where the shards say, ``--out`` holding something else, on a
-read-only file system or a mount point) is a one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit
-code 2, before the pass starts and before anything is written.
+read-only file system or a mount point, ``--intervene`` on data whose backbone cannot be rebuilt, a
+``--replicas`` SAE that is not another seed of the same variant and size) is a
+one-line ``ValueError`` that ``python -m sae_pipeline`` prints with exit code 2, before the pass starts and
+before anything is written.
 
 Ctrl-C or SIGTERM, during the pass or while the site is written, stops it within seconds with exit
 130 / 143 (:mod:`sae_pipeline.training.interrupts`): the site is built in a staging folder beside ``--out``
@@ -34,116 +36,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from feature_extraction.exit_status import Interrupted, flag_error
-from feature_extraction.help_format import DefaultsHelpFormatter
 from feature_extraction.output_lock import output_lock
 from feature_extraction.validate import check_float, check_int
-from sae_pipeline.config_files import load_config
-
-PROG = "python -m sae_pipeline features"
-DATA_KEYS = ("source", "batch_size", "num_workers", "data_dpath", "allow_download")
-TRAINER_KEYS = ("accelerator", "devices", "num_nodes", "strategy", "precision")
-DEFAULTS = {
-    "data.batch_size": 4096,
-    "data.num_workers": 2,
-    "data.data_dpath": "data",
-    "data.allow_download": False,
-    "trainer.accelerator": "auto",
-    "trainer.devices": "auto",
-    "trainer.num_nodes": 1,
-    "trainer.strategy": "auto",
-    "trainer.precision": "32-true",
-}
-
-
-def build_parser() -> Any:
-    """The flags (jsonargparse, as every command; ``--config`` here is a training config, read below)."""
-    from jsonargparse import ArgumentParser
-
-    parser = ArgumentParser(
-        prog=PROG,
-        formatter_class=DefaultsHelpFormatter,
-        exit_on_error=False,
-        description="One streaming pass of a trained SAE over a dataset, then a static HTML site in --out: an "
-        "index of every atom and a page per atom with its top images, activation heatmaps and nearest "
-        "atoms, and a page per image with the atoms that fire most on it. Opens from disk (OUT/index.html) or "
-        "through python -m http.server. Your own images: python -m sae_pipeline features explain --help.",
-    )
-    parser.add_argument(
-        "--config",
-        help="a training config (configs/<variant>_<data>.yaml): its data section and trainer device settings are used",
-    )
-    parser.add_argument(
-        "--ckpt_path",
-        help="checkpoint written by `fit`, or `last`: the newest of the --config's runs under --runs (or give --sae)",
-    )
-    parser.add_argument("--runs", default="runs", help="where `fit` wrote the runs (for --ckpt_path last)")
-    parser.add_argument("--name", help="the member of a group's checkpoint (fit of model.members) to browse")
-    parser.add_argument(
-        "--sae",
-        help="an exported SAE directory: ours (config.json + sae.safetensors) or "
-        "SAELens's (cfg.json + sae_weights.safetensors)",
-    )
-    parser.add_argument("--out", required=True, help="site directory (created; a previous site there is replaced)")
-    parser.add_argument("--top", type=int, default=16, help="top images kept per atom")
-    parser.add_argument("--images", help="where the extraction's images are now, when they have moved")
-    parser.add_argument("--atoms", type=int, nargs="+", help="only these atom ids get pages (default: every atom)")
-    parser.add_argument("--neighbours", type=int, default=8, help="nearest atoms (by cosine) listed per atom")
-    parser.add_argument(
-        "--fdr",
-        type=float,
-        default=0.05,
-        help="false-discovery rate (Benjamini-Hochberg over atoms) at which an atom's label selectivity beats chance",
-    )
-    for key in DATA_KEYS:
-        kind = {"batch_size": Optional[int], "num_workers": Optional[int], "allow_download": Optional[bool]}.get(
-            key, Optional[str]
-        )
-        parser.add_argument(
-            f"--data.{key}",
-            type=kind,
-            default=None,
-            help=f"as `fit --data.{key}` (default: the config's, else {DEFAULTS.get('data.' + key)})",
-        )
-    for key in TRAINER_KEYS:
-        kind = Optional[int] if key == "num_nodes" else Optional[str]
-        parser.add_argument(
-            f"--trainer.{key}",
-            type=kind,
-            default=None,
-            help=f"as `fit --trainer.{key}` (default: the config's, else {DEFAULTS.get('trainer.' + key)})",
-        )
-    return parser
-
-
-def resolve_settings(args: Any) -> dict[str, Any]:
-    """Flags over the config file over the defaults, as ``{"data.source": ..., "trainer.devices": ...}``."""
-    settings = dict(DEFAULTS)
-    if args.config:
-        fpath = Path(args.config)
-        if not fpath.is_file():
-            raise ValueError(
-                f"--config {fpath}: file not found; pass a training config such as configs/mpsae_digits.yaml"
-            )
-        config = load_config(fpath)  # its includes resolved
-        for section, keys in (("data", DATA_KEYS), ("trainer", TRAINER_KEYS)):
-            for key in keys:
-                if isinstance(config.get(section), dict) and key in config[section]:
-                    settings[f"{section}.{key}"] = config[section][key]
-    for name in (*(f"data.{key}" for key in DATA_KEYS), *(f"trainer.{key}" for key in TRAINER_KEYS)):
-        if args.get(name) is not None:
-            settings[name] = args.get(name)
-    if not settings.get("data.source"):
-        raise ValueError(
-            "no data: pass --data.source (a shard directory, an .h5 token cache, digits or mnist) or "
-            "--config with a data section"
-        )
-    devices = settings["trainer.devices"]
-    if isinstance(devices, str) and devices.isdigit():
-        settings["trainer.devices"] = int(devices)
-    return settings
+from sae_pipeline.features.flags import PROG, build_parser, resolve_settings
 
 
 def load_model(args: Any):  # noqa: ANN201 -- SparseAutoencoder; imported lazily
@@ -188,6 +86,7 @@ def check_inputs(args: Any, sae: Any, datamodule: Any) -> None:
     check_int("--top", args.top, 1, note=" (images kept per atom)")
     check_int("--neighbours", args.neighbours, 0)
     check_float("--fdr", args.fdr, 0, 1, strict_minimum=True, strict_maximum=True, note=" (a false-discovery rate)")
+    check_int("--intervene_atoms", args.intervene_atoms, 0, note=" (atoms measured by --intervene; 0: all)")
     if args.atoms:
         bad = [atom for atom in args.atoms if not 0 <= atom < sae.d_sae]
         if bad:
@@ -284,6 +183,14 @@ def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path
         allow_download=bool(settings["data.allow_download"]),
     )
     check_inputs(args, sae, datamodule)
+    from sae_pipeline.features.replicas import load_replicas, match_replicas
+
+    replica_decoders = load_replicas(args.replicas, sae)  # before the pass: a bad replica is one line
+    backbone = None
+    if args.intervene:  # before the pass: a backbone that cannot be rebuilt is one line
+        from sae_pipeline.features.interventions import backbone_of_data
+
+        backbone = backbone_of_data(datamodule, args.checkpoint_path, sae.d_in)
     layout = layout_of(datamodule.data_source)
     module = FeaturesModule(sae, args.top, layout, data_dpath=str(settings["data.data_dpath"]))
     trainer = L.Trainer(
@@ -302,6 +209,15 @@ def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path
     if trainer.global_rank != 0:
         return None
     assert module.state is not None and module.collection is not None
+    replicas = match_replicas(sae, replica_decoders, args.replicas) if replica_decoders else None
+    interventions = None
+    if backbone is not None:
+        from sae_pipeline.features.interventions import intervene_site
+
+        device = str(trainer.strategy.root_device)
+        interventions = intervene_site(
+            sae, backbone, module.state, module.collection, args.atoms, args.intervene_atoms, args.images, device
+        )
     out = build_site(
         Path(args.out),
         sae.cpu(),
@@ -313,6 +229,8 @@ def write_site(args: argparse.Namespace, settings: dict[str, Any]) -> tuple[Path
         atoms=args.atoms,
         n_neighbours=args.neighbours,
         fdr=args.fdr,
+        replicas=replicas,
+        interventions=interventions,
     )
     n_tokens = int(module.state["n_tokens"])
     return (

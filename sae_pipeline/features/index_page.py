@@ -1,7 +1,7 @@
 """The index page, ``index.html``: every atom in one sortable, searchable table.
 
 Its columns: frequency, mean value when active, maximum value, maximum cosine to another atom and
-which, MP's mean selection step, and the label statistics where the images carry labels
+which, MP's mean selection step, in how many seeds it is found (``--replicas``), and the label statistics where the images carry labels
 (:mod:`sae_pipeline.features.label_pages`); the rows are one JSON block that the shared script
 (:mod:`sae_pipeline.features.assets`) renders, so the page stays small at any ``d_sae``. Above the
 table, the images changed since extraction (not drawn) and the count of unchecked ones.
@@ -20,6 +20,8 @@ from torch import Tensor
 from sae_pipeline.features import label_pages
 from sae_pipeline.features.heatmaps import Layout
 from sae_pipeline.features.images import ImageChangedError
+from sae_pipeline.features.replicas import ReplicaMatch
+from sae_pipeline.features.replicas import index_headers as replica_headers
 from sae_pipeline.features.selectivity import LabelStats
 
 
@@ -61,6 +63,7 @@ def index_page(
     image_checks: str = "",
     image_pages: bool = False,
     labels: LabelStats | None = None,
+    replicas: ReplicaMatch | None = None,
 ) -> str:
     """The index page: every atom's row of ``data`` (one JSON block the shared script renders)."""
     esc = html.escape
@@ -77,6 +80,7 @@ def index_page(
     ]
     if has_steps:
         headers.append('<th data-key="mean_step">mean MP step</th>')
+    headers += replica_headers(replicas)  # features --replicas, before the label columns (as the script draws)
     headers += label_pages.index_headers(labels)
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     return f"""<!DOCTYPE html>

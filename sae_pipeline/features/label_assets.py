@@ -55,12 +55,19 @@ LABELS_JS = r"""
                   + " tied</span>" : "");
       const tag = verdict === 1 ? '<span class="tag chance" title="does not beat chance at the FDR">chance</span>'
         : verdict === 0 ? '<span class="tag few" title="too few images to say">few</span>' : "";
-      return ["<td>" + (s === null ? "–" : s.toFixed(3)) + range(r[cols.indexOf("selectivity_low")],
-                                                            r[cols.indexOf("selectivity_high")]) + "</td>",
+      const cells = ["<td>" + (s === null ? "–" : s.toFixed(3)) + range(r[cols.indexOf("selectivity_low")],
+                                                                  r[cols.indexOf("selectivity_high")]) + "</td>",
               "<td>" + (excess === null ? "–" : excess.toFixed(3)) + "</td>",
               "<td>" + pValue(p) + tag + "</td>",
               '<td class="label">' + name + (q === null ? "" : ' <span class="muted">' + q.toFixed(3) + "</span>"
               + range(r[cols.indexOf("top_share_low")], r[cols.indexOf("top_share_high")])) + "</td>"];
+      if (data.weighted) {  // S_w, weighted by activation, and its interval
+        const sw = r[cols.indexOf("weighted_selectivity")];
+        const lo = r[cols.indexOf("weighted_selectivity_low")], hi = r[cols.indexOf("weighted_selectivity_high")];
+        const swRange = range(lo, hi);
+        cells.push("<td>" + (sw === null ? "–" : sw.toFixed(3)) + swRange + "</td>");
+      }
+      return cells;
     },
     rowClass(r, cols) {
       const verdict = r[cols.indexOf("verdict")];

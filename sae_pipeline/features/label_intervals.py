@@ -39,8 +39,9 @@ def intervals(
     fire: np.ndarray, images: np.ndarray, top_column: np.ndarray, draws: int = POSTERIOR_DRAWS, seed: int = SEED
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(S low, S high, q[top] low, q[top] high)`` per atom (NaN: never fired on a labelled image, or fewer
-    than two labels) from the counts ``fire [d_sae, L]``, ``images [L]`` and each atom's top label column."""
-    fire, images = np.asarray(fire, np.int64), np.asarray(images, np.int64)
+    than two labels) from the counts ``fire [d_sae, L]`` (or pseudo-counts, `sae_pipeline.features.label_weights`),
+    ``images [L]`` and each atom's top label column."""
+    fire, images = np.asarray(fire, np.float64), np.asarray(images, np.int64)  # float: weighted pseudo-counts
     d_sae, n_labels = fire.shape
     out = [np.full(d_sae, np.nan) for _ in range(4)]
     if n_labels < 2:

@@ -6,6 +6,8 @@
 - atom page and label pages: the atom against chance (`sae_pipeline.features.chance`): the ``S`` of
   as many random images, the excess over it, the p-value of ``S`` and whether it beats chance, and
   95 % posterior intervals for ``S`` and ``q[top]`` (`sae_pipeline.features.label_intervals`);
+- atom page and index: the same weighted by activation beside them, a bar of its shares and its
+  lines (`sae_pipeline.features.label_weight_pages`), and a weighted ``S_w`` column;
 - index: selectivity, excess over chance, adjusted p-value and top-label columns (sortable; sorted
   by the excess at first), atoms that do not beat chance marked and those with too few images to say
   greyed, a top-label filter, links to every label page and a scatter of ``S`` against the labelled
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sae_pipeline.features import label_weight_pages
 from sae_pipeline.features.chance import METHODS
 from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
 from sae_pipeline.features.label_colours import OTHER, PALETTE, label_colours
@@ -102,6 +105,11 @@ def chance_line(stats: LabelStats, atom: int) -> str:
     )
 
 
+def _amount(value: float) -> str:
+    """A bar segment's size: a count as it is, an activation sum to four digits."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.4g}"
+
+
 def share_bars(stats: LabelStats, rows: list[tuple[str, np.ndarray]], order: np.ndarray) -> str:
     """Stacked bars (one per ``(caption, counts [L])``): the first ``SHOWN`` labels of ``order`` each in its own
     colour (`label_colours`: the same on every page), the rest grey."""
@@ -123,7 +131,7 @@ def share_bars(stats: LabelStats, rows: list[tuple[str, np.ndarray]], order: np.
                 width = 100.0 * value / total
                 rects.append(
                     f'<rect x="{x:.3f}" width="{width:.3f}" height="10" fill="{colour}">'
-                    f"<title>{esc(name)}: {_pct(value / total)} ({int(value)})</title></rect>"
+                    f"<title>{esc(name)}: {_pct(value / total)} ({_amount(value)})</title></rect>"
                 )
                 x += width
         svg = (
@@ -143,16 +151,15 @@ def atom_bars(stats: LabelStats, atom: int, n_top: int, prefix: str) -> tuple[st
     q = stats.q(atom)
     order = np.argsort(-q, kind="stable")
     order = order[q[order] > 0]
-    fire, top = stats.fire[atom], stats.top_counts(atom)
-    bars = share_bars(
-        stats,
-        [
-            (f"images it fires on ({int(fire.sum())})", fire),
-            (f"its top {n_top} images ({int(top.sum())} labelled)", top),
-            (f"all images, the prior ({int(stats.images.sum())})", stats.images),
-        ],
-        order,
-    )
+    fire, top, weighted = stats.fire[atom], stats.top_counts(atom), stats.weighted
+    rows = [
+        (f"images it fires on ({int(fire.sum())})", fire),
+        (f"its top {n_top} images ({int(top.sum())} labelled)", top),
+        (f"all images, the prior ({int(stats.images.sum())})", stats.images),
+    ]
+    if weighted is not None:  # the same images, each by its activation
+        rows.insert(1, (f"weighted by activation (Σ a = {weighted.weight[atom].sum():.4g})", weighted.weight[atom]))
+    bars = share_bars(stats, rows, order)
     label = int(stats.top_label[atom])
     if label < 0:
         return '<p class="muted">It never fired on a labelled image.</p>', bars
@@ -180,11 +187,16 @@ def atom_section(stats: LabelStats | None, atom: int, n_top: int) -> str:
     if stats is None:
         return f'<section class="labels"><h2>Labels</h2><p class="muted no-labels">{NO_LABELS}</p></section>'
     line, bars = atom_bars(stats, atom, n_top, "../")
+    weighted = stats.weighted
+    label_w = int(weighted.top_label[atom]) if weighted is not None else -1
+    weighted_line = label_weight_pages.atom_lines(
+        weighted, atom, stats.name(label_w), f"../labels/{label_fname(label_w)}"
+    )
     return (
         '<link rel="stylesheet" href="../assets/labels.css">'
-        f'<section class="labels"><h2>Labels</h2>{line}{bars}<p class="muted formula">{esc(FORMULA)}</p>'
+        f'<section class="labels"><h2>Labels</h2>{line}{weighted_line}{bars}<p class="muted formula">{esc(FORMULA)}</p>'
         f'<p class="muted formula">{esc(stats.chance.formula())}</p>'
-        f'<p class="muted formula">{esc(INTERVAL)}</p></section>'
+        f'<p class="muted formula">{esc(INTERVAL)}</p>{label_weight_pages.formulas(weighted)}</section>'
     )
 
 
@@ -208,6 +220,7 @@ def index_columns(stats: LabelStats | None, atom: int) -> list:
         ties(stats, atom),
         *(_cell(bound[atom], 3) for bound in stats.interval),
         int(stats.fire[atom].sum()),
+        *label_weight_pages.index_cells(stats.weighted, atom),
     ]
 
 
@@ -230,6 +243,7 @@ INDEX_COLUMNS = [
     "top_share_low",
     "top_share_high",
     "n_labelled",
+    *label_weight_pages.INDEX_COLUMNS,
 ]
 INTERVAL = (
     f"95 % intervals: the 2.5th–97.5th percentiles of S and q[top] over {POSTERIOR_DRAWS} draws of the atom's "
@@ -247,6 +261,7 @@ def index_headers(stats: LabelStats | None) -> list[str]:
         "chance</th>",
         '<th data-key="p_adjusted" title="P(S_null ≥ S), Benjamini–Hochberg over the atoms">p (BH)</th>',
         '<th data-key="top_share">top label (q)</th>',
+        *label_weight_pages.index_header(stats.weighted),
     ]
 
 
@@ -314,6 +329,7 @@ def index_data(stats: LabelStats | None) -> dict:
         "labels": {str(int(label)): name for label, name in zip(stats.labels, stats.names)},
         "colours": {str(int(label)): colour for label, colour in zip(stats.labels, colours)},
         "sort": "excess",
+        "weighted": stats.weighted is not None,
         "chance_curve": chance_curve(stats),
     }
 

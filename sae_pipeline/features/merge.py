@@ -6,9 +6,10 @@ the union of the ranks' entries, and the statistics are sums. Tables have the sa
 every rank ([d_sae, N]), so one ``all_gather`` per field moves them (d_sae · N · 28 bytes per
 rank: 8.6 MB at d_sae = 19 200, N = 16), and every rank ends with the merged table.
 
-The label counts (:mod:`sae_pipeline.features.labels`) are sums too (an ``all_reduce``, once
-every rank's ``[d_sae, L]`` is padded to the largest ``L``: ranks may have seen different
-labels); the images split between two ranks are exchanged (a few per rank) and counted once.
+The label counts and activation sums (:mod:`sae_pipeline.features.labels`) are sums too (an
+``all_reduce``, once every rank's ``[d_sae, L]`` is padded to the largest ``L``: ranks may have
+seen different labels); the images split between two ranks are exchanged (a few per rank, each
+part with its per-atom maxima) and counted once.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def merge_label_states(states: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]
     return merged
 
 
-BY_LABEL = ("label_fire", "label_images")  # fields whose last dimension is the label
+BY_LABEL = ("label_fire", "label_images", "label_weight")  # fields whose last dimension is the label
 
 
 def _pad(value: Tensor, n_labels: int) -> Tensor:

@@ -97,7 +97,7 @@ class FeaturesModule(L.LightningModule):
             position,
             steps,
         )
-        self.label_counts.update(rows, atoms, image, batch["labels"].to(self.device))
+        self.label_counts.update(rows, atoms, codes.values, image, batch["labels"].to(self.device))
 
     def on_predict_end(self) -> None:
         assert self.table is not None

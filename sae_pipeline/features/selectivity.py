@@ -19,7 +19,8 @@ atom is also set against an atom firing on as many random images (`sae_pipeline.
 the expected ``S`` and its spread, the excess over it, the p-value of ``S`` itself and
 Benjamini-Hochberg over the atoms), and given a 95 % posterior interval for ``S`` and ``q[top]``
 (`sae_pipeline.features.label_intervals`: three images of one label do not show ``S = 1`` as surely
-as 67 do).
+as 67 do). The same statistics weighted by each image's activation beside them:
+`sae_pipeline.features.label_weights`.
 
 A label's page lists the atoms that match it best, by ``F1[j, l] = 2 c[j, l] / (n[j] + m[l])``
 (``n[j]`` the labelled images atom ``j`` fires on): the harmonic mean of the share of its images
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from sae_pipeline.features.chance import FDR, Chance, chance
 from sae_pipeline.features.label_intervals import intervals
+from sae_pipeline.features.label_weights import WeightedStats, weighted_stats
 
 BLOCK = 2048  # atoms per block
 PER_LABEL = 24  # atoms listed on each label's page
@@ -66,6 +68,7 @@ class LabelStats:
     per_label: dict[int, list[int]]  # label id -> atoms ranked by F1[j, l] (then q[j, l]), at most PER_LABEL
     chance: Chance  # each atom against as many random images
     interval: tuple[np.ndarray, ...]  # float64 [d_sae] each: S low, S high, q[top] low, q[top] high (95 %)
+    weighted: WeightedStats | None = None  # the same weighted by activation (None: the pass kept no sums)
 
     @property
     def prior(self) -> np.ndarray:
@@ -114,6 +117,7 @@ class LabelStats:
             "label_too_few": self.chance.too_few,
             "label_chance_by_n": self.chance.by_n_mean,
             "label_chance_sd_by_n": self.chance.by_n_sd,
+            **(self.weighted.arrays() if self.weighted is not None else {}),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -126,6 +130,7 @@ class LabelStats:
             "images_unlabelled": self.n_unlabelled,
             "selectivity": FORMULA,
             "chance": self.chance.summary(),
+            "weighted": self.weighted.summary() if self.weighted is not None else None,
         }
 
 
@@ -187,6 +192,7 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any], fdr: float
         int(label): [int(a) for a, value in zip(order_atoms[:, i], order_f1[:, i]) if value > 0]
         for i, label in enumerate(labels)
     }
+    against_chance = chance(fire, images, selectivity, fdr)
     return LabelStats(
         labels,
         [names[int(label)] for label in labels],
@@ -199,8 +205,9 @@ def label_stats(state: dict[str, Tensor], collection: dict[str, Any], fdr: float
         top_share,
         selectivity,
         per_label,
-        chance(fire, images, selectivity, fdr),
+        against_chance,
         intervals(fire, images, np.searchsorted(labels, np.maximum(top_label, 0))),
+        weighted_stats(state, labels, images, against_chance.n_min, fdr, against_chance.draws),
     )
 
 

@@ -8,7 +8,8 @@ served as is by ``python -m http.server``):
 
 - ``index.html`` (:mod:`sae_pipeline.features.index_page`): every atom (frequency, mean value
   when active, maximum value, maximum cosine to another atom and which, MP's mean selection
-  step), sortable by any column and searchable by id; its data is one JSON block the script renders;
+  step, with ``--replicas`` in how many seeds it is found: :mod:`sae_pipeline.features.replicas`),
+  sortable by any column and searchable by id; its data is one JSON block the script renders;
 - ``atoms/<id>.html`` (:mod:`sae_pipeline.features.atom_pages`): the atom's top images with the
   activation heatmap over the patch grid (CLS and register tokens as separate chips), value,
   image id, label and token position; its nearest atoms by cosine, linked; the atom itself as
@@ -59,6 +60,12 @@ from sae_pipeline.features.images import (
     view_transform,
 )
 from sae_pipeline.features.index_page import image_checks_section, index_page, number
+from sae_pipeline.features.interventions_html import atom_section as intervene_section
+from sae_pipeline.features.interventions_html import image_ids_of
+from sae_pipeline.features.replicas import INDEX_COLUMNS as REPLICA_COLUMNS
+from sae_pipeline.features.replicas import ReplicaMatch
+from sae_pipeline.features.replicas import index_cells as replica_cells
+from sae_pipeline.features.replicas import page_stats as replica_stats
 from sae_pipeline.features.selectivity import LabelStats, label_stats
 from sae_pipeline.features.site_dir import MARKER_FNAME, staged_site
 from sae_pipeline.training.interrupts import raise_if_interrupted
@@ -75,10 +82,14 @@ def build_site(
     atoms: Sequence[int] | None = None,
     n_neighbours: int = 8,
     fdr: float = FDR,
+    interventions: Any = None,
+    replicas: ReplicaMatch | None = None,
 ) -> Path:
     """Write the whole site for a merged table (``state``) and its images (``collection``); returns ``out``.
 
-    ``fdr``: the false-discovery rate at which an atom's selectivity beats chance (`sae_pipeline.features.chance`)."""
+    ``fdr``: the false-discovery rate at which an atom's selectivity beats chance (`sae_pipeline.features.chance`);
+    ``interventions``: `features --intervene`'s measurements (`sae_pipeline.features.interventions`), or None;
+    ``replicas``: `features --replicas`'s matching (`sae_pipeline.features.replicas`), or None."""
     start = time.perf_counter()
     out = Path(out)
     with staged_site(out) as staging:
@@ -113,8 +124,12 @@ def build_site(
             unchecked,
             image_links,
             labels,
+            interventions,
+            replicas,
         )
         arrays = {name: value.numpy() for name, value in state.items()}
+        arrays.update(interventions.arrays if interventions else {})
+        arrays.update(replicas.arrays() if replicas else {})
         np.savez(staging / "features.npz", **arrays, **(labels.arrays() if labels else {}))
         summary = {
             "format": "sae_pipeline.features/1",
@@ -134,6 +149,8 @@ def build_site(
             ],
             "images_unchecked": unchecked,
             "labels": labels.summary() if labels else None,
+            "intervene": interventions.summary() if interventions else None,
+            "replicas": replicas.summary() if replicas else None,
             "build_seconds": round(time.perf_counter() - start, 3),
         }
         (staging / MARKER_FNAME).write_text(json.dumps(summary, indent=2) + "\n")
@@ -203,6 +220,8 @@ def _write_pages(
     unchecked: int = 0,
     image_links: dict[int, str] | None = None,
     labels: LabelStats | None = None,
+    interventions: Any = None,
+    replicas: ReplicaMatch | None = None,
 ) -> None:
     changed, image_links = changed or {}, image_links or {}
     d_sae, n = state["value"].shape
@@ -252,6 +271,13 @@ def _write_pages(
             changed,
             image_links,
             label_pages.atom_section(labels, atom, n),
+            intervene_html=intervene_section(
+                interventions,
+                atom,
+                image_ids_of(state, collection, atom),
+                lambda j: atom_fname(j, width) if j in with_page else None,
+            ),
+            extra_stats=replica_stats(replicas, atom),
         )
         (root / "atoms" / atom_fname(atom, width)).write_text(page)
     rows = []
@@ -269,6 +295,7 @@ def _write_pages(
                 int(near_index[atom][0]) if near_index.shape[1] else None,
                 number(mean_step[atom]) if has_steps else None,
                 *label_pages.index_columns(labels, atom),
+                *replica_cells(replicas, atom),
             ]
         )
     data = {
@@ -283,9 +310,11 @@ def _write_pages(
             "nearest",
             "mean_step",
             *label_pages.INDEX_COLUMNS,
+            *(REPLICA_COLUMNS if replicas else []),
         ],
         "rows": rows,
         "has_steps": has_steps,
+        "replicas": replicas.n if replicas else None,
         "atom_images": "atoms/img/" if pixel_atoms else None,
         "thumb_class": "pixels" if pixel_atoms else "",
         **label_pages.index_data(labels),
@@ -302,6 +331,7 @@ def _write_pages(
             image_checks_section(changed, unchecked),
             bool(image_links),
             labels,
+            replicas=replicas,
         )
     )
     href = {atom: atom_fname(atom, width) for atom in with_page}.get
