@@ -39,6 +39,8 @@
    top-N table's update on the same codes, and the shard read with and without ``meta.json``.
 6. (``sparse``) The pass's updates and the image rankings from the SAE's sparse codes against the
    former dense ``[B, d_sae]`` path, same batches, outputs checked equal (``benchmarks/features/sparse.py``).
+7. (``stages``) The pass's CPU per batch, stage by stage (``benchmarks/features/stages.py``; runs against an
+   older checkout too).
 
 Parts 3, 3c and 3d (the site) are in ``benchmarks/features/site.py``, the synthetic data all parts use
 in ``benchmarks/features/data.py``; this module holds the driver and the pass parts.
@@ -59,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.features.data import TPI, make_sae, write_synthetic_shards
+from benchmarks.features.stages import add_arguments as add_stage_arguments
 from benchmarks.scaling.fit import run_measured
 
 warnings.filterwarnings("ignore")
@@ -341,6 +344,7 @@ def main() -> None:
     parser.add_argument("--explain_backbone", default="vit")
     parser.add_argument("--explain_d_sae", type=int, default=6144)
     parser.add_argument("--memory-child", dest="memory_child")
+    add_stage_arguments(parser)
     args = parser.parse_args()
     if args.memory_child:
         memory_child(args.memory_child, args.d, args.d_sae, args.k, args.batch_size, args.device, args.top)
@@ -348,9 +352,10 @@ def main() -> None:
     if args.quick:
         args.images, args.memory_images, args.d_sae, args.repeats = 20, 10, 512, 1
         args.site_d_sae, args.site_images, args.site_labels = 256, 64, 10
-        args.explain_backbone, args.explain_d_sae = "vit_tiny", 512
+        args.explain_backbone, args.explain_d_sae, args.stage_batches = "vit_tiny", 512, 2
     from benchmarks.features.site import run_shares, site, site_shares
     from benchmarks.features.sparse import sparse_vs_dense
+    from benchmarks.features.stages import stages
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -363,6 +368,7 @@ def main() -> None:
             "explain": explain,
             "labels": label_cost,
             "sparse": sparse_vs_dense,
+            "stages": stages,
         }
         for part in args.parts:
             parts[part](args, work)

@@ -21,9 +21,9 @@ the SAE's device:
 class folders read in order cost O(log L) copies, not L), so memory is O(d_sae · L) beside the
 top-N table's O(d_sae · N), whatever the token count: 16 bytes per atom and label (the count and
 the sum): 307 MB at d_sae 19 200 with 1 000 labels (315 MB once grown by doubling to 1 024
-columns), 154 MB of it the counts. A batch adds each sum with one 1-D scatter, as the counts (two
-cost 3.6 ms a batch of 4 096 tokens at d_sae 19 200, k 32, one CPU thread; one scatter of
-``[n, 2]`` rows holding both cost 21 ms).
+columns), 154 MB of it the counts. A batch adds each sum with a 1-D scatter, as the counts (one
+scatter of ``[n, 2]`` rows holding both sums was measured slower than two 1-D ones: BENCHMARKS.md,
+"Feature browser", 3g).
 
 Why it stays exact although an image's tokens can arrive in several batches (its tokens
 straddle a batch boundary, DataLoader workers interleave their batches, a rank's share ends

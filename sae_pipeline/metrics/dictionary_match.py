@@ -8,12 +8,12 @@ maximises the sum of |cosine| over its pairs; an atom is found again when its pa
 Two solvers of that one optimum, chosen by `matched_cosines` (dense up to `DENSE_MAX_CELLS`):
 
 - `match_cosines`: Hungarian assignment (`scipy.optimize.linear_sum_assignment`) on the dense |cosine|
-  matrix, `d_a x d_b` float64, in about d³ time. Measured with random unit rows in d 768 on a shared 2-core
-  box: d_sae 4 096 takes 1.3-1.7 s (plus 1.3 s for the product) and 0.4 GiB; d_sae 19 200 takes 55-77 s (plus
-  26-34 s for the product) and 5.8 GiB; 65 536 would need 32 GiB for the matrix alone.
+  matrix, `d_a x d_b` float64, in about d³ time (65 536 atoms would need 32 GiB for the matrix alone).
 - `match_cosines_sparse` (`sae_pipeline.metrics.sparse_match`): the same optimum from each atom's best
   candidates, certified by the assignment's duals against every other pair, never holding the dense matrix
-  (19 200 atoms: 24-28 s and 1.9 GiB on the same box, the products on a GPU when given one).
+  (the products on a GPU when given one).
+
+Both timed against each other in BENCHMARKS.md, "Matching seed replicas" (`python -m benchmarks.dictionary_match`).
 """
 
 from __future__ import annotations

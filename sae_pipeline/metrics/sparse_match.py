@@ -1,8 +1,8 @@
 """The matching of `sae_pipeline.metrics.dictionary_match` for large dictionaries: the dense optimum, certified,
 without the dense matrix.
 
-Why: the dense Hungarian needs the `d_a x d_b` float64 |cosine| matrix and about d³ time (19 200 atoms: 5.8 GiB,
-81-111 s); the feature browser's dictionaries reach 19 200 atoms and more.
+Why: the dense Hungarian needs the `d_a x d_b` float64 |cosine| matrix (19 200 atoms: 2.9 GB, 5.8 GiB with the
+solver's work) and about d³ time; the feature browser's dictionaries reach 19 200 atoms and more.
 
 How: each row keeps its `CANDIDATES` largest |cosine| and each column its best rows, computed in blocks of float32
 rows (on ``device``), so no `d_a x d_b` matrix is ever held. Every row also gets a dummy partner of |cosine| 0,
@@ -17,9 +17,8 @@ found-again decisions on random dictionaries with near-duplicate families and re
 
 When it can differ from the dense solver: between optima of equal sum (ties, either is optimal), and where two
 pairs' |cosine| differ by less than float32 rounding (about 1e-7, `TOLERANCE`); the cosines returned are float64.
-Measured on a shared 2-core CPU, d 768, a replica (rows permuted, 3 % noise, 20 % replaced): 4 096 atoms 2 s,
-19 200 atoms 24-28 s and 1.9 GiB peak for the process, in one or two solves (random rows alike; the dense
-solver on random rows: 3 s and 0.4 GiB; 81-111 s and 5.8 GiB).
+Its time and memory against the dense solver: BENCHMARKS.md, "Matching seed replicas"
+(`python -m benchmarks.dictionary_match`).
 """
 
 from __future__ import annotations
