@@ -32,6 +32,9 @@ from sae_pipeline.features.chance import METHODS
 from sae_pipeline.features.label_assets import LABELS_CSS, LABELS_JS
 from sae_pipeline.features.label_colours import OTHER, PALETTE, label_colours
 from sae_pipeline.features.label_intervals import POSTERIOR_DRAWS
+from sae_pipeline.features.label_text import interval as _interval
+from sae_pipeline.features.label_text import number as _number
+from sae_pipeline.features.label_text import p_value as _p
 from sae_pipeline.features.selectivity import FORMULA, LabelStats
 
 SHOWN = 9  # labels drawn in colour in one bar; the atom's other labels are one grey "other"
@@ -45,22 +48,6 @@ def label_fname(label: int) -> str:
 
 def _pct(x: float) -> str:
     return f"{x * 100:.3g} %"
-
-
-def _number(x: float) -> str:
-    return "–" if not np.isfinite(x) else f"{x:.3f}"
-
-
-def _p(x: float) -> str:
-    """A p-value, always in one notation (as the index's p column writes it): ``1.1e-4``, ``1.0e0``."""
-    if not np.isfinite(x):
-        return "–"
-    mantissa, exponent = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def _interval(low: float, high: float) -> str:
-    return "" if not np.isfinite(low) else f" (95 % interval {low:.3f}–{high:.3f})"
 
 
 VERDICT_FEW, VERDICT_CHANCE, VERDICT_BEATS = 0, 1, 2

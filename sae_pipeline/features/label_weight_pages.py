@@ -13,25 +13,13 @@ import html
 import numpy as np
 
 from sae_pipeline.features.chance import METHODS
+from sae_pipeline.features.label_text import interval as _interval
+from sae_pipeline.features.label_text import number as _number
+from sae_pipeline.features.label_text import p_value as _p
 from sae_pipeline.features.label_weights import FORMULA, WeightedStats
 
 esc = html.escape
 INDEX_COLUMNS = ["weighted_selectivity", "weighted_selectivity_low", "weighted_selectivity_high"]
-
-
-def _number(x: float) -> str:
-    return "–" if not np.isfinite(x) else f"{x:.3f}"
-
-
-def _p(x: float) -> str:
-    if not np.isfinite(x):
-        return "–"
-    mantissa, exponent = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def _interval(low: float, high: float) -> str:
-    return "" if not np.isfinite(low) else f" (95 % interval {low:.3f}–{high:.3f})"
 
 
 def atom_lines(weighted: WeightedStats | None, atom: int, label_name: str, label_href: str) -> str:
