@@ -85,6 +85,10 @@ def test_r2_over_seeds_compares_variants_by_welch_with_an_image_bootstrap() -> N
     assert claim_over_seeds([{**comparison, "difference": -0.1}]) is False
     text = "\n".join(seeds_section({"seeds": {"n": 3, "r2": found}}))
     assert "| MP-SAE − TopK | 4, 16 |" in text and "Welch" in text
+    # rows by (k, p), whatever order the study met the settings in (runs reused from an earlier study come first)
+    shuffled = {**found, "variants": {"mpsae": [{**cell, "p": 32}, {**cell, "p": 16}]}}
+    text = "\n".join(seeds_section({"seeds": {"n": 3, "r2": shuffled}}))
+    assert text.index("| MP-SAE | 4, 16 |") < text.index("| MP-SAE | 4, 32 |")
 
 
 def test_matching_is_the_best_one_to_one_assignment() -> None:

@@ -53,7 +53,7 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
         ]
     rows = []
     for variant, cells in seeds["r2"]["variants"].items():
-        for cell in cells:
+        for cell in sorted(cells, key=lambda c: (c["k"], c["p"])):  # the study's order: runs reused come first
             boot = cell.get("bootstrap_interval")
             rows.append(
                 [
@@ -67,7 +67,7 @@ def seeds_section(results: dict[str, Any]) -> list[str]:
     comparisons = seeds["r2"]["comparisons"]
     if comparisons and n > 1:
         rows = []
-        for c in comparisons:
+        for c in sorted(comparisons, key=lambda c: (c["at"]["k"], c["at"]["p"])):  # stable: the pairs' order kept
             boot = c.get("bootstrap_interval")
             rows.append(
                 [
