@@ -30,7 +30,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from fuzz_common import DELETE, RAW_CONTROL, Raw, fuzzed, mutated
+from fuzz_common import DELETE, RAW_CONTROL, fuzzed, mutated, paths
+from fuzz_common import json_bytes as common_json_bytes
+from fuzz_common import json_mutations as common_json_mutations
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -103,41 +105,13 @@ def command(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str
 # -- mutations ---------------------------------------------------------------------------------------------------
 
 
-def paths(value: Any, prefix: tuple = (), limit: int = 3) -> list[tuple]:
-    """Every place in a JSON document (a list's first ``limit`` items and its last), the root excluded."""
-    found = []
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = list(enumerate(value))
-        items = items[:limit] + items[-1:] if len(items) > limit else items
-    else:
-        return found
-    for key, child in items:
-        found.append((*prefix, key))
-        found += paths(child, (*prefix, key), limit)
-    return found
+def json_bytes(doc: Any) -> bytes:  # noqa: ANN401 (JSON)
+    return common_json_bytes(doc, RAW)
 
 
-def json_bytes(doc: Any) -> bytes:
-    text = json.dumps(doc, ensure_ascii=False)
-    for name, raw in RAW.items():
-        text = text.replace(json.dumps(Raw(f"\ue000{name}"), ensure_ascii=False), raw)
-    return text.encode()
-
-
-def json_mutations(doc: Any) -> st.SearchStrategy[bytes]:
-    """The file as bytes: one field replaced or deleted, the text cut short, or something else entirely."""
-    places = paths(doc)
-    text = json_bytes(doc)
-    values = st.sampled_from(WRONG) | st.sampled_from([Raw(f"\ue000{name}") for name in RAW])
-    keyed = [p for p in places if isinstance(p[-1], str)] or places
-    return st.one_of(
-        st.builds(lambda p, v: json_bytes(mutated(doc, p, v)), st.sampled_from(places), values),
-        st.sampled_from(keyed).map(lambda p: json_bytes(mutated(doc, p, DELETE)) if isinstance(p[-1], str) else text),
-        st.integers(0, len(text) - 1).map(lambda n: text[:n]),
-        st.sampled_from(WHOLE),
-    )
+def json_mutations(doc: Any) -> st.SearchStrategy[bytes]:  # noqa: ANN401 (JSON)
+    """`fuzz_common.json_mutations` with this file's values."""
+    return common_json_mutations(doc, WRONG, RAW, WHOLE)
 
 
 def value_mutations(doc: Any, extra: list[Any] = ()) -> st.SearchStrategy[Any]:

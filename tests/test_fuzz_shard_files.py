@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fuzz_common import DELETE, RAW_CONTROL, Raw, fuzzed, mutated
+from fuzz_common import RAW_CONTROL, fuzzed
+from fuzz_common import json_mutations as common_json_mutations
 from hypothesis import given
 from hypothesis import strategies as st
 from test_hostile_shards import forge, renamed, with_extra
@@ -126,42 +127,9 @@ def finalize(out: Path) -> tuple[int, str, str, int]:
 # -- mutations ----------------------------------------------------------------------------------------------------
 
 
-def paths(value: Any, prefix: tuple = (), limit: int = 3) -> list[tuple]:  # noqa: ANN401 (JSON)
-    """Every place in a JSON document (a list's first ``limit`` items and its last), the root excluded."""
-    if isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, list):
-        items = list(enumerate(value))
-        items = items[:limit] + items[-1:] if len(items) > limit else items
-    else:
-        return []
-    found = []
-    for key, child in items:
-        found += [(*prefix, key), *paths(child, (*prefix, key), limit)]
-    return found
-
-
-def json_bytes(doc: Any) -> bytes:  # noqa: ANN401 (JSON)
-    text = json.dumps(doc, ensure_ascii=False)
-    for name, raw in RAW.items():
-        text = text.replace(json.dumps(Raw(f"\ue000{name}")), raw)
-    return text.encode("utf-8", "surrogatepass")
-
-
 def json_mutations(doc: Any, limit: int | None = None) -> st.SearchStrategy[bytes]:  # noqa: ANN401 (JSON)
-    """The file as bytes: one field replaced or deleted, the text cut short, replaced whole, or padded past
-    ``limit`` (the reader's size limit, when it is small enough to write for each example)."""
-    places = paths(doc)
-    text = json_bytes(doc)
-    values = st.sampled_from(WRONG) | st.sampled_from([Raw(f"\ue000{name}") for name in RAW])
-    keyed = [p for p in places if isinstance(p[-1], str)]
-    whole = st.sampled_from(WHOLE if limit is None else [*WHOLE, text + b" " * (limit + 1 - len(text))])
-    return st.one_of(
-        st.builds(lambda p, v: json_bytes(mutated(doc, p, v)), st.sampled_from(places), values),
-        st.sampled_from(keyed).map(lambda p: json_bytes(mutated(doc, p, DELETE))),
-        st.integers(0, len(text) - 1).map(lambda n: text[:n]),
-        whole,
-    )
+    """`fuzz_common.json_mutations` with this file's values."""
+    return common_json_mutations(doc, WRONG, RAW, WHOLE, limit)
 
 
 # -- a finished extraction, made once ----------------------------------------------------------------------------
