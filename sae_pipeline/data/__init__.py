@@ -19,6 +19,7 @@ from sae_pipeline.data.datamodule import ActivationDataModule
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
 from sae_pipeline.data.mnist import load_mnist, load_mnist_sample
 from sae_pipeline.data.sample import read_sample
+from sae_pipeline.data.shuffle_buffer import ShuffleBuffer
 from sae_pipeline.data.sources import (
     Chunk,
     RowSource,
@@ -26,7 +27,7 @@ from sae_pipeline.data.sources import (
     ShardUnit,
     open_source,
 )
-from sae_pipeline.data.streams import OrderedTokenStream, ShuffleBuffer, ShuffledTokenStream, TokenStream
+from sae_pipeline.data.streams import OrderedTokenStream, ShuffledTokenStream, TokenStream
 from sae_pipeline.data.validation import validation_tokens
 
 __all__ = [

@@ -53,8 +53,9 @@ from tqdm import tqdm
 from feature_extraction import stop_flag
 from feature_extraction.allocation import address_space_left, allocating, size_text
 from sae_pipeline.data.host_memory import host_tensor
+from sae_pipeline.data.shuffle_buffer import ShuffleBuffer
 from sae_pipeline.data.sources import Unit
-from sae_pipeline.data.streams import ShuffleBuffer, ShuffledTokenStream
+from sae_pipeline.data.streams import ShuffledTokenStream
 
 CACHE_KINDS = ("none", "ram", "gpu")
 SHM_DPATH = "/dev/shm"

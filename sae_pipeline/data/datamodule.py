@@ -48,8 +48,9 @@ from sae_pipeline.data import cache as data_cache
 from sae_pipeline.data.loaders import TokenLoader, TrainTokenLoader
 from sae_pipeline.data.mnist import load_mnist
 from sae_pipeline.data.sample import read_sample
+from sae_pipeline.data.shuffle_buffer import check_shuffle_buffer
 from sae_pipeline.data.sources import RowSource, ShardSource, open_source
-from sae_pipeline.data.streams import OrderedTokenStream, ShuffledTokenStream, check_shuffle_buffer
+from sae_pipeline.data.streams import OrderedTokenStream, ShuffledTokenStream
 
 # Our streams' __len__ is exact per rank and per worker by construction (streams.py).
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
